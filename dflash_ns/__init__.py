@@ -1,0 +1,1 @@
+"""dflash-pipeline: online DFlash drafter training."""

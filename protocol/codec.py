@@ -1,0 +1,265 @@
+"""The one codec: msgpack header frame + raw little-endian tensor frames, zero-copy.
+
+Send side: each tensor's bytes go out as their own frame without a Python copy (a
+non-contiguous tensor is made contiguous first, the only copy). Receive side: frames are
+taken with ``copy=False`` and tensors are ``torch.frombuffer`` views of the ZeroMQ frame
+memory; `Message.frames` keeps those frames alive as long as the message is.
+
+Every decode validates before anything is used (docs/PROTOCOL.md "Validation"): a
+receiver gets either a well-formed `Message` or a `ProtocolError` naming the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import torch
+
+from .errors import ProtocolError
+from .messages import (
+    MAX_HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
+    MAX_NDIM,
+    MAX_TENSORS,
+    PRE_HANDSHAKE,
+    PROTOCOL_VERSION,
+    SCHEMAS,
+)
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is LE
+    raise ImportError("dflash wire format is little-endian; big-endian hosts unsupported")
+
+# The dtype whitelist: wire name -> torch dtype. Names are torch's own.
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass
+class Message:
+    """A decoded message. `tensors` are views into `frames`, which must stay alive."""
+
+    header: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    frames: list = field(default_factory=list, repr=False)
+
+    @property
+    def type(self) -> str:
+        return self.header["type"]
+
+    def payload_bytes(self) -> int:
+        return sum(_frame_len(f) for f in self.frames[1:])
+
+
+# ---------------------------------------------------------------- encode
+
+
+def tensor_frame(t: torch.Tensor) -> memoryview:
+    """The raw bytes of `t` as a buffer sharing its memory (copies only if non-contiguous)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor on {t.device}: move it to CPU before sending")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    # A uint8 view reinterprets the bytes (this is how bfloat16 and float8 travel: numpy
+    # has no such dtypes). The numpy array keeps `t`'s storage alive until ZeroMQ is done.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode(header: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> list:
+    """Frames for `header` plus `tensors` (in the mapping's order). Adds `tensors` specs."""
+    h = dict(header)
+    frames: list = [b""]
+    if tensors:
+        specs = []
+        for name, t in tensors.items():
+            if t.dtype not in DTYPE_NAMES:
+                raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not on the wire whitelist")
+            specs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
+            frames.append(tensor_frame(t))
+        h["tensors"] = specs
+    frames[0] = msgpack.packb(h, use_bin_type=True)
+    return frames
+
+
+def send(sock, header: dict, tensors: Mapping[str, torch.Tensor] | None = None, flags: int = 0):
+    """Send one message; large frames go without a copy (pyzmq copies small ones itself)."""
+    return sock.send_multipart(encode(header, tensors), flags=flags, copy=False)
+
+
+# ---------------------------------------------------------------- decode
+
+
+def _frame_len(f) -> int:
+    if hasattr(f, "buffer"):  # zmq.Frame
+        return f.buffer.nbytes
+    return memoryview(f).nbytes
+
+
+def _frame_buffer(f) -> memoryview:
+    return f.buffer if hasattr(f, "buffer") else memoryview(f)
+
+
+def _refuse_ext(code, data):
+    raise ProtocolError(f"msgpack extension type {code} is not allowed in a header")
+
+
+def unpack_header(raw) -> dict:
+    """Parse frame 0. Raises ProtocolError on anything but a bounded msgpack map."""
+    buf = _frame_buffer(raw)
+    if buf.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header is {buf.nbytes} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        h = msgpack.unpackb(buf, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises many types for garbage
+        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(h, dict):
+        raise ProtocolError(f"header is a msgpack {type(h).__name__}, not a map")
+    return h
+
+
+def check_header(h: dict, *, allowed: frozenset[str] | None = None, run: str | None = None) -> None:
+    """Validate version, type, required fields and run ID of a parsed header."""
+    v = h.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {v!r} unsupported (this side speaks {PROTOCOL_VERSION})")
+    t = h.get("type")
+    if not isinstance(t, str) or t not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {t!r}")
+    if allowed is not None and t not in allowed:
+        raise ProtocolError(f"message type {t!r} not accepted on this socket")
+    for name, types in SCHEMAS[t].items():
+        if name not in h:
+            raise ProtocolError(f"{t}: missing field {name!r}")
+        val = h[name]
+        if not isinstance(val, types) or (isinstance(val, bool) and bool not in types):
+            raise ProtocolError(f"{t}: field {name!r} has type {type(val).__name__}")
+    if t not in PRE_HANDSHAKE:
+        if not isinstance(h.get("run"), str):
+            raise ProtocolError(f"{t}: missing run ID")
+        if run is not None and h["run"] != run:
+            raise ProtocolError(f"{t}: run ID {h['run']!r} is not this run ({run})")
+
+
+def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    specs = h.get("tensors", [])
+    if not isinstance(specs, list):
+        raise ProtocolError("'tensors' is not a list")
+    if len(specs) > MAX_TENSORS:
+        raise ProtocolError(f"{len(specs)} tensors, limit {MAX_TENSORS}")
+    if len(specs) != n_frames:
+        raise ProtocolError(f"header describes {len(specs)} tensors but {n_frames} frames follow")
+    out, total, names = [], 0, set()
+    for i, s in enumerate(specs):
+        if not isinstance(s, dict):
+            raise ProtocolError(f"tensor spec {i} is not a map")
+        name, dtype, shape = s.get("name"), s.get("dtype"), s.get("shape")
+        if not isinstance(name, str) or name in names:
+            raise ProtocolError(f"tensor spec {i}: bad or duplicate name {name!r}")
+        names.add(name)
+        if dtype not in DTYPES:
+            raise ProtocolError(f"tensor {name!r}: dtype {dtype!r} not on the whitelist")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
+        ):
+            raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        total += nbytes
+        if total > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"tensors declare {total} bytes, limit {MAX_MESSAGE_BYTES}")
+        out.append((name, DTYPES[dtype], tuple(shape), nbytes))
+    return out
+
+
+def _view(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if buf.nbytes == 0:  # torch.frombuffer refuses empty buffers
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # ZeroMQ frames are read-only; receivers treat tensors as read-only (PROTOCOL.md).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def decode(
+    frames: Sequence[Any],
+    *,
+    allowed: frozenset[str] | None = None,
+    run: str | None = None,
+    peer: str | None = None,
+) -> Message:
+    """Validate and decode a multipart message. Raises ProtocolError (with `peer`)."""
+    try:
+        if not frames:
+            raise ProtocolError("empty message")
+        h = unpack_header(frames[0])
+        check_header(h, allowed=allowed, run=run)
+        specs = _tensor_specs(h, len(frames) - 1)
+        tensors = {}
+        for (name, dtype, shape, nbytes), f in zip(specs, frames[1:]):
+            buf = _frame_buffer(f)
+            if buf.nbytes != nbytes:
+                raise ProtocolError(f"tensor {name!r}: frame has {buf.nbytes} bytes, shape says {nbytes}")
+            tensors[name] = _view(buf, dtype, shape)
+        if h["type"] == "batch":
+            check_batch(h, tensors)
+        return Message(h, tensors, list(frames))
+    except ProtocolError as e:
+        e.peer = e.peer or peer
+        raise
+
+
+def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
+    """Receive and decode one message without copying its frames."""
+    return decode(sock.recv_multipart(flags=flags, copy=False), allowed=allowed, run=run, peer=peer)
+
+
+# ---------------------------------------------------------------- batch rules
+
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+def check_batch(h: dict, t: Mapping[str, torch.Tensor]) -> None:
+    """A batch's tensors agree with each other and with its header (PROTOCOL.md "batch")."""
+    for name in ("input_ids", "loss_mask", "hidden"):
+        if name not in t:
+            raise ProtocolError(f"batch: missing tensor {name!r}")
+    ids, mask, hid = t["input_ids"], t["loss_mask"], t["hidden"]
+    if ids.dtype != torch.int32 or ids.dim() != 1:
+        raise ProtocolError(f"batch: input_ids must be int32 [T], got {ids.dtype} {list(ids.shape)}")
+    T = ids.shape[0]
+    if mask.dtype != torch.uint8 or tuple(mask.shape) != (T,):
+        raise ProtocolError(f"batch: loss_mask must be uint8 [{T}], got {mask.dtype} {list(mask.shape)}")
+    if hid.dtype not in HIDDEN_DTYPES or hid.dim() != 2 or hid.shape[0] != T:
+        raise ProtocolError(f"batch: hidden must be [{T}, n_layers*H] float, got {hid.dtype} {list(hid.shape)}")
+    seq_lens, samples, layers = h["seq_lens"], h["samples"], h["layer_ids"]
+    if not all(isinstance(x, int) and x > 0 for x in seq_lens) or sum(seq_lens) != T:
+        raise ProtocolError(f"batch: seq_lens must be positive ints summing to T={T}")
+    if len(samples) != len(seq_lens) or not all(isinstance(s, int) for s in samples):
+        raise ProtocolError("batch: samples and seq_lens differ in length or samples are not ints")
+    if not layers or not all(isinstance(x, int) and x >= 0 for x in layers):
+        raise ProtocolError("batch: layer_ids must be a non-empty list of non-negative ints")
+    if hid.shape[1] % len(layers):
+        raise ProtocolError(f"batch: hidden width {hid.shape[1]} not a multiple of {len(layers)} layers")
+    if hid.dtype == torch.float8_e4m3fn:
+        sc = t.get("hidden_scale")
+        if sc is None or sc.dtype != torch.float32 or tuple(sc.shape) != (T, len(layers)):
+            raise ProtocolError(f"batch: fp8 hidden needs float32 hidden_scale [{T}, {len(layers)}]")

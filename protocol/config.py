@@ -1,0 +1,80 @@
+"""Shared CLI plumbing: every option has an env var `DFLASH_<NAME>` and may come from a
+TOML file given with `--config` (precedence: command line > env > config file > default).
+Each role keeps one frozen config dataclass; the click command only maps options onto it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tomllib
+from typing import Any, Callable
+
+import click
+
+DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+
+def option(*decls: str, **kw) -> Callable:
+    """click.option with the env var DFLASH_<NAME> shown in --help, and defaults shown."""
+    name = next(d for d in decls if d.startswith("--")).lstrip("-").replace("-", "_").upper()
+    kw.setdefault("envvar", f"DFLASH_{name}")
+    kw.setdefault("show_envvar", True)
+    kw.setdefault("show_default", True)
+    return click.option(*decls, **kw)
+
+
+def _load_toml(ctx: click.Context, _param, path: str | None):
+    if not path:
+        return path
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"{path} is not valid TOML: {e}") from None
+    known = {p.name for p in ctx.command.params}
+    flat = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}")
+    ctx.default_map = {**(ctx.default_map or {}), **flat}
+    return path
+
+
+def config_option() -> Callable:
+    return option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        is_eager=True,
+        expose_value=False,
+        callback=_load_toml,
+        help="TOML file of option values (keys as option names, e.g. token_budget = 4096).",
+    )
+
+
+def broker_option() -> Callable:
+    return option(
+        "--broker",
+        default=DEFAULT_BROKER,
+        help="The broker's control endpoint tcp://HOST[:PORT] (port 5555 if omitted).",
+    )
+
+
+def runs_dir_option() -> Callable:
+    return option(
+        "--runs-dir", default="runs", type=click.Path(file_okay=False),
+        help="Root folder of run folders (runs/<run_id>/...).",
+    )
+
+
+def as_dict(cfg: Any) -> dict:
+    """A frozen config dataclass as a plain dict for logging and run.json."""
+    return dataclasses.asdict(cfg)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Exit with a one-line reason (DESIGN: bad input -> non-zero exit + one line)."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)

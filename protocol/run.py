@@ -1,0 +1,95 @@
+"""Run identity and the run folder: `runs/<run_id>/{logs,checkpoints}/`, run.json, runs/latest.
+
+A run ID is a sortable UTC timestamp plus a random suffix (`20261129T154812Z-7f3a`). A
+resumed run gets a NEW ID and records its parent, so no file is ever appended to by two
+runs (FIELD-NOTES incident 5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+RUN_ID_RE = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{4,}$")
+DEFAULT_RUNS_DIR = "runs"
+
+
+def new_run_id(now: float | None = None) -> str:
+    t = datetime.fromtimestamp(time.time() if now is None else now, tz=timezone.utc)
+    return f"{t:%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
+
+
+def is_run_id(s: str) -> bool:
+    return bool(RUN_ID_RE.match(s))
+
+
+def runs_root(runs_dir: str | os.PathLike | None = None) -> Path:
+    return Path(runs_dir or os.environ.get("DFLASH_RUNS_DIR") or DEFAULT_RUNS_DIR)
+
+
+def run_dir(run_id: str, runs_dir: str | os.PathLike | None = None) -> Path:
+    if not is_run_id(run_id):
+        raise ValueError(f"not a run ID: {run_id!r} (expected like 20261129T154812Z-7f3a)")
+    return runs_root(runs_dir) / run_id
+
+
+def make_run_dir(run_id: str, runs_dir=None) -> Path:
+    d = run_dir(run_id, runs_dir)
+    (d / "logs").mkdir(parents=True, exist_ok=True)
+    (d / "checkpoints").mkdir(exist_ok=True)
+    return d
+
+
+def point_latest(run_id: str, runs_dir=None) -> None:
+    """Atomically make `runs/latest` a relative symlink to this run's folder."""
+    root = runs_root(runs_dir)
+    tmp = root / f".latest-{os.getpid()}-{secrets.token_hex(2)}"
+    os.symlink(run_id, tmp)
+    os.replace(tmp, root / "latest")
+
+
+def resolve_run(ref: str | None, runs_dir=None) -> Path:
+    """A run folder from an ID, a path, 'latest' or None (= latest). Raises FileNotFoundError."""
+    root = runs_root(runs_dir)
+    if ref in (None, "", "latest"):
+        p = root / "latest"
+        if not p.exists():
+            raise FileNotFoundError(f"no runs/latest under {root.resolve()}: no run has started here")
+        return p.resolve()
+    p = Path(ref)
+    if p.is_dir():
+        return p.resolve()
+    if is_run_id(ref) and (root / ref).is_dir():
+        return (root / ref).resolve()
+    raise FileNotFoundError(f"no run {ref!r} (looked for a folder and for {root / ref})")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("dflash-pipeline", "torch", "transformers", "pyzmq", "msgpack", "structlog"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def hostname() -> str:
+    return socket.gethostname()
