@@ -58,7 +58,7 @@ PRE_HANDSHAKE = frozenset({"hello", "welcome", "reject", "status", "status_reply
 CONTROL_TO_BROKER = frozenset(
     {"hello", "lease", "done", "credit", "ack", "commit", "heartbeat", "bye", "status"}
 )
-CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "stop", "status_reply"})
+CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "stop", "status_reply", "heartbeat"})
 DATA = frozenset({"batch"})
 
 ROLES = ("producer", "consumer", "status")
