@@ -1,0 +1,328 @@
+"""The client side of the protocol, shared by producers and consumers.
+
+`PeerLink` owns every socket of a peer in one background I/O thread (ZeroMQ sockets are
+not thread-safe, and the GPU loop must never wait on the network). The training or
+capture loop talks to it through bounded queues:
+
+- producers: `request_lease()`, `push_batch()` (blocks while the outbox is full: that is
+  the backpressure from the broker), `lease_done()`;
+- consumers: `next_batch()` (credit is granted for every free slot of the inbox),
+  `ack()`, `commit()`, and `stopped` once the broker signals end of stream.
+
+Failures surface as exceptions on the next call: `BrokerUnreachable` (no handshake),
+`Rejected` (the broker refused us), `BrokerLost` (silent past the timeout).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import socket as _socket
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from . import codec
+from .errors import BrokerUnreachable, DFlashError, ProtocolError, Rejected, RunMismatch
+from .logs import bind_run, get_logger
+from .messages import CONTROL_FROM_BROKER, DATA, header
+from .sockets import SocketOpts, make_socket
+
+log = get_logger()
+
+CONTROL_MAX_BYTES = (1 << 20) + 4096
+
+
+class BrokerLost(DFlashError):
+    """The broker went silent for longer than the liveness timeout."""
+
+
+class PeerLink:
+    def __init__(
+        self,
+        broker: str,
+        role: str,
+        instance: str,
+        *,
+        gpu: int | None = None,
+        config: dict | None = None,
+        run: str | None = None,
+        runs_dir=None,
+        connect_timeout_s: float = 30.0,
+        outbox_batches: int = 2,
+        inbox_batches: int = 2,
+        stats: Callable[[], dict] | None = None,
+        max_message_bytes: int = 1 << 30,
+    ):
+        if role not in ("producer", "consumer"):
+            raise ValueError(f"role must be producer or consumer, not {role!r}")
+        self.broker, self.role, self.instance, self.gpu = broker, role, instance, gpu
+        self.config, self.expect_run, self.runs_dir = config or {}, run, runs_dir
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = stats or (lambda: {})
+        self.max_message_bytes = max_message_bytes
+        self.welcome: dict = {}
+        self.broker_stats: dict = {}
+        self.stopped = threading.Event()
+        self.error: Exception | None = None
+        self._ctx = zmq.Context.instance()
+        self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
+        self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
+        self._inbox: queue.Queue = queue.Queue()  # bounded by the credit we grant
+        self._inbox_capacity = max(1, inbox_batches)
+        self._grants: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq = itertools.count()
+        self._pending_batch: list | None = None  # frames a full PUSH pipe refused, sent next turn
+        self._in_flight = 0  # batches handed to us and not yet given to ZeroMQ
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def run_id(self) -> str:
+        return self.welcome["run"]
+
+    @property
+    def peer_id(self) -> str:
+        return self.welcome["peer"]
+
+    def start(self) -> dict:
+        """Handshake, then start the I/O thread. Returns the welcome header.
+
+        Raises BrokerUnreachable, Rejected (RunMismatch for another run's ID)."""
+        ctl = make_socket(self._ctx, zmq.DEALER, self.broker, bind=False,
+                          opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES))
+        try:
+            self.welcome = self._handshake(ctl)
+        except Exception:
+            ctl.close(linger=0)
+            raise
+        self._ctl = ctl
+        path = bind_run(self.run_id, self.runs_dir)
+        log.info("link.welcome", broker=self.broker, peer=self.peer_id, log_file=str(path),
+                 run_config=self.welcome.get("run_config"))
+        self._data = self._open_data_socket()
+        if self.role == "consumer":
+            self._control_out.put(header("credit", self.run_id, credit=self._inbox_capacity))
+        self._thread = threading.Thread(target=self._io_loop, name=f"dflash-io-{self.role}", daemon=True)
+        self._thread.start()
+        return self.welcome
+
+    def _handshake(self, ctl) -> dict:
+        hello = header("hello", role=self.role, instance=self.instance, host=_socket.gethostname(),
+                       pid=os.getpid(), gpu=self.gpu, config=self.config)
+        if self.expect_run:
+            hello["run"] = self.expect_run
+        log.info("link.connect", broker=self.broker, expect_run=self.expect_run)
+        codec.send(ctl, hello)
+        if not ctl.poll(int(self.connect_timeout_s * 1000)):
+            raise BrokerUnreachable(f"no answer from broker {self.broker} within {self.connect_timeout_s:g}s")
+        msg = codec.recv(ctl, allowed=CONTROL_FROM_BROKER, peer="broker")
+        if msg.type == "reject":
+            cls = RunMismatch if msg.header["code"] == "run_mismatch" else Rejected
+            log.error("link.rejected", reason=msg.header["reason"], code=msg.header["code"])
+            raise cls(msg.header["reason"], msg.header["code"])
+        if msg.type != "welcome":
+            raise ProtocolError(f"expected welcome, got {msg.type}", peer="broker")
+        return msg.header
+
+    def _open_data_socket(self):
+        if self.role == "producer":
+            # A tiny send HWM: memory stays bounded and backpressure reaches the producer
+            # as soon as the broker stops reading.
+            return make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
+                               opts=SocketOpts(sndhwm=1, linger_ms=-1))
+        return make_socket(self._ctx, zmq.PULL, self.welcome["data_out"], bind=False,
+                           opts=SocketOpts(rcvhwm=self._inbox_capacity + 1,
+                                           maxmsgsize=self.max_message_bytes))
+
+    def close(self, reason: str = "done", flush_timeout_s: float = 60.0) -> None:
+        """Flush queued batches (producers), say `bye`, stop the I/O thread, close sockets."""
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + flush_timeout_s
+        while self.role == "producer" and self.error is None and time.monotonic() < deadline:
+            if self._outbox.empty() and self._pending_batch is None:
+                break
+            time.sleep(0.01)
+        self._closing.set()
+        self._wake()
+        self._thread.join(timeout=flush_timeout_s)
+        self._thread = None
+        # Producers: deliver what ZeroMQ still holds before saying bye, so the broker does
+        # not return leases whose batches are merely in transit.
+        self._data.close(linger=int(flush_timeout_s * 1000) if self.role == "producer" else 0)
+        if self.error is None:
+            try:
+                codec.send(self._ctl, header("bye", self.run_id, reason=reason), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._ctl.close(linger=1000)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        log.info("link.closed", reason=reason)
+
+    # ------------------------------------------------------------ caller API
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def send_control(self, type_: str, **fields) -> None:
+        self._check()
+        self._control_out.put(header(type_, self.run_id, **fields))
+        self._wake()
+
+    def request_lease(self, want: int, timeout_s: float | None = None) -> dict:
+        """Ask for up to `want` samples; returns the `grant` header (may be empty, see `end`)."""
+        self.send_control("lease", want=want)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check()
+            try:
+                return self._grants.get(timeout=0.1)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no grant from the broker within {timeout_s}s") from None
+
+    def push_batch(self, fields: dict, tensors: dict, timeout_s: float | None = None) -> str:
+        """Queue one batch for the broker; blocks while the outbox is full. Returns its ID."""
+        batch_id = f"{self.peer_id}-{next(self._seq)}"
+        h = header("batch", self.run_id, batch_id=batch_id, producer=self.peer_id, **fields)
+        frames = codec.encode(h, tensors)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check()
+            try:
+                self._outbox.put(frames, timeout=0.1)
+                self._wake()
+                return batch_id
+            except queue.Full:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("outbox still full: the broker is not reading") from None
+
+    def lease_done(self, lease: int, skipped: list) -> None:
+        self.send_control("done", lease=lease, skipped=[[int(s), str(r)] for s, r in skipped])
+
+    def next_batch(self, timeout_s: float | None = None) -> codec.Message | None:
+        """The next batch, or None on timeout or once stopped and drained. Grants credit."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check()
+            try:
+                msg = self._inbox.get(timeout=0.05)
+                self.send_control("credit", credit=1)  # the slot it used is free again
+                return msg
+            except queue.Empty:
+                if self.stopped.is_set() and self._inbox.empty():
+                    return None
+                if deadline is not None and time.monotonic() > deadline:
+                    return None
+
+    def ack(self, batch_ids: list[str], step: int) -> None:
+        self.send_control("ack", batch_ids=list(batch_ids), step=int(step))
+
+    def commit(self, step: int, checkpoint: str) -> None:
+        self.send_control("commit", step=int(step), checkpoint=str(checkpoint))
+
+    def prefetched(self) -> int:
+        return self._inbox.qsize() if self.role == "consumer" else self._outbox.qsize()
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _io_loop(self) -> None:
+        hb = float(self.welcome["heartbeat_s"])
+        timeout = float(self.welcome["timeout_s"])
+        last_rx = last_tx = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self._ctl, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self.role == "consumer":
+            poller.register(self._data, zmq.POLLIN)
+        try:
+            while not self._closing.is_set():
+                events = dict(poller.poll(timeout=int(hb * 250)))
+                now = time.monotonic()
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                if self._ctl in events:
+                    while self._ctl.poll(0):
+                        self._on_control(codec.recv(self._ctl, allowed=CONTROL_FROM_BROKER,
+                                                    run=self.run_id, peer="broker"))
+                    last_rx = now
+                if self.role == "consumer" and self._data in events:
+                    self._drain_data()
+                self._flush_control()
+                if self.role == "producer":
+                    self._flush_batches()
+                if now - last_tx >= hb:
+                    self._send_heartbeat()
+                    last_tx = now
+                if now - last_rx > timeout:
+                    raise BrokerLost(f"broker {self.broker} silent for {now - last_rx:.1f}s "
+                                     f"(timeout {timeout:g}s)")
+        except Rejected as e:
+            self.error = e
+        except Exception as e:  # surfaced to the caller on its next call
+            log.error("link.failed", error=f"{type(e).__name__}: {e}")
+            self.error = e
+
+    def _on_control(self, msg: codec.Message) -> None:
+        h = msg.header
+        if h["type"] == "heartbeat":
+            self.broker_stats = h["stats"]
+        elif h["type"] == "grant":
+            self._grants.put(h)
+        elif h["type"] == "stop":
+            log.info("link.stop", reason=h["reason"])
+            self.stopped.set()
+        elif h["type"] == "reject":
+            log.error("link.rejected", reason=h["reason"], code=h["code"])
+            raise Rejected(h["reason"], h["code"])
+
+    def _drain_data(self) -> None:
+        while self._data.poll(0):
+            frames = self._data.recv_multipart(copy=False)
+            try:
+                self._inbox.put(codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker"))
+            except ProtocolError as e:
+                log.error("link.bad_message", reason=e.reason, peer="broker")
+
+    def _flush_control(self) -> None:
+        while True:
+            try:
+                h = self._control_out.get_nowait()
+            except queue.Empty:
+                return
+            codec.send(self._ctl, h)
+
+    def _flush_batches(self) -> None:
+        while True:
+            if self._pending_batch is None:
+                try:
+                    self._pending_batch = self._outbox.get_nowait()
+                except queue.Empty:
+                    return
+            try:
+                self._data.send_multipart(self._pending_batch, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return  # the broker is not reading: keep it, heartbeats go on meanwhile
+            self._pending_batch = None
+
+    def _send_heartbeat(self) -> None:
+        try:
+            stats: dict[str, Any] = dict(self.stats())
+        except Exception as e:  # a broken stats callback must not kill liveness
+            stats = {"stats_error": repr(e)}
+        codec.send(self._ctl, header("heartbeat", self.run_id, stats=stats))
