@@ -1,0 +1,76 @@
+"""Run identity and log files: the rules that keep live and historical state apart."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from dflash.protocol.run import is_run_id, make_run_dir, new_run_id, point_latest, resolve_run
+
+REQUIRED = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
+
+
+def test_run_ids_sort_by_time_and_are_unique():
+    a, b = new_run_id(1_700_000_000), new_run_id(1_700_000_001)
+    assert is_run_id(a) and is_run_id(b)
+    assert a < b
+    assert len({new_run_id(1_700_000_000) for _ in range(50)}) > 40  # random suffix
+
+
+def test_latest_points_to_newest_run(tmp_path):
+    first, second = new_run_id(1_700_000_000), new_run_id(1_700_000_100)
+    for r in (first, second):
+        make_run_dir(r, tmp_path)
+        point_latest(r, tmp_path)
+    assert os.readlink(tmp_path / "latest") == second
+    assert resolve_run(None, tmp_path) == (tmp_path / second).resolve()
+    assert resolve_run(first, tmp_path) == (tmp_path / first).resolve()
+
+
+def _log_in_subprocess(runs_dir, run_id, role="producer", instance="hostA-gpu0"):
+    code = textwrap.dedent(f"""
+        from dflash.protocol.logs import setup_logging, bind_run, get_logger, close_logging
+        setup_logging({role!r}, {instance!r}, gpu=3)
+        log = get_logger()
+        log.info("test.before_run", x=1)          # before the run is known: buffered
+        path = bind_run({run_id!r}, {str(runs_dir)!r})
+        log.warning("test.after_run", y=[1, 2])
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            log.exception("test.failed")
+        close_logging()
+        print("PATH", path)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def test_every_line_is_json_with_identity_fields(tmp_path):
+    run_id = new_run_id()
+    stdout = _log_in_subprocess(tmp_path, run_id)
+    path = tmp_path / run_id / "logs" / "producer-hostA-gpu0.jsonl"
+    lines = [json.loads(l) for l in path.read_text().splitlines()]
+    assert [l["event"] for l in lines] == ["test.before_run", "test.after_run", "test.failed"]
+    for l in lines:
+        for k in REQUIRED:
+            assert l.get(k) is not None, (k, l)
+        assert l["run_id"] == run_id and l["gpu"] == 3
+        assert l["ts"].endswith("Z") and len(l["ts"]) == len("2026-11-29T15:48:12.123Z")
+    assert lines[1]["level"] == "warning" and lines[1]["y"] == [1, 2]
+    assert "ZeroDivisionError" in lines[2]["exception"]
+    # stdout (not a TTY here) carries the same JSON lines
+    json_lines = [json.loads(l) for l in stdout.splitlines() if l.startswith("{")]
+    assert [l["event"] for l in json_lines] == ["test.before_run", "test.after_run", "test.failed"]
+
+
+def test_two_runs_never_share_a_log_file(tmp_path):
+    r1, r2 = new_run_id(1_700_000_000), new_run_id(1_700_000_500)
+    _log_in_subprocess(tmp_path, r1)
+    _log_in_subprocess(tmp_path, r2)
+    f1 = tmp_path / r1 / "logs" / "producer-hostA-gpu0.jsonl"
+    f2 = tmp_path / r2 / "logs" / "producer-hostA-gpu0.jsonl"
+    assert f1 != f2
+    assert {json.loads(l)["run_id"] for l in f1.read_text().splitlines()} == {r1}
+    assert {json.loads(l)["run_id"] for l in f2.read_text().splitlines()} == {r2}
