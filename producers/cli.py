@@ -1,0 +1,123 @@
+"""dflash-produce: run a frozen target and stream its hidden states to the broker.
+
+    dflash-produce --gpu 0 --target Qwen/Qwen3-8B --data chats.jsonl --broker tcp://host:5555
+
+`--dry-run` runs the same loop over the local dataset without a broker and throws the
+batches away: a check of data, template, memory and throughput before a real run.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import click
+
+from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
+from dflash.protocol.errors import DFlashError
+from dflash.protocol.logs import close_logging, get_logger, setup_logging
+
+from .build import hello_config, load_components, make_producer
+from .config import DEFAULT_REGEN_CACHE, ProducerConfig
+from .producer import LocalWorkSource
+
+log = get_logger()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@config_option()
+@broker_option()
+@runs_dir_option()
+@option("--target", required=True, help="Target model: a local folder or a Hugging Face hub ID.")
+@option("--data", required=True, help="Dataset: .jsonl (messages / conversations / text rows), "
+        ".parquet, or a HF datasets folder (save_to_disk).")
+@option("--gpu", type=int, default=None, help="GPU index to run the target on (default: GPU 0 if any, else CPU).")
+@option("--device", default=None, help="Explicit torch device instead of --gpu, e.g. 'cpu' or 'cuda:1'.")
+@option("--dtype", default="auto", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+        help="Model dtype; auto = bfloat16 on GPU, float32 on CPU. Hidden states travel in it.")
+@option("--attn-impl", default="auto", help="Attention implementation (sdpa, eager, flash_attention_2, "
+        "flex_attention); auto = flash_attention_2 on GPU when installed, else sdpa.")
+@option("--target-layers", default=None, help="Comma-separated decoder layer IDs to capture (0-based, "
+        "'layer i' = HF hidden_states[i+1]); default: 5 spaced from 1 to L-3, e.g. 1,9,17,25,33 for 36 layers.")
+@option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding).")
+@option("--max-batch-size", type=int, default=64, help="Max sequences per forward pass.")
+@option("--max-length", type=int, default=3072, help="Sequences are truncated to this many tokens.")
+@option("--lease-size", type=int, default=256, help="Samples asked of the broker per lease.")
+@option("--prefetch", type=int, default=4, help="Batches prepared ahead of the GPU (the heartbeat's q_pre).")
+@option("--skip-bad-rows", is_flag=True, default=False, help="Skip malformed rows (each logged, counted and "
+        "reported to the broker) instead of stopping with an error naming file:line.")
+@option("--regenerate", is_flag=True, default=False, help="Replace assistant turns by the target's own greedy "
+        "generation before capture (cached on disk per dataset, target and settings).")
+@option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
+@option("--regen-batch-size", type=int, default=16, help="Rows generated together with --regenerate.")
+@option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
+@option("--chat-template-kwargs", default="{}", help="JSON object passed to the chat template, "
+        "e.g. '{\"enable_thinking\": false}'.")
+@option("--hidden-encoding", default="raw", type=click.Choice(["raw", "fp8_e4m3_rowscale"]),
+        help="Wire encoding of hidden states: raw (model dtype) or fp8 with per-row scales (half of bf16).")
+@option("--check-packing/--no-check-packing", envvar="DFLASH_CHECK_PACKING", default=True, help="At start, verify that packed sequences "
+        "do not attend to each other on this model (a few tiny forward passes).")
+@option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
+@option("--instance", default=None, help="This producer's name, unique in the run (default <host>-gpu<N>).")
+@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@option("--dry-run", is_flag=True, default=False, help="No broker: one pass over the local dataset, batches "
+        "discarded, summary printed.")
+@option("--limit", type=int, default=None, help="With --dry-run: only the first N samples.")
+def main(**kw) -> None:
+    """Run a frozen target model on leased samples and stream hidden states to the broker."""
+    cfg = ProducerConfig(**kw)
+    try:
+        cfg.check()
+    except ValueError as e:
+        fail(str(e))
+    instance = cfg.instance or _default_instance(cfg)
+    setup_logging("producer", instance, gpu=cfg.gpu, level=cfg.log_level)
+    log.info("produce.start", config=as_dict(cfg))
+    try:
+        components = load_components(cfg)
+        summary = _dry_run(cfg, components) if cfg.dry_run else _serve(cfg, components, instance)
+    except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
+        log.error("produce.failed", error=f"{type(e).__name__}: {e}")
+        close_logging()
+        fail(str(e), code=1)
+    log.info("produce.done", **summary)
+    close_logging()
+
+
+def _default_instance(cfg: ProducerConfig) -> str:
+    host = socket.gethostname()
+    if cfg.device:
+        return f"{host}-{cfg.device.replace(':', '')}"
+    return f"{host}-gpu{cfg.gpu}" if cfg.gpu is not None else f"{host}-gpu0"
+
+
+def _dry_run(cfg: ProducerConfig, c) -> dict:
+    n = len(c.dataset) if cfg.limit is None else min(cfg.limit, len(c.dataset))
+    source = LocalWorkSource(n, cfg.lease_size)
+    summary = make_producer(cfg, c, source, lambda fields, tensors: None).run()
+    click.echo(" ".join(f"{k}={v}" for k, v in summary.items()), err=True)
+    return summary
+
+
+def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
+    """Connect to the broker, produce until it says there is no work left, leave."""
+    from dflash.protocol.peer import PeerLink
+
+    from .link import BrokerWorkSource, link_sink
+
+    producer = None
+    link = PeerLink(cfg.broker, "producer", instance, gpu=cfg.gpu, config=hello_config(c, cfg),
+                    runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"})
+    link.start()
+    reason = "failed"
+    try:
+        producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size), link_sink(link))
+        summary = producer.run()
+        reason = "done"
+        return summary
+    finally:
+        link.close(reason=reason)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

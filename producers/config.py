@@ -1,0 +1,65 @@
+"""The producer's one frozen config; the click command in cli.py only maps options onto it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.protocol.config import DEFAULT_BROKER
+
+DEFAULT_REGEN_CACHE = str(Path.home() / ".cache" / "dflash" / "regen")
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    target: str
+    data: str
+    broker: str = DEFAULT_BROKER
+    gpu: int | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    attn_impl: str = "auto"
+    target_layers: str | None = None
+    token_budget: int = 16384
+    max_batch_size: int = 64
+    max_length: int = 3072
+    lease_size: int = 256
+    prefetch: int = 4
+    skip_bad_rows: bool = False
+    regenerate: bool = False
+    max_new_tokens: int = 1024
+    regen_batch_size: int = 16
+    regen_cache: str = DEFAULT_REGEN_CACHE
+    chat_template_kwargs: str = "{}"
+    hidden_encoding: str = "raw"
+    check_packing: bool = True
+    trust_remote_code: bool = False
+    instance: str | None = None
+    runs_dir: str | None = None
+    log_level: str = "info"
+    dry_run: bool = False
+    limit: int | None = None
+
+    def template_kwargs(self) -> dict:
+        """`chat_template_kwargs` parsed. Raises ValueError if it is not a JSON object."""
+        try:
+            kw = json.loads(self.chat_template_kwargs or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template-kwargs is not valid JSON: {e}") from None
+        if not isinstance(kw, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        return kw
+
+    def check(self) -> None:
+        """Cross-option sanity. Raises ValueError with a one-line reason."""
+        if self.token_budget < 1 or self.max_batch_size < 1 or self.max_length < 1:
+            raise ValueError("--token-budget, --max-batch-size and --max-length must be positive")
+        if self.max_length > self.token_budget:
+            raise ValueError(f"--max-length {self.max_length} exceeds --token-budget {self.token_budget}: "
+                             "a full-length sequence would never fit in one forward pass")
+        if self.lease_size < 1 or self.prefetch < 1:
+            raise ValueError("--lease-size and --prefetch must be positive")
+        if self.hidden_encoding not in ("raw", "fp8_e4m3_rowscale"):
+            raise ValueError(f"--hidden-encoding {self.hidden_encoding!r}: raw or fp8_e4m3_rowscale")
+        self.template_kwargs()

@@ -1,0 +1,105 @@
+"""Prefetch: a background thread turns leases into packed batches ahead of the GPU.
+
+Reading rows, applying the chat template, tokenising and packing the next batches run
+here while the main thread runs the forward pass and hands batches to the sink, so the GPU
+does not wait on the CPU. The queue is bounded (`depth` batches): when the GPU is the
+bottleneck the thread blocks and stops asking the broker for leases it cannot serve soon.
+`depth()` is the heartbeat's `q_pre`: near 0 means the GPU is starved by data preparation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .packing import PackedBatch
+
+
+@dataclass
+class Lease:
+    """Work from the broker: sample IDs of one epoch, in the broker's order."""
+
+    lease: int
+    epoch: int
+    samples: list[int]
+
+
+@dataclass
+class Item:
+    """What the prefetch thread hands over, in order: batches of a lease, then its end."""
+
+    kind: str  # "batch" | "lease_end" | "end" | "error"
+    batch: PackedBatch | None = None
+    lease: Lease | None = None
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class Prefetcher:
+    """`prepare(lease) -> (batches, skipped)` run ahead on a thread, `depth` batches deep."""
+
+    def __init__(self, next_lease: Callable[[], Lease | None],
+                 prepare: Callable[[Lease], tuple[list[PackedBatch], list[tuple[int, str]]]],
+                 depth: int = 4):
+        self.next_lease, self.prepare = next_lease, prepare
+        self._q: queue.Queue[Item] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._batches = 0  # batches in the queue (lease_end markers also take slots)
+        self._count_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="dflash-prefetch", daemon=True)
+        self.state = "idle"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+    def depth(self) -> int:
+        return self._batches
+
+    def get(self) -> Item:
+        """The next item; blocks until the thread has one."""
+        item = self._q.get()
+        if item.kind == "batch":
+            with self._count_lock:
+                self._batches -= 1
+        return item
+
+    def _put(self, item: Item) -> bool:
+        # Count before the put: the consumer may take it (and decrement) at once.
+        delta = 1 if item.kind == "batch" else 0
+        with self._count_lock:
+            self._batches += delta
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        with self._count_lock:
+            self._batches -= delta
+        return False
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.state = "waiting_lease"
+                lease = self.next_lease()
+                if lease is None:
+                    self.state = "done"
+                    self._put(Item("end"))
+                    return
+                self.state = "preparing"
+                batches, skipped = self.prepare(lease)
+                for b in batches:
+                    if not self._put(Item("batch", batch=b)):
+                        return
+                if not self._put(Item("lease_end", lease=lease, skipped=skipped)):
+                    return
+        except BaseException as e:  # handed to the main thread, which raises it
+            self.state = "failed"
+            self._put(Item("error", error=e))

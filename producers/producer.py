@@ -1,0 +1,223 @@
+"""The producer loop: leases in, packed hidden-state batches out.
+
+    work source --leases--> prefetch thread (read, template, tokenise, [regenerate], pack)
+        --bounded queue--> main thread: capture (OOM split/retry) -> CPU -> batch sink
+
+The work source and the batch sink are plugged in: the broker link (`link.py`) in
+production, `LocalWorkSource` and a list or bounded queue in tests and `--dry-run`.
+A lease is reported done (with its skipped samples and reasons) after its last batch went
+to the sink; batches never mix leases, since a batch header names one lease.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from typing import Callable, Protocol
+
+import torch
+
+from dflash.protocol.fp8 import ENCODING as FP8_ENCODING, encode_fp8
+from dflash.protocol.logs import get_logger
+
+from .chat import ChatEncoder
+from .data import BadRow, DataSource, Row
+from .oom import OomSplitter
+from .packing import PackedBatch, pack
+from .prefetch import Item, Lease, Prefetcher
+from .regenerate import Regenerator
+from .target import Target
+
+log = get_logger()
+
+# (header fields, tensors) -> batch ID (or None). May block: that is backpressure.
+BatchSink = Callable[[dict, dict], "str | None"]
+
+
+class WorkSource(Protocol):
+    def next_lease(self) -> Lease | None:
+        """The next lease, blocking until there is one; None when no work is left."""
+
+    def lease_done(self, lease: int, skipped: list[tuple[int, str]]) -> None:
+        """Every batch of `lease` went to the sink; `skipped` are (sample, reason) pairs."""
+
+
+class LocalWorkSource:
+    """Leases over rows 0..n-1 in order, for `epochs` epochs (tests, `--dry-run`)."""
+
+    def __init__(self, n_rows: int, lease_size: int = 256, epochs: int = 1):
+        self._leases = [Lease(k, e, list(range(s, min(s + lease_size, n_rows))))
+                        for k, (e, s) in enumerate((e, s) for e in range(epochs)
+                                                   for s in range(0, n_rows, lease_size))]
+        self.done: dict[int, list[tuple[int, str]]] = {}
+
+    def next_lease(self) -> Lease | None:
+        return self._leases.pop(0) if self._leases else None
+
+    def lease_done(self, lease: int, skipped: list[tuple[int, str]]) -> None:
+        self.done[lease] = list(skipped)
+
+
+class Producer:
+    """Runs leases from `source` through `target` into `sink` until the source is empty."""
+
+    def __init__(self, target: Target, dataset: DataSource, encoder: ChatEncoder, source: WorkSource,
+                 sink: BatchSink, *, token_budget: int, max_batch_size: int, prefetch: int = 4,
+                 skip_bad_rows: bool = False, hidden_encoding: str = "raw",
+                 regenerator: Regenerator | None = None,
+                 forward: Callable[[PackedBatch], torch.Tensor] | None = None):
+        self.target, self.dataset, self.encoder = target, dataset, encoder
+        self.source, self.sink, self.regenerator = source, sink, regenerator
+        self.token_budget, self.max_batch_size = token_budget, max_batch_size
+        self.skip_bad_rows, self.hidden_encoding = skip_bad_rows, hidden_encoding
+        # `forward` is replaceable so tests can inject failures around the real capture.
+        self.splitter = OomSplitter(forward or self._forward, target.device)
+        self.prefetcher = Prefetcher(source.next_lease, self.prepare, depth=prefetch)
+        self.counts = defaultdict(int)  # batches, tokens, samples, skipped, bad_rows, leases
+        self._window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (t, tokens, batches)
+        self._t0 = time.monotonic()
+        self.state = "starting"
+
+    # ------------------------------------------------------------ prefetch thread
+
+    def prepare(self, lease: Lease) -> tuple[list[PackedBatch], list[tuple[int, str]]]:
+        """Read, tokenise and pack one lease. Raises BadRow unless --skip-bad-rows."""
+        skipped: list[tuple[int, str]] = []
+        rows: list[Row] = []
+        for sample in lease.samples:
+            try:
+                rows.append(self.dataset.read(sample))
+            except BadRow as e:
+                skipped.append(self._bad_row(e))
+        if self.regenerator is not None:
+            rows = self.regenerator.apply(rows)
+        encoded = []
+        for row in rows:
+            try:
+                enc = self.encoder.encode(row)
+            except BadRow as e:
+                skipped.append(self._bad_row(e))
+                continue
+            if not any(enc.loss_mask):
+                # Legal but useless: truncation cut every assistant token. Reported, not dropped.
+                log.warning("produce.empty_row", sample=row.sample, source=row.source, tokens=len(enc.input_ids),
+                            truncated=enc.truncated, reason="no_loss_tokens")
+                skipped.append((row.sample, "no_loss_tokens: no assistant token within --max-length"))
+                continue
+            encoded.append(enc)
+        return pack(encoded, self.token_budget, self.max_batch_size, lease=lease.lease, epoch=lease.epoch), skipped
+
+    def _bad_row(self, e: BadRow) -> tuple[int, str]:
+        if not self.skip_bad_rows:
+            raise e
+        self.counts["bad_rows"] += 1
+        log.warning("produce.bad_row", sample=e.sample, source=e.source, reason=e.reason,
+                    bad_rows=self.counts["bad_rows"])
+        return (e.sample, f"bad_row: {e.source}: {e.reason}")
+
+    # ------------------------------------------------------------ main thread
+
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        hidden = self.target.capture(batch.input_ids.long(), batch.position_ids())
+        if hidden.is_cuda:
+            torch.cuda.synchronize(hidden.device)  # so fwd_ms is the pass, not its launch
+        return hidden
+
+    def run(self) -> dict:
+        """Produce until the source has no more work. Returns the summary counts.
+
+        Raises BadRow (without --skip-bad-rows), and whatever the source or sink raise."""
+        self.state = "producing"
+        self.prefetcher.start()
+        oom_skipped: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        try:
+            while True:
+                t_wait = time.monotonic()
+                item: Item = self.prefetcher.get()
+                wait_s = time.monotonic() - t_wait
+                if item.kind == "error":
+                    raise item.error
+                if item.kind == "end":
+                    break
+                if item.kind == "lease_end":
+                    lease = item.lease
+                    skipped = item.skipped + oom_skipped.pop(lease.lease, [])
+                    self.source.lease_done(lease.lease, skipped)
+                    self.counts["leases"] += 1
+                    self.counts["skipped"] += len(skipped)
+                    log.info("produce.lease_done", lease=lease.lease, epoch=lease.epoch,
+                             samples=len(lease.samples), skipped=len(skipped))
+                    continue
+                t_fwd = time.monotonic()
+                for out in self.splitter.run(item.batch):
+                    if out.skipped is not None:
+                        oom_skipped[item.batch.lease].append(out.skipped)
+                    else:
+                        self._emit(out.batch, out.hidden, wait_s, time.monotonic() - t_fwd)
+                        wait_s = 0.0
+                    t_fwd = time.monotonic()
+        finally:
+            self.state = "done"
+            self.prefetcher.stop()
+        return self.summary()
+
+    def _emit(self, batch: PackedBatch, hidden: torch.Tensor, wait_s: float, fwd_s: float) -> None:
+        t0 = time.monotonic()
+        tensors = {"input_ids": batch.input_ids, "loss_mask": batch.loss_mask}
+        fields = {"samples": batch.samples, "seq_lens": batch.seq_lens, "layer_ids": self.target.layer_ids,
+                  "epoch": batch.epoch, "lease": batch.lease}
+        if self.hidden_encoding == FP8_ENCODING:
+            # Encoded on the GPU: half the bytes cross PCIe and the wire.
+            q, scale = encode_fp8(hidden, len(self.target.layer_ids))
+            tensors["hidden"], tensors["hidden_scale"] = q.cpu(), scale.cpu()
+            fields["hidden_encoding"] = FP8_ENCODING
+        else:
+            tensors["hidden"] = hidden.cpu()  # [T, n*H]; .cpu() waits for the forward pass
+        del hidden
+        t1 = time.monotonic()
+        batch_id = self.sink(fields, tensors)
+        t2 = time.monotonic()
+        self.counts["batches"] += 1
+        self.counts["tokens"] += batch.tokens
+        self.counts["samples"] += len(batch.samples)
+        self._window.append((t2, batch.tokens, 1))
+        log.info("produce.batch", batch_id=batch_id, lease=batch.lease, epoch=batch.epoch,
+                 seqs=len(batch.samples), tokens=batch.tokens, loss_tokens=int(batch.loss_mask.sum()),
+                 fwd_ms=round(fwd_s * 1e3, 1), d2h_ms=round((t1 - t0) * 1e3, 1), push_ms=round((t2 - t1) * 1e3, 1),
+                 wait_ms=round(wait_s * 1e3, 1), q_pre=self.prefetcher.depth(),
+                 tokens_per_s=round(self.tokens_per_s()))
+
+    # ------------------------------------------------------------ figures
+
+    def tokens_per_s(self) -> float:
+        if len(self._window) < 2:
+            return 0.0
+        span = self._window[-1][0] - self._window[0][0]
+        return sum(n for _, n, _ in list(self._window)[1:]) / span if span > 0 else 0.0
+
+    def stats(self) -> dict:
+        """Heartbeat figures (PROTOCOL.md 4.2 producer keys), safe to call from any thread."""
+        s = {"state": self._state(), "q_pre": self.prefetcher.depth(), "tokens_per_s": round(self.tokens_per_s(), 1),
+             "batches_per_s": round(self._batches_per_s(), 3), "oom_backoff": self.splitter.backoff_tokens is not None,
+             "batches": self.counts["batches"], "tokens": self.counts["tokens"], "samples": self.counts["samples"],
+             "skipped": self.counts["skipped"], "bad_rows": self.counts["bad_rows"], "ooms": self.splitter.ooms}
+        if self.target.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.target.device)
+            s.update(gpu_mem_used=total - free, gpu_mem_total=total)
+        return s
+
+    def _state(self) -> str:
+        if self.state != "producing":
+            return self.state
+        return "producing" if self.prefetcher.depth() else f"prefetch_{self.prefetcher.state}"
+
+    def _batches_per_s(self) -> float:
+        if len(self._window) < 2:
+            return 0.0
+        span = self._window[-1][0] - self._window[0][0]
+        return (len(self._window) - 1) / span if span > 0 else 0.0
+
+    def summary(self) -> dict:
+        elapsed = time.monotonic() - self._t0
+        return {**self.counts, "ooms": self.splitter.ooms, "elapsed_s": round(elapsed, 3),
+                "tokens_per_s": round(self.counts["tokens"] / elapsed, 1) if elapsed > 0 else 0.0}

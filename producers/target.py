@@ -1,0 +1,237 @@
+"""The frozen target: load any Hugging Face decoder-only causal LM and capture the hidden
+states of a few decoder layers, nothing more.
+
+Capture runs the base model (never the LM head: no logits), with forward hooks that copy
+each wanted layer's output into one preallocated [T, n*H] buffer, and stops the forward
+pass by raising from the hook of the last wanted layer. Hooks + an exception work for any
+family whose decoder keeps its layers in one ModuleList, without re-implementing its
+forward (embedding scale, rotary, masks, sliding windows stay the model's own). When the
+full model is not needed for generation, the layers after the last wanted one and the LM
+head are dropped at load time, so their weights do not occupy memory either.
+
+"Layer i" is the output of decoder layer i (0-based) = Hugging Face `hidden_states[i + 1]`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash.protocol.logs import get_logger
+
+log = get_logger()
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+class TargetError(ValueError):
+    """The target model or its layer selection cannot be used (reason in the message)."""
+
+
+class _StopForward(Exception):
+    """Raised by the last wanted layer's hook: nothing after it needs computing."""
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """DFlash spacing: `n` layers uniformly from layer 1 to layer L-3 (36 -> [1, 9, 17, 25, 33]).
+
+    Small models (tests, demos) get the distinct layers that rounding yields, so a 6-layer
+    model gets [1, 2, 3] and a 4-layer one [1]; below 4 layers the range is 0..L-2, since
+    the last layer is never a feature (its HF hidden state is post-norm)."""
+    if num_layers < 2:
+        raise TargetError(f"a target needs at least 2 decoder layers, this one has {num_layers}")
+    start, end = (1, num_layers - 3) if num_layers >= 4 else (0, num_layers - 2)
+    if n == 1:
+        return [(start + end) // 2]
+    ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    return sorted(set(ids))
+
+
+def parse_layer_ids(spec: str | None, num_layers: int) -> list[int]:
+    """`--target-layers` ("1,9,17" or empty for the default) -> validated layer IDs."""
+    if not spec:
+        return default_layer_ids(num_layers)
+    try:
+        ids = [int(x) for x in spec.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise TargetError(f"--target-layers {spec!r}: expected comma-separated integers") from None
+    if not ids:
+        raise TargetError("--target-layers is empty")
+    if len(set(ids)) != len(ids):
+        raise TargetError(f"--target-layers {spec!r} repeats a layer")
+    bad = [i for i in ids if not 0 <= i <= num_layers - 2]
+    if bad:
+        # The last layer is refused: its HF hidden state is post-norm and DFlash never uses
+        # it (SGLang #32204 was a drafter trained against it by mistake).
+        raise TargetError(f"--target-layers {bad} out of range: the target has {num_layers} layers, "
+                          f"usable IDs are 0..{num_layers - 2} (the last layer is never a feature)")
+    return ids
+
+
+def resolve_device(gpu: int | None, device: str | None) -> torch.device:
+    """`--device` wins; else `--gpu N`; else cuda:0 if there is one, else CPU."""
+    if device:
+        return torch.device(device)
+    if gpu is not None:
+        if not torch.cuda.is_available():
+            raise TargetError(f"--gpu {gpu} asked for, but torch sees no CUDA device (use --device cpu)")
+        return torch.device("cuda", gpu)
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on GPU (the model dtype DFlash trains on), float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise TargetError(f"--dtype {name!r}: choose auto, bfloat16, float16 or float32")
+    return DTYPES[name]
+
+
+def resolve_attn(name: str, device: torch.device) -> str:
+    """`auto`: flash-attention 2 on GPU when installed (varlen from position IDs, no mask),
+    else sdpa (packing then uses a dense block-diagonal [T, T] mask)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def find_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The decoder's layer list: the ModuleList holding exactly `num_layers` modules."""
+    for _name, mod in decoder.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == num_layers:
+            return mod
+    raise TargetError(f"no list of {num_layers} decoder layers in {type(decoder).__name__}")
+
+
+@dataclass
+class TargetInfo:
+    """What the broker and consumers are told about the target (hello `config`)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_ids: list[int]
+    dtype: str
+    device: str
+    attn_impl: str
+
+
+class Target:
+    """A frozen target model that captures `layer_ids` for packed varlen batches.
+
+    `full=True` keeps the whole CausalLM (needed by `--regenerate`); otherwise layers after
+    the last wanted one and the LM head are dropped."""
+
+    def __init__(self, model: nn.Module, name: str, layer_ids: list[int], *, full: bool = False):
+        cfg = model.config.get_text_config()
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.layer_ids = list(layer_ids)
+        self.decoder = model.get_decoder()
+        self.layers = find_layers(self.decoder, self.num_layers)
+        self.model = model if full else None  # dropping it frees an untied LM head
+        self.config = model.config
+        # Capture hooks live on shared layer modules: a generation pass (--regenerate, in the
+        # prefetch thread) must not run while they are registered.
+        self.lock = threading.Lock()
+        if not full:
+            del self.layers[max(self.layer_ids) + 1:]
+        p = next(self.decoder.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.info = TargetInfo(
+            name=name, model_type=getattr(self.config, "model_type", "?"), num_layers=self.num_layers,
+            hidden_size=self.hidden_size, vocab_size=cfg.vocab_size, layer_ids=self.layer_ids,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            attn_impl=getattr(self.config, "_attn_implementation", "?"),
+        )
+
+    @property
+    def width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the wanted layers for one packed batch.
+
+        input_ids, position_ids: [T] (positions restart at 0 for every packed sequence; with
+        no attention mask and no cache, transformers turns that into attention that never
+        crosses a sequence boundary). Returns [T, n_layers*H] in the model dtype, on the
+        model's device. Raises torch.OutOfMemoryError as is (the caller splits and retries)."""
+        with self.lock:
+            return self._capture(input_ids.to(self.device), position_ids.to(self.device))
+
+    def _capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        T, H = input_ids.numel(), self.hidden_size
+        # One buffer filled in place by the hooks: no list of n layer tensors plus a cat,
+        # which would double the peak for the captured part.
+        out = torch.empty(T, self.width, dtype=self.dtype, device=self.device)  # [T, n*H]
+        last = max(self.layer_ids)
+
+        def hook_for(slot: int, layer_id: int):
+            def hook(_module, _args, output):
+                hs = output[0] if isinstance(output, tuple) else output  # [1, T, H]
+                out[:, slot * H:(slot + 1) * H].copy_(hs.reshape(T, H))
+                if layer_id == last:
+                    raise _StopForward
+            return hook
+
+        handles = [self.layers[lid].register_forward_hook(hook_for(slot, lid))
+                   for slot, lid in enumerate(self.layer_ids)]
+        try:
+            with torch.inference_mode():
+                self.decoder(
+                    input_ids=input_ids.view(1, T),
+                    position_ids=position_ids.view(1, T),
+                    attention_mask=None,  # None + restarting positions = packed varlen
+                    use_cache=False,  # a cache would disable transformers' packing detection
+                )
+        except _StopForward:
+            return out
+        finally:
+            for h in handles:
+                h.remove()
+        raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list")
+
+
+def load_target(
+    name: str,
+    layer_spec: str | None = None,
+    *,
+    device: torch.device | None = None,
+    dtype: str = "auto",
+    attn_impl: str = "auto",
+    full: bool = False,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load a local folder or hub ID as a frozen, eval-mode target on `device`.
+
+    Raises TargetError (bad layers, dtype, device), and whatever transformers raises for an
+    unreadable checkpoint (OSError, ValueError)."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or resolve_device(None, None)
+    torch_dtype = resolve_dtype(dtype, device)
+    attn = resolve_attn(attn_impl, device)
+    t0 = time.monotonic()
+    kw: dict = {}
+    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        kw["device_map"] = {"": str(device)}  # straight to the GPU, no full CPU copy
+    model = AutoModelForCausalLM.from_pretrained(
+        name, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code, **kw)
+    model.to(device).eval().requires_grad_(False)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    target = Target(model, name, parse_layer_ids(layer_spec, num_layers), full=full)
+    del model
+    log.info("produce.target_loaded", load_s=round(time.monotonic() - t0, 2), full=full,
+             params=sum(p.numel() for p in target.decoder.parameters()), **vars(target.info))
+    return target
