@@ -142,4 +142,10 @@ def close_logging() -> None:
 
 
 def get_logger(**bound):
-    return structlog.get_logger().bind(**bound)
+    """A logger that follows setup_logging even if made before it (module-level `log`).
+
+    structlog's lazy proxy resolves the configuration on each call; calling `.bind()`
+    on it would freeze the configuration of import time (structlog's default console
+    renderer), and module-level loggers would skip the JSON file and the run ID.
+    """
+    return structlog.get_logger(**bound)
