@@ -1,0 +1,165 @@
+"""Checkpoints: `runs/<run_id>/checkpoints/step-<N>/`, written atomically, the last
+`--keep` kept, restored completely by `--resume PATH|latest`.
+
+A checkpoint folder holds
+  model.safetensors  trainable weights, published names (fc.weight, layers.0.self_attn...)
+  config.json        the drafter config in the published DFlash layout
+  optimizer.pt       AdamW state (torch.save; loaded with weights_only=True)
+  rng.pt             each rank's RNG states
+  state.json         step, tokens/samples seen, schedule, training signal, run config
+The training signal decides what the drafter learns; resuming with another one is
+refused (naming the fields) unless forced. Packing settings are not part of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash.protocol.errors import DFlashError
+from dflash.protocol.run import is_run_id, runs_root, write_json_atomic
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class SignalMismatch(DFlashError):
+    """Resuming would silently change what the drafter is trained to do."""
+
+
+@dataclass(frozen=True)
+class Signal:
+    """The training signal (DESIGN.md "Configuration"): never changed silently."""
+
+    anchors: int
+    block_size: int
+    target_layers: tuple[int, ...]
+    gamma: float
+    draft_layers: int
+    mask_token_id: int
+    target: dict  # target identity (target_heads._fingerprint)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layers"] = list(self.target_layers)
+        return d
+
+
+def signal_differences(saved: dict, current: Signal) -> list[str]:
+    """'field: saved -> current' for every field that differs."""
+    now = current.as_dict()
+    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+
+
+def check_signal(saved: dict, current: Signal, *, force: bool, where: str) -> list[str]:
+    """Raise SignalMismatch if the signal changed and not `force`; return the differences."""
+    diffs = signal_differences(saved, current)
+    if diffs and not force:
+        raise SignalMismatch(
+            f"checkpoint {where} was trained with another training signal ({'; '.join(diffs)}); "
+            "resume with the same settings, or pass --force to change them on purpose"
+        )
+    return diffs
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_files(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of finished checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    state: dict,
+    rng: list[torch.Tensor],
+    drafter_config: dict,
+    keep: int,
+) -> Path:
+    """Write step-<step>/ atomically (temp folder, fsync, rename), then prune to `keep`."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save({"rng": rng}, tmp / "rng.pt")
+    write_json_atomic(tmp / "config.json", drafter_config)
+    write_json_atomic(tmp / "state.json", {**state, "step": step, "saved_at": time.time()})
+    _fsync_files(tmp)
+    if final.exists():  # re-saving a step (rare: a restarted run) replaces it whole
+        old = root / f".old-step-{step}-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for _, p in step_dirs(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def resolve_checkpoint(ref: str, runs_dir: str | os.PathLike | None = None) -> Path:
+    """A checkpoint folder from `latest`, a run ID, a run folder or a step folder.
+
+    `latest` is the newest checkpoint of the newest run that has one (a resumed run gets
+    a new run ID, so the checkpoint to resume is usually in an earlier run's folder).
+    Raises FileNotFoundError saying where it looked."""
+    root = runs_root(runs_dir)
+    if ref == "latest":
+        runs = sorted((p for p in root.iterdir() if is_run_id(p.name)), reverse=True) if root.is_dir() else []
+        for run in runs:
+            if found := step_dirs(run / "checkpoints"):
+                return found[-1][1]
+        raise FileNotFoundError(f"--resume latest: no checkpoint in any run under {root.resolve()}")
+    p = Path(ref)
+    if not p.exists() and is_run_id(ref):
+        p = root / ref
+    if (p / "state.json").is_file():
+        return p
+    for cand in (p / "checkpoints", p):
+        if found := step_dirs(cand):
+            return found[-1][1]
+    raise FileNotFoundError(f"--resume {ref}: not a checkpoint folder, run ID or run folder with checkpoints")
+
+
+def read_state(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """Load weights and optimizer state in place; return (state.json dict, per-rank RNG list)."""
+    weights = load_file(path / "model.safetensors")
+    model.load_state_dict(weights, strict=True)
+    device = next(model.parameters()).device
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)["rng"]
+    return read_state(path), rng

@@ -1,0 +1,100 @@
+"""Data parallel plumbing: the consumers of a run are ranks of one torch.distributed job.
+
+Gradients are summed, not averaged: each rank backpropagates its *sum* of weighted losses
+and the sums are divided by the global loss weight. That is the token-weighted average
+(a rank with a bigger batch counts for more), it is exactly single-process training on
+the union of the ranks' batches, and a rank without a batch adds zeros (an empty step)
+instead of skewing a mean. World size 1 needs no process group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Dist:
+    def __init__(self, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def init(
+        cls, *, init_method: str, rank: int, world_size: int, device: torch.device | str, timeout_s: float = 600
+    ) -> "Dist":
+        """Join the job (gloo on CPU, NCCL on GPU). A peer that never shows up makes this
+        raise after `timeout_s` rather than hang forever."""
+        device = torch.device(device)
+        if world_size > 1:
+            dist.init_process_group(
+                backend="nccl" if device.type == "cuda" else "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                **({"device_id": device} if device.type == "cuda" else {}),
+            )
+        return cls(rank, world_size, device)
+
+    @classmethod
+    def from_torchrun(cls, device: torch.device | str) -> "Dist | None":
+        """The job torchrun describes in the environment, or None outside torchrun."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+        return cls.init(init_method=f"tcp://{addr}:{port}", rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]), device=device)
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------ collectives
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks of a short list of numbers (float64)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.enabled:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def sum_grads(self, params: Iterable[nn.Parameter]) -> None:
+        """Sum every gradient over ranks; a parameter without a gradient (empty step)
+        contributes zeros, so every rank issues the same collectives in the same order."""
+        params = list(params)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if not self.enabled:
+            return
+        works = [dist.all_reduce(p.grad, async_op=True) for p in params]
+        for w in works:
+            w.wait()
+
+    def broadcast_params(self, module: nn.Module) -> None:
+        """Rank 0's weights everywhere, so ranks start (and stay) bit-identical."""
+        if self.enabled:
+            for t in module.state_dict().values():
+                dist.broadcast(t, src=0)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of a same-shaped tensor, on CPU (no pickle, unlike *_object)."""
+        if not self.enabled:
+            return [t.cpu()]
+        t = t.to(self.device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [o.cpu() for o in out]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()

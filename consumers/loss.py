@@ -1,0 +1,116 @@
+"""The DFlash loss, computed in chunks so [Q, vocab] logits never exist all at once.
+
+512 anchors x 16 positions x 151,936 vocab is 1.25e9 logits per sample (DFLASH.md). A
+plain chunked loop does not help on its own: autograd would keep every chunk's logits for
+the backward pass. `ChunkedCE` therefore computes the gradient with respect to the
+drafter's output chunk by chunk during the forward pass (the LM head is frozen, so that
+is the only gradient needed) and keeps just that [Q, D] tensor for backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay constants (7 for B=16, 5 for B=10, 4 for B=8); other sizes use
+    1 + 3B/8, the line through those three points (8 -> 4, 10 -> 4.75, 16 -> 7)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 1.0 + 3.0 * block_size / 8.0)
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 0..B-1 (k = 0 never has loss; its weight is unused)."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1).clamp(min=0) / gamma)
+
+
+class ChunkedCE(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i), and argmax predictions, in row chunks.
+
+    h [Q, D] (grad), W [V, D] frozen, y long [Q], w float [Q] (0 = no loss)."""
+
+    @staticmethod
+    def forward(ctx, h, W, y, w, chunk: int):
+        need_grad = ctx.needs_input_grad[0]
+        grad_h = torch.zeros_like(h) if need_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        preds = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            e = min(s + chunk, h.shape[0])
+            logits = (h[s:e].to(W.dtype) @ W.T).float()  # [c, V]: the only vocab-sized tensor
+            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            picked = logits.gather(1, y[s:e, None])[:, 0]  # [c]
+            loss += ((lse - picked) * w[s:e]).sum()
+            preds[s:e] = logits.argmax(dim=-1)
+            if need_grad:
+                # d CE / d logits = softmax - onehot, scaled by the row's weight.
+                g = torch.exp(logits.sub_(lse[:, None]))  # in place: softmax [c, V]
+                g[torch.arange(e - s, device=h.device), y[s:e]] -= 1.0
+                g.mul_(w[s:e, None])
+                grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)  # [c, D]
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(preds)
+        return loss, preds
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_preds):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None
+
+
+@dataclass
+class LossStats:
+    """Sums (not means) so that ranks and steps can be added before dividing."""
+
+    loss_sum: float = 0.0  # sum of weighted CE
+    weight: float = 0.0  # sum of loss weights: the denominator of the weighted mean
+    valid: int = 0  # positions with loss
+    correct: int = 0  # of those, argmax == label
+    streak: float = 0.0  # sum over blocks of the correct-prefix length
+    blocks: int = 0
+    pos_correct: list | None = None  # per block position 1..B-1
+    pos_valid: list | None = None
+
+
+def block_loss(
+    h: torch.Tensor,
+    lm_head: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    gamma: float,
+    chunk: int = 2048,
+) -> tuple[torch.Tensor, LossStats]:
+    """(weighted CE summed over positions with loss, stats). h [Q, D], labels/valid [Q].
+
+    The caller divides by the global weight sum (over all ranks): that makes the loss a
+    weighted mean over valid positions, and data parallel training exact (train.py)."""
+    B = block_size
+    w = position_weights(B, gamma, h.device).repeat(h.shape[0] // B) * valid  # [Q]
+    chunk = max(B, chunk // B * B)  # whole blocks per chunk
+    loss_sum, preds = ChunkedCE.apply(h, lm_head, labels, w, chunk)
+    with torch.no_grad():
+        ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]
+        vb = valid.view(-1, B)[:, 1:]
+        # The correct prefix of a block: a miss or a position without loss ends it, as a
+        # draft stops being accepted at the first mismatch.
+        streak = ok.int().cumprod(dim=1).sum(dim=1)  # [n_blocks]
+        has_loss = vb.any(dim=1)
+        stats = LossStats(
+            loss_sum=float(loss_sum.detach()),
+            weight=float(w.sum()),
+            valid=int(vb.sum()),
+            correct=int(ok.sum()),
+            streak=float(streak[has_loss].sum()),
+            blocks=int(has_loss.sum()),
+            pos_correct=ok.sum(dim=0).tolist(),
+            pos_valid=vb.sum(dim=0).tolist(),
+        )
+    return loss_sum, stats
+
+
+def empty_stats(block_size: int) -> LossStats:
+    return LossStats(pos_correct=[0] * (block_size - 1), pos_valid=[0] * (block_size - 1))
+

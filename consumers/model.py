@@ -1,0 +1,208 @@
+"""The DFlash drafter (DFLASH.md "What a DFlash drafter is").
+
+Qwen3-style decoder layers shaped like the target's. The target features of the context
+are fused (`fc` over the n concatenated layers, then `hidden_norm`) and injected as extra
+keys/values into every layer through that layer's own `k_proj`/`v_proj`; queries come
+only from block positions. Module names follow the published layout (`fc.weight`,
+`layers.i.self_attn.q_proj.weight`, ...) so `state_dict()` exports as is.
+
+Everything runs on a packed batch: T context tokens of several sequences back to back
+and Q = sum(anchors_s) * B block positions; `BlockLayout` (blocks.py) says who sees what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import BlockLayout
+from .target_heads import TargetSpec
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int  # draft decoder layers (paper: 5)
+    num_features: int  # n target layers whose outputs are concatenated (default 5)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    init_std: float = 0.02
+
+    @classmethod
+    def from_target(cls, spec: TargetSpec, num_layers: int, num_features: int) -> "DrafterConfig":
+        return cls(
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            num_layers=num_layers,
+            num_features=num_features,
+            rms_norm_eps=spec.rms_norm_eps,
+            rope_theta=spec.rope_theta,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (bf16 sums lose digits), hand back the input dtype so that
+        # fp32 master weights do not silently promote the bf16 activations under autocast.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Plain RoPE (rotate-half convention, as Qwen3 in transformers) at absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        # Not persistent: the export layout holds trainable weights only.
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # [N, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [N, hd]
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd]; cos/sin [N, hd]."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)  # per head, before RoPE (Qwen3)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: tuple, layout: BlockLayout) -> torch.Tensor:
+        """x [Q, D] block states, ctx [T, D] fused context -> [Q, D]."""
+        Q, T, hd = x.shape[0], ctx.shape[0], self.head_dim
+        # KV injection: the context goes through this layer's k/v projections and sits in
+        # front of the blocks' own keys/values: keys are [context T | blocks Q].
+        kv_in = torch.cat([ctx.to(x.dtype), x])  # [T+Q, D]
+        q = self.q_norm(self.q_proj(x).view(Q, self.n_heads, hd))  # [Q, Hq, hd]
+        k = self.k_norm(self.k_proj(kv_in).view(T + Q, self.n_kv, hd))  # [T+Q, Hkv, hd]
+        v = self.v_proj(kv_in).view(T + Q, self.n_kv, hd)  # [T+Q, Hkv, hd]
+        cos, sin = rope
+        q = apply_rope(q, cos[T:], sin[T:])
+        k = apply_rope(k, cos, sin)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # autocast leaves norms/rope in other dtypes
+        out = layout.attend(q, k, v, scale=hd**-0.5)  # [Q, Hq, hd]
+        return self.o_proj(out.reshape(Q, self.n_heads * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: tuple, layout: BlockLayout) -> torch.Tensor:
+        # The context is not normed by input_layernorm: it was normed once by hidden_norm
+        # (as in the reference, where k_proj/v_proj see `target_hidden` directly).
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, layout)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    """The trainable drafter. Embedding and LM head are the target's and live outside."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_features * D, D, bias=False)
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # As transformers initialises Qwen3: N(0, 0.02) linears, norms at one.
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.cfg.init_std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def forward(self, features: torch.Tensor, x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+        """features [T, n*D] target hidden states of the packed context, x [Q, D] block
+        input embeddings -> [Q, D] final-normed block states (feed to the target's LM head)."""
+        ctx = self.hidden_norm(self.fc(features))  # [T, D]
+        rope = self.rotary(torch.cat([layout.ctx_pos, layout.q_pos]))  # cos/sin [T+Q, hd]
+        for layer in self.layers:
+            x = layer(x, ctx, rope, layout)
+        return self.norm(x)
+
+
+def published_config(
+    cfg: DrafterConfig, spec: TargetSpec, *, block_size: int, mask_token_id: int, target_layer_ids: list[int]
+) -> dict:
+    """config.json in the published DFlash layout (DFLASH.md), for export and checkpoints.
+
+    The drafter always uses plain RoPE with the target's theta, and says so here, so an
+    engine applies to the drafter exactly what training used."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "num_target_layers": spec.num_hidden_layers,
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    }

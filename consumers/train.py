@@ -1,0 +1,354 @@
+"""The drafter training loop, top to bottom: config, setup, resume, one loop.
+
+The loop knows nothing about the network. It takes
+  - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
+    waiting for data, and ends (StopIteration) at the end of the stream;
+  - `Hooks`: `on_step(step, batch_ids)` after the optimizer step that used those batches
+    (the broker `ack`), `on_checkpoint(step, path)` on rank 0 once a checkpoint is durable
+    (the broker `commit`), `queue()` for the queue figures to log, `stop` to end early.
+Every rank runs this same loop; ranks agree each step on whether anyone still has data.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from dflash.protocol.logs import get_logger
+
+from .batch import Batch
+from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .dist import Dist
+from .loss import LossStats, default_gamma
+from .model import DFlashDraft, DrafterConfig, published_config
+from .step import batch_loss
+from .target_heads import TargetHeads
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # training signal (recorded in every checkpoint; see checkpoint.Signal)
+    draft_layers: int = 5
+    target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
+    block_size: int = 16
+    anchors: int = 512
+    gamma: float | None = None  # None: default_gamma(block_size)
+    mask_token_id: int | None = None  # None: Qwen3's 151669 for Qwen3 vocabularies
+    # optimisation
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    warmup: float = 0.04  # fraction of total_steps
+    total_steps: int | None = None  # schedule length; None: constant lr after no warmup
+    max_steps: int | None = None  # stop after this many steps (None: end of stream)
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    feature_noise: float = 0.0  # relative Gaussian noise on target features at step 0
+    noise_schedule: str = "linear"  # constant | linear | cosine decay to 0 at total_steps
+    seed: int = 0
+    # implementation
+    loss_chunk: int = 2048  # block positions per logits chunk
+    attn: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    # checkpoints and logs
+    save_every: int = 1000
+    keep: int = 3
+    resume: str | None = None  # checkpoint folder, run ID/folder, or "latest"
+    force: bool = False  # resume even if the training signal differs
+    log_position_every: int = 100
+    epoch_samples: int | None = None  # samples per epoch, for the epoch fraction and ETA
+
+
+@dataclass
+class Hooks:
+    on_step: Callable[[int, list[str]], None] | None = None
+    on_checkpoint: Callable[[int, Path], None] | None = None
+    queue: Callable[[], dict] | None = None
+    stop: threading.Event | None = None
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0  # target tokens trained on, all ranks
+    samples: int = 0
+    epoch: int = 0
+    resumed_from: str | None = None
+    end_reason: str = ""
+    last_checkpoint: Path | None = None
+    params: dict = field(default_factory=dict, repr=False)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def default_target_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
+    """n layers evenly spaced from 1 to L-3 (DFLASH.md; Qwen3-8B: 1, 9, 17, 25, 33)."""
+    start, end = 1, max(1, num_target_layers - 3)
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+
+
+def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
+    """Fill the defaults that depend on the target. Raises ValueError on bad values."""
+    spec = heads.spec
+    layers = tuple(cfg.target_layers or default_target_layers(spec.num_hidden_layers))
+    if any(not 0 <= i < spec.num_hidden_layers - 1 for i in layers):
+        # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
+        raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
+    mask = cfg.mask_token_id
+    if mask is None:
+        if spec.model_type.startswith("qwen3") and spec.vocab_size > 151669:
+            mask = 151669
+        else:
+            raise ValueError(f"--mask-token-id is required for a {spec.model_type} target (an unused vocab row)")
+    if not 0 <= mask < spec.vocab_size:
+        raise ValueError(f"mask token id {mask} outside the vocabulary (0..{spec.vocab_size - 1})")
+    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
+        raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
+    gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
+    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask, heads.identity)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup*total steps, then cosine down to min_lr (step is 1-based)."""
+    if not cfg.total_steps:
+        return cfg.lr
+    warm = max(1, math.ceil(cfg.warmup * cfg.total_steps))
+    if step <= warm:
+        return cfg.lr * step / warm
+    p = min(1.0, (step - warm) / max(1, cfg.total_steps - warm))
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * p)) * (cfg.lr - cfg.min_lr)
+
+
+def noise_at(step: int, cfg: TrainConfig) -> float:
+    if cfg.feature_noise <= 0:
+        return 0.0
+    if cfg.noise_schedule == "constant" or not cfg.total_steps:
+        return cfg.feature_noise
+    p = min(1.0, step / cfg.total_steps)
+    f = 1.0 - p if cfg.noise_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+    return cfg.feature_noise * f
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """This rank's RNG states as one uint8 tensor (same size on every rank)."""
+    parts = [torch.get_rng_state()]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device))
+    return torch.cat(parts)
+
+
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    n = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:n].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[n:].clone(), device)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(
+    cfg: TrainConfig,
+    heads: TargetHeads,
+    batches: Iterable,
+    *,
+    dist: Dist | None = None,
+    ckpt_root: Path | None = None,
+    runs_dir: str | Path | None = None,
+    run_config: dict | None = None,
+    hooks: Hooks | None = None,
+) -> TrainState:
+    """Train until the stream ends, `max_steps`, or `hooks.stop`. Returns the final state.
+
+    Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
+    another drafter), ValueError (bad config)."""
+    dist = dist or Dist()
+    hooks = hooks or Hooks()
+    device = heads.embed.device
+    signal = resolve_signal(cfg, heads)
+    backend = cfg.attn if cfg.attn != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+    # Model: fp32 master weights, same init on every rank, then rank 0's copy everywhere.
+    torch.manual_seed(cfg.seed)
+    mcfg = DrafterConfig.from_target(heads.spec, cfg.draft_layers, len(signal.target_layers))
+    model = DFlashDraft(mcfg).to(device)
+    dist.broadcast_params(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda")
+    state = TrainState()
+    torch.manual_seed(cfg.seed + 1 + dist.rank)  # noise differs per rank, reproducibly
+    if cfg.resume:
+        _resume(cfg, signal, model, optimizer, state, dist, runs_dir)
+    drafter_json = published_config(mcfg, heads.spec, block_size=signal.block_size,
+                                    mask_token_id=signal.mask_token_id, target_layer_ids=list(signal.target_layers))
+    log.info("train.start", rank=dist.rank, world_size=dist.world_size, device=str(device), attn=backend,
+             bf16=bf16, params=sum(p.numel() for p in params), signal=signal.as_dict(),
+             resumed_from=state.resumed_from, step=state.step, config=run_config)
+
+    meter = _Meter(signal.block_size, cfg)
+    source: Iterator = iter(batches)
+    exhausted, last_saved = False, state.step
+    while True:
+        # Stop before fetching: a fetched batch that is never trained is never acked.
+        if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            state.end_reason = "max_steps"
+            break
+        want_stop = hooks.stop is not None and hooks.stop.is_set()
+        batch = None
+        if not exhausted and not want_stop:
+            batch = next(source, None)
+            exhausted = batch is None
+        # Every rank takes part in every step; stop only when no rank has data left or
+        # one was asked to stop. A rank without a batch takes an empty step.
+        have, stops = dist.all_sum([batch is not None, want_stop])
+        if stops > 0 or have == 0:
+            state.end_reason = "stop" if stops > 0 else "end_of_stream"
+            break
+        if batch is not None and not isinstance(batch, Batch):
+            batch = Batch.from_message(batch)
+        if batch is not None:
+            batch.check(list(signal.target_layers), heads.spec.hidden_size)
+            state.epoch = batch.epoch
+
+        step = state.step + 1
+        lr, noise = lr_at(step, cfg), noise_at(step, cfg)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        stats = LossStats(pos_correct=[0] * (signal.block_size - 1), pos_valid=[0] * (signal.block_size - 1))
+        if batch is not None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss_sum, stats = batch_loss(model, heads, batch, signal, seed=cfg.seed, backend=backend,
+                                             noise=noise, loss_chunk=cfg.loss_chunk)
+            if loss_sum is not None:
+                loss_sum.backward()  # d(sum of weighted CE); divided by the global weight below
+                del loss_sum
+        mine = _local_figures(batch, stats)
+        total = dist.all_sum(mine)
+        dist.sum_grads(params)
+        weight = _named(total)["weight"]
+        grad_norm = 0.0
+        if weight > 0:  # all ranks see the same weight: they all step or all skip
+            for p in params:
+                p.grad.div_(weight)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            optimizer.step()
+
+        state.step = step
+        state.tokens += int(_named(total)["tokens"])
+        state.samples += int(_named(total)["samples"])
+        if batch is not None and hooks.on_step is not None:
+            hooks.on_step(step, [batch.batch_id])
+        meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, state=state,
+                       queue=hooks.queue() if hooks.queue else {}, rank=dist.rank)
+        if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
+            _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
+            last_saved = step
+
+    if ckpt_root is not None and state.step > last_saved:
+        _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
+    log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
+    state.params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return state
+
+
+FIGURES = ("loss_sum", "weight", "valid", "correct", "streak", "blocks", "tokens", "samples", "batches")
+
+
+def _local_figures(batch: Batch | None, s: LossStats) -> list[float]:
+    """This rank's sums in FIGURES order, then per-position correct and valid counts:
+    everything a step logs, all-reduced in one collective."""
+    sizes = [batch.tokens, len(batch.samples), 1] if batch is not None else [0, 0, 0]
+    return [s.loss_sum, s.weight, s.valid, s.correct, s.streak, s.blocks, *sizes, *s.pos_correct, *s.pos_valid]
+
+
+def _named(values: list[float]) -> dict:
+    return dict(zip(FIGURES, values))
+
+
+def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:
+    path = resolve_checkpoint(cfg.resume, runs_dir)
+    saved, rng = load_checkpoint(path, model, optimizer)
+    diffs = check_signal(saved["signal"], signal, force=cfg.force, where=str(path))
+    if diffs:
+        log.warning("train.signal_changed", checkpoint=str(path), differences=diffs)
+    state.step, state.tokens, state.samples = saved["step"], saved["tokens"], saved["samples"]
+    state.epoch, state.resumed_from = saved.get("epoch", 0), str(path)
+    device = next(model.parameters()).device
+    if dist.rank < len(rng):
+        _set_rng_state(rng[dist.rank], device)
+    else:  # more ranks than when saved: a fresh, reproducible stream for the new rank
+        torch.manual_seed(cfg.seed + 1 + dist.rank + 1000 * state.step)
+        log.info("train.rng_reseeded", rank=dist.rank, saved_ranks=len(rng))
+    log.info("train.resumed", checkpoint=str(path), step=state.step, tokens=state.tokens)
+
+
+def _checkpoint(cfg, signal, model, optimizer, state, dist, root, drafter_json, hooks, run_config) -> None:
+    device = next(model.parameters()).device
+    rng = dist.all_gather(_rng_state(device))  # collective: every rank takes part
+    if dist.rank == 0:
+        t0 = time.monotonic()
+        body = {"tokens": state.tokens, "samples": state.samples, "epoch": state.epoch,
+                "signal": signal.as_dict(), "world_size": dist.world_size, "config": run_config,
+                "scheduler": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
+                              "total_steps": cfg.total_steps}}
+        path = save_checkpoint(root, state.step, model, optimizer, state=body, rng=rng,
+                               drafter_config=drafter_json, keep=cfg.keep)
+        state.last_checkpoint = path
+        log.info("train.checkpoint", step=state.step, path=str(path), seconds=round(time.monotonic() - t0, 3))
+        if hooks.on_checkpoint is not None:
+            hooks.on_checkpoint(state.step, path)
+    dist.barrier()  # nobody runs ahead of a checkpoint that may still fail
+
+
+class _Meter:
+    """Rates over a sliding window, and the per-position accuracy every N steps."""
+
+    def __init__(self, block_size: int, cfg: TrainConfig, window: int = 20):
+        self.B, self.cfg = block_size, cfg
+        self.hist: deque = deque(maxlen=window + 1)  # (time, tokens, batches, step)
+        self.hist.append((time.monotonic(), 0, 0, 0))
+        self.tok = self.bat = 0
+        self.pos = [0.0] * (2 * (block_size - 1))
+
+    def log_step(self, step, total, mine, *, lr, noise, grad_norm, state, queue, rank) -> None:
+        f = _named(total)
+        weight, valid, blocks = f["weight"], f["valid"], f["blocks"]
+        self.tok += f["tokens"]
+        self.bat += f["batches"]
+        self.hist.append((time.monotonic(), self.tok, self.bat, step))
+        (t0, k0, b0, s0), (t1, k1, b1, s1) = self.hist[0], self.hist[-1]
+        dt = max(t1 - t0, 1e-9)
+        eta = None
+        if self.cfg.total_steps:
+            eta = round(max(0, self.cfg.total_steps - step) * dt / max(1, s1 - s0))
+        epoch = state.epoch
+        if self.cfg.epoch_samples:
+            epoch = round(state.samples / self.cfg.epoch_samples, 4)
+        log.info(
+            "train.step", step=step, loss=round(f["loss_sum"] / weight, 5) if weight else None,
+            acc=round(f["correct"] / valid, 4) if valid else None,
+            streak=round(f["streak"] / blocks, 3) if blocks else None, lr=lr, noise=round(noise, 5),
+            tokens_per_s=round((k1 - k0) / dt, 1), batches_per_s=round((b1 - b0) / dt, 3),
+            queue=queue, epoch=epoch, eta_s=eta, rank=rank, grad_norm=round(grad_norm, 4),
+            tokens=int(f["tokens"]), rank_tokens=int(_named(mine)["tokens"]), tokens_seen=state.tokens,
+        )
+        n = self.B - 1
+        self.pos = [a + b for a, b in zip(self.pos, total[len(FIGURES) :])]
+        if self.cfg.log_position_every > 0 and step % self.cfg.log_position_every == 0:
+            acc = [round(c / v, 4) if v else None for c, v in zip(self.pos[:n], self.pos[n:])]
+            log.info("train.position_acc", step=step, acc_by_position=acc, positions=list(range(1, self.B)))
+            self.pos = [0.0] * (2 * n)
