@@ -1,0 +1,116 @@
+"""`dflash-broker`: create a run and serve it until end of stream or a signal.
+
+Exit status: 0 when the run completed (every consumer said bye after `stop`) or was
+stopped by SIGINT/SIGTERM after a clean shutdown (run.json says which); 2 on bad
+options; 1 if the broker could not start (e.g. a port in use) or crashed.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+import zmq
+
+from dflash.protocol.config import as_dict, config_option, fail, option, runs_dir_option
+from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+from dflash.protocol.messages import MAX_MESSAGE_BYTES
+from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest
+
+from . import runinfo
+from .config import BrokerConfig, parse_bytes, parse_port_range
+from .server import Broker
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@config_option()
+@option("--bind", default="*", help="Interface to bind every socket on ('*' = all, 127.0.0.1 = this host only).")
+@option("--port", default=5555, type=int, help="Control port: the one address peers and dflash-status dial.")
+@option("--data-in-port", default=5556, type=int, help="Port producers push batches to (announced in welcome).")
+@option("--data-out-ports", default="5557-5620",
+        help="Port range for the per-consumer data pipes, one port per live consumer (open it in firewalls).")
+@option("--advertise-host", default=None,
+        help="Host name or IP peers should dial for data in/out; default: --bind if concrete, else this host's name.")
+@runs_dir_option()
+@option("--instance", default="main", help="This broker's name: its log is runs/<run_id>/logs/broker-<instance>.jsonl.")
+@option("--epochs", default=1, type=int, help="Passes over the dataset; each epoch has its own shuffled order.")
+@option("--seed", default=0, type=int, help="Seed of the per-epoch sample order (same seed -> same order).")
+@option("--queue-bytes", default="4GiB",
+        help="Most batch bytes the shared queue holds; when full the broker stops reading producers (backpressure).")
+@option("--max-message-bytes", default=str(MAX_MESSAGE_BYTES),
+        help="Largest batch accepted (bytes, or e.g. 512MiB); larger ones are dropped and logged.")
+@option("--heartbeat-s", default=1.0, type=float, help="Seconds between heartbeats the broker sends and expects.")
+@option("--timeout-s", default=10.0, type=float,
+        help="A peer silent this long is declared lost and its work requeued (keep it above one batch transfer).")
+@option("--lease-size", default=256, type=int, help="Most samples handed to a producer per lease.")
+@option("--num-samples", default=None, type=int,
+        help="Dataset size; normally the first producer tells it (config.dataset.n_samples) and later ones must match.")
+@option("--consumers", default=0, type=int,
+        help="Data-parallel world size: consumers get ranks 0..N-1 in hello order, plus rank 0's rendezvous "
+             "address. 0 = do not arrange ranks.")
+@option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
+@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
+        help="Lowest level logged.")
+def main(**opts) -> None:
+    """The dflash broker: creates a run, hands out work leases to producers, queues their
+    hidden-state batches (bounded in bytes) and dispatches them to consumers by credit.
+
+    Prints one JSON log line per event (key=value on a terminal) and writes the same to
+    runs/<run_id>/logs/broker-<instance>.jsonl. See docs/PROTOCOL.md and docs/LOGS.md.
+    """
+    try:
+        opts["queue_bytes"] = parse_bytes(opts["queue_bytes"])
+        opts["max_message_bytes"] = parse_bytes(opts["max_message_bytes"])
+        opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
+        cfg = BrokerConfig(**opts)
+        cfg.check()
+    except (ValueError, TypeError) as e:
+        fail(str(e))
+    sys.exit(run(cfg))
+
+
+def run(cfg: BrokerConfig) -> int:
+    """Create the run, serve it, record the outcome. Returns the exit status."""
+    setup_logging("broker", cfg.instance, level=cfg.log_level)
+    log = get_logger()
+    run_id = new_run_id()
+    run_dir = make_run_dir(run_id, cfg.runs_dir)
+    bind_run(run_id, cfg.runs_dir)
+    host = hostname()
+    try:
+        broker = Broker(cfg, run_id, run_dir, host)
+    except zmq.ZMQError as e:
+        log.error("broker.start_failed", error=str(e), port=cfg.port, data_in_port=cfg.data_in_port)
+        runinfo.start(run_dir, run_id, as_dict(cfg), {}, cfg.instance)
+        runinfo.finish(run_dir, "failed", error=f"cannot bind: {e}")
+        click.echo(f"error: cannot bind ports {cfg.port}/{cfg.data_in_port} on {cfg.bind}: {e}", err=True)
+        close_logging()
+        return 1
+    runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance)
+    point_latest(run_id, cfg.runs_dir)
+    broker.ledger.set_meta(run_id=run_id, schema=1, seed=cfg.seed, epochs=cfg.epochs, config=as_dict(cfg))
+
+    def on_signal(signum, _frame):
+        broker.signal = signal.Signals(signum).name  # acted on by the loop, never here
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    log.info("broker.start", config=as_dict(cfg), endpoints=broker.endpoints, run_dir=str(run_dir))
+    outcome, error = "crashed", None
+    try:
+        outcome = broker.serve()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        log.exception("broker.crashed", error=error)
+    finally:
+        samples = dict(broker.ledger.counts)
+        broker.close()
+        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal)
+        log.info("broker.exit", outcome=outcome, exit_code=0 if error is None else 1)
+        close_logging()
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    main()

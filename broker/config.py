@@ -1,0 +1,96 @@
+"""The broker's one frozen config and the small parsers the CLI needs for it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+
+# Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
+# batches the broker keeps for one consumer: both bound what the broker holds in memory
+# for a consumer that takes batches and never acks them.
+MAX_CREDIT = 64
+MAX_UNACKED = 2 * MAX_CREDIT
+# ZMQ_MAXMSGSIZE on the control socket: the 1 MiB header limit plus framing margin.
+CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
+# Messages a producer's pipe may hold inside the broker's ZeroMQ before TCP pushes back.
+# Small because one message can be ~1 GiB: the broker's memory is the byte-bounded
+# queue plus at most this many messages per producer.
+DATA_IN_RCVHWM = 2
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    bind: str = "*"
+    port: int = 5555
+    data_in_port: int = 5556
+    data_out_ports: tuple[int, int] = (5557, 5620)
+    advertise_host: str | None = None
+    runs_dir: str = "runs"
+    instance: str = "main"
+    epochs: int = 1
+    seed: int = 0
+    queue_bytes: int = 4 << 30
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    heartbeat_s: float = 1.0
+    timeout_s: float = 10.0
+    lease_size: int = 256
+    num_samples: int | None = None
+    consumers: int = 0
+    progress_s: float = 10.0
+    log_level: str = "info"
+
+    def check(self) -> None:
+        """Raises ValueError with a one-line reason if the values cannot work together."""
+        lo, hi = self.data_out_ports
+        ports = [self.port, self.data_in_port, lo, hi]
+        if not all(0 < p < 65536 for p in ports):
+            raise ValueError(f"ports must lie in 1..65535, got {ports}")
+        if lo > hi:
+            raise ValueError(f"--data-out-ports {lo}-{hi}: first port above last")
+        if lo <= self.port <= hi or lo <= self.data_in_port <= hi or self.port == self.data_in_port:
+            raise ValueError("--port, --data-in-port and --data-out-ports must not overlap")
+        if self.epochs < 1 or self.lease_size < 1 or self.queue_bytes < 1:
+            raise ValueError("--epochs, --lease-size and --queue-bytes must be positive")
+        if not 0 < self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"--max-message-bytes must lie in 1..{MAX_MESSAGE_BYTES}")
+        if self.heartbeat_s <= 0 or self.timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError("--timeout-s must exceed two heartbeats (--heartbeat-s > 0)")
+        if self.num_samples is not None and self.num_samples < 0:
+            raise ValueError("--num-samples must be >= 0")
+        if self.consumers < 0:
+            raise ValueError("--consumers must be >= 0")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
+            raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
+
+    def host_to_advertise(self, hostname: str) -> str:
+        """What peers should dial: --advertise-host, else a concrete --bind, else our name."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.bind not in ("*", "0.0.0.0", "::", "[::]"):
+            return self.bind
+        return hostname
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MB', '1048576' -> bytes. Raises ValueError."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 4GiB, 512MB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """'5557-5620' (or one port) -> (5557, 5620). Raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a port range like 5557-5620")
+    lo = int(m.group(1))
+    return lo, int(m.group(2) or lo)

@@ -1,0 +1,120 @@
+"""Demand-driven dispatch: one shared queue bounded in bytes, credit per consumer.
+
+The rule (PROTOCOL.md 4.5, 5): a batch goes to a consumer only against its credit; when
+several consumers have credit, the one served least recently gets the oldest batch; a
+batch returned by a lost consumer goes back to the front. This is what fixes the field's
+static round-robin assignment (FIELD-NOTES incident 1): a slow consumer never holds
+batches it has not asked for, so a fast one never waits behind it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from .config import MAX_UNACKED
+
+
+@dataclass(eq=False)
+class QueuedBatch:
+    """A validated batch as received: `frames` are the zmq frames, relayed as they are."""
+
+    batch_id: str
+    producer: str
+    lease: int
+    epoch: int
+    samples: list[int]
+    tokens: int
+    nbytes: int
+    frames: list = field(repr=False)
+    queued_at: float = field(default_factory=time.monotonic)
+    deliveries: int = 0  # >1 once a lost consumer returned it
+
+
+class Consumer(Protocol):
+    """What dispatch needs of a consumer session (peers.Peer has it)."""
+
+    credit: int
+    last_served: int
+    in_flight: OrderedDict
+
+
+class BatchQueue:
+    """FIFO of batches, bounded in bytes: `has_room` is what the loop polls data-in on."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.bytes = 0
+        self._q: deque[QueuedBatch] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def has_room(self) -> bool:
+        # Room for the next read: one message may overshoot by its own size, never more,
+        # because the loop stops reading data-in as soon as this turns False.
+        return self.bytes < self.capacity
+
+    def push(self, b: QueuedBatch) -> None:
+        self._q.append(b)
+        self.bytes += b.nbytes
+
+    def push_front(self, batches: Iterable[QueuedBatch]) -> None:
+        """Requeue batches ahead of everything, keeping their own order (oldest first)."""
+        for b in reversed(list(batches)):
+            self._q.appendleft(b)
+            self.bytes += b.nbytes
+
+    def peek(self) -> QueuedBatch:
+        return self._q[0]
+
+    def pop(self) -> QueuedBatch:
+        b = self._q.popleft()
+        self.bytes -= b.nbytes
+        return b
+
+    def oldest_age(self, now: float | None = None) -> float:
+        if not self._q:
+            return 0.0
+        # The head is the oldest: new batches go to the back, returned (older) ones to the front.
+        return (time.monotonic() if now is None else now) - self._q[0].queued_at
+
+
+_serve_clock = itertools.count(1)
+
+
+def wants_batch(c: Consumer) -> bool:
+    return c.credit > 0 and len(c.in_flight) < MAX_UNACKED
+
+
+def dispatch(
+    queue: BatchQueue,
+    consumers: Iterable[Consumer],
+    send: Callable[[Consumer, QueuedBatch], bool],
+) -> list[tuple[Consumer, QueuedBatch]]:
+    """Hand out queued batches against credit; returns what went where.
+
+    `send(consumer, batch)` tries a non-blocking send and returns False when the
+    consumer's pipe cannot take it now (not connected yet, or full): the batch stays at
+    the head of the queue and that consumer sits out this round.
+    """
+    ready = [c for c in consumers if wants_batch(c)]
+    sent = []
+    while queue and ready:
+        c = min(ready, key=lambda x: x.last_served)  # waited longest
+        b = queue.peek()
+        if not send(c, b):
+            ready.remove(c)
+            continue
+        queue.pop()
+        c.credit -= 1
+        c.last_served = next(_serve_clock)
+        c.in_flight[b.batch_id] = b
+        b.deliveries += 1
+        sent.append((c, b))
+        if not wants_batch(c):
+            ready.remove(c)
+    return sent

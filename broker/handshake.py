@@ -1,0 +1,153 @@
+"""`hello` -> `welcome` or `reject` (PROTOCOL.md 4.1).
+
+Checks, in order: role, a retried hello on the same connection, instance name unique
+among live peers of the role, producer config against the run's facts (the first
+producer fixes them), consumer rank and data-out pipe. Only then is a peer ID spent.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from dflash.protocol.logs import get_logger
+from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
+
+from . import runinfo
+from .config import MAX_CREDIT
+from .peers import Peer
+from .replies import refuse
+
+log = get_logger()
+
+FACT_KEYS = ("target", "layer_ids", "hidden_size")
+
+
+def hello(b, identity: bytes, h: dict) -> None:
+    role, instance, config = h["role"], h["instance"], h.get("config") or {}
+    if role not in ("producer", "consumer"):
+        return refuse(b, identity, "bad_message", f"role {role!r}: hello is for 'producer' or 'consumer'", h)
+    if not instance or len(instance) > 128 or not isinstance(config, dict):
+        return refuse(b, identity, "bad_message", "hello needs a non-empty instance (<=128 chars) and a map config", h)
+    same = b.peers.by_identity.get(identity)
+    if same is not None:
+        if same.role == role and same.instance == instance:
+            return welcome(b, same)  # the peer retried its hello: give the same answer
+        return refuse(b, identity, "bad_message", f"this connection already joined as {same.id}", h)
+    other = b.peers.instance_taken(role, instance)
+    if other is not None:
+        return refuse(b, identity, "duplicate_instance",
+                      f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
+                      f"{other.pid}); give this one another name (--instance)", h)
+    facts, pipe, port, rank = None, None, None, None
+    if role == "producer":
+        facts = producer_facts(b.facts, config)
+        if isinstance(facts, str):
+            return refuse(b, identity, "config_mismatch", facts, h)
+    else:
+        if b.cfg.consumers:
+            rank = b.peers.next_rank(b.cfg.consumers)
+            if rank is None:
+                return refuse(b, identity, "full", f"all {b.cfg.consumers} ranks (--consumers) are held by live "
+                              "consumers", h)
+        opened = open_pipe(b)
+        if opened is None:
+            lo, hi = b.cfg.data_out_ports
+            return refuse(b, identity, "full", f"no free data-out port in {lo}-{hi} (--data-out-ports)", h)
+        pipe, port = opened
+    p = b.peers.add(role, identity, h)
+    if role == "producer":
+        set_facts(b, facts, p.id)
+    else:
+        p.pipe, p.port, p.rank = pipe, port, rank
+        p.data_out = tcp_endpoint(b.advertise, port)
+        if rank == 0:
+            b.dist = dist_endpoint(config.get("dist_addr"))
+    b.ledger.peer_joined(p)
+    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=config)
+    welcome(b, p)
+    if b.stopping is not None:  # joined after end of stream: nothing left to do
+        b.stopping.add(p.id)
+        b.send(p.identity, "stop", reason="end_of_stream")
+
+
+def welcome(b, p: Peer) -> None:
+    run_config = {**b.facts, "epochs": b.cfg.epochs, "seed": b.cfg.seed, "lease_size": b.cfg.lease_size,
+                  "max_message_bytes": b.cfg.max_message_bytes, "max_credit": MAX_CREDIT}
+    fields = {"run": b.run_id, "peer": p.id, "heartbeat_s": b.cfg.heartbeat_s, "timeout_s": b.cfg.timeout_s}
+    if p.role == "producer":
+        fields["data_in"] = b.endpoints["data_in"]
+    else:
+        fields["data_out"] = p.data_out
+        if b.cfg.consumers:
+            run_config.update(rank=p.rank, world_size=b.cfg.consumers, dist=b.dist)
+    b.send(p.identity, "welcome", run_config=run_config, **fields)
+
+
+def producer_facts(facts: dict, config: dict) -> dict | str:
+    """The run's facts with this producer's added, or why it does not fit the run."""
+    ds = config.get("dataset") if isinstance(config.get("dataset"), dict) else {}
+    n, fp = ds.get("n_samples"), ds.get("fingerprint")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        return f"config.dataset.n_samples {n!r} is not a count"
+    known = facts.get("dataset")
+    if known is None and n is None:
+        return "the first producer must send config.dataset.n_samples (or start the broker with --num-samples)"
+    if known is not None:
+        if n is not None and n != known["n_samples"]:
+            return f"dataset has {n} samples; this run's has {known['n_samples']}"
+        if fp is not None and known.get("fingerprint") not in (None, fp):
+            return f"dataset fingerprint {fp!r} differs from this run's {known['fingerprint']!r}"
+    for k in FACT_KEYS:
+        if facts.get(k) is not None and config.get(k) != facts[k]:
+            return f"{k} {config.get(k)!r} differs from this run's {facts[k]!r}"
+    new = dict(facts)
+    for k in FACT_KEYS:
+        if new.get(k) is None and config.get(k) is not None:
+            new[k] = config[k]
+    if known is None:
+        new["dataset"] = {"n_samples": n, "fingerprint": fp}
+    elif known.get("fingerprint") is None and fp is not None:
+        new["dataset"] = {**known, "fingerprint": fp}
+    return new
+
+
+def set_facts(b, facts: dict, peer_id: str) -> None:
+    if facts == b.facts:
+        return
+    b.facts = facts
+    if not b.leases.known:
+        b.leases.set_dataset(facts["dataset"]["n_samples"])
+    b.ledger.set_meta(facts=facts)
+    runinfo.update(b.run_dir, facts=facts)
+    log.info("broker.run_facts", peer=peer_id, **facts)
+
+
+def open_pipe(b) -> tuple[zmq.Socket, int] | None:
+    """Bind a PUSH for a new consumer on the next free port of the range, or None.
+
+    Ports rotate through the range rather than reusing the lowest: a consumer declared
+    lost but still running reconnects to its old port, and must not find someone
+    else's batches there.
+    """
+    lo, hi = b.cfg.data_out_ports
+    n = hi - lo + 1
+    used = {c.port for c in b.peers.live("consumer")}
+    for i in range(n):
+        port = lo + (b.next_port - lo + i) % n
+        if port in used:
+            continue
+        try:
+            sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
+                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0))
+        except zmq.ZMQError:
+            continue  # another process holds it
+        b.next_port = lo + (port + 1 - lo) % n
+        return sock, port
+    return None
+
+
+def dist_endpoint(addr) -> str | None:
+    """rank 0's `config.dist_addr` ('host:port' or 'tcp://host:port') as tcp://host:port."""
+    if not isinstance(addr, str) or not addr:
+        return None
+    return addr if addr.startswith("tcp://") else f"tcp://{addr}"

@@ -1,0 +1,85 @@
+"""Batches arriving on data in (PROTOCOL.md 4.4): validate, accept or drop, enqueue.
+
+A batch is accepted only from a live producer, for a lease it still holds, carrying only
+samples of that lease not yet received. Anything else is dropped as stale: that is how a
+producer declared lost cannot put a sample in twice. Accepted batches keep their zmq
+frames as they came; dispatch relays those very frames.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dflash.protocol import codec
+from dflash.protocol.errors import ProtocolError
+from dflash.protocol.logs import get_logger
+from dflash.protocol.messages import DATA
+
+from .control import finish_lease
+from .dispatch import QueuedBatch
+from .leases import StaleBatch
+from .replies import log_bad
+
+log = get_logger()
+
+
+def sender(frames: list) -> str:
+    """Who sent this data message, for log lines: its `producer` field if the header
+    parses, else the TCP peer address ZeroMQ reports for the frame."""
+    try:
+        prod = codec.unpack_header(frames[0]).get("producer")
+        if isinstance(prod, str) and prod:
+            return prod[:64]
+    except (ProtocolError, IndexError):
+        pass
+    try:
+        return f"addr:{frames[0].get('Peer-Address')}"
+    except Exception:  # not a zmq.Frame, or the transport gives no address
+        return "addr:unknown"
+
+
+def handle(b, frames: list) -> None:
+    """One message from data in. Never raises on bad input."""
+    try:
+        msg = codec.decode(frames, allowed=DATA, run=b.run_id)
+        if msg.payload_bytes() > b.cfg.max_message_bytes:
+            raise ProtocolError(f"{msg.payload_bytes()} tensor bytes, limit {b.cfg.max_message_bytes}")
+        layers = b.facts.get("layer_ids")
+        if layers is not None and msg.header["layer_ids"] != layers:
+            raise ProtocolError(f"layer_ids {msg.header['layer_ids']} are not this run's {layers}")
+    except ProtocolError as e:
+        return log_bad(b, "data_in", sender(frames), e.reason)
+    h = msg.header
+    p = b.peers.by_id.get(h["producer"])
+    try:
+        if p is None or p.role != "producer":
+            raise StaleBatch(f"producer {h['producer']!r} has no live session")
+        if h["batch_id"] in b.batch_ids:
+            raise StaleBatch(f"batch_id {h['batch_id']!r} is already queued or in flight")
+        lease = b.leases.arrived(h["lease"], p.id, h["epoch"], h["samples"])
+    except StaleBatch as e:
+        return stale(b, h, str(e))
+    p.last_seen = time.monotonic()  # data counts as a sign of life too
+    qb = QueuedBatch(h["batch_id"], p.id, h["lease"], h["epoch"], list(h["samples"]), int(sum(h["seq_lens"])),
+                     msg.payload_bytes(), frames)
+    b.queue.push(qb)
+    b.batch_ids.add(qb.batch_id)
+    b.ledger.produced(qb)
+    now = time.monotonic()
+    p.batches_in += 1
+    p.bytes_in += qb.nbytes
+    p.samples_in += len(qb.samples)
+    p.rate_in.add(1, now)
+    p.rate_tokens.add(qb.tokens, now)
+    b.rate_in.add(1, now)
+    finish_lease(b, lease)
+
+
+def stale(b, h: dict, reason: str) -> None:
+    p = b.peers.by_id.get(h["producer"])
+    if p is not None:
+        p.stale += 1
+    ok, suppressed = b.log_limit.allow(f"stale:{h['producer']}")
+    if ok:
+        log.warning("broker.batch_stale", batch_id=h["batch_id"][:64], producer=h["producer"][:64],
+                    lease=h["lease"], epoch=h["epoch"], reason=reason, suppressed=suppressed)

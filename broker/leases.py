@@ -1,0 +1,154 @@
+"""Work leases: which samples each producer makes, epoch by epoch (PROTOCOL.md 4.3).
+
+Each epoch visits every sample once, in an order shuffled from (`--seed`, epoch) so a
+run is reproducible. Producers lease ranges of that order; a lease is complete once
+every sample in it has arrived in a batch or was reported skipped. Samples of a lost
+producer's leases go back to the *front* of the pool so they are made next.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+# A producer holding this many unfinished leases gets "ask again later": one producer
+# cannot drain the pool ahead of what it can make.
+MAX_OPEN_LEASES = 4
+
+
+class StaleBatch(Exception):
+    """A batch that no open lease expects (lost producer, resent, or wrong samples)."""
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    """The shuffled sample order of `epoch`: the same for the same (seed, epoch, n).
+
+    A str seed is hashed with SHA-512 by `random.Random`, stable across Python versions.
+    """
+    order = list(range(n))
+    random.Random(f"dflash:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+@dataclass(eq=False)
+class Lease:
+    id: int
+    producer: str
+    epoch: int
+    samples: list[int]
+    outstanding: set[int]
+    granted_at: float = field(default_factory=time.monotonic)
+    done_at: float | None = None  # when the producer said `done`
+    skipped: int = 0
+
+
+class LeasePool:
+    """The samples still to make and the leases out. Not thread-safe: the loop owns it."""
+
+    def __init__(self, epochs: int, seed: int, n_samples: int | None = None):
+        self.epochs, self.seed = epochs, seed
+        self.n_samples: int | None = None
+        self.epoch = 0  # the epoch the cursor is in
+        self._order: list[int] = []
+        self._cursor = 0
+        self._returned: deque[tuple[int, int]] = deque()  # (epoch, sample), leased first
+        self.open: dict[int, Lease] = {}
+        self._next_id = 1
+        if n_samples is not None:
+            self.set_dataset(n_samples)
+
+    def set_dataset(self, n_samples: int) -> None:
+        """Fix the dataset size (from --num-samples or the first producer's hello)."""
+        self.n_samples = n_samples
+        self._order = epoch_order(self.seed, 0, n_samples)
+
+    @property
+    def known(self) -> bool:
+        return self.n_samples is not None
+
+    def pending(self) -> int:
+        """Samples not yet leased in the whole run."""
+        if self.n_samples is None:
+            return 0
+        later = (self.epochs - self.epoch - 1) * self.n_samples
+        return len(self._returned) + (len(self._order) - self._cursor) + later
+
+    def finished(self) -> bool:
+        """Every sample of every epoch arrived or was skipped."""
+        return self.known and self.pending() == 0 and not self.open
+
+    def open_leases(self, producer: str) -> list[Lease]:
+        return [le for le in self.open.values() if le.producer == producer]
+
+    def grant(self, producer: str, want: int) -> Lease | None:
+        """Lease up to `want` samples of one epoch; None when there is nothing now."""
+        if not self.known or want <= 0 or len(self.open_leases(producer)) >= MAX_OPEN_LEASES:
+            return None
+        epoch, samples = self._take(want)
+        if not samples:
+            return None
+        lease = Lease(self._next_id, producer, epoch, samples, set(samples))
+        self._next_id += 1
+        self.open[lease.id] = lease
+        return lease
+
+    def _take(self, want: int) -> tuple[int, list[int]]:
+        if self._returned:  # returned samples first, one epoch per lease
+            epoch = self._returned[0][0]
+            out = []
+            while self._returned and len(out) < want and self._returned[0][0] == epoch:
+                out.append(self._returned.popleft()[1])
+            return epoch, out
+        if self._cursor >= len(self._order) and self.epoch + 1 < self.epochs:
+            self.epoch += 1
+            self._order, self._cursor = epoch_order(self.seed, self.epoch, self.n_samples), 0
+        out = self._order[self._cursor:self._cursor + want]
+        self._cursor += len(out)
+        return self.epoch, out
+
+    def arrived(self, lease_id: int, producer: str, epoch: int, samples: list[int]) -> Lease:
+        """Record a batch's samples. Raises StaleBatch (recording nothing) if any is unexpected."""
+        lease = self.open.get(lease_id)
+        if lease is None:
+            raise StaleBatch(f"lease {lease_id} is not open")
+        if lease.producer != producer or lease.epoch != epoch:
+            raise StaleBatch(f"lease {lease_id} belongs to {lease.producer} epoch {lease.epoch}")
+        if len(set(samples)) != len(samples) or not lease.outstanding.issuperset(samples):
+            raise StaleBatch(f"samples already received or not in lease {lease_id}")
+        lease.outstanding.difference_update(samples)
+        return lease
+
+    def skip(self, lease: Lease, pairs: list) -> list[tuple[int, str]]:
+        """Mark [sample, reason] pairs skipped; returns the ones the lease still expected."""
+        out = []
+        for p in pairs:
+            if isinstance(p, list) and len(p) == 2 and p[0] in lease.outstanding:
+                lease.outstanding.discard(p[0])
+                out.append((p[0], str(p[1])[:200]))
+        lease.skipped += len(out)
+        return out
+
+    def close_if_complete(self, lease: Lease) -> bool:
+        if lease.outstanding:
+            return False
+        del self.open[lease.id]
+        return True
+
+    def give_back(self, lease: Lease) -> list[int]:
+        """Close `lease`; its samples not yet arrived go to the front of the pool."""
+        back = [s for s in lease.samples if s in lease.outstanding]
+        self._returned.extendleft((lease.epoch, s) for s in reversed(back))
+        self.open.pop(lease.id, None)
+        return back
+
+    def release(self, producer: str) -> list[tuple[Lease, list[int]]]:
+        """Give back every open lease of a lost producer, oldest lease's samples first."""
+        mine = sorted(self.open_leases(producer), key=lambda le: le.id, reverse=True)
+        out = [(le, self.give_back(le)) for le in mine]  # newest first onto the front...
+        return out[::-1]  # ...so the oldest ends up at the very front; report oldest first
+
+    def overdue(self, now: float, grace_s: float) -> list[Lease]:
+        """Leases whose producer said `done` more than `grace_s` ago yet are incomplete."""
+        return [le for le in self.open.values() if le.done_at is not None and now - le.done_at > grace_s]

@@ -1,0 +1,224 @@
+"""The sample ledger: where every (epoch, sample) of the run stands, in SQLite (WAL).
+
+States (PROTOCOL.md 7): pending -> leased -> produced -> delivered -> trained ->
+committed, or skipped. Losses move back: leased -> pending (lost producer), delivered ->
+produced (lost consumer). Pending rows are not written: an epoch's order is a function
+of (seed, epoch, n_samples), kept in `epochs`, so a resume (later issue) recomputes it and
+makes again every sample whose row is missing or not `committed`.
+
+Writes are queued and flushed in one transaction every `flush_s` or `max_ops` rows, so the
+broker keeps up with thousands of samples per second; a `commit` flushes at once. WAL
+with synchronous=NORMAL survives a crash of the broker process: what was flushed is
+there; what was not flushed (at most `flush_s` of transitions) is at worst made again.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS epochs(epoch INTEGER PRIMARY KEY, seed INTEGER NOT NULL,
+    n_samples INTEGER NOT NULL, started REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS samples(epoch INTEGER NOT NULL, sample INTEGER NOT NULL,
+    state TEXT NOT NULL, lease INTEGER, producer TEXT, batch_id TEXT, consumer TEXT,
+    step INTEGER, reason TEXT, updated REAL NOT NULL,
+    PRIMARY KEY(epoch, sample)) WITHOUT ROWID;
+-- commit moves every trained sample up to a step: index only those rows
+CREATE INDEX IF NOT EXISTS samples_trained ON samples(step) WHERE state = 'trained';
+CREATE TABLE IF NOT EXISTS leases(lease INTEGER PRIMARY KEY, epoch INTEGER NOT NULL,
+    producer TEXT NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL, granted REAL NOT NULL,
+    closed REAL);
+CREATE TABLE IF NOT EXISTS batches(batch_id TEXT PRIMARY KEY, producer TEXT, lease INTEGER,
+    epoch INTEGER, n_samples INTEGER, tokens INTEGER, nbytes INTEGER, state TEXT NOT NULL,
+    consumer TEXT, step INTEGER, deliveries INTEGER NOT NULL DEFAULT 0, received REAL,
+    updated REAL);
+CREATE TABLE IF NOT EXISTS commits(step INTEGER NOT NULL, checkpoint TEXT NOT NULL,
+    peer TEXT, samples INTEGER NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS peers(peer TEXT PRIMARY KEY, role TEXT NOT NULL, instance TEXT,
+    host TEXT, pid INTEGER, gpu INTEGER, joined REAL NOT NULL, gone REAL, outcome TEXT,
+    reason TEXT);
+"""
+
+_SQL = {
+    "lease": "INSERT INTO leases(lease, epoch, producer, n, state, granted) VALUES(?,?,?,?, 'open', ?)",
+    "lease_close": "UPDATE leases SET state=?, closed=? WHERE lease=?",
+    "leased": (
+        "INSERT INTO samples(epoch, sample, state, lease, producer, updated) VALUES(?,?, 'leased', ?,?,?) "
+        "ON CONFLICT(epoch, sample) DO UPDATE SET state='leased', lease=excluded.lease, "
+        "producer=excluded.producer, batch_id=NULL, consumer=NULL, step=NULL, updated=excluded.updated"
+    ),
+    "pending": "UPDATE samples SET state='pending', lease=NULL, producer=NULL, updated=? WHERE epoch=? AND sample=?",
+    "skipped": "UPDATE samples SET state='skipped', reason=?, updated=? WHERE epoch=? AND sample=?",
+    "batch": (
+        "INSERT OR REPLACE INTO batches(batch_id, producer, lease, epoch, n_samples, tokens, nbytes, state,"
+        " received, updated) VALUES(?,?,?,?,?,?,?, 'queued', ?, ?)"
+    ),
+    "batch_state": "UPDATE batches SET state=?, consumer=?, step=?, deliveries=?, updated=? WHERE batch_id=?",
+    "sample_state": (
+        "UPDATE samples SET state=?, batch_id=?, consumer=?, step=?, updated=? WHERE epoch=? AND sample=?"
+    ),
+    "peer": "INSERT OR REPLACE INTO peers(peer, role, instance, host, pid, gpu, joined) VALUES(?,?,?,?,?,?,?)",
+    "peer_gone": "UPDATE peers SET gone=?, outcome=?, reason=? WHERE peer=?",
+    "epoch": "INSERT OR IGNORE INTO epochs(epoch, seed, n_samples, started) VALUES(?,?,?,?)",
+}
+
+
+class Ledger:
+    """Queued, batched writes of sample transitions, plus in-memory counts per state."""
+
+    def __init__(self, path: Path, *, flush_s: float = 0.2, max_ops: int = 50_000):
+        self.path = Path(path)
+        self.flush_s, self.max_ops = flush_s, max_ops
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        self._ops: list[tuple[str, tuple]] = []
+        self._last_flush = time.monotonic()
+        self.counts: Counter[str] = Counter()
+        self._trained_by_step: Counter[int] = Counter()
+        self.flush_seconds = 0.0  # total time spent writing, for the status map
+
+    # ------------------------------------------------------------ run facts
+
+    def set_meta(self, **items) -> None:
+        rows = [(k, json.dumps(v)) for k, v in items.items()]
+        self.db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES(?,?)", rows)
+
+    def meta(self) -> dict:
+        return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM meta")}
+
+    def epoch_started(self, epoch: int, seed: int, n_samples: int) -> None:
+        self._op("epoch", (epoch, seed, n_samples, time.time()))
+
+    # ------------------------------------------------------------ transitions
+
+    def leased(self, lease_id: int, epoch: int, producer: str, samples: list[int]) -> None:
+        now = time.time()
+        self._op("lease", (lease_id, epoch, producer, len(samples), now))
+        self._many("leased", ((epoch, s, lease_id, producer, now) for s in samples))
+        self.counts["leased"] += len(samples)
+
+    def lease_closed(self, lease_id: int, state: str) -> None:
+        self._op("lease_close", (state, time.time(), lease_id))
+
+    def released(self, epoch: int, samples: list[int]) -> None:
+        """leased -> pending (the producer holding them was lost)."""
+        now = time.time()
+        self._many("pending", ((now, epoch, s) for s in samples))
+        self.counts["leased"] -= len(samples)
+
+    def skipped(self, epoch: int, pairs: list[tuple[int, str]]) -> None:
+        now = time.time()
+        self._many("skipped", ((reason, now, epoch, s) for s, reason in pairs))
+        self.counts["leased"] -= len(pairs)
+        self.counts["skipped"] += len(pairs)
+
+    def produced(self, b) -> None:
+        """A batch (dispatch.QueuedBatch) arrived: its samples leased -> produced."""
+        now = time.time()
+        self._op("batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, b.nbytes, now, now))
+        self._samples(b, "produced", None, None, now)
+        self._move("leased", "produced", len(b.samples))
+
+    def delivered(self, b, consumer: str) -> None:
+        self._batch(b, "delivered", consumer, None)
+        self._move("produced", "delivered", len(b.samples))
+
+    def requeued(self, b) -> None:
+        """delivered -> produced: the consumer holding it was lost."""
+        self._batch(b, "queued", None, None)
+        self._move("delivered", "produced", len(b.samples))
+
+    def trained(self, b, consumer: str, step: int) -> None:
+        self._batch(b, "trained", consumer, step)
+        self._move("delivered", "trained", len(b.samples))
+        self._trained_by_step[step] += len(b.samples)
+
+    def committed(self, step: int, checkpoint: str, peer: str) -> int:
+        """Every sample trained at a step <= `step` -> committed. Written at once."""
+        n = sum(c for s, c in self._trained_by_step.items() if s <= step)
+        for s in [s for s in self._trained_by_step if s <= step]:
+            del self._trained_by_step[s]
+        self._move("trained", "committed", n)
+        self.flush()
+        now = time.time()
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute(
+                "UPDATE samples SET state='committed', updated=? WHERE state='trained' AND step<=?", (now, step)
+            )
+            self.db.execute(
+                "UPDATE batches SET state='committed', updated=? WHERE state='trained' AND step<=?", (now, step)
+            )
+            self.db.execute("INSERT INTO commits VALUES(?,?,?,?,?)", (step, checkpoint, peer, n, now))
+        return n
+
+    def peer_joined(self, p) -> None:
+        self._op("peer", (p.id, p.role, p.instance, p.host, p.pid, p.gpu, time.time()))
+
+    def peer_gone(self, peer_id: str, outcome: str, reason: str) -> None:
+        self._op("peer_gone", (time.time(), outcome, reason, peer_id))
+
+    # ------------------------------------------------------------ writing
+
+    def _batch(self, b, state: str, consumer: str | None, step: int | None) -> None:
+        now = time.time()
+        self._op("batch_state", (state, consumer, step, b.deliveries, now, b.batch_id))
+        sample_state = "produced" if state == "queued" else state
+        self._samples(b, sample_state, consumer, step, now)
+
+    def _samples(self, b, state: str, consumer: str | None, step: int | None, now: float) -> None:
+        self._many("sample_state", ((state, b.batch_id, consumer, step, now, b.epoch, s) for s in b.samples))
+
+    def _move(self, old: str, new: str, n: int) -> None:
+        self.counts[old] -= n
+        self.counts[new] += n
+
+    def _op(self, key: str, row: tuple) -> None:
+        self._ops.append((key, row))
+        if len(self._ops) >= self.max_ops:
+            self.flush()
+
+    def _many(self, key: str, rows: Iterable[tuple]) -> None:
+        for r in rows:
+            self._ops.append((key, r))
+        if len(self._ops) >= self.max_ops:
+            self.flush()
+
+    def maybe_flush(self, now: float | None = None) -> None:
+        if self._ops and (now or time.monotonic()) - self._last_flush >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every queued transition in one transaction, in order."""
+        self._last_flush = time.monotonic()
+        if not self._ops:
+            return
+        ops, self._ops = self._ops, []
+        t0 = time.perf_counter()
+        with self.db:
+            self.db.execute("BEGIN")
+            i = 0
+            while i < len(ops):  # runs of one statement go through executemany
+                j = i
+                while j < len(ops) and ops[j][0] == ops[i][0]:
+                    j += 1
+                self.db.executemany(_SQL[ops[i][0]], [r for _, r in ops[i:j]])
+                i = j
+        self.flush_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.flush()
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            self.db.close()

@@ -1,0 +1,88 @@
+"""Liveness and pacing: who went silent, when to beat, how fast things move, and how
+often a noisy peer may make us log (zguide ppqueue: constants up front, one check per
+tick)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, Protocol
+
+
+class _Seen(Protocol):
+    last_seen: float
+
+
+def silent(peers: Iterable[_Seen], now: float, timeout_s: float) -> list:
+    """Peers with no message for longer than `timeout_s` (any message counts)."""
+    return [p for p in peers if now - p.last_seen > timeout_s]
+
+
+class Every:
+    """A periodic timer for the loop: `due(now)` is True once per `period_s`."""
+
+    def __init__(self, period_s: float, now: float | None = None):
+        self.period = period_s
+        self.next = (time.monotonic() if now is None else now) + period_s
+
+    def due(self, now: float) -> bool:
+        if now < self.next:
+            return False
+        # Skip missed beats instead of bursting to catch up after a stall.
+        self.next = max(self.next + self.period, now)
+        return True
+
+
+class RateMeter:
+    """Events per second over about the last `window_s`, in bounded memory.
+
+    Keeps one mark (slot start, count before the slot) per window/slots seconds.
+    """
+
+    def __init__(self, window_s: float = 10.0, slots: int = 32):
+        self.window = window_s
+        self.total = 0
+        self._marks: deque[tuple[float, int]] = deque(maxlen=slots)
+
+    def add(self, n: int = 1, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if not self._marks or now - self._marks[-1][0] >= self.window / self._marks.maxlen:
+            self._marks.append((now, self.total))
+        self.total += n
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        first = next(((t, c) for t, c in self._marks if now - t <= self.window), None)
+        if first is None:
+            return 0.0
+        # At least 1 s of span, so a single event does not read as a huge rate.
+        return (self.total - first[1]) / max(now - first[0], 1.0)
+
+
+class RateLimit:
+    """At most `per_s` events per key per second; counts what it suppressed.
+
+    `allow(key)` -> (allowed, suppressed_since_last_allowed). Keys are bounded: the
+    oldest is forgotten when more than `max_keys` are tracked (a flood from many
+    identities cannot grow it).
+    """
+
+    def __init__(self, per_s: float = 5.0, max_keys: int = 1024):
+        self.per_s, self.max_keys = per_s, max_keys
+        self._state: dict[str, list] = {}  # key -> [window_start, count_in_window, suppressed]
+
+    def allow(self, key: str, now: float | None = None) -> tuple[bool, int]:
+        now = time.monotonic() if now is None else now
+        st = self._state.get(key)
+        if st is None:
+            if len(self._state) >= self.max_keys:
+                self._state.pop(next(iter(self._state)))
+            st = self._state[key] = [now, 0, 0]
+        if now - st[0] >= 1.0:
+            st[0], st[1] = now, 0
+        if st[1] < self.per_s:
+            st[1] += 1
+            suppressed, st[2] = st[2], 0
+            return True, suppressed
+        st[2] += 1
+        return False, 0

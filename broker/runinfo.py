@@ -1,0 +1,51 @@
+"""run.json: what a run is (config, versions, host, start, parent) and how it ended.
+
+Written atomically each time (write to a temp file, then rename), so a reader never sees
+half a file and a crash leaves the previous version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dflash.protocol.messages import PROTOCOL_VERSION
+from dflash.protocol.run import hostname, versions, write_json_atomic
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: str) -> dict:
+    """Write the first run.json of a new run; returns what was written."""
+    info = {
+        "run_id": run_id,
+        "parent_run": None,
+        "resumed_from": None,
+        "started_at": _iso(time.time()),
+        "ended_at": None,
+        "outcome": "running",
+        "protocol_version": PROTOCOL_VERSION,
+        "config": config,
+        "versions": versions(),
+        "broker": {"host": hostname(), "pid": os.getpid(), "instance": instance, "endpoints": endpoints},
+        "facts": {},
+    }
+    write_json_atomic(run_dir / "run.json", info)
+    return info
+
+
+def update(run_dir: Path, **fields) -> None:
+    """Merge `fields` into run.json (top level)."""
+    path = run_dir / "run.json"
+    info = json.loads(path.read_text())
+    info.update(fields)
+    write_json_atomic(path, info)
+
+
+def finish(run_dir: Path, outcome: str, **fields) -> None:
+    update(run_dir, outcome=outcome, ended_at=_iso(time.time()), **fields)

@@ -1,0 +1,197 @@
+"""The broker: sockets, one loop, and the few actions the loop takes.
+
+    control  ROUTER  <- hello/lease/done/credit/ack/commit/heartbeat/bye/status
+    data in  PULL    <- batches from producers (read only while the queue has room)
+    data out PUSH x consumers -> one pipe each, sent only against that consumer's credit
+
+What to do with each message lives in control.py / intake.py; policy in dispatch.py,
+leases.py, liveness.py and ledger.py. Everything here runs on one thread, so nothing is
+locked. Every send is NOBLOCK: a slow or dead peer never stalls the loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from dflash.protocol import codec
+from dflash.protocol.logs import get_logger
+from dflash.protocol.messages import PRE_HANDSHAKE, header
+from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
+
+from . import control, intake
+from .config import CONTROL_MAX_BYTES, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
+from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
+from .leases import LeasePool
+from .ledger import Ledger
+from .liveness import Every, RateLimit, RateMeter, silent
+from .peers import Peer, PeerTable
+from .status import progress_fields
+
+log = get_logger()
+
+POLL_MS = 100  # longest the loop sleeps: timers (heartbeats, expiry) run at this grain
+BLOCKED_POLL_MS = 5  # a batch waits on a pipe that is not connected yet: look again soon
+DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot starve the other
+
+
+class Broker:
+    def __init__(self, cfg: BrokerConfig, run_id: str, run_dir, hostname: str):
+        self.cfg, self.run_id, self.run_dir, self.hostname = cfg, run_id, run_dir, hostname
+        self.advertise = cfg.host_to_advertise(hostname)
+        self.started_at, self.started_mono = time.time(), time.monotonic()
+        self.peers = PeerTable()
+        self.queue = BatchQueue(cfg.queue_bytes)
+        self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
+        self.leases = LeasePool(cfg.epochs, cfg.seed, cfg.num_samples)
+        self.ledger = Ledger(run_dir / "ledger.sqlite")
+        self.facts: dict = {}  # target, layer_ids, hidden_size, dataset: fixed by the first producer
+        if cfg.num_samples is not None:
+            self.facts["dataset"] = {"n_samples": cfg.num_samples, "fingerprint": None}
+        self.dist: str | None = None  # rank 0's rendezvous endpoint
+        self.next_port = cfg.data_out_ports[0]
+        self.stopping: set[str] | None = None  # peers sent `stop` at end of stream
+        self.outcome: str | None = None
+        self.signal: str | None = None  # set by the signal handler, acted on in the loop
+        self.blocked = False
+        self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
+        self.log_limit, self.reply_limit = RateLimit(5.0), RateLimit(3.0)
+        self.rate_in, self.rate_out = RateMeter(), RateMeter()
+        self.ctx = zmq.Context()
+        try:
+            self.control = make_socket(
+                self.ctx, zmq.ROUTER, tcp_endpoint(cfg.bind, cfg.port), bind=True,
+                opts=SocketOpts(sndhwm=10_000, rcvhwm=10_000, maxmsgsize=CONTROL_MAX_BYTES),
+            )
+            self.data_in = make_socket(
+                self.ctx, zmq.PULL, tcp_endpoint(cfg.bind, cfg.data_in_port), bind=True,
+                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes),
+            )
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def endpoints(self) -> dict:
+        return {"control": tcp_endpoint(self.advertise, self.cfg.port),
+                "data_in": tcp_endpoint(self.advertise, self.cfg.data_in_port)}
+
+    # ------------------------------------------------------------ the loop
+
+    def serve(self) -> str:
+        """Run until end of stream or a signal; returns the outcome for run.json."""
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.data_in, zmq.POLLIN)
+        while self.outcome is None:
+            # zguide lbbroker: read producers only while the queue has room. A full
+            # broker stops reading, the producers' PUSH pipes fill, their sends block.
+            poller.modify(self.data_in, zmq.POLLIN if self.queue.has_room() else 0)
+            events = dict(poller.poll(BLOCKED_POLL_MS if self.blocked else POLL_MS))
+            if self.control in events:
+                self._drain(self.control, lambda f: control.handle(self, f[0].bytes, f[1:]))
+            if self.data_in in events:
+                self._drain(self.data_in, lambda f: intake.handle(self, f), while_room=True)
+            self.dispatch()
+            self.tick(time.monotonic())
+        return self.outcome
+
+    def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
+        for _ in range(DRAIN_MAX):
+            if while_room and not self.queue.has_room():
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                handle(frames)
+            except Exception:  # a bug on one message must not end the run
+                log.exception("broker.internal_error", socket="control" if sock is self.control else "data_in")
+
+    def dispatch(self) -> None:
+        sent = dispatch(self.queue, self.peers.live("consumer"), self._send_batch)
+        now = time.monotonic()
+        for c, b in sent:
+            self.ledger.delivered(b, c.id)
+            c.delivered += 1
+            c.rate_in.add(1, now)
+            c.rate_tokens.add(b.tokens, now)
+            self.rate_out.add(1, now)
+        # Batches left while a consumer wants one: its pipe refused (not connected yet).
+        self.blocked = bool(self.queue) and any(wants_batch(c) for c in self.peers.live("consumer"))
+        for c in self.peers.live("consumer"):  # how long a consumer has had credit and no batch
+            hungry = c.credit > 0 and not self.queue
+            c.waiting_since = (c.waiting_since or now) if hungry else None
+
+    def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
+        try:
+            # The very frames that came in, tensor buffers untouched (copy=False).
+            c.pipe.send_multipart(b.frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:  # pipe not connected yet, or full: the batch stays queued
+            return False
+
+    def tick(self, now: float) -> None:
+        if self.signal is not None:
+            self.shutdown(f"signal {self.signal}", outcome="interrupted")
+            return
+        for p in silent(self.peers.live(), now, self.cfg.timeout_s):
+            control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
+        for lease in self.leases.overdue(now, self.cfg.timeout_s):
+            control.lease_incomplete(self, lease)
+        if self.beat.due(now):
+            self.heartbeat_all()
+        if self.progress.due(now):
+            log.info("broker.progress", **progress_fields(self, now))
+        self.ledger.maybe_flush(now)
+        control.check_end_of_stream(self)
+
+    # ------------------------------------------------------------ sending
+
+    def send(self, identity: bytes, type_: str, **fields) -> None:
+        """Send a control message; a full or gone peer loses it (logged), we never block."""
+        # welcome carries `run` as a field of its own; reject/status_reply carry none
+        run = None if type_ in PRE_HANDSHAKE else self.run_id
+        h = header(type_, run)
+        h.update(fields)
+        frames = [identity, *codec.encode(h)]
+        try:
+            self.control.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            ok, suppressed = self.log_limit.allow(f"send:{identity.hex()}")
+            if ok:
+                log.warning("broker.send_failed", identity=identity.hex(), type=type_, error=str(e),
+                            suppressed=suppressed)
+
+    def heartbeat_all(self) -> None:
+        stats = {
+            "queue_batches": len(self.queue),
+            "queue_bytes": self.queue.bytes,
+            "q_pre": {p.id: p.stats.get("q_pre") for p in self.peers.live("producer")},
+            "in_flight": {c.id: len(c.in_flight) for c in self.peers.live("consumer")},
+            "max_credit": MAX_CREDIT,
+        }
+        for p in self.peers.live():
+            self.send(p.identity, "heartbeat", stats=stats)
+
+    def shutdown(self, reason: str, outcome: str) -> None:
+        """Tell every live peer to stop, persist the ledger, and end the loop."""
+        for p in self.peers.live():
+            self.send(p.identity, "stop", reason="shutdown")
+        self.ledger.flush()
+        log.info("broker.stop", reason=reason, outcome=outcome, **progress_fields(self, time.monotonic()))
+        self.outcome = outcome
+
+    def close(self) -> None:
+        """Release sockets and the ledger. Safe on a half-built broker."""
+        for p in list(self.peers.live()):
+            if p.pipe is not None:
+                p.pipe.close(linger=0)
+        if getattr(self, "control", None) is not None:
+            self.control.close(linger=1000)  # let the last stop/replies out
+        if getattr(self, "data_in", None) is not None:
+            self.data_in.close(linger=0)
+        self.ctx.term()
+        self.ledger.close()

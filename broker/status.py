@@ -1,0 +1,144 @@
+"""The status map (`status_reply.status`, `dflash-status --json`) and the periodic
+`broker.progress` line. Fields are listed in docs/LOGS.md ("status map").
+
+Rich on purpose: a later `dflash-status` diagnoses slow runs from this map alone (idle
+consumers, a full queue, a producer without leases), so per-peer figures are the ones its
+heartbeats report plus what the broker measures itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+
+from dflash.protocol.messages import PROTOCOL_VERSION
+
+from .config import MAX_CREDIT
+
+_SCALAR = (bool, int, float, type(None))
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def sanitize_stats(stats: dict) -> dict:
+    """Keep what a status map can carry: <=48 short keys of scalars, short strings, or
+    small flat lists/maps of numbers. A peer cannot make the reply huge or nested."""
+    out = {}
+    for k, v in list(stats.items())[:48]:
+        if not isinstance(k, str) or len(k) > 64:
+            continue
+        if isinstance(v, _SCALAR):
+            out[k] = v
+        elif isinstance(v, str):
+            out[k] = v[:200]
+        elif isinstance(v, list) and len(v) <= 64 and all(isinstance(x, _SCALAR) for x in v):
+            out[k] = v
+        elif isinstance(v, dict) and len(v) <= 64 and all(
+            isinstance(kk, str) and len(kk) <= 64 and isinstance(x, _SCALAR) for kk, x in v.items()
+        ):
+            out[k] = v
+    return out
+
+
+def samples(b) -> dict:
+    c = b.ledger.counts
+    n = b.leases.n_samples
+    total = None if n is None else n * b.cfg.epochs
+    return {
+        "total": total, "pending": b.leases.pending() if n is not None else None,
+        "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
+        "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
+        "done": c["trained"] + c["committed"] + c["skipped"],
+        "epoch": b.leases.epoch, "epochs": b.cfg.epochs, "n_samples": n,
+    }
+
+
+def _peer_state(b, p) -> str:
+    reported = p.stats.get("state")
+    if b.stopping is not None and p.id in b.stopping:
+        return "stopping"
+    if isinstance(reported, str):
+        return reported
+    if p.role == "producer":
+        return "producing" if b.leases.open_leases(p.id) else "idle"
+    if p.waiting_since is not None:
+        return "waiting"  # has credit, queue empty: starved by producers
+    return "training" if p.in_flight else "idle"
+
+
+def peer_row(b, p, now: float) -> dict:
+    row = {
+        "peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
+        "state": _peer_state(b, p), "joined_at": _iso(p.joined_at),
+        "heartbeat_age_s": round(now - p.last_seen, 3),
+        "stats": p.stats, "stats_at": _iso(p.stats_at),
+        "batches_per_s": round(p.rate_in.rate(now), 3), "tokens_per_s": round(p.rate_tokens.rate(now), 1),
+    }
+    if p.role == "producer":
+        row.update(leases_open=len(b.leases.open_leases(p.id)), batches_in=p.batches_in, bytes_in=p.bytes_in,
+                   samples_in=p.samples_in, stale=p.stale)
+    else:
+        row.update(rank=p.rank, credit=p.credit, in_flight=len(p.in_flight),
+                   in_flight_bytes=sum(x.nbytes for x in p.in_flight.values()), delivered=p.delivered,
+                   acked=p.acked, data_out=p.data_out,
+                   waiting_s=None if p.waiting_since is None else round(now - p.waiting_since, 3))
+    return row
+
+
+def gone_row(p) -> dict:
+    return {"peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
+            "state": p.state, "at": _iso(p.gone_at), "reason": p.gone_reason, "held": p.held,
+            "last_stats": p.stats}
+
+
+def build_status(b) -> dict:
+    now = time.monotonic()
+    consumers = b.peers.live("consumer")
+    state = "running" if b.stopping is None else "stopping"
+    return {
+        "run_id": b.run_id,
+        "protocol_version": PROTOCOL_VERSION,
+        "broker": {
+            "instance": b.cfg.instance, "host": b.hostname, "pid": os.getpid(), "state": state,
+            "started_at": _iso(b.started_at), "uptime_s": round(now - b.started_mono, 3),
+            "endpoints": b.endpoints, "run_dir": str(b.run_dir), "now": _iso(time.time()),
+        },
+        "config": {k: getattr(b.cfg, k) for k in ("epochs", "seed", "queue_bytes", "lease_size", "heartbeat_s",
+                                                   "timeout_s", "consumers", "max_message_bytes")}
+        | {"max_credit": MAX_CREDIT},
+        "facts": b.facts,
+        "queue": {
+            "batches": len(b.queue), "bytes": b.queue.bytes, "capacity_bytes": b.queue.capacity,
+            "oldest_age_s": round(b.queue.oldest_age(now), 3), "reading": b.queue.has_room(),
+            "in_flight_batches": sum(len(c.in_flight) for c in consumers),
+            "in_flight_bytes": sum(x.nbytes for c in consumers for x in c.in_flight.values()),
+        },
+        "samples": samples(b),
+        "rates": {"batches_in_per_s": round(b.rate_in.rate(now), 3),
+                  "batches_out_per_s": round(b.rate_out.rate(now), 3),
+                  "batches_in": b.rate_in.total, "batches_out": b.rate_out.total},
+        "leases": {"open": len(b.leases.open)},
+        "ledger": {"path": str(b.ledger.path), "write_s": round(b.ledger.flush_seconds, 3)},
+        "peers": [peer_row(b, p, now) for p in b.peers.live()],
+        "gone": [gone_row(p) for p in b.peers.gone],
+    }
+
+
+def progress_fields(b, now: float) -> dict:
+    """The flat fields of one `broker.progress` line (a canonical periodic summary)."""
+    s = samples(b)
+    consumers = b.peers.live("consumer")
+    return {
+        "uptime_s": round(now - b.started_mono, 1), "queue_batches": len(b.queue), "queue_bytes": b.queue.bytes,
+        "oldest_age_s": round(b.queue.oldest_age(now), 3), "in_flight": sum(len(c.in_flight) for c in consumers),
+        "producers": len(b.peers.live("producer")), "consumers": len(consumers),
+        "waiting_consumers": [c.id for c in consumers if c.waiting_since is not None],
+        "samples_total": s["total"], "samples_trained": s["trained"] + s["committed"],
+        "samples_committed": s["committed"], "samples_skipped": s["skipped"], "epoch": s["epoch"],
+        "batches_in_per_s": round(b.rate_in.rate(now), 3), "batches_out_per_s": round(b.rate_out.rate(now), 3),
+    }
