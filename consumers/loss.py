@@ -35,11 +35,12 @@ class ChunkedCE(torch.autograd.Function):
     def forward(ctx, h, W, y, w, chunk: int):
         need_grad = ctx.needs_input_grad[0]
         grad_h = torch.zeros_like(h) if need_grad else None
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        acc = torch.promote_types(h.dtype, torch.float32)  # at least fp32 for softmax sums
+        loss = torch.zeros((), dtype=acc, device=h.device)
         preds = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            logits = (h[s:e].to(W.dtype) @ W.T).float()  # [c, V]: the only vocab-sized tensor
+            logits = (h[s:e].to(W.dtype) @ W.T).to(acc)  # [c, V]: the only vocab-sized tensor
             lse = torch.logsumexp(logits, dim=-1)  # [c]
             picked = logits.gather(1, y[s:e, None])[:, 0]  # [c]
             loss += ((lse - picked) * w[s:e]).sum()

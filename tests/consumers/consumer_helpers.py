@@ -20,6 +20,7 @@ def tiny_target(path: Path, *, tie: bool = False, layers: int = 4, seed: int = 0
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
         rope_theta=10000.0, tie_word_embeddings=tie,
+        initializer_range=0.5,  # LM-head logits on the scale of a trained model's
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg)
