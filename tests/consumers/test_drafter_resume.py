@@ -1,0 +1,83 @@
+"""Checkpoints: resume continues exactly, a different training signal is refused."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from structlog.testing import capture_logs
+
+from consumer_helpers import MASK_ID, random_batch
+from dflash.consumers.checkpoint import SignalMismatch, resolve_checkpoint
+from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.protocol.run import make_run_dir, new_run_id
+
+LAYERS = [1, 2]
+CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,
+                  lr=2e-3, total_steps=20, save_every=10, keep=3, feature_noise=0.05, log_position_every=0)
+
+
+def _batches(spec, lo, hi):
+    # Packing varies from batch to batch, as a producer's token budget makes it.
+    return [random_batch(spec, LAYERS, [24, 17, 30][: 1 + i % 3], seed=i, batch_id=f"b{i}", sample_start=10 * i)
+            for i in range(lo, hi)]
+
+
+def test_resume_from_step_10_equals_the_uninterrupted_run(heads, tmp_path):
+    run_a, run_b = new_run_id(1_700_000_000), new_run_id(1_700_000_100)
+    ckpt_a = make_run_dir(run_a, tmp_path) / "checkpoints"
+    committed, acked = [], []
+    hooks = Hooks(on_step=lambda s, ids: acked.append((s, ids)), on_checkpoint=lambda s, p: committed.append((s, p)))
+    with capture_logs():
+        full = train(CFG, heads, _batches(heads.spec, 0, 20), ckpt_root=ckpt_a, hooks=hooks)
+    assert [s for s, _ in committed] == [10, 20] and acked[3] == (4, ["b3"])
+
+    step10 = ckpt_a / "step-10"
+    assert resolve_checkpoint("latest", tmp_path) == ckpt_a / "step-20"
+    assert resolve_checkpoint(run_a, tmp_path) == ckpt_a / "step-20"
+    ckpt_b = make_run_dir(run_b, tmp_path) / "checkpoints"
+    with capture_logs():
+        resumed = train(replace(CFG, resume=str(step10)), heads, _batches(heads.spec, 10, 20), ckpt_root=ckpt_b)
+    assert resumed.step == 20 and resumed.tokens == full.tokens and resumed.samples == full.samples
+    for name, p in full.params.items():
+        assert torch.equal(p, resumed.params[name]), name
+    # `latest` now means the resumed run's newest checkpoint
+    assert resolve_checkpoint("latest", tmp_path) == ckpt_b / "step-20"
+
+
+def test_checkpoint_folder_holds_everything_and_keeps_the_last_n(heads, tmp_path):
+    root = tmp_path / "checkpoints"
+    with capture_logs():
+        train(replace(CFG, save_every=5, keep=2, total_steps=12, max_steps=12), heads,
+              _batches(heads.spec, 0, 20), ckpt_root=root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-10", "step-12"]  # 5 pruned, final 12 written
+    ck = root / "step-12"
+    assert sorted(p.name for p in ck.iterdir()) == ["config.json", "model.safetensors", "optimizer.pt",
+                                                     "rng.pt", "state.json"]
+    state = json.loads((ck / "state.json").read_text())
+    assert state["step"] == 12 and state["tokens"] > 0
+    assert state["signal"] == {"anchors": 6, "block_size": 4, "target_layers": LAYERS, "gamma": 2.5,
+                               "draft_layers": 2, "mask_token_id": MASK_ID, "target": heads.identity}
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": LAYERS}
+    assert cfg["num_target_layers"] == 4 and cfg["num_hidden_layers"] == 2
+    weights = load_file(ck / "model.safetensors")
+    assert "fc.weight" in weights and not any("embed" in k or "lm_head" in k for k in weights)
+
+
+def test_resume_with_another_block_size_is_refused_unless_forced(heads, tmp_path):
+    root = tmp_path / "checkpoints"
+    with capture_logs():
+        train(replace(CFG, max_steps=3), heads, _batches(heads.spec, 0, 3), ckpt_root=root)
+    ck = str(root / "step-3")
+    with pytest.raises(SignalMismatch, match=r"block_size: 4 -> 8") as e:
+        train(replace(CFG, block_size=8, resume=ck), heads, _batches(heads.spec, 3, 5))
+    assert "gamma" in str(e.value) and "anchors" not in str(e.value)
+    with pytest.raises(SignalMismatch, match="anchors: 6 -> 7"):
+        train(replace(CFG, anchors=7, resume=ck), heads, _batches(heads.spec, 3, 5))
+    with capture_logs() as logs:
+        state = train(replace(CFG, block_size=8, resume=ck, force=True), heads, _batches(heads.spec, 3, 5))
+    assert state.step == 5
+    assert any(e["event"] == "train.signal_changed" for e in logs)
