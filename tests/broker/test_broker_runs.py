@@ -1,0 +1,83 @@
+"""Run identity (FIELD-NOTES incident 5): a producer holding an old run's ID is refused
+and says why; two consecutive runs never share a log file; the handshake refuses
+duplicates and mismatched producers; SIGTERM shuts down cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+
+import pytest
+from broker_fakes import FakeConsumer, FakeProducer, Rejected
+from conftest import spawn_fake
+
+
+def test_old_run_id_refused_and_runs_never_share_a_log_file(start_broker):
+    a = start_broker()
+    assert a.stop() == 0
+    a_log = a.run_dir / "logs" / "broker-main.jsonl"
+    a_bytes = a_log.read_bytes()
+    info = json.loads((a.run_dir / "run.json").read_text())
+    assert info["outcome"] == "interrupted" and info["signal"] == "SIGTERM"
+
+    b = start_broker()
+    assert b.run_id != a.run_id and b.run_dir != a.run_dir
+    prod = spawn_fake("producer", b, "--run", a.run_id, "--instance", "stale")
+    out, err = prod.communicate(timeout=20)
+    assert prod.returncode == 3
+    assert "run_mismatch" in err and a.run_id in err and b.run_id in err  # says why, to a human
+    said = [json.loads(line) for line in out.splitlines() if '"fake.rejected"' in line]
+    assert said and a.run_id in said[0]["reason"]  # and in its log line
+    rej = b.wait_event("broker.peer_rejected", 5, lambda e: e["code"] == "run_mismatch")
+    assert rej["peer_instance"] == "stale"
+    assert b.stop() == 0
+
+    # run A's file was not touched by run B; each file holds only its own run's lines
+    assert a_log.read_bytes() == a_bytes
+    b_log = b.run_dir / "logs" / "broker-main.jsonl"
+    for path, run in ((a_log, a.run_id), (b_log, b.run_id)):
+        assert {json.loads(line)["run_id"] for line in path.read_text().splitlines()} == {run}
+    assert os.readlink(b.runs_dir / "latest") == b.run_id
+
+
+def test_duplicate_instance_and_mismatched_producer_refused(start_broker):
+    b = start_broker()
+    c1 = FakeConsumer(b.control, "gpu5")
+    with pytest.raises(Rejected, match="duplicate_instance.*gpu5"):
+        FakeConsumer(b.control, "gpu5")
+    p1 = FakeProducer(b.control, "t0", n_samples=100)
+    with pytest.raises(Rejected, match="config_mismatch.*100"):
+        FakeProducer(b.control, "t1", n_samples=99)
+    with pytest.raises(Rejected, match="config_mismatch.*fingerprint"):
+        FakeProducer(b.control, "t2", n_samples=100, fingerprint="other")
+    # peer IDs are never reused: a consumer joining after c1 left is c2
+    c1.send("bye", reason="test")
+    c1.close()
+    c2 = FakeConsumer(b.control, "gpu5")
+    assert (c1.peer, c2.peer, p1.peer) == ("c1", "c2", "p1")
+    c2.close()
+    p1.close()
+
+
+def test_sigterm_stops_peers_persists_ledger_and_exits_0(start_broker):
+    b = start_broker("--lease-size", "4")
+    prod = FakeProducer(b.control, "t0", n_samples=8)
+    cons = FakeConsumer(b.control, "c")
+    prod.send("lease", want=4)
+    grant = prod.wait_for({"grant"}, 5)
+    assert b.stop() == 0
+    deadline = time.monotonic() + 1.0
+    while cons.stopped is None and time.monotonic() < deadline:
+        cons.pump()
+        time.sleep(0.02)
+    assert cons.stopped == "shutdown"  # told, rather than left to time out
+    info = json.loads((b.run_dir / "run.json").read_text())
+    assert info["outcome"] == "interrupted" and info["ended_at"]
+    db = sqlite3.connect(b.run_dir / "ledger.sqlite")
+    leased = db.execute("SELECT sample FROM samples WHERE state='leased' ORDER BY sample").fetchall()
+    assert sorted(s for (s,) in leased) == sorted(grant["samples"])
+    assert b.events("broker.stop")[0]["reason"] == "signal SIGTERM"
+    prod.close()
+    cons.close()
