@@ -73,6 +73,7 @@ class Hooks:
     on_checkpoint: Callable[[int, Path], None] | None = None
     queue: Callable[[], dict] | None = None
     stop: threading.Event | None = None
+    after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
 
 
 @dataclass
@@ -252,6 +253,8 @@ def train(
         state.samples += int(_named(total)["samples"])
         if batch is not None and hooks.on_step is not None:
             hooks.on_step(step, [batch.batch_id])
+        if hooks.after_step is not None:
+            hooks.after_step(step, model)
         meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, state=state,
                        queue=hooks.queue() if hooks.queue else {}, rank=dist.rank)
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
