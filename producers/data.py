@@ -165,8 +165,8 @@ class JsonlSource:
                              .encode()).hexdigest()[:20]
         idx_path = Path(cache_dir or _cache_dir() / "index") / f"{key}.npz"
         t0 = time.monotonic()
-        cached = idx_path.exists()
-        if cached:
+        self.index_cached = idx_path.exists()
+        if self.index_cached:
             z = np.load(idx_path)
             self.starts, self.lengths, self.line_nos = z["starts"], z["lengths"], z["line_nos"]
             self.fingerprint = str(z["fingerprint"])
@@ -177,7 +177,7 @@ class JsonlSource:
                       fingerprint=np.array(self.fingerprint))
         self._fd = os.open(self.path, os.O_RDONLY)
         log.info("produce.data_opened", path=self.path, format="jsonl", rows=len(self),
-                 fingerprint=self.fingerprint, index_cached=cached, index_s=round(time.monotonic() - t0, 3))
+                 fingerprint=self.fingerprint, index_cached=self.index_cached, index_s=round(time.monotonic() - t0, 3))
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -1,0 +1,29 @@
+"""Helpers for the producer tests (a unique module name: test folders are not packages)."""
+
+from __future__ import annotations
+
+import json
+
+
+def tiny_dir(family: str, tie: bool, **kw):
+    from dflash.tools.tiny import tiny_target
+
+    return tiny_target(family=family, tie=tie, **kw)
+
+
+def write_jsonl(path, rows, raw_lines=()) -> str:
+    """Rows as JSON lines, then raw lines appended verbatim (for malformed ones)."""
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def chat(i: int, turns: int = 2) -> dict:
+    msgs = []
+    for t in range(turns):
+        msgs += [{"role": "user", "content": f"Question {i}.{t}: what is {i} plus {t}?"},
+                 {"role": "assistant", "content": f"{i} plus {t} is {i + t}."}]
+    return {"messages": msgs}
