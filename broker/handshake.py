@@ -7,6 +7,8 @@ producer fixes them), consumer rank and data-out pipe. Only then is a peer ID sp
 
 from __future__ import annotations
 
+import json
+
 import zmq
 
 from dflash.protocol.logs import get_logger
@@ -63,7 +65,7 @@ def hello(b, identity: bytes, h: dict) -> None:
         if rank == 0:
             b.dist = dist_endpoint(config.get("dist_addr"))
     b.ledger.peer_joined(p)
-    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=config)
+    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=_brief(config))
     welcome(b, p)
     if b.stopping is not None:  # joined after end of stream: nothing left to do
         b.stopping.add(p.id)
@@ -144,6 +146,12 @@ def open_pipe(b) -> tuple[zmq.Socket, int] | None:
         b.next_port = lo + (port + 1 - lo) % n
         return sock, port
     return None
+
+
+def _brief(config: dict) -> dict:
+    """The hello config for the log line, or only its keys if it is large."""
+    text = json.dumps(config, default=str)
+    return config if len(text) <= 4000 else {"keys": sorted(config)[:64], "bytes": len(text)}
 
 
 def dist_endpoint(addr) -> str | None:
