@@ -95,6 +95,16 @@ class Dist:
         dist.all_gather(out, t)
         return [o.cpu() for o in out]
 
+    def broadcast_str(self, text: str, max_bytes: int = 256) -> str:
+        """Rank 0's string on every rank (e.g. the run ID of a local data-parallel run)."""
+        if not self.enabled:
+            return text
+        buf = torch.zeros(max_bytes, dtype=torch.uint8, device=self.device)
+        raw = text.encode()[:max_bytes]
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        dist.broadcast(buf, src=0)
+        return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

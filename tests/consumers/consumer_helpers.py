@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from dflash.consumers.batch import Batch
+from dflash.consumers.synthetic import rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
 from dflash.consumers.target_heads import TargetSpec
 
 MASK_ID = 511  # an unused row of the tiny vocabulary
@@ -50,31 +51,3 @@ def random_batch(
         loss_mask=mask,
         hidden=torch.randn(T, len(layer_ids) * spec.hidden_size, generator=g),
     )
-
-
-def rule_batch(
-    spec: TargetSpec, layer_ids: list[int], *, seed: int, n_seqs: int = 4, seq_len: int = 40, prompt: int = 6,
-    modulus: int = 16, max_stride: int = 3, batch_id: str = "r0", sample_start: int = 0,
-) -> Batch:
-    """A stream whose continuation is a deterministic function of the context.
-
-    Each sequence has a hidden stride s in 1..max_stride: x[t+1] = 100 + (x[t] - 100 + s) % modulus.
-    The stride is not visible in the anchor token; it is in the target features of the
-    context (every position carries a fixed random code of s), as a real target's
-    features carry what comes next. So block position k must predict x[a] + k*s, which
-    needs the anchor, the context and the right label offset."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randn(max_stride + 1, len(layer_ids) * spec.hidden_size, generator=torch.Generator().manual_seed(7))
-    ids, mask, hidden = [], [], []
-    for _ in range(n_seqs):
-        s = int(torch.randint(1, max_stride + 1, (1,), generator=g))
-        x = [int(torch.randint(0, modulus, (1,), generator=g)) + 100]
-        for _ in range(seq_len - 1):
-            x.append(100 + (x[-1] - 100 + s) % modulus)
-        ids.append(torch.tensor(x, dtype=torch.int32))
-        m = torch.ones(seq_len, dtype=torch.uint8)
-        m[:prompt] = 0
-        mask.append(m)
-        hidden.append(codes[s].expand(seq_len, -1) + 0.1 * torch.randn(seq_len, codes.shape[1], generator=g))
-    return Batch(batch_id, list(range(sample_start, sample_start + n_seqs)), [seq_len] * n_seqs,
-                 list(layer_ids), 0, torch.cat(ids), torch.cat(mask), torch.cat(hidden))

@@ -1,0 +1,185 @@
+"""dflash-consume: train the DFlash drafter on the batches handed to this consumer.
+
+The click command only maps options onto `ConsumerConfig` (and its `TrainConfig`); the
+rest is setup: logging, device, data-parallel group, target heads, run folder, source.
+Batches come from a local synthetic stream for now (`--synthetic-batches`); the broker
+link (protocol/peer.py PeerLink) plugs in as the batch source and hooks later.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import click
+import torch
+
+from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
+from dflash.protocol.errors import DFlashError
+from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
+
+from .checkpoint import resolve_checkpoint
+from .dist import Dist
+from .synthetic import synthetic_stream
+from .target_heads import TargetLoadError, load_target_heads
+from .train import Hooks, TrainConfig, resolve_signal, train
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    target: str
+    train: TrainConfig
+    gpu: int | None = None
+    instance: str = ""
+    broker: str = ""
+    runs_dir: str = "runs"
+    run_id: str | None = None
+    dist_init: str | None = None  # tcp://HOST:PORT rendezvous of the data-parallel group
+    rank: int = 0
+    world_size: int = 1
+    synthetic_batches: int = 0
+    synthetic_seqs: int = 4
+    synthetic_seq_len: int = 512
+    log_level: str = "info"
+
+
+def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
+    if value in (None, "", "auto"):
+        return None
+    try:
+        return tuple(int(x) for x in value.replace(" ", "").split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of layer IDs") from None
+
+
+@click.command(context_settings={"max_content_width": 100})
+@config_option()
+@option("--target", required=True, type=click.Path(exists=True, file_okay=False),
+        help="Target model folder (Hugging Face layout); only config, embed_tokens and lm_head are read.")
+@option("--gpu", type=int, default=None, help="CUDA device index; omitted: train on CPU (float32).")
+@broker_option()
+@runs_dir_option()
+@option("--instance", default=None, help="This consumer's name in logs and at the broker (default <host>-gpu<N>).")
+@option("--run-id", default=None, help="Run ID for a local run (default: a new one; with a broker, the broker's).")
+@option("--draft-layers", default=5, type=click.IntRange(1), help="Draft decoder layers (paper: 5).")
+@option("--target-layers", default="auto", callback=_layers,
+        help="Comma-separated 0-based target layer IDs fed to the drafter; auto: 5 spaced from 1 to L-3.")
+@option("--block-size", default=16, type=click.IntRange(2), help="Block size B: anchor + B-1 drafted tokens.")
+@option("--anchors", default=512, type=click.IntRange(1), help="Anchors sampled per sequence (at most the valid ones).")
+@option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
+@option("--mask-token-id", default=None, type=int, help="Vocabulary row used as MASK (default 151669 for Qwen3).")
+@option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
+@option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
+@option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of --total-steps.")
+@option("--total-steps", default=None, type=click.IntRange(1), help="Length of the lr/noise schedules; omitted: constant lr.")
+@option("--max-steps", default=None, type=click.IntRange(0), help="Stop after this many steps (default: end of stream).")
+@option("--grad-clip", default=1.0, type=float, help="Clip the global gradient norm to this value.")
+@option("--weight-decay", default=0.0, type=float, help="AdamW weight decay.")
+@option("--feature-noise", default=0.0, type=click.FloatRange(0), help="Gaussian noise on target features, relative to each layer's RMS.")
+@option("--noise-schedule", default="linear", type=click.Choice(["constant", "linear", "cosine"]),
+        help="How --feature-noise decays to 0 over --total-steps.")
+@option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
+@option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
+@option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]), help="Attention kernel; auto: flex on GPU, sdpa on CPU.")
+@option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
+@option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
+@option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")
+@option("--resume", default=None, help="Checkpoint folder, run ID or run folder, or 'latest', to continue from.")
+@option("--force", is_flag=True, default=False, help="Resume even if the training signal differs from the checkpoint's.")
+@option("--log-position-every", default=100, type=click.IntRange(0), help="Log per-position accuracy every N steps.")
+@option("--epoch-samples", default=None, type=click.IntRange(1), help="Samples per epoch, for the logged epoch fraction.")
+@option("--dist-init", default=None, help="tcp://HOST:PORT rendezvous for data-parallel ranks (torchrun's env also works).")
+@option("--rank", default=0, type=click.IntRange(0), help="This consumer's rank with --dist-init.")
+@option("--world-size", default=1, type=click.IntRange(1), help="Number of consumer ranks with --dist-init.")
+@option("--synthetic-batches", default=0, type=click.IntRange(0), help="Train on N local synthetic batches instead of a broker.")
+@option("--synthetic-seqs", default=4, type=click.IntRange(1), help="Sequences per synthetic batch.")
+@option("--synthetic-seq-len", default=512, type=click.IntRange(2), help="Tokens per synthetic sequence.")
+@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+def main(**o) -> None:
+    """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
+    train_fields = set(TrainConfig.__dataclass_fields__)
+    tcfg = TrainConfig(**{k: v for k, v in o.items() if k in train_fields})
+    rest = {k: v for k, v in o.items() if k in ConsumerConfig.__dataclass_fields__ and k != "train"}
+    rest["instance"] = rest["instance"] or f"{socket.gethostname()}-{'cpu' if o['gpu'] is None else 'gpu%d' % o['gpu']}"
+    run(ConsumerConfig(train=tcfg, **rest))
+
+
+def run(cfg: ConsumerConfig) -> None:
+    """Set up and train; exits non-zero with a one-line reason on bad input."""
+    setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
+    device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist, previous = None, {}
+    try:
+        dist = (Dist.init(init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size, device=device)
+                if cfg.dist_init else Dist.from_torchrun(device)) or Dist(device=device)
+        heads = load_target_heads(cfg.target, device=device,
+                                  dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        tcfg = cfg.train
+        if tcfg.resume:  # resolve before this run's folder exists, and record the parent
+            tcfg = replace(tcfg, resume=str(resolve_checkpoint(tcfg.resume, cfg.runs_dir)))
+        signal_ = resolve_signal(tcfg, heads)
+        if not cfg.synthetic_batches:
+            fail("the broker link is not wired into dflash-consume yet; use --synthetic-batches N for a local run")
+        run_dir = _start_run(cfg, tcfg, dist)
+        stop = threading.Event()
+        previous = _stop_on_signals(stop)
+        source = synthetic_stream(heads.spec, list(signal_.target_layers), batches=cfg.synthetic_batches,
+                                  n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
+                                  seed=tcfg.seed, dtype=heads.embed.dtype)
+        state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
+                      run_config=_json_config(cfg), hooks=Hooks(stop=stop))
+        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}")
+    except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
+        log.error("consumer.failed", error=str(e), error_type=type(e).__name__)
+        fail(str(e))
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if dist is not None:
+            dist.close()
+        close_logging()
+
+
+def _json_config(cfg: ConsumerConfig) -> dict:
+    d = as_dict(cfg)
+    d["train"]["target_layers"] = list(cfg.train.target_layers) if cfg.train.target_layers else None
+    return d
+
+
+def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
+    """A local run's folder: logs, checkpoints, run.json; ranks share rank 0's run ID."""
+    run_id = cfg.run_id or new_run_id()
+    if dist.enabled and not cfg.run_id:
+        run_id = dist.broadcast_str(run_id)
+    run_dir = make_run_dir(run_id, cfg.runs_dir)
+    bind_run(run_id, cfg.runs_dir)
+    if dist.rank == 0:
+        parent = Path(tcfg.resume).parent.parent.name if tcfg.resume else None
+        write_json_atomic(run_dir / "run.json", {
+            "run_id": run_id, "role": "consumer", "config": _json_config(cfg), "versions": versions(),
+            "hosts": [hostname()], "parent_run": parent, "resumed_from": tcfg.resume, "pid": os.getpid(),
+        })
+        point_latest(run_id, cfg.runs_dir)
+    return run_dir
+
+
+def _stop_on_signals(stop: threading.Event) -> dict:
+    """First SIGINT/SIGTERM: finish the step, write the final checkpoint, exit 0. Second: die.
+    Returns the previous handlers, to put back afterwards."""
+    def handler(signum, _frame):
+        if stop.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        log.warning("consumer.stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
