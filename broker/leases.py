@@ -149,6 +149,14 @@ class LeasePool:
         out = [(le, self.give_back(le)) for le in mine]  # newest first onto the front...
         return out[::-1]  # ...so the oldest ends up at the very front; report oldest first
 
+    def hold_clocks(self, dt: float) -> None:
+        """Stop the `done` clocks for `dt` seconds: while the broker is not reading data
+        in (queue full), a lease's last batches wait in the producer's pipe through no
+        fault of its own."""
+        for le in self.open.values():
+            if le.done_at is not None:
+                le.done_at += dt
+
     def overdue(self, now: float, grace_s: float) -> list[Lease]:
         """Leases whose producer said `done` more than `grace_s` ago yet are incomplete."""
         return [le for le in self.open.values() if le.done_at is not None and now - le.done_at > grace_s]

@@ -55,6 +55,7 @@ class Broker:
         self.outcome: str | None = None
         self.signal: str | None = None  # set by the signal handler, acted on in the loop
         self.blocked = False
+        self.last_tick = time.monotonic()
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
         self.log_limit, self.reply_limit = RateLimit(5.0), RateLimit(3.0)
         self.rate_in, self.rate_out = RateMeter(), RateMeter()
@@ -137,6 +138,9 @@ class Broker:
         if self.signal is not None:
             self.shutdown(f"signal {self.signal}", outcome="interrupted")
             return
+        if not self.queue.has_room():
+            self.leases.hold_clocks(now - self.last_tick)
+        self.last_tick = now
         for p in silent(self.peers.live(), now, self.cfg.timeout_s):
             control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
         for lease in self.leases.overdue(now, self.cfg.timeout_s):

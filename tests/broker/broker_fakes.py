@@ -15,6 +15,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 import time
 from array import array
 
@@ -233,6 +234,29 @@ class FakeConsumer(FakePeer):
             if left <= 0:
                 return
             time.sleep(min(left, 0.02))
+
+
+class Pumping:
+    """`with Pumping(a, b):` keeps the peers heartbeating from a thread meanwhile. The
+    block must not touch their sockets (ZeroMQ sockets are not thread-safe)."""
+
+    def __init__(self, *peers: FakePeer):
+        self.peers, self.done = peers, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            for p in self.peers:
+                p.pump()
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
 
 
 def main(argv=None) -> int:

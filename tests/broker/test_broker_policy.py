@@ -203,3 +203,16 @@ def test_cli_refuses_bad_options_in_one_line():
     r = subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--queue-bytes", "lots"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lots" in r.stderr
+
+
+def test_incomplete_lease_returns_after_grace_and_its_clock_holds_while_the_queue_is_full():
+    pool = LeasePool(epochs=1, seed=0, n_samples=10)
+    le = pool.grant("p1", 4)
+    pool.arrived(le.id, "p1", 0, le.samples[:2])
+    le.done_at = 100.0
+    assert pool.overdue(105.0, 10.0) == []
+    pool.hold_clocks(20.0)  # the broker was not reading data in for 20 s
+    assert pool.overdue(125.0, 10.0) == []
+    assert pool.overdue(131.0, 10.0) == [le]
+    assert pool.give_back(le) == le.samples[2:]
+    assert pool.grant("p2", 2).samples == le.samples[2:]

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 
-from broker_fakes import FakeConsumer, FakeProducer
+from broker_fakes import FakeConsumer, FakeProducer, Pumping
 from conftest import free_port_block
 
 
@@ -25,21 +23,10 @@ def test_status_shows_run_queue_peers_and_the_lost(start_broker):
     ghost = FakeConsumer(b.control, "gpu6")
     ghost.send("credit", credit=2)
     ghost.close()  # goes silent without bye: lost after --timeout-s 1.5
-    done = threading.Event()
-
-    def keep_alive():
-        while not done.is_set():
-            prod.pump()
-            cons.pump()
-            time.sleep(0.05)
-
-    threading.Thread(target=keep_alive, daemon=True).start()
-    try:
+    with Pumping(prod, cons):
         b.wait_event("broker.peer_lost", 5, lambda e: e["peer_instance"] == "gpu6")
         human = _status("--broker", b.control)
         raw = _status("--broker", b.control, "--json")
-    finally:
-        done.set()
     assert human.returncode == 0, human.stderr
     out = human.stdout
     assert b.run_id in out and "queue" in out and "samples" in out
