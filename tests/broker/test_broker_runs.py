@@ -81,3 +81,20 @@ def test_sigterm_stops_peers_persists_ledger_and_exits_0(start_broker):
     assert b.events("broker.stop")[0]["reason"] == "signal SIGTERM"
     prod.close()
     cons.close()
+
+
+def test_consumers_get_ranks_in_hello_order_and_rank_0s_rendezvous(start_broker):
+    b = start_broker("--consumers", "2")
+    c0 = FakeConsumer(b.control, "g0", config={"dist_addr": "127.0.0.1:29500"})
+    c1 = FakeConsumer(b.control, "g1")
+    ranks = [(c.welcome["run_config"]["rank"], c.welcome["run_config"]["world_size"],
+              c.welcome["run_config"]["dist"]) for c in (c0, c1)]
+    assert ranks == [(0, 2, "tcp://127.0.0.1:29500"), (1, 2, "tcp://127.0.0.1:29500")]
+    with pytest.raises(Rejected, match="full.*2 ranks"):
+        FakeConsumer(b.control, "g2")
+    c0.send("bye", reason="test")
+    c3 = FakeConsumer(b.control, "g3", config={"dist_addr": "tcp://10.0.0.9:29501"})
+    assert c3.welcome["run_config"]["rank"] == 0 and c3.welcome["run_config"]["dist"] == "tcp://10.0.0.9:29501"
+    assert c3.welcome["data_out"] != c0.welcome["data_out"]  # ports rotate, never handed straight back
+    for c in (c0, c1, c3):
+        c.close()
