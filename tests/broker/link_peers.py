@@ -1,0 +1,69 @@
+"""A minimal producer and consumer on the project's own client, `protocol.peer.PeerLink`
+(tiny tensors, no model), run as processes by test_broker_peerlink.py:
+
+    python tests/broker/link_peers.py producer BROKER RUNS_DIR N_SAMPLES
+    python tests/broker/link_peers.py consumer BROKER RUNS_DIR
+
+Exit 0 after a clean end of stream; the consumer prints one JSON line with what it got.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from dflash.protocol.logs import close_logging, setup_logging
+from dflash.protocol.peer import PeerLink
+
+SEQ = 3
+
+
+def produce(broker: str, runs_dir: str, n: int) -> None:
+    cfg = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": n, "fingerprint": "x"}}
+    link = PeerLink(broker, "producer", "link-prod", config=cfg, runs_dir=runs_dir)
+    link.start()
+    while not link.stopped.is_set():
+        g = link.request_lease(8, timeout_s=10)
+        if not g["samples"]:
+            if g["end"]:
+                break
+            continue
+        for s in g["samples"]:
+            ids = torch.full((SEQ,), s, dtype=torch.int32)
+            tensors = {"input_ids": ids, "loss_mask": torch.ones(SEQ, dtype=torch.uint8),
+                       "hidden": torch.full((SEQ, 8), float(s), dtype=torch.bfloat16)}
+            link.push_batch({"lease": g["lease"], "epoch": g["epoch"], "samples": [s], "seq_lens": [SEQ],
+                             "layer_ids": [0, 1]}, tensors)
+        link.lease_done(g["lease"], [])
+    link.close("done")
+
+
+def consume(broker: str, runs_dir: str) -> None:
+    link = PeerLink(broker, "consumer", "link-cons", runs_dir=runs_dir)
+    link.start()
+    got, step = [], 0
+    while True:
+        msg = link.next_batch(timeout_s=0.2)
+        if msg is None:
+            if link.stopped.is_set():
+                break
+            continue
+        s = msg.header["samples"][0]
+        ok = bool((msg.tensors["input_ids"] == s).all() and (msg.tensors["hidden"].float() == s).all())
+        got.append((s, ok))
+        step += 1
+        link.ack([msg.header["batch_id"]], step)
+    link.commit(step, f"ckpt/step-{step}")
+    link.close("done")
+    print(json.dumps({"samples": sorted(s for s, _ in got), "all_ok": all(ok for _, ok in got)}))
+
+
+if __name__ == "__main__":
+    role, broker, runs_dir = sys.argv[1:4]
+    setup_logging(role, f"link-{role[:4]}")
+    try:
+        produce(broker, runs_dir, int(sys.argv[4])) if role == "producer" else consume(broker, runs_dir)
+    finally:
+        close_logging()
