@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ from .batch import Batch
 from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .dist import Dist
 from .loss import LossStats, default_gamma
+from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .step import batch_loss
 from .target_heads import TargetHeads
@@ -85,7 +85,7 @@ class TrainState:
     resumed_from: str | None = None
     end_reason: str = ""
     last_checkpoint: Path | None = None
-    params: dict = field(default_factory=dict, repr=False)
+    model: torch.nn.Module | None = field(default=None, repr=False)  # the trained drafter
 
 
 # ---------------------------------------------------------------- setup
@@ -199,7 +199,7 @@ def train(
              bf16=bf16, params=sum(p.numel() for p in params), signal=signal.as_dict(),
              resumed_from=state.resumed_from, step=state.step, config=run_config)
 
-    meter = _Meter(signal.block_size, cfg)
+    meter = Meter(signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
     source: Iterator = iter(batches)
     exhausted, last_saved = False, state.step
     while True:
@@ -237,10 +237,10 @@ def train(
             if loss_sum is not None:
                 loss_sum.backward()  # d(sum of weighted CE); divided by the global weight below
                 del loss_sum
-        mine = _local_figures(batch, stats)
-        total = dist.all_sum(mine)
+        mine = local_figures(batch, stats)
+        total = dist.all_sum(mine)  # one small collective for every figure a step logs
         dist.sum_grads(params)
-        weight = _named(total)["weight"]
+        weight = named(total)["weight"]
         grad_norm = 0.0
         if weight > 0:  # all ranks see the same weight: they all step or all skip
             for p in params:
@@ -249,14 +249,15 @@ def train(
             optimizer.step()
 
         state.step = step
-        state.tokens += int(_named(total)["tokens"])
-        state.samples += int(_named(total)["samples"])
+        state.tokens += int(named(total)["tokens"])
+        state.samples += int(named(total)["samples"])
         if batch is not None and hooks.on_step is not None:
             hooks.on_step(step, [batch.batch_id])
         if hooks.after_step is not None:
             hooks.after_step(step, model)
-        meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, state=state,
-                       queue=hooks.queue() if hooks.queue else {}, rank=dist.rank)
+        meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
+                       tokens_seen=state.tokens, epoch=state.epoch, queue=hooks.queue() if hooks.queue else {},
+                       rank=dist.rank)
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
             last_saved = step
@@ -264,22 +265,8 @@ def train(
     if ckpt_root is not None and state.step > last_saved:
         _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
     log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
-    state.params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state.model = model
     return state
-
-
-FIGURES = ("loss_sum", "weight", "valid", "correct", "streak", "blocks", "tokens", "samples", "batches")
-
-
-def _local_figures(batch: Batch | None, s: LossStats) -> list[float]:
-    """This rank's sums in FIGURES order, then per-position correct and valid counts:
-    everything a step logs, all-reduced in one collective."""
-    sizes = [batch.tokens, len(batch.samples), 1] if batch is not None else [0, 0, 0]
-    return [s.loss_sum, s.weight, s.valid, s.correct, s.streak, s.blocks, *sizes, *s.pos_correct, *s.pos_valid]
-
-
-def _named(values: list[float]) -> dict:
-    return dict(zip(FIGURES, values))
 
 
 def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:
@@ -315,43 +302,3 @@ def _checkpoint(cfg, signal, model, optimizer, state, dist, root, drafter_json, 
         if hooks.on_checkpoint is not None:
             hooks.on_checkpoint(state.step, path)
     dist.barrier()  # nobody runs ahead of a checkpoint that may still fail
-
-
-class _Meter:
-    """Rates over a sliding window, and the per-position accuracy every N steps."""
-
-    def __init__(self, block_size: int, cfg: TrainConfig, window: int = 20):
-        self.B, self.cfg = block_size, cfg
-        self.hist: deque = deque(maxlen=window + 1)  # (time, tokens, batches, step)
-        self.hist.append((time.monotonic(), 0, 0, 0))
-        self.tok = self.bat = 0
-        self.pos = [0.0] * (2 * (block_size - 1))
-
-    def log_step(self, step, total, mine, *, lr, noise, grad_norm, state, queue, rank) -> None:
-        f = _named(total)
-        weight, valid, blocks = f["weight"], f["valid"], f["blocks"]
-        self.tok += f["tokens"]
-        self.bat += f["batches"]
-        self.hist.append((time.monotonic(), self.tok, self.bat, step))
-        (t0, k0, b0, s0), (t1, k1, b1, s1) = self.hist[0], self.hist[-1]
-        dt = max(t1 - t0, 1e-9)
-        eta = None
-        if self.cfg.total_steps:
-            eta = round(max(0, self.cfg.total_steps - step) * dt / max(1, s1 - s0))
-        epoch = state.epoch
-        if self.cfg.epoch_samples:
-            epoch = round(state.samples / self.cfg.epoch_samples, 4)
-        log.info(
-            "train.step", step=step, loss=round(f["loss_sum"] / weight, 5) if weight else None,
-            acc=round(f["correct"] / valid, 4) if valid else None,
-            streak=round(f["streak"] / blocks, 3) if blocks else None, lr=lr, noise=round(noise, 5),
-            tokens_per_s=round((k1 - k0) / dt, 1), batches_per_s=round((b1 - b0) / dt, 3),
-            queue=queue, epoch=epoch, eta_s=eta, rank=rank, grad_norm=round(grad_norm, 4),
-            tokens=int(f["tokens"]), rank_tokens=int(_named(mine)["tokens"]), tokens_seen=state.tokens,
-        )
-        n = self.B - 1
-        self.pos = [a + b for a, b in zip(self.pos, total[len(FIGURES) :])]
-        if self.cfg.log_position_every > 0 and step % self.cfg.log_position_every == 0:
-            acc = [round(c / v, 4) if v else None for c, v in zip(self.pos[:n], self.pos[n:])]
-            log.info("train.position_acc", step=step, acc_by_position=acc, positions=list(range(1, self.B)))
-            self.pos = [0.0] * (2 * n)

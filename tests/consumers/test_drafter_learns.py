@@ -40,7 +40,7 @@ def test_loss_goes_to_zero_and_drafts_match_the_stream(heads):
     assert len(pos) == 3 and len(pos[-1]["acc_by_position"]) == B - 1
 
     model = DFlashDraft(DrafterConfig.from_target(heads.spec, 2, len(LAYERS)))
-    model.load_state_dict(state.params)
+    model.load_state_dict(state.model.state_dict())
     fresh = rule_batch(heads.spec, LAYERS, seed=10_000, n_seqs=8)  # never trained on
     hits = total = 0
     for s in range(8):

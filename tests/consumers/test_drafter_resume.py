@@ -40,8 +40,9 @@ def test_resume_from_step_10_equals_the_uninterrupted_run(heads, tmp_path):
     with capture_logs():
         resumed = train(replace(CFG, resume=str(step10)), heads, _batches(heads.spec, 10, 20), ckpt_root=ckpt_b)
     assert resumed.step == 20 and resumed.tokens == full.tokens and resumed.samples == full.samples
-    for name, p in full.params.items():
-        assert torch.equal(p, resumed.params[name]), name
+    after = resumed.model.state_dict()
+    for name, p in full.model.state_dict().items():
+        assert torch.equal(p, after[name]), name
     # `latest` now means the resumed run's newest checkpoint
     assert resolve_checkpoint("latest", tmp_path) == ckpt_b / "step-20"
 

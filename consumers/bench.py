@@ -1,0 +1,114 @@
+"""Drafter-only step throughput and memory on one GPU, without producers or a real target.
+
+    python -m dflash.consumers.bench --gpu 0 --seqs 4 --seq-len 3072 --steps 12
+
+Builds a target folder shaped like Qwen3-8B (config.json plus random embed_tokens and
+lm_head, nothing else: that is all a consumer reads), then trains on the synthetic
+stream through the same loop as dflash-consume and prints one JSON summary line: step
+time, tokens/s, peak memory, first and last loss. Also checks that the flex and SDPA
+attention paths agree in bf16 on a small batch.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import click
+import torch
+from safetensors.torch import save_file
+from structlog.testing import capture_logs
+
+from .blocks import build_layout
+from .step import draft_states, make_layout
+from .synthetic import rule_batch, synthetic_stream
+from .target_heads import load_target_heads
+from .train import Hooks, TrainConfig, resolve_signal, train
+
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+            "tie_word_embeddings": False}
+
+
+def fake_target(folder: Path, cfg: dict = QWEN3_8B) -> Path:
+    """config.json + model.safetensors holding only the two head tensors (random bf16)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    V, D = cfg["vocab_size"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.embed_tokens.weight": (torch.randn(V, D, generator=g) * 0.02).bfloat16(),
+               "lm_head.weight": (torch.randn(V, D, generator=g) * 0.05).bfloat16()}, folder / "model.safetensors")
+    return folder
+
+
+def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
+    """Max |flex - sdpa| / max |sdpa| of the drafter's states on a small packed batch."""
+    from .model import DFlashDraft, DrafterConfig
+
+    signal = resolve_signal(cfg, heads)
+    torch.manual_seed(0)
+    model = DFlashDraft(DrafterConfig.from_target(heads.spec, cfg.draft_layers, len(signal.target_layers)))
+    model = model.to(heads.embed.device)
+    batch = rule_batch(heads.spec, list(signal.target_layers), seed=1, n_seqs=3, seq_len=300, dtype=torch.bfloat16)
+    layout = make_layout(batch, signal, 0, heads.embed.device, "sdpa")
+    out = {}
+    with torch.no_grad(), torch.autocast(heads.embed.device.type, dtype=torch.bfloat16):
+        for be in ("sdpa", "flex"):
+            lay = build_layout(batch.seq_lens, layout.anchors, signal.block_size, heads.embed.device, be)
+            out[be] = draft_states(model, heads, batch, lay, signal).float()
+    return float((out["flex"] - out["sdpa"]).abs().max() / out["sdpa"].abs().max())
+
+
+@click.command()
+@click.option("--gpu", default=0, type=int, help="CUDA device index.")
+@click.option("--seqs", default=4, type=int, help="Sequences per batch.")
+@click.option("--seq-len", default=3072, type=int, help="Tokens per sequence.")
+@click.option("--steps", default=12, type=int, help="Steps to run (the first ones include compilation).")
+@click.option("--anchors", default=512, type=int, help="Anchors per sequence.")
+@click.option("--block-size", default=16, type=int, help="Block size.")
+@click.option("--attn", default="flex", type=click.Choice(["flex", "sdpa"]), help="Attention kernel.")
+@click.option("--loss-chunk", default=2048, type=int, help="Block positions per logits chunk.")
+def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk) -> None:
+    """Measure drafter training steps on synthetic batches shaped like real ones."""
+    device = torch.device("cuda", gpu)
+    torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        heads = load_target_heads(fake_target(Path(tmp) / "target"), device=device, dtype=torch.bfloat16)
+    cfg = TrainConfig(block_size=block_size, anchors=anchors, attn=attn, loss_chunk=loss_chunk, lr=6e-4,
+                      total_steps=steps, log_position_every=0)
+    rel = check_flex_vs_sdpa(heads, cfg)
+    signal = resolve_signal(cfg, heads)
+    # Made up front: the generator is not what is measured (real batches arrive ready).
+    batches = list(synthetic_stream(heads.spec, list(signal.target_layers), batches=steps, n_seqs=seqs,
+                                    seq_len=seq_len))
+    torch.cuda.reset_peak_memory_stats(device)
+    ends: list[float] = []
+
+    def after_step(step, model):
+        torch.cuda.synchronize(device)
+        ends.append(time.monotonic())
+
+    t0 = time.monotonic()
+    with capture_logs() as logs:
+        train(replace(cfg), heads, batches, hooks=Hooks(after_step=after_step))
+    wall = time.monotonic() - t0
+    lines = [e for e in logs if e["event"] == "train.step"]
+    half = len(ends) // 2  # the first steps compile kernels
+    step_s = (ends[-1] - ends[half]) / max(1, len(ends) - 1 - half)
+    print(json.dumps({
+        "attn": attn, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
+        "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
+        "first_step_s": round(ends[0] - t0, 2), "step_s": round(step_s, 3),
+        "tokens_per_s": round(seqs * seq_len / step_s),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+        "loss_first": lines[0]["loss"], "loss_last": lines[-1]["loss"], "acc_last": lines[-1]["acc"],
+        "flex_vs_sdpa_rel_err": rel,
+    }))
+
+
+if __name__ == "__main__":
+    main()
