@@ -169,7 +169,8 @@ def _held(held: dict) -> str:
 @broker_option()
 @option("--json", "as_json", is_flag=True, default=False, envvar="DFLASH_STATUS_JSON",
         help="Print the raw status map as JSON (for scripts and jq).")
-@option("--timeout-s", default=3.0, type=float, help="Seconds to wait for the broker's answer.")
+@option("--timeout-s", default=3.0, type=float, envvar="DFLASH_STATUS_TIMEOUT_S",
+        help="Seconds to wait for the broker's answer.")
 def main(broker: str, as_json: bool, timeout_s: float) -> None:
     """Show the live state of the run a broker serves: queue, samples, every peer."""
     try:

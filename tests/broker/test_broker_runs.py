@@ -9,6 +9,7 @@ import os
 import sqlite3
 import time
 
+import msgpack
 import pytest
 from broker_fakes import FakeConsumer, FakeProducer, Rejected
 from conftest import spawn_fake
@@ -98,3 +99,18 @@ def test_consumers_get_ranks_in_hello_order_and_rank_0s_rendezvous(start_broker)
     assert c3.welcome["data_out"] != c0.welcome["data_out"]  # ports rotate, never handed straight back
     for c in (c0, c1, c3):
         c.close()
+
+
+def test_messages_from_a_lost_peer_or_with_another_runs_id_are_refused(start_broker):
+    b = start_broker()
+    c = FakeConsumer(b.control, "gpu7")
+    b.wait_event("broker.peer_lost", 5, lambda e: e["peer_instance"] == "gpu7")  # c did not beat
+    c.send("ack", batch_ids=["p1-1"], step=3)
+    with pytest.raises(Rejected, match="unknown_peer"):
+        c.wait_for({"welcome"}, 3)
+    other_run = FakeConsumer(b.control, "gpu8")
+    other_run.ctl.send(msgpack.packb({"v": 1, "type": "credit", "run": "20200101T000000Z-dead", "credit": 1}))
+    with pytest.raises(Rejected, match="run_mismatch"):
+        other_run.wait_for({"grant"}, 3)
+    c.close()
+    other_run.close()
