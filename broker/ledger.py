@@ -84,7 +84,6 @@ class Ledger:
         self._ops: list[tuple[str, tuple]] = []
         self._last_flush = time.monotonic()
         self.counts: Counter[str] = Counter()
-        self._trained_by_step: Counter[int] = Counter()
         self.flush_seconds = 0.0  # total time spent writing, for the status map
 
     # ------------------------------------------------------------ run facts
@@ -141,25 +140,21 @@ class Ledger:
     def trained(self, b, consumer: str, step: int) -> None:
         self._batch(b, "trained", consumer, step)
         self._move("delivered", "trained", len(b.samples))
-        self._trained_by_step[step] += len(b.samples)
 
     def committed(self, step: int, checkpoint: str, peer: str) -> int:
         """Every sample trained at a step <= `step` -> committed. Written at once."""
-        n = sum(c for s, c in self._trained_by_step.items() if s <= step)
-        for s in [s for s in self._trained_by_step if s <= step]:
-            del self._trained_by_step[s]
-        self._move("trained", "committed", n)
         self.flush()
         now = time.time()
         with self.db:
             self.db.execute("BEGIN")
-            self.db.execute(
+            n = self.db.execute(
                 "UPDATE samples SET state='committed', updated=? WHERE state='trained' AND step<=?", (now, step)
-            )
+            ).rowcount
             self.db.execute(
                 "UPDATE batches SET state='committed', updated=? WHERE state='trained' AND step<=?", (now, step)
             )
             self.db.execute("INSERT INTO commits VALUES(?,?,?,?,?)", (step, checkpoint, peer, n, now))
+        self._move("trained", "committed", n)
         return n
 
     def peer_joined(self, p) -> None:
