@@ -10,7 +10,7 @@ import sqlite3
 import time
 from datetime import datetime
 
-from conftest import spawn_fake
+from broker_harness import spawn_fake
 
 N_SAMPLES = 80
 TIMEOUT_S = 1.5  # conftest starts brokers with --timeout-s 1.5 --heartbeat-s 0.2

@@ -8,7 +8,7 @@ import json
 import sqlite3
 
 import pytest
-from conftest import spawn_fake
+from broker_harness import spawn_fake
 
 N_SAMPLES = 60
 COMMON = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
@@ -16,7 +16,7 @@ COMMON = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
 
 @pytest.fixture(scope="module")
 def eos_run(tmp_path_factory):
-    from conftest import BrokerProc
+    from broker_harness import BrokerProc
 
     b = BrokerProc(tmp_path_factory.mktemp("eos") / "runs", ["--lease-size", "8"])
     procs = [spawn_fake("producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}") for i in range(2)]

@@ -8,7 +8,7 @@ import sqlite3
 import subprocess
 import sys
 
-from conftest import HERE
+from broker_harness import HERE
 
 N_SAMPLES = 24
 

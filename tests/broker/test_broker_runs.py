@@ -12,7 +12,7 @@ import time
 import msgpack
 import pytest
 from broker_fakes import FakeConsumer, FakeProducer, Rejected
-from conftest import spawn_fake
+from broker_harness import spawn_fake
 
 
 def test_old_run_id_refused_and_runs_never_share_a_log_file(start_broker):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from broker_fakes import FakeConsumer, FakeProducer, Pumping
-from conftest import free_port_block
+from broker_harness import free_port_block
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:

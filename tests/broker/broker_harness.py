@@ -1,0 +1,128 @@
+"""Broker test harness: a real `dflash-broker` process on loopback ports chosen free, its
+stdout collected, a status probe, and wire fakes spawned as processes. (Not in conftest.py:
+several test folders have a conftest, and `from conftest import` picks whichever came first.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+HERE = Path(__file__).resolve().parent
+FAKES = str(HERE / "broker_fakes.py")
+sys.path.insert(0, str(HERE))
+
+
+def free_port_block(n: int) -> int:
+    """First port of `n` consecutive free TCP ports on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+def ask_status(endpoint: str, timeout_s: float = 2.0) -> dict | None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send(msgpack.packb({"v": 1, "type": "status"}))
+        if s.poll(int(timeout_s * 1000)):
+            return msgpack.unpackb(s.recv_multipart()[0])["status"]
+        return None
+    finally:
+        s.close()
+
+
+class BrokerProc:
+    """A broker subprocess; `lines` collects its stdout (JSON log lines)."""
+
+    def __init__(self, runs_dir: Path, args: list[str], n_out: int = 8, env: dict | None = None):
+        self.runs_dir = runs_dir
+        self.port = free_port_block(2 + n_out)
+        self.control = f"tcp://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(self.port),
+               "--data-in-port", str(self.port + 1), "--data-out-ports", f"{self.port + 2}-{self.port + 1 + n_out}",
+               "--runs-dir", str(runs_dir), "--heartbeat-s", "0.2", "--timeout-s", "1.5", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True).start()
+        self.status = self._wait_up()
+        self.run_id = self.status["run_id"]
+
+    @staticmethod
+    def _read(stream, out: list) -> None:
+        for line in stream:
+            out.append(line.rstrip("\n"))
+
+    def _wait_up(self, timeout_s: float = 20.0) -> dict:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited {self.proc.returncode}: {self.stderr}")
+            st = ask_status(self.control, 0.5)
+            if st is not None:
+                return st
+        raise RuntimeError("broker did not answer status")
+
+    def events(self, name: str | None = None) -> list[dict]:
+        out = []
+        for line in list(self.lines):
+            ev = json.loads(line)
+            if name is None or ev["event"] == name:
+                out.append(ev)
+        return out
+
+    def wait_event(self, name: str, timeout_s: float = 10.0, pred=lambda ev: True) -> dict:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            for ev in self.events(name):
+                if pred(ev):
+                    return ev
+            time.sleep(0.02)
+        raise AssertionError(f"no {name} within {timeout_s}s; last lines: {self.lines[-5:]}")
+
+    def ask(self) -> dict | None:
+        return ask_status(self.control)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.run_id
+
+
+def spawn_fake(role: str, broker: BrokerProc, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, FAKES, role, "--broker", broker.control, "--runs-dir",
+                             str(broker.runs_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
