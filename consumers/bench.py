@@ -72,7 +72,8 @@ def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
 @click.option("--block-size", default=16, type=int, help="Block size.")
 @click.option("--attn", default="flex", type=click.Choice(["flex", "sdpa"]), help="Attention kernel.")
 @click.option("--loss-chunk", default=2048, type=int, help="Block positions per logits chunk.")
-def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk) -> None:
+@click.option("--vary", is_flag=True, help="Vary sequence lengths from batch to batch, as real packing does.")
+def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary) -> None:
     """Measure drafter training steps on synthetic batches shaped like real ones."""
     device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
@@ -83,8 +84,12 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk) -> No
     rel = check_flex_vs_sdpa(heads, cfg)
     signal = resolve_signal(cfg, heads)
     # Made up front: the generator is not what is measured (real batches arrive ready).
-    batches = list(synthetic_stream(heads.spec, list(signal.target_layers), batches=steps, n_seqs=seqs,
-                                    seq_len=seq_len))
+    layers = list(signal.target_layers)
+    if vary:  # new T and Q every batch: what compiled kernels must cope with
+        batches = [rule_batch(heads.spec, layers, seed=i, n_seqs=seqs, seq_len=seq_len - 97 * (i % 5),
+                              sample_start=i * seqs, dtype=torch.bfloat16) for i in range(steps)]
+    else:
+        batches = list(synthetic_stream(heads.spec, layers, batches=steps, n_seqs=seqs, seq_len=seq_len))
     torch.cuda.reset_peak_memory_stats(device)
     ends: list[float] = []
 
@@ -100,7 +105,7 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk) -> No
     half = len(ends) // 2  # the first steps compile kernels
     step_s = (ends[-1] - ends[half]) / max(1, len(ends) - 1 - half)
     print(json.dumps({
-        "attn": attn, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
+        "attn": attn, "vary": vary, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
         "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
         "first_step_s": round(ends[0] - t0, 2), "step_s": round(step_s, 3),
         "tokens_per_s": round(seqs * seq_len / step_s),

@@ -174,12 +174,14 @@ def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
 
 def _stop_on_signals(stop: threading.Event) -> dict:
     """First SIGINT/SIGTERM: finish the step, write the final checkpoint, exit 0. Second: die.
-    Returns the previous handlers, to put back afterwards."""
+    Returns the previous handlers, to put back afterwards.
+
+    The handler must not log: it runs between two bytecodes of the main thread, which may
+    hold the log file's lock at that moment (a deadlock); the loop logs the stop instead."""
     def handler(signum, _frame):
         if stop.is_set():
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        log.warning("consumer.stopping", signal=signal.Signals(signum).name)
         stop.set()
 
     return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -44,8 +44,8 @@ class Meter:
         self.pos = [0.0] * (2 * (block_size - 1))
 
     def log_step(self, step: int, total: list[float], mine: list[float], *, lr: float, noise: float,
-                 grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int) -> None:
-        """One `train.step` line (global figures; `rank_tokens` is this rank's share)."""
+                 grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int) -> dict:
+        """Log one `train.step` line (global figures; `rank_tokens` is this rank's share); return its fields."""
         f = named(total)
         weight, valid, blocks = f["weight"], f["valid"], f["blocks"]
         self.tok += f["tokens"]
@@ -58,17 +58,19 @@ class Meter:
             eta = round(max(0, self.total_steps - step) * dt / max(1, s1 - s0))
         if self.epoch_samples:
             epoch = round(samples / self.epoch_samples, 4)
-        log.info(
-            "train.step", step=step, loss=round(f["loss_sum"] / weight, 5) if weight else None,
+        line = dict(
+            step=step, loss=round(f["loss_sum"] / weight, 5) if weight else None,
             acc=round(f["correct"] / valid, 4) if valid else None,
             streak=round(f["streak"] / blocks, 3) if blocks else None, lr=lr, noise=round(noise, 5),
             tokens_per_s=round((k1 - k0) / dt, 1), batches_per_s=round((b1 - b0) / dt, 3),
             queue=queue, epoch=epoch, eta_s=eta, rank=rank, grad_norm=round(grad_norm, 4),
             tokens=int(f["tokens"]), rank_tokens=int(named(mine)["tokens"]), tokens_seen=tokens_seen,
         )
+        log.info("train.step", **line)
         n = self.B - 1
         self.pos = [a + b for a, b in zip(self.pos, total[len(FIGURES) :])]
         if self.position_every > 0 and step % self.position_every == 0:
             acc = [round(c / v, 4) if v else None for c, v in zip(self.pos[:n], self.pos[n:])]
             log.info("train.position_acc", step=step, acc_by_position=acc, positions=list(range(1, self.B)))
             self.pos = [0.0] * (2 * n)
+        return line

@@ -74,6 +74,9 @@ class Hooks:
     queue: Callable[[], dict] | None = None
     stop: threading.Event | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
+    # Updated in place after every step with the consumer's heartbeat keys (PROTOCOL.md
+    # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s), for an I/O thread to read.
+    stats: dict | None = None
 
 
 @dataclass
@@ -215,6 +218,8 @@ def train(
         # Every rank takes part in every step; stop only when no rank has data left or
         # one was asked to stop. A rank without a batch takes an empty step.
         have, stops = dist.all_sum([batch is not None, want_stop])
+        if want_stop:
+            log.warning("train.stopping", step=state.step, rank=dist.rank)
         if stops > 0 or have == 0:
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
             break
@@ -231,12 +236,16 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         stats = LossStats(pos_correct=[0] * (signal.block_size - 1), pos_valid=[0] * (signal.block_size - 1))
         if batch is not None:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss_sum, stats = batch_loss(model, heads, batch, signal, seed=cfg.seed, backend=backend,
-                                             noise=noise, loss_chunk=cfg.loss_chunk)
-            if loss_sum is not None:
-                loss_sum.backward()  # d(sum of weighted CE); divided by the global weight below
-                del loss_sum
+            try:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss_sum, stats = batch_loss(model, heads, batch, signal, seed=cfg.seed, backend=backend,
+                                                 noise=noise, loss_chunk=cfg.loss_chunk)
+                if loss_sum is not None:
+                    loss_sum.backward()  # d(sum of weighted CE); divided by the global weight below
+                    del loss_sum
+            except torch.OutOfMemoryError as e:
+                _log_oom(e, device, batch, step)
+                raise
         mine = local_figures(batch, stats)
         total = dist.all_sum(mine)  # one small collective for every figure a step logs
         dist.sum_grads(params)
@@ -255,9 +264,11 @@ def train(
             hooks.on_step(step, [batch.batch_id])
         if hooks.after_step is not None:
             hooks.after_step(step, model)
-        meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
-                       tokens_seen=state.tokens, epoch=state.epoch, queue=hooks.queue() if hooks.queue else {},
-                       rank=dist.rank)
+        line = meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
+                              tokens_seen=state.tokens, epoch=state.epoch, queue=hooks.queue() if hooks.queue else {},
+                              rank=dist.rank)
+        if hooks.stats is not None:
+            hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")})
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
             last_saved = step
@@ -267,6 +278,15 @@ def train(
     log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
     state.model = model
     return state
+
+
+def _log_oom(e: Exception, device: torch.device, batch: Batch, step: int) -> None:
+    """The cause as fields (DESIGN.md "Logs"): device, memory free/total, the batch's size."""
+    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
+    log.error("train.oom", device=str(device), step=step, batch_id=batch.batch_id, tokens=batch.tokens,
+              sequences=len(batch.seq_lens), bytes_free=free, bytes_total=total,
+              bytes_allocated=torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+              error=str(e).splitlines()[0])
 
 
 def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from consumer_helpers import MASK_ID
@@ -70,6 +71,7 @@ def test_bad_input_exits_with_one_line(target_dir, tmp_path):
     assert r.exit_code == 2 and "mask token id 9999 outside the vocabulary" in r.output
 
 
+@pytest.mark.timeout(120)
 def test_sigterm_finishes_the_step_and_writes_a_final_checkpoint(target_dir, tmp_path):
     runs = tmp_path / "runs"
     code = "import sys, torch; torch.set_num_threads(1); from dflash.consumers.cli import main; main()"

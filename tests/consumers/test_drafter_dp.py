@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from structlog.testing import capture_logs
@@ -21,6 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(240)
 def test_two_ranks_stay_identical_and_equal_single_process_on_the_union(heads, target_dir, tmp_path):
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(target_dir), str(tmp_path),

@@ -1,0 +1,46 @@
+"""Batches as they arrive from the broker: decoded codec messages, read-only, bf16 or fp8."""
+
+import torch
+from structlog.testing import capture_logs
+
+from consumer_helpers import MASK_ID, random_batch
+from dflash.consumers.batch import Batch
+from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.protocol import codec
+from dflash.protocol.fp8 import ENCODING, encode_fp8
+from dflash.protocol.messages import header
+
+LAYERS = [1, 2]
+
+
+def _message(b: Batch, fp8: bool):
+    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
+                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
+    tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
+    if fp8:
+        q, scale = encode_fp8(b.hidden, len(b.layer_ids))
+        tensors.update(hidden=q, hidden_scale=scale)
+        fields["hidden_encoding"] = ENCODING
+    else:
+        tensors["hidden"] = b.hidden.to(torch.bfloat16)
+    frames = [bytes(f) for f in codec.encode(header("batch", "20261129T000000Z-abcd", **fields), tensors)]
+    return codec.decode(frames)  # tensors are views of the (immutable) frames
+
+
+def test_decoded_messages_train_directly_and_fill_the_heartbeat_stats(heads):
+    src = [random_batch(heads.spec, LAYERS, [20, 14], seed=i, batch_id=f"p1-{i}", sample_start=2 * i)
+           for i in range(4)]
+    msgs = [_message(b, fp8=i % 2 == 1) for i, b in enumerate(src)]
+    first = Batch.from_message(msgs[0], torch.float32)
+    first.hidden.add_(1.0)  # a copy: writable, and the frame is untouched
+    assert torch.equal(msgs[0].tensors["hidden"].float(), src[0].hidden.to(torch.bfloat16).float())
+    fp8 = Batch.from_message(msgs[1], torch.float32)
+    assert torch.allclose(fp8.hidden, src[1].hidden, rtol=0.07, atol=0.05)
+
+    acked, stats = [], {}
+    cfg = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
+                      log_position_every=0)
+    with capture_logs():
+        state = train(cfg, heads, iter(msgs), hooks=Hooks(on_step=lambda s, ids: acked.append((s, ids)), stats=stats))
+    assert state.step == 4 and acked == [(i + 1, [f"p1-{i}"]) for i in range(4)]
+    assert stats["step"] == 4 and stats["loss"] > 0 and set(stats) >= {"acc", "streak", "tokens_per_s"}
