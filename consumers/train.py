@@ -224,7 +224,7 @@ def train(
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
             break
         if batch is not None and not isinstance(batch, Batch):
-            batch = Batch.from_message(batch)
+            batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
         if batch is not None:
             batch.check(list(signal.target_layers), heads.spec.hidden_size)
             state.epoch = batch.epoch
