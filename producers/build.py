@@ -14,7 +14,7 @@ from dflash.protocol.logs import get_logger
 from .chat import ChatEncoder
 from .config import ProducerConfig
 from .data import DataSource, open_dataset
-from .packing import check_packing
+from .packing import PackingError, check_packing
 from .producer import BatchSink, Producer, WorkSource
 from .regenerate import RegenCache, Regenerator, cache_key
 from .target import Target, load_target, resolve_device
@@ -44,8 +44,8 @@ def load_components(cfg: ProducerConfig) -> Components:
     target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype,
                          attn_impl=cfg.attn_impl, full=cfg.regenerate, trust_remote_code=cfg.trust_remote_code)
     if cfg.check_packing:
-        err = check_packing(target.capture, target.info.vocab_size)
-        log.info("produce.packing_check", ok=True, rel_err=err, attn_impl=target.info.attn_impl)
+        err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
+        log.info("produce.packing_check", ok=True, rel_err=err, leak_rel_err=leak, attn_impl=target.info.attn_impl)
     regenerator = None
     if cfg.regenerate:
         key = cache_key(dataset.fingerprint, target, tokenizer, cfg.max_new_tokens, cfg.template_kwargs())
@@ -54,6 +54,22 @@ def load_components(cfg: ProducerConfig) -> Components:
         regenerator = Regenerator(target, tokenizer, cache, max_new_tokens=cfg.max_new_tokens,
                                   batch_size=cfg.regen_batch_size, template_kwargs=cfg.template_kwargs())
     return Components(target, tokenizer, dataset, encoder, regenerator)
+
+
+def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
+    """check_packing; if an automatically chosen flex/flash attention cannot even run here
+    (no compiler for torch.compile, a kernel missing), fall back to sdpa once, loudly."""
+    try:
+        return check_packing(target.capture, target.info.vocab_size)
+    except PackingError:
+        raise
+    except Exception as e:
+        if not auto_attn or target.info.attn_impl == "sdpa":
+            raise
+        log.warning("produce.attn_fallback", attn_impl=target.info.attn_impl, to="sdpa",
+                    error=f"{type(e).__name__}: {str(e)[:300]}")
+        target.set_attn("sdpa")
+        return check_packing(target.capture, target.info.vocab_size)
 
 
 def hello_config(c: Components, cfg: ProducerConfig) -> dict:

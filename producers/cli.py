@@ -20,6 +20,7 @@ from dflash.protocol.logs import close_logging, get_logger, setup_logging
 from .build import hello_config, load_components, make_producer
 from .config import DEFAULT_REGEN_CACHE, ProducerConfig
 from .producer import LocalWorkSource
+from .target import resolve_device
 
 log = get_logger()
 
@@ -36,7 +37,7 @@ log = get_logger()
 @option("--dtype", default="auto", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
         help="Model dtype; auto = bfloat16 on GPU, float32 on CPU. Hidden states travel in it.")
 @option("--attn-impl", default="auto", help="Attention implementation (sdpa, eager, flash_attention_2, "
-        "flex_attention); auto = flash_attention_2 on GPU when installed, else sdpa.")
+        "flex_attention); auto = flash_attention_2 on GPU when installed, else flex_attention; sdpa on CPU.")
 @option("--target-layers", default=None, help="Comma-separated decoder layer IDs to capture (0-based, "
         "'layer i' = HF hidden_states[i+1]); default: 5 spaced from 1 to L-3, e.g. 1,9,17,25,33 for 36 layers.")
 @option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding).")
@@ -85,10 +86,13 @@ def main(**kw) -> None:
 
 
 def _default_instance(cfg: ProducerConfig) -> str:
+    """`<host>-gpu<N>` or `<host>-cpu` (PROTOCOL.md 4.1)."""
+    try:
+        device = resolve_device(cfg.gpu, cfg.device)
+    except ValueError as e:
+        fail(str(e))
     host = socket.gethostname()
-    if cfg.device:
-        return f"{host}-{cfg.device.replace(':', '')}"
-    return f"{host}-gpu{cfg.gpu}" if cfg.gpu is not None else f"{host}-gpu0"
+    return f"{host}-gpu{device.index or 0}" if device.type == "cuda" else f"{host}-{device.type}"
 
 
 def _dry_run(cfg: ProducerConfig, c) -> dict:

@@ -62,4 +62,6 @@ class ProducerConfig:
             raise ValueError("--lease-size and --prefetch must be positive")
         if self.hidden_encoding not in ("raw", "fp8_e4m3_rowscale"):
             raise ValueError(f"--hidden-encoding {self.hidden_encoding!r}: raw or fp8_e4m3_rowscale")
+        if self.limit is not None and not self.dry_run:
+            raise ValueError("--limit only applies to --dry-run (the broker decides which samples to produce)")
         self.template_kwargs()

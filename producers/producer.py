@@ -34,6 +34,19 @@ log = get_logger()
 BatchSink = Callable[[dict, dict], "str | None"]
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `t` through pinned memory. A pageable copy ran at ~1.5 GB/s on an H200
+    host (215 ms for a 16K-token batch of a 2048-wide model, longer than its forward pass);
+    pinned memory copies at PCIe speed. Pinned blocks come from torch's caching host
+    allocator and are reused once the sink (ZeroMQ) has let go of the batch."""
+    if not t.is_cuda:
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return out
+
+
 class WorkSource(Protocol):
     def next_lease(self) -> Lease | None:
         """The next lease, blocking until there is one; None when no work is left."""
@@ -169,10 +182,10 @@ class Producer:
         if self.hidden_encoding == FP8_ENCODING:
             # Encoded on the GPU: half the bytes cross PCIe and the wire.
             q, scale = encode_fp8(hidden, len(self.target.layer_ids))
-            tensors["hidden"], tensors["hidden_scale"] = q.cpu(), scale.cpu()
+            tensors["hidden"], tensors["hidden_scale"] = to_host(q), to_host(scale)
             fields["hidden_encoding"] = FP8_ENCODING
         else:
-            tensors["hidden"] = hidden.cpu()  # [T, n*H]; .cpu() waits for the forward pass
+            tensors["hidden"] = to_host(hidden)  # [T, n*H]
         del hidden
         t1 = time.monotonic()
         batch_id = self.sink(fields, tensors)

@@ -112,3 +112,37 @@ def test_capture_saves_the_logits_and_other_layers_memory():
     assert peak_capture + logits_bytes <= peak_naive, (peak_capture, peak_naive)
     # What is kept: n layers, not L+1 hidden states plus logits.
     assert captured.nbytes == T * len(t.layer_ids) * t.hidden_size * 4
+
+
+def test_attention_can_be_switched_in_place(tiny):
+    # The start-up fallback (auto-chosen flex/flash that cannot run here -> sdpa) relies on it.
+    t = load_target(str(tiny), None, device=CPU, attn_impl="eager")
+    ids = torch.arange(25)
+    eager = t.capture(ids, torch.arange(25))
+    t.set_attn("sdpa")
+    assert t.info.attn_impl == "sdpa" and t.layers[0].self_attn.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(t.capture(ids, torch.arange(25)), eager, rtol=0, atol=1e-5)
+
+
+def test_auto_attention_that_cannot_run_falls_back_to_sdpa(tiny):
+    from structlog.testing import capture_logs
+
+    from dflash.producers.build import _check_packing
+
+    t = load_target(str(tiny), None, device=CPU, attn_impl="eager")
+    t.info.attn_impl = "flex_attention"  # as if auto had picked it
+    real = t.capture
+
+    def compile_fails_until_sdpa(ids, pos):
+        if t.info.attn_impl != "sdpa":
+            raise RuntimeError("torch.compile: no working C compiler")
+        return real(ids, pos)
+
+    t.capture = compile_fails_until_sdpa
+    with capture_logs() as logs:
+        err, _ = _check_packing(t, auto_attn=True)
+    assert err < 1e-5 and t.info.attn_impl == "sdpa"
+    assert [e["attn_impl"] for e in logs if e["event"] == "produce.attn_fallback"] == ["flex_attention"]
+    t.info.attn_impl = "flex_attention"
+    with pytest.raises(RuntimeError, match="no working C compiler"):
+        _check_packing(t, auto_attn=False)  # an explicit choice is never overridden
