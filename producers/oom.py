@@ -105,7 +105,7 @@ class OomSplitter:
             action = "split" if len(b.seq_lens) > 1 else "skip"
             log.warning("produce.oom", device=str(self.device), bytes_asked=failure[0],
                         bytes_free=bytes_free(self.device), tokens=b.tokens, seqs=len(b.seq_lens),
-                        lease=b.lease, action=action, error=failure[1])
+                        lease=b.lease, action=action, backoff_tokens=self.backoff_tokens, error=failure[1])
             if action == "split":
                 todo[:0] = b.split()
             else:

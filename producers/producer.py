@@ -86,7 +86,8 @@ class Producer:
         # `forward` is replaceable so tests can inject failures around the real capture.
         self.splitter = OomSplitter(forward or self._forward, target.device)
         self.prefetcher = Prefetcher(source.next_lease, self.prepare, depth=prefetch)
-        self.counts = defaultdict(int)  # batches, tokens, samples, skipped, bad_rows, leases
+        # A plain dict with every key up front: the heartbeat reads it from the I/O thread.
+        self.counts = dict.fromkeys(("batches", "tokens", "samples", "leases", "skipped", "bad_rows"), 0)
         self._window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (t, tokens, batches)
         self._t0 = time.monotonic()
         self.state = "starting"

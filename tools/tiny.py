@@ -51,7 +51,7 @@ _FAMILIES = {
                "<|eot_id|>", MASK_TOKEN],
               "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", LLAMA3_TEMPLATE),
 }
-_BUILD_VERSION = 1  # bump when the build changes, so stale caches are not reused
+_BUILD_VERSION = 2  # bump when the build changes, so stale caches are not reused
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ def _corpus() -> list[str]:
     """Training text for the tokenizer: the bundled chats, so the demo data tokenises well."""
     from dflash.producers.sample_data import generate_chats
 
-    return [m["content"] for chat in generate_chats() for m in chat["messages"]]
+    roles = ["system", "user", "assistant"] * 50  # role names appear in every template render
+    return roles + [m["content"] for chat in generate_chats() for m in chat["messages"]]
 
 
 def build_tokenizer(family: str = "qwen3", vocab: int = 1024):

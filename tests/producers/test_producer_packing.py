@@ -23,7 +23,7 @@ def test_position_ids_restart_per_sequence():
 
 
 @pytest.mark.parametrize("dtype,attn,atol", [
-    ("float32", "sdpa", 1e-5), ("float32", "eager", 1e-5), ("bfloat16", "sdpa", 3e-2)])
+    ("float32", "sdpa", 1e-5), ("float32", "eager", 1e-5), ("bfloat16", "sdpa", 1e-2)])
 def test_packed_equals_each_sequence_alone(tiny, dtype, attn, atol):
     t = load_target(str(tiny), "0,2,3", device=CPU, dtype=dtype, attn_impl=attn)
     lens = [9, 1, 17, 4, 12]
