@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-try:  # flex attention: the GPU path; absent on very old torch builds
+try:  # flex attention: block-sparse alternative to SDPA; absent on old torch builds
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
     create_block_mask = flex_attention = None

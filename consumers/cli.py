@@ -87,7 +87,8 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
         help="How --feature-noise decays to 0 over --total-steps.")
 @option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
 @option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
-@option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]), help="Attention kernel; auto: flex on GPU, sdpa on CPU.")
+@option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
+        help="Attention kernel; auto: sdpa (one masked call per sequence); flex: block-sparse, experimental on GPU.")
 @option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
 @option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
 @option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")
