@@ -31,7 +31,8 @@ class _RunFile:
     """Where log lines go once the run is known; before that, a bounded pending buffer."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # Re-entrant: a signal handler that logs may interrupt the main thread mid-line.
+        self.lock = threading.RLock()
         self.file = None
         self.path: Path | None = None
         self.run_id: str | None = None
