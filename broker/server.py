@@ -27,7 +27,7 @@ from .leases import LeasePool
 from .ledger import Ledger
 from .liveness import Every, RateLimit, RateMeter, silent
 from .peers import Peer, PeerTable
-from .status import progress_fields
+from .status import progress_fields, samples
 
 log = get_logger()
 
@@ -177,6 +177,11 @@ class Broker:
             "in_flight": {c.id: len(c.in_flight) for c in self.peers.live("consumer")},
             "max_credit": MAX_CREDIT,
         }
+        # Run progress, so consumers can log the epoch fraction and an ETA from what
+        # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.
+        s = samples(self)
+        stats.update(samples_total=s["total"], samples_done=s["done"], n_samples=s["n_samples"],
+                     epoch=s["epoch"], epochs=s["epochs"])
         for p in self.peers.live():
             self.send(p.identity, "heartbeat", stats=stats)
 
