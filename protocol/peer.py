@@ -252,6 +252,10 @@ class PeerLink:
             poller.register(self._data, zmq.POLLIN)
         try:
             while not self._closing.is_set():
+                if self.role == "producer":
+                    # A batch the full pipe refused: wake the moment the pipe has room again,
+                    # not at the next heartbeat tick (that capped a producer at ~4 batches/s).
+                    poller.modify(self._data, zmq.POLLOUT if self._pending_batch is not None else 0)
                 events = dict(poller.poll(timeout=int(hb * 250)))
                 now = time.monotonic()
                 if self._wake_r in events:
