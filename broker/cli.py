@@ -18,8 +18,9 @@ from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logg
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest
 
-from . import runinfo
+from . import resume, runinfo
 from .config import BrokerConfig, parse_bytes, parse_port_range
+from .ledger import SCHEMA_VERSION
 from .server import Broker
 
 
@@ -52,6 +53,10 @@ from .server import Broker
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
         help="Lowest level logged.")
+@option("--resume", default=None, metavar="RUN",
+        help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
+             "trained again, everything else is made again, in the same per-epoch order (its --seed). "
+             "Consumers load the checkpoint of its last commit. Producers/consumers may number differently.")
 def main(**opts) -> None:
     """The dflash broker: creates a run, hands out work leases to producers, queues their
     hidden-state batches (bounded in bytes) and dispatches them to consumers by credit.
@@ -59,18 +64,28 @@ def main(**opts) -> None:
     Prints one JSON log line per event (key=value on a terminal) and writes the same to
     runs/<run_id>/logs/broker-<instance>.jsonl. See docs/PROTOCOL.md and docs/LOGS.md.
     """
+    parent = None
     try:
         opts["queue_bytes"] = parse_bytes(opts["queue_bytes"])
         opts["max_message_bytes"] = parse_bytes(opts["max_message_bytes"])
         opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
         cfg = BrokerConfig(**opts)
+        if cfg.resume:
+            parent = resume.load(cfg.resume, cfg.runs_dir)
+            cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
         cfg.check()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # resume.ResumeError is a ValueError
         fail(str(e))
-    sys.exit(run(cfg))
+    sys.exit(run(cfg, parent))
 
 
-def run(cfg: BrokerConfig) -> int:
+def _explicit(names: tuple[str, ...]) -> set[str]:
+    """Which of `names` the user set (command line, env var or --config), not defaults."""
+    ctx = click.get_current_context()
+    return {n for n in names if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+
+
+def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     """Create the run, serve it, record the outcome. Returns the exit status."""
     setup_logging("broker", cfg.instance, level=cfg.log_level)
     log = get_logger()
@@ -78,18 +93,23 @@ def run(cfg: BrokerConfig) -> int:
     run_dir = make_run_dir(run_id, cfg.runs_dir)
     bind_run(run_id, cfg.runs_dir)
     host = hostname()
+    lineage = {"parent_run": parent.run_id, "resumed_from": parent.summary()} if parent else {}
     try:
-        broker = Broker(cfg, run_id, run_dir, host)
+        broker = Broker(cfg, run_id, run_dir, host, parent)
     except zmq.ZMQError as e:
         log.error("broker.start_failed", error=str(e), port=cfg.port, data_in_port=cfg.data_in_port)
-        runinfo.start(run_dir, run_id, as_dict(cfg), {}, cfg.instance)
+        runinfo.start(run_dir, run_id, as_dict(cfg), {}, cfg.instance, **lineage)
         runinfo.finish(run_dir, "failed", error=f"cannot bind: {e}")
         click.echo(f"error: cannot bind ports {cfg.port}/{cfg.data_in_port} on {cfg.bind}: {e}", err=True)
         close_logging()
         return 1
-    runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance)
+    runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
     point_latest(run_id, cfg.runs_dir)
-    broker.ledger.set_meta(run_id=run_id, schema=1, seed=cfg.seed, epochs=cfg.epochs, config=as_dict(cfg))
+    broker.ledger.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,
+                           config=as_dict(cfg))
+    if parent is not None:
+        log.info("broker.resume", **lineage["resumed_from"], left=resume.left_to_do(parent, cfg.epochs),
+                 epochs=cfg.epochs, seed=cfg.seed)
 
     def on_signal(signum, _frame):
         broker.signal = signal.Signals(signum).name  # acted on by the loop, never here

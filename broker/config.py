@@ -40,6 +40,7 @@ class BrokerConfig:
     consumers: int = 0
     progress_s: float = 10.0
     log_level: str = "info"
+    resume: str | None = None  # the run this one continues (resume.py), as the user named it
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""

@@ -75,6 +75,8 @@ def hello(b, identity: bytes, h: dict) -> None:
 def welcome(b, p: Peer) -> None:
     run_config = {**b.facts, "epochs": b.cfg.epochs, "seed": b.cfg.seed, "lease_size": b.cfg.lease_size,
                   "max_message_bytes": b.cfg.max_message_bytes, "max_credit": MAX_CREDIT}
+    if b.parent is not None:  # consumers load this checkpoint, not a newer one (PROTOCOL.md 8)
+        run_config.update(parent_run=b.parent.run_id, resumed_from=b.parent.resumed_from)
     fields = {"run": b.run_id, "peer": p.id, "heartbeat_s": b.cfg.heartbeat_s, "timeout_s": b.cfg.timeout_s}
     if p.role == "producer":
         fields["data_in"] = b.endpoints["data_in"]

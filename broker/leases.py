@@ -4,6 +4,9 @@ Each epoch visits every sample once, in an order shuffled from (`--seed`, epoch)
 run is reproducible. Producers lease ranges of that order; a lease is complete once
 every sample in it has arrived in a batch or was reported skipped. Samples of a lost
 producer's leases go back to the *front* of the pool so they are made next.
+
+A resumed run (resume.py) passes the samples its parent runs committed: each epoch's
+order is the same shuffle with those left out, so a resume neither repeats nor skips.
 """
 
 from __future__ import annotations
@@ -45,10 +48,17 @@ class Lease:
 
 
 class LeasePool:
-    """The samples still to make and the leases out. Not thread-safe: the loop owns it."""
+    """The samples still to make and the leases out. Not thread-safe: the loop owns it.
 
-    def __init__(self, epochs: int, seed: int, n_samples: int | None = None):
+    `committed`: epoch -> bitmap (one byte per sample, 1 = committed by an earlier run
+    of the chain); those samples are never leased again.
+    """
+
+    def __init__(self, epochs: int, seed: int, n_samples: int | None = None,
+                 committed: dict[int, bytearray] | None = None):
         self.epochs, self.seed = epochs, seed
+        self.committed = committed or {}
+        self._committed_n: dict[int, int] = {}
         self.n_samples: int | None = None
         self.epoch = 0  # the epoch the cursor is in
         self._order: list[int] = []
@@ -60,9 +70,24 @@ class LeasePool:
             self.set_dataset(n_samples)
 
     def set_dataset(self, n_samples: int) -> None:
-        """Fix the dataset size (from --num-samples or the first producer's hello)."""
+        """Fix the dataset size (from --num-samples or the first producer's hello).
+
+        Raises ValueError if a committed bitmap does not have `n_samples` entries."""
+        if any(len(m) != n_samples for m in self.committed.values()):
+            raise ValueError(f"committed samples were recorded for another dataset size than {n_samples}")
         self.n_samples = n_samples
-        self._order = epoch_order(self.seed, 0, n_samples)
+        # pending() runs every loop turn: count each epoch's committed samples once here
+        self._committed_n = {e: m.count(1) for e, m in self.committed.items()}
+        self.epoch, self._order, self._cursor = 0, self._order_of(0), 0
+
+    def _order_of(self, epoch: int) -> list[int]:
+        """Epoch `epoch`'s shuffled order without the samples committed before this run."""
+        order = epoch_order(self.seed, epoch, self.n_samples)
+        done = self.committed.get(epoch)
+        return order if done is None else [s for s in order if not done[s]]
+
+    def _left(self, epoch: int) -> int:
+        return self.n_samples - self._committed_n.get(epoch, 0)
 
     @property
     def known(self) -> bool:
@@ -72,7 +97,7 @@ class LeasePool:
         """Samples not yet leased in the whole run."""
         if self.n_samples is None:
             return 0
-        later = (self.epochs - self.epoch - 1) * self.n_samples
+        later = sum(self._left(e) for e in range(self.epoch + 1, self.epochs))
         return len(self._returned) + (len(self._order) - self._cursor) + later
 
     def finished(self) -> bool:
@@ -101,9 +126,10 @@ class LeasePool:
             while self._returned and len(out) < want and self._returned[0][0] == epoch:
                 out.append(self._returned.popleft()[1])
             return epoch, out
-        if self._cursor >= len(self._order) and self.epoch + 1 < self.epochs:
+        # `while`: on a resume, whole epochs may have been committed already.
+        while self._cursor >= len(self._order) and self.epoch + 1 < self.epochs:
             self.epoch += 1
-            self._order, self._cursor = epoch_order(self.seed, self.epoch, self.n_samples), 0
+            self._order, self._cursor = self._order_of(self.epoch), 0
         out = self._order[self._cursor:self._cursor + want]
         self._cursor += len(out)
         return self.epoch, out

@@ -3,13 +3,20 @@
 States (PROTOCOL.md 7): pending -> leased -> produced -> delivered -> trained ->
 committed, or skipped. Losses move back: leased -> pending (lost producer), delivered ->
 produced (lost consumer). Pending rows are not written: an epoch's order is a function
-of (seed, epoch, n_samples), kept in `epochs`, so a resume (later issue) recomputes it and
+of (seed, epoch, n_samples), kept in `epochs`, so a resume (resume.py) recomputes it and
 makes again every sample whose row is missing or not `committed`.
+
+`samples` holds what THIS run did. A resumed run starts with `inherited`: every sample
+its parent runs committed, with the run that committed it. A resumed run's ledger alone
+therefore says what the whole chain has committed; the runs' `samples` tables are
+disjoint in their committed rows (that is the exactly-once check).
 
 Writes are queued and flushed in one transaction every `flush_s` or `max_ops` rows, so the
 broker keeps up with thousands of samples per second; a `commit` flushes at once. WAL
 with synchronous=NORMAL survives a crash of the broker process: what was flushed is
 there; what was not flushed (at most `flush_s` of transitions) is at worst made again.
+A commit's transaction is written with synchronous=FULL (fsync): the checkpoint it
+names is on disk, so a power cut must not forget that its samples are in it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `inherited` (resume)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -42,6 +49,9 @@ CREATE TABLE IF NOT EXISTS batches(batch_id TEXT PRIMARY KEY, producer TEXT, lea
     updated REAL);
 CREATE TABLE IF NOT EXISTS commits(step INTEGER NOT NULL, checkpoint TEXT NOT NULL,
     peer TEXT, samples INTEGER NOT NULL, ts REAL NOT NULL);
+-- committed by an earlier run of a resume chain: never made again in this run
+CREATE TABLE IF NOT EXISTS inherited(epoch INTEGER NOT NULL, sample INTEGER NOT NULL,
+    run TEXT NOT NULL, step INTEGER, PRIMARY KEY(epoch, sample)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS peers(peer TEXT PRIMARY KEY, role TEXT NOT NULL, instance TEXT,
     host TEXT, pid INTEGER, gpu INTEGER, joined REAL NOT NULL, gone REAL, outcome TEXT,
     reason TEXT);
@@ -95,6 +105,18 @@ class Ledger:
     def meta(self) -> dict:
         return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM meta")}
 
+    def inherit(self, rows: Iterable[tuple[int, int, str, int | None]], **meta) -> int:
+        """Record (epoch, sample, run, step) committed by earlier runs, and `meta`, in ONE
+        transaction: a ledger with a parent but without its inherited rows would make
+        those samples again if it were resumed in turn. Returns the rows written."""
+        with self.db:
+            self.db.execute("BEGIN")
+            n = self.db.executemany("INSERT INTO inherited VALUES(?,?,?,?)", rows).rowcount
+            self.db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES(?,?)",
+                                [(k, json.dumps(v)) for k, v in meta.items()])
+        self.counts["inherited"] += n
+        return n
+
     def epoch_started(self, epoch: int, seed: int, n_samples: int) -> None:
         self._op("epoch", (epoch, seed, n_samples, time.time()))
 
@@ -145,6 +167,15 @@ class Ledger:
         """Every sample trained at a step <= `step` -> committed. Written at once."""
         self.flush()
         now = time.time()
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            n = self._commit_rows(step, checkpoint, peer, now)
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")  # the rest may be made again
+        self._move("trained", "committed", n)
+        return n
+
+    def _commit_rows(self, step: int, checkpoint: str, peer: str, now: float) -> int:
         with self.db:
             self.db.execute("BEGIN")
             n = self.db.execute(
@@ -154,7 +185,6 @@ class Ledger:
                 "UPDATE batches SET state='committed', updated=? WHERE state='trained' AND step<=?", (now, step)
             )
             self.db.execute("INSERT INTO commits VALUES(?,?,?,?,?)", (step, checkpoint, peer, n, now))
-        self._move("trained", "committed", n)
         return n
 
     def peer_joined(self, p) -> None:

@@ -20,12 +20,13 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: str) -> dict:
+def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: str,
+          parent_run: str | None = None, resumed_from: dict | None = None) -> dict:
     """Write the first run.json of a new run; returns what was written."""
     info = {
         "run_id": run_id,
-        "parent_run": None,
-        "resumed_from": None,
+        "parent_run": parent_run,
+        "resumed_from": resumed_from,
         "started_at": _iso(time.time()),
         "ended_at": None,
         "outcome": "running",

@@ -20,13 +20,14 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 
-from . import control, intake
+from . import control, intake, resume
 from .config import CONTROL_MAX_BYTES, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
 from .ledger import Ledger
 from .liveness import Every, RateLimit, RateMeter, silent
 from .peers import Peer, PeerTable
+from .resume import Parent
 from .status import progress_fields, samples
 
 log = get_logger()
@@ -37,18 +38,23 @@ DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot 
 
 
 class Broker:
-    def __init__(self, cfg: BrokerConfig, run_id: str, run_dir, hostname: str):
+    def __init__(self, cfg: BrokerConfig, run_id: str, run_dir, hostname: str, parent: Parent | None = None):
+        """Bind the control and data-in sockets. Raises zmq.ZMQError (e.g. a port in use)."""
         self.cfg, self.run_id, self.run_dir, self.hostname = cfg, run_id, run_dir, hostname
+        self.parent = parent  # the run this one resumes (resume.py), or None
         self.advertise = cfg.host_to_advertise(hostname)
         self.started_at, self.started_mono = time.time(), time.monotonic()
         self.peers = PeerTable()
         self.queue = BatchQueue(cfg.queue_bytes)
         self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
-        self.leases = LeasePool(cfg.epochs, cfg.seed, cfg.num_samples)
+        self.leases = LeasePool(cfg.epochs, cfg.seed, cfg.num_samples, parent.committed if parent else None)
         self.ledger = Ledger(run_dir / "ledger.sqlite")
         self.facts: dict = {}  # target, layer_ids, hidden_size, dataset: fixed by the first producer
         if cfg.num_samples is not None:
             self.facts["dataset"] = {"n_samples": cfg.num_samples, "fingerprint": None}
+        if parent is not None:  # before any socket exists: no work goes out before this is on disk
+            self.facts.update(parent.facts)
+            resume.inherit(self.ledger, parent)
         self.dist: str | None = None  # rank 0's rendezvous endpoint
         self.next_port = cfg.data_out_ports[0]
         self.stopping: set[str] | None = None  # peers sent `stop` at end of stream

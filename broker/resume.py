@@ -1,0 +1,201 @@
+"""`dflash-broker --resume RUN`: what a new run takes over from the run it continues.
+
+A resumed run gets a NEW run ID and its own run folder and ledger; nothing of the parent
+run is written (FIELD-NOTES incident 5). From the parent it takes:
+
+- the order of work: `seed`, `epochs` (may be raised, never lowered), and the run's
+  facts (target, layer IDs, hidden size, dataset), which its producers must match;
+- the committed state: every (epoch, sample) committed in the parent's ledger or
+  inherited by it. Those are never leased again; everything else (pending, leased,
+  produced, delivered, trained but not committed, skipped) is made again. Each epoch's
+  shuffle is the parent's, with the committed samples left out;
+- `resumed_from`: the newest commit of the chain (run, step, checkpoint). Consumers of
+  the new run must load that checkpoint: a newer one on disk holds samples the ledger
+  does not count as committed, and those are about to be trained again.
+
+The parent's ledger is read from a copy (database plus WAL) in a temporary folder, so a
+broker that was SIGKILLed leaves its files exactly as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from dflash.protocol.run import hostname, resolve_run
+
+
+class ResumeError(ValueError):
+    """The run cannot be resumed as asked; the message says why in one line."""
+
+
+@dataclass
+class Parent:
+    run_id: str
+    run_dir: Path
+    seed: int
+    epochs: int
+    facts: dict
+    n_samples: int | None
+    committed: dict[int, bytearray] = field(repr=False)  # epoch -> bitmap, 1 = committed
+    rows: list[tuple[int, int, str, int | None]] = field(repr=False)  # (epoch, sample, run, step)
+    resumed_from: dict | None = None  # {run, step, checkpoint} of the chain's newest commit
+
+    @property
+    def n_committed(self) -> int:
+        return len(self.rows)
+
+    def summary(self) -> dict:
+        """For run.json and the broker.resume log line."""
+        return {"run": self.run_id, "run_dir": str(self.run_dir), "committed_samples": self.n_committed,
+                "checkpoint": self.resumed_from}
+
+
+def load(ref: str, runs_dir: str | os.PathLike | None = None) -> Parent:
+    """Read the run `ref` (a run ID, a run folder, or 'latest'). Raises ResumeError."""
+    try:
+        run_dir = resolve_run(ref, runs_dir)
+    except FileNotFoundError as e:
+        raise ResumeError(str(e)) from None
+    info = _run_json(run_dir)
+    _refuse_if_running(info)
+    ledger = run_dir / "ledger.sqlite"
+    if not ledger.exists():
+        raise ResumeError(f"{run_dir} has no ledger.sqlite: nothing records what it trained")
+    with tempfile.TemporaryDirectory(prefix="dflash-resume-") as tmp:
+        db = sqlite3.connect(_copy_db(ledger, Path(tmp)))
+        try:
+            return _read(db, run_dir, info)
+        except sqlite3.DatabaseError as e:
+            raise ResumeError(f"cannot read {ledger}: {e}") from None
+        finally:
+            db.close()
+
+
+def _run_json(run_dir: Path) -> dict:
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"cannot read {run_dir / 'run.json'}: {e}") from None
+    if not isinstance(info.get("run_id"), str) or not isinstance(info.get("config"), dict):
+        raise ResumeError(f"{run_dir / 'run.json'} has no run_id/config: not a broker's run folder")
+    return info
+
+
+def _refuse_if_running(info: dict) -> None:
+    """Two brokers serving one run's continuation would hand out the same samples twice."""
+    broker = info.get("broker") or {}
+    pid = broker.get("pid")
+    if info.get("outcome") != "running" or broker.get("host") != hostname() or not isinstance(pid, int):
+        return  # ended, or on another host: we cannot see it; the operator decides
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # crashed (SIGKILL, OOM): exactly the case resume is for
+    except PermissionError:
+        pass  # alive, another user's
+    if _is_zombie(pid):
+        return
+    raise ResumeError(f"run {info['run_id']} is still being served by broker pid {pid} on this host; "
+                      "stop it (SIGTERM) before resuming")
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _copy_db(src: Path, tmp: Path) -> Path:
+    """Copy the database and its WAL (the un-checkpointed tail) but not the -shm index,
+    which SQLite rebuilds from the WAL."""
+    dst = tmp / src.name
+    shutil.copyfile(src, dst)
+    wal = src.with_name(src.name + "-wal")
+    if wal.exists():
+        shutil.copyfile(wal, dst.with_name(dst.name + "-wal"))
+    return dst
+
+
+def _read(db: sqlite3.Connection, run_dir: Path, info: dict) -> Parent:
+    meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+    run_id, cfg = info["run_id"], info["config"]
+    if meta.get("run_id") not in (None, run_id):
+        raise ResumeError(f"{run_dir}: ledger belongs to run {meta['run_id']}, run.json to {run_id}")
+    if info.get("parent_run") and meta.get("parent_run") != info["parent_run"]:
+        # run.json is written after the inherited rows: this cannot happen short of tampering
+        raise ResumeError(f"{run_dir}: run.json names parent {info['parent_run']} but the ledger does not")
+    facts = info.get("facts") or meta.get("facts") or {}
+    n = (facts.get("dataset") or {}).get("n_samples", cfg.get("num_samples"))
+    rows = _committed_rows(db, run_id)
+    committed: dict[int, bytearray] = {}
+    for epoch, sample, _, _ in rows:
+        if n is None or not 0 <= sample < n:
+            raise ResumeError(f"{run_dir}: committed sample {sample} lies outside the dataset (n={n})")
+        committed.setdefault(epoch, bytearray(n))[sample] = 1
+    return Parent(run_id, run_dir, int(cfg["seed"]), int(cfg["epochs"]), facts, n, committed, rows,
+                  _newest_commit(db, run_id, meta.get("resumed_from")))
+
+
+def _committed_rows(db: sqlite3.Connection, run_id: str) -> list[tuple[int, int, str, int | None]]:
+    own = db.execute("SELECT epoch, sample, ?, step FROM samples WHERE state='committed'", (run_id,)).fetchall()
+    has_inherited = db.execute("SELECT 1 FROM sqlite_master WHERE name='inherited'").fetchone()
+    older = db.execute("SELECT epoch, sample, run, step FROM inherited").fetchall() if has_inherited else []
+    both = {(e, s) for e, s, _, _ in own} & {(e, s) for e, s, _, _ in older}
+    if both:
+        raise ResumeError(f"run {run_id} committed {len(both)} samples its parents had committed already "
+                          f"(e.g. epoch/sample {sorted(both)[0]}): its ledger is inconsistent")
+    return older + own
+
+
+def _newest_commit(db: sqlite3.Connection, run_id: str, inherited: dict | None) -> dict | None:
+    row = db.execute("SELECT step, checkpoint FROM commits ORDER BY ts DESC, rowid DESC LIMIT 1").fetchone()
+    if row is None:
+        return inherited  # the parent committed nothing itself: the chain's last commit stands
+    return {"run": run_id, "step": row[0], "checkpoint": row[1]}
+
+
+def check_config(parent: Parent, seed: int | None, epochs: int | None, num_samples: int | None) -> None:
+    """Options given explicitly on a resume must agree with the parent. Raises ResumeError."""
+    if seed is not None and seed != parent.seed:
+        raise ResumeError(f"--seed {seed} differs from run {parent.run_id}'s seed {parent.seed}: a resume "
+                          "keeps the sample order (leave --seed out)")
+    if epochs is not None and epochs < parent.epochs:
+        raise ResumeError(f"--epochs {epochs} is below run {parent.run_id}'s {parent.epochs}: "
+                          "a resume may add epochs, never drop them")
+    if num_samples is not None and parent.n_samples is not None and num_samples != parent.n_samples:
+        raise ResumeError(f"--num-samples {num_samples} differs from run {parent.run_id}'s dataset "
+                          f"({parent.n_samples} samples)")
+
+
+def left_to_do(parent: Parent, epochs: int) -> int | None:
+    """Samples the resumed run has to make (None while the dataset size is unknown)."""
+    if parent.n_samples is None:
+        return None
+    return parent.n_samples * epochs - parent.n_committed
+
+
+def inherit(ledger, parent: Parent) -> int:
+    """Write the parent's committed samples and the parent link into the new ledger."""
+    return ledger.inherit(parent.rows, parent_run=parent.run_id, resumed_from=parent.resumed_from)
+
+
+def effective_config(cfg, parent: Parent, explicit: set[str]):
+    """`cfg` (a BrokerConfig) with the parent's seed, epochs and dataset size filled in.
+
+    `explicit`: the option names the user gave (command line, env, config file); those
+    must agree with the parent (check_config). Raises ResumeError, also when nothing is
+    left to train."""
+    check_config(parent, *(getattr(cfg, k) if k in explicit else None for k in ("seed", "epochs", "num_samples")))
+    epochs = cfg.epochs if "epochs" in explicit else parent.epochs
+    n = parent.n_samples if parent.n_samples is not None else cfg.num_samples
+    if left_to_do(parent, epochs) == 0:
+        raise ResumeError(f"run {parent.run_id} committed every sample of its {epochs} epoch(s): nothing is "
+                          "left to train (raise --epochs to train more)")
+    return replace(cfg, seed=parent.seed, epochs=epochs, num_samples=n)

@@ -1,0 +1,100 @@
+"""The broker tests' wire fakes (tests/broker/broker_fakes.py) as processes, plus what the
+reliability tests need of them: a consumer that commits every N steps (so a run killed
+mid-way has committed, trained-not-committed and in-flight samples at once), and CurveZMQ
+keys for every socket (set as context defaults, so the fakes' own code stays as written
+from PROTOCOL.md).
+
+    python tests/reliability/rel_fakes.py consumer --broker ... --runs-dir R --commit-every 5
+    python tests/reliability/rel_fakes.py producer --broker ... --curve-keys K --curve-name p0
+
+Exit codes as broker_fakes: 0 after stop / grant end, 3 rejected, 4 broker silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
+
+from broker_fakes import BrokerGone, FakeConsumer, FakeProducer, Rejected  # noqa: E402
+
+
+class CommittingConsumer(FakeConsumer):
+    """Commits every `commit_every` steps, as rank 0 does after each checkpoint."""
+
+    def __init__(self, *a, commit_every: int = 0, **kw):
+        super().__init__(*a, **kw)
+        self.commit_every = commit_every
+
+    def send(self, type_: str, **fields) -> None:
+        super().send(type_, **fields)
+        if type_ == "ack" and self.commit_every and fields["step"] % self.commit_every == 0:
+            super().send("commit", step=fields["step"], checkpoint=f"fake/step-{fields['step']}")
+            self.log("fake.committed", step=fields["step"])
+
+
+def use_curve(keys_dir: str, name: str) -> None:
+    """Every socket this process makes from now on is a CURVE client of the broker."""
+    keys = Path(keys_dir)
+    server_pub, _ = zmq.auth.load_certificate(keys / "broker.key")
+    pub, sec = zmq.auth.load_certificate(keys / f"{name}.key_secret")
+    ctx = zmq.Context.instance()
+    ctx.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
+    ctx.setsockopt(zmq.CURVE_PUBLICKEY, pub)
+    ctx.setsockopt(zmq.CURVE_SECRETKEY, sec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["producer", "consumer"])
+    ap.add_argument("--broker", required=True)
+    ap.add_argument("--instance", default=None)
+    ap.add_argument("--runs-dir", default="runs")
+    ap.add_argument("--n-samples", type=int, default=64)
+    ap.add_argument("--per-batch", type=int, default=2)
+    ap.add_argument("--delay-s", type=float, default=0.0)
+    ap.add_argument("--train-s", type=float, default=0.0)
+    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--commit-every", type=int, default=0)
+    ap.add_argument("--max-s", type=float, default=120.0)
+    ap.add_argument("--curve-keys", default=None)
+    ap.add_argument("--curve-name", default=None)
+    a = ap.parse_args(argv)
+    from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+
+    if a.curve_keys:
+        use_curve(a.curve_keys, a.curve_name)
+    instance = a.instance or f"{a.role}-{os.getpid()}"
+    setup_logging(a.role, instance)
+    log = get_logger()
+    emit = lambda event, **kw: log.info(event, **kw)  # noqa: E731
+    try:
+        if a.role == "producer":
+            peer = FakeProducer(a.broker, instance, n_samples=a.n_samples, per_batch=a.per_batch,
+                                delay_s=a.delay_s, log=emit)
+        else:
+            peer = CommittingConsumer(a.broker, instance, train_s=a.train_s, prefetch=a.prefetch, log=emit,
+                                      commit_every=a.commit_every)
+        bind_run(peer.run, a.runs_dir)
+        log.info("fake.joined", peer=peer.peer)
+        peer.run_to_end(**({"max_s": a.max_s} if a.role == "consumer" else {}))
+        peer.close()
+        return 0
+    except Rejected as e:
+        log.error("fake.rejected", reason=str(e))
+        print(f"error: broker rejected us: {e}", file=sys.stderr)
+        return 3
+    except BrokerGone as e:
+        log.error("fake.broker_lost", reason=str(e))
+        return 4
+    finally:
+        close_logging()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Resume policy in-process: the lease pool of a resumed run walks each epoch's shuffle
+without the committed samples, and the parent's ledger is read as it lies after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dflash.broker import resume
+from dflash.broker.leases import LeasePool, epoch_order
+from dflash.broker.ledger import Ledger
+
+
+def _drain(pool: LeasePool, want: int = 5) -> list[tuple[int, list[int]]]:
+    out = []
+    while (lease := pool.grant("p1", want)) is not None:
+        out.append((lease.epoch, lease.samples))
+        pool.arrived(lease.id, "p1", lease.epoch, lease.samples)
+        pool.close_if_complete(lease)
+    return out
+
+
+def test_pool_skips_committed_samples_and_whole_epochs_in_the_same_order():
+    n, seed = 20, 5
+    committed = {0: bytearray([1] * n), 1: bytearray(n)}  # epoch 0 all done, epoch 1 a few
+    for s in (3, 7, 11):
+        committed[1][s] = 1
+    pool = LeasePool(3, seed, n, committed)
+    assert pool.pending() == (n - 3) + n
+    got = _drain(pool)
+    assert [e for e, _ in got][:1] == [1]  # epoch 0 is skipped entirely
+    by_epoch = {e: [s for ee, ss in got if ee == e for s in ss] for e in (1, 2)}
+    assert by_epoch[1] == [s for s in epoch_order(seed, 1, n) if s not in (3, 7, 11)]
+    assert by_epoch[2] == epoch_order(seed, 2, n)  # an epoch with nothing committed is untouched
+    assert pool.pending() == 0 and pool.finished()
+
+
+def test_pool_refuses_committed_bitmaps_of_another_dataset_size():
+    with pytest.raises(ValueError, match="another dataset size"):
+        LeasePool(1, 0, 10, {0: bytearray(11)})
+
+
+KILL_AFTER_COMMIT = """
+import os, signal, sys, types
+from dflash.broker.ledger import Ledger
+led = Ledger(sys.argv[1])
+led.set_meta(run_id="20260101T000000Z-aaaa")
+b = types.SimpleNamespace(batch_id="p1-1", producer="p1", lease=1, epoch=0, samples=[4, 5], tokens=8,
+                          nbytes=64, deliveries=1)
+led.leased(1, 0, "p1", [4, 5, 6])
+led.produced(b); led.delivered(b, "c1"); led.trained(b, "c1", 3)
+led.committed(3, "ckpt/step-3", "c1")
+led.leased(2, 0, "p1", [7])  # queued, never flushed: the kill loses it
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_parent_ledger_is_read_from_a_copy_as_it_lies_after_sigkill(tmp_path):
+    run_dir = tmp_path / "runs" / "20260101T000000Z-aaaa"
+    run_dir.mkdir(parents=True)
+    info = {"run_id": run_dir.name, "config": {"seed": 9, "epochs": 2, "num_samples": 10}, "outcome": "running",
+            "broker": {"host": "elsewhere", "pid": 1}, "facts": {}}
+    (run_dir / "run.json").write_text(json.dumps(info))
+    p = subprocess.run([sys.executable, "-c", KILL_AFTER_COMMIT, str(run_dir / "ledger.sqlite")], timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    wal = run_dir / "ledger.sqlite-wal"
+    assert wal.exists() and wal.stat().st_size > 0  # the commit lives only in the WAL
+    files = {f.name: f.read_bytes() for f in run_dir.iterdir()}
+
+    parent = resume.load(str(run_dir), tmp_path / "runs")
+    assert (parent.seed, parent.epochs, parent.n_samples) == (9, 2, 10)
+    assert sorted(parent.rows) == [(0, 4, run_dir.name, 3), (0, 5, run_dir.name, 3)]
+    assert parent.resumed_from == {"run": run_dir.name, "step": 3, "checkpoint": "ckpt/step-3"}
+    assert {f.name: f.read_bytes() for f in run_dir.iterdir()} == files  # not one byte written
+
+    child = Ledger(tmp_path / "child.sqlite")
+    assert resume.inherit(child, parent) == 2
+    meta = child.meta()
+    assert meta["parent_run"] == run_dir.name and meta["resumed_from"]["step"] == 3
+    child.close()
+    os.remove(tmp_path / "child.sqlite")
