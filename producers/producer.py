@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from dflash.protocol.fp8 import ENCODING as FP8_ENCODING, encode_fp8
+from dflash.protocol.gpu import gpu_figures
 from dflash.protocol.logs import get_logger
 
 from .chat import ChatEncoder
@@ -215,9 +216,7 @@ class Producer:
              "batches_per_s": round(self._batches_per_s(), 3), "oom_backoff": self.splitter.backoff_tokens is not None,
              "batches": self.counts["batches"], "tokens": self.counts["tokens"], "samples": self.counts["samples"],
              "skipped": self.counts["skipped"], "bad_rows": self.counts["bad_rows"], "ooms": self.splitter.ooms}
-        if self.target.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.target.device)
-            s.update(gpu_mem_used=total - free, gpu_mem_total=total)
+        s.update(gpu_figures(self.target.device))  # memory (+ utilisation with NVML); {} on CPU
         return s
 
     def _state(self) -> str:

@@ -1,0 +1,113 @@
+"""GPU figures for heartbeats: memory used/total and utilisation of one device.
+
+Producers and consumers put these in their heartbeat `stats` (PROTOCOL.md 4.2), so
+`dflash-status` shows every GPU of the run without anyone running nvidia-smi by hand
+(FIELD-NOTES incident 6: two drafter GPUs sat at 0% and nothing said so).
+
+NVML (`pip install nvidia-ml-py`, imported as `pynvml`) gives device-wide memory like
+nvidia-smi and the utilisation; without it `torch.cuda.mem_get_info` gives the memory
+only. On a CPU device, or when nothing answers, the result is `{}`: a heartbeat must
+never fail because of its figures, so this never raises.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_nvml: dict[str, Any] = {"state": None, "handles": {}}  # state: None (untried), "ok", "off"
+
+
+def gpu_figures(device: Any) -> dict:
+    """{gpu_mem_used, gpu_mem_total (bytes), gpu_util (percent, NVML only)} of `device`.
+
+    `device`: a CUDA ordinal (int), a torch.device or a string like "cuda:1"; None or a
+    non-CUDA device gives {}. Safe to call from any thread, about once a second."""
+    index = _cuda_index(device)
+    if index is None:
+        return {}
+    try:
+        handle = _nvml_handle(index)
+        if handle is not None:
+            import pynvml
+
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            return {"gpu_mem_used": int(mem.used), "gpu_mem_total": int(mem.total), "gpu_util": float(util)}
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        free, total = torch.cuda.mem_get_info(index)
+        return {"gpu_mem_used": int(total - free), "gpu_mem_total": int(total)}
+    except Exception:  # a driver hiccup must not kill the heartbeat thread
+        return {}
+
+
+def _cuda_index(device: Any) -> int | None:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    text = str(device)  # torch.device("cuda:1") -> "cuda:1"; "cuda" -> the current device
+    if not text.startswith("cuda"):
+        return None
+    if ":" in text:
+        return int(text.split(":", 1)[1])
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _nvml_handle(index: int):
+    """NVML's handle for CUDA ordinal `index`, or None without NVML.
+
+    CUDA ordinals are not NVML indices: CUDA_VISIBLE_DEVICES renumbers devices (and may
+    list UUIDs), so the device is matched by the UUID torch reports when it can."""
+    if _nvml["state"] == "off":
+        return None
+    if index in _nvml["handles"]:
+        return _nvml["handles"][index]
+    try:
+        import pynvml
+
+        if _nvml["state"] is None:
+            pynvml.nvmlInit()
+            _nvml["state"] = "ok"
+    except Exception:
+        _nvml["state"] = "off"  # no NVML here: do not try again every second
+        return None
+    try:
+        handle = _by_uuid(pynvml, index) or _by_visible_index(pynvml, index)
+    except Exception:
+        handle = None  # this device is unknown to NVML: torch's figures for it
+    _nvml["handles"][index] = handle
+    return handle
+
+
+def _by_uuid(pynvml, index: int):
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return None
+    for name in (uuid, f"GPU-{uuid}"):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except Exception:
+            continue
+    return None
+
+
+def _by_visible_index(pynvml, index: int):
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    entry = visible[index]
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)
