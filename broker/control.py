@@ -129,6 +129,7 @@ def on_ack(b, p: Peer, h: dict) -> None:
             continue
         b.batch_ids.discard(bid)
         b.ledger.trained(qb, p.id, h["step"])
+        b.rate_samples.add(len(qb.samples))  # the ETA's pace
         p.acked += 1
     if unknown and b.log_limit.allow(f"ack:{p.id}")[0]:
         log.warning("broker.ack_unknown", peer=p.id, step=h["step"], batch_ids=[str(x)[:64] for x in unknown[:16]],

@@ -86,3 +86,29 @@ class RateLimit:
             return True, suppressed
         st[2] += 1
         return False, 0
+
+
+class TimeShare:
+    """Fraction of the last `window_s` seconds a condition held (a consumer starved, the
+    queue full), in bounded memory. The loop calls `update(held, now)` every turn; the
+    time since the previous call counts under the state given then."""
+
+    def __init__(self, window_s: float = 10.0, slots: int = 20, now: float | None = None):
+        self.window, self.slot = window_s, window_s / slots
+        self._slots: deque[list[float]] = deque(maxlen=slots + 1)  # [slot start, seconds held]
+        self._t0 = self._last = time.monotonic() if now is None else now
+        self._held = False
+
+    def update(self, held: bool, now: float) -> None:
+        if self._held and now > self._last:
+            if not self._slots or now - self._slots[-1][0] >= self.slot:
+                self._slots.append([now, 0.0])
+            self._slots[-1][1] += now - self._last
+        self._last, self._held = now, held
+
+    def share(self, now: float) -> float:
+        held = sum(s for t, s in self._slots if now - t <= self.window)
+        if self._held:
+            held += max(0.0, now - self._last)  # the stretch since the last update
+        span = min(self.window, now - self._t0)
+        return min(1.0, held / span) if span > 0 else 0.0

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from .dispatch import QueuedBatch
-from .liveness import RateMeter
+from .liveness import RateMeter, TimeShare
 
 LOST_HISTORY = 32  # lost/left peers kept for the status map
 
@@ -51,6 +51,7 @@ class Peer:
     port: int | None = None
     rank: int | None = None
     waiting_since: float | None = None  # credit > 0 and nothing to send it
+    wait_share: TimeShare = field(default_factory=TimeShare)  # how much of the last 10 s it waited
     delivered: int = 0
     acked: int = 0
     # producer side

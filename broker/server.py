@@ -25,10 +25,10 @@ from .config import CONTROL_MAX_BYTES, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
 from .ledger import Ledger
-from .liveness import Every, RateLimit, RateMeter, silent
+from .liveness import Every, RateLimit, RateMeter, TimeShare, silent
 from .peers import Peer, PeerTable
 from .resume import Parent
-from .status import progress_fields, samples
+from .status import build_status, log_progress, progress_fields, samples
 
 log = get_logger()
 
@@ -65,6 +65,10 @@ class Broker:
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
         self.log_limit, self.reply_limit = RateLimit(5.0), RateLimit(3.0)
         self.rate_in, self.rate_out = RateMeter(), RateMeter()
+        self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
+        self.full_share = TimeShare()  # how much of the last 10 s producers were blocked
+        self.metrics = None  # the --metrics-port HTTP endpoint (metrics.MetricsServer)
+        self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.ctx = zmq.Context()
         try:
             self.control = make_socket(
@@ -131,6 +135,8 @@ class Broker:
         for c in self.peers.live("consumer"):  # how long a consumer has had credit and no batch
             hungry = c.credit > 0 and not self.queue
             c.waiting_since = (c.waiting_since or now) if hungry else None
+            c.wait_share.update(hungry, now)
+        self.full_share.update(not self.queue.has_room(), now)
 
     def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
         try:
@@ -153,8 +159,10 @@ class Broker:
             control.lease_incomplete(self, lease)
         if self.beat.due(now):
             self.heartbeat_all()
+            if self.metrics is not None:
+                self.metrics.publish(build_status(self))
         if self.progress.due(now):
-            log.info("broker.progress", **progress_fields(self, now))
+            log_progress(self, now)
         self.ledger.maybe_flush(now)
         control.check_end_of_stream(self)
 
@@ -208,5 +216,7 @@ class Broker:
             self.control.close(linger=1000)  # let the last stop/replies out
         if getattr(self, "data_in", None) is not None:
             self.data_in.close(linger=0)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         self.ctx.term()
         self.ledger.close()

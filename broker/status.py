@@ -1,9 +1,11 @@
 """The status map (`status_reply.status`, `dflash-status --json`) and the periodic
 `broker.progress` line. Fields are listed in docs/LOGS.md ("status map").
 
-Rich on purpose: a later `dflash-status` diagnoses slow runs from this map alone (idle
-consumers, a full queue, a producer without leases), so per-peer figures are the ones its
-heartbeats report plus what the broker measures itself.
+Rich on purpose: `diagnosis.diagnose` says what limits throughput from this map alone
+(idle consumers, a full queue, a lost peer, an idle GPU), so per-peer figures are the ones
+its heartbeats report plus what the broker measures itself. The heartbeat figures every
+row shows are also copied to the row's top level (null when a peer does not report
+them), so scripts read one fixed shape.
 """
 
 from __future__ import annotations
@@ -12,11 +14,19 @@ import os
 import time
 from datetime import datetime, timezone
 
+from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
 
 from .config import MAX_CREDIT
+from .diagnosis import diagnose, result
+
+log = get_logger()
 
 _SCALAR = (bool, int, float, type(None))
+GPU_KEYS = ("gpu_mem_used", "gpu_mem_total", "gpu_util")
+QUIET = ("balanced", "starting", "stopping", "finishing")  # diagnoses logged at info, not warning
+ROW_KEYS = {"producer": ("q_pre", "oom_backoff", *GPU_KEYS),
+            "consumer": ("step", "loss", "acc", "streak", "oom_backoff", *GPU_KEYS)}
 
 
 def _iso(t: float | None) -> str | None:
@@ -78,29 +88,60 @@ def peer_row(b, p, now: float) -> dict:
         "heartbeat_age_s": round(now - p.last_seen, 3),
         "stats": p.stats, "stats_at": _iso(p.stats_at),
         "batches_per_s": round(p.rate_in.rate(now), 3), "tokens_per_s": round(p.rate_tokens.rate(now), 1),
+        "reported_tokens_per_s": _number(p.stats.get("tokens_per_s")),
     }
+    row.update({k: _figure(p.stats.get(k)) for k in ROW_KEYS[p.role]})
     if p.role == "producer":
-        row.update(leases_open=len(b.leases.open_leases(p.id)), batches_in=p.batches_in, bytes_in=p.bytes_in,
-                   samples_in=p.samples_in, stale=p.stale)
+        leases = b.leases.open_leases(p.id)
+        row.update(leases_open=len(leases), batches_in=p.batches_in, bytes_in=p.bytes_in,
+                   samples_in=p.samples_in, stale=p.stale,
+                   in_flight=sum(len(le.outstanding) for le in leases))  # leased samples not arrived yet
     else:
         row.update(rank=p.rank, credit=p.credit, in_flight=len(p.in_flight),
                    in_flight_bytes=sum(x.nbytes for x in p.in_flight.values()), delivered=p.delivered,
                    acked=p.acked, data_out=p.data_out,
-                   waiting_s=None if p.waiting_since is None else round(now - p.waiting_since, 3))
+                   waiting_s=None if p.waiting_since is None else round(now - p.waiting_since, 3),
+                   wait_frac=round(p.wait_share.share(now), 3))
     return row
+
+
+def _number(v):
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _figure(v):
+    """A heartbeat figure as the row shows it: a number, a flag, or null."""
+    return v if isinstance(v, (bool, int, float)) else None
 
 
 def gone_row(p) -> dict:
     return {"peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
-            "state": p.state, "at": _iso(p.gone_at), "reason": p.gone_reason, "held": p.held,
-            "last_stats": p.stats}
+            "state": p.state, "at": _iso(p.gone_at), "ago_s": round(time.time() - p.gone_at, 1),
+            "reason": p.gone_reason, "held": p.held, "last_stats": p.stats,
+            "last_step": _number(p.stats.get("step"))}
+
+
+def progress(b, now: float) -> dict:
+    """Where the run stands and when it should end, from the pace of the last minute."""
+    s = samples(b)
+    sps = b.rate_samples.rate(now)
+    left = None if s["total"] is None else max(0, s["total"] - s["done"])
+    eta = round(left / sps) if left is not None and sps > 0 else None
+    return {
+        "epoch": s["epoch"], "epochs": s["epochs"],
+        "epochs_done": round(s["done"] / s["n_samples"], 4) if s["n_samples"] else None,
+        "fraction": round(s["done"] / s["total"], 4) if s["total"] else None,
+        "trained": s["trained"] + s["committed"], "committed": s["committed"], "done": s["done"],
+        "total": s["total"], "samples_per_s": round(sps, 2), "eta_s": eta,
+        "eta_at": _iso(time.time() + eta) if eta is not None else None,
+    }
 
 
 def build_status(b) -> dict:
     now = time.monotonic()
     consumers = b.peers.live("consumer")
     state = "running" if b.stopping is None else "stopping"
-    return {
+    st = {
         "run_id": b.run_id,
         "protocol_version": PROTOCOL_VERSION,
         "broker": {
@@ -112,9 +153,11 @@ def build_status(b) -> dict:
                                                    "timeout_s", "consumers", "max_message_bytes")}
         | {"max_credit": MAX_CREDIT},
         "facts": b.facts,
+        "progress": progress(b, now),
         "queue": {
             "batches": len(b.queue), "bytes": b.queue.bytes, "capacity_bytes": b.queue.capacity,
             "oldest_age_s": round(b.queue.oldest_age(now), 3), "reading": b.queue.has_room(),
+            "full_frac": round(b.full_share.share(now), 3),
             "in_flight_batches": sum(len(c.in_flight) for c in consumers),
             "in_flight_bytes": sum(x.nbytes for c in consumers for x in c.in_flight.values()),
         },
@@ -127,6 +170,11 @@ def build_status(b) -> dict:
         "peers": [peer_row(b, p, now) for p in b.peers.live()],
         "gone": [gone_row(p) for p in b.peers.gone],
     }
+    try:
+        st["diagnosis"] = diagnose(st)
+    except Exception as e:  # called from the loop's tick: a diagnosis bug must not end the run
+        st["diagnosis"] = result("unknown", f"diagnosis failed: {type(e).__name__}: {e}")
+    return st
 
 
 def progress_fields(b, now: float) -> dict:
@@ -142,3 +190,17 @@ def progress_fields(b, now: float) -> dict:
         "samples_committed": s["committed"], "samples_skipped": s["skipped"], "epoch": s["epoch"],
         "batches_in_per_s": round(b.rate_in.rate(now), 3), "batches_out_per_s": round(b.rate_out.rate(now), 3),
     }
+
+
+def log_progress(b, now: float) -> None:
+    """The `broker.progress` line, with the diagnosis; and `broker.diagnosis` when the
+    diagnosis changes, so the logs say when and why throughput changed."""
+    st = build_status(b)
+    d, p = st["diagnosis"], st["progress"]
+    log.info("broker.progress", **progress_fields(b, now), samples_per_s=p["samples_per_s"], eta_s=p["eta_s"],
+             diagnosis=d["code"])
+    if d["code"] != b.last_diagnosis:
+        b.last_diagnosis = d["code"]
+        level = log.info if d["code"] in QUIET else log.warning
+        level("broker.diagnosis", code=d["code"], text=d["text"], suggestion=d["suggestion"],
+              limited_by=d["limited_by"])

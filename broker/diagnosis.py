@@ -1,0 +1,272 @@
+"""What limits the run's throughput now, in one line, and what to do about it.
+
+`diagnose(status)` is a pure function of the status map (docs/LOGS.md, docs/STATUS.md):
+the broker fills `status.diagnosis` with it, tests feed it hand-written maps. Checks run
+most urgent first and the first that fires wins: the run is stopping, a peer was lost, a
+role has nobody, an OOM backoff, an idle GPU with work waiting, then the balance between
+targets (producers) and drafters (consumers). In the field (FIELD-NOTES incident 6)
+throughput fell to a quarter with two drafter GPUs idle and nothing said why; this is
+the line that says why.
+
+Balance: the queue tells which side waits. Drafters with credit and an empty queue wait
+for targets; a full queue (producers blocked on send) waits for drafters, and a queue that grows while no drafter waits soon will. A side that
+waits a fraction w of the time could go 1/(1-w) times faster, so its capacity is its
+measured rate / (1-w); the suggestion moves whole GPUs between the sides to maximise
+min(targets' supply, drafters' demand), assuming the GPUs are alike.
+"""
+
+from __future__ import annotations
+
+IDLE_UTIL = 5.0  # percent: a GPU below this does no real work
+RECENT_LOSS_S = 300.0  # an unreplaced loss older than this is history, not news
+WAITS = 0.25  # fraction of the window a side waited before we call it the limit
+MAX_WAIT = 0.95  # caps a capacity estimate at 20x the measured rate
+MIN_GAIN = 1.10  # suggest moving GPUs only for an estimated gain of 10% or more
+GROWS = 1.10  # targets making this much more than drafters train: the queue is filling up
+
+WORD = {"producer": "target", "consumer": "drafter"}
+SIDE = {"producer": "targets", "consumer": "drafters"}
+
+
+def diagnose(st: dict) -> dict:
+    """{code, text, suggestion, limited_by} for a status map. Never raises on missing keys."""
+    for check in (_stopping, _lost, _missing, _oom, _idle, _balance):
+        d = check(st)
+        if d is not None:
+            return d
+    raise AssertionError("_balance always answers")
+
+
+def result(code: str, text: str, suggestion: str | None = None, limited_by: str | None = None) -> dict:
+    return {"code": code, "text": text, "suggestion": suggestion, "limited_by": limited_by}
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _stopping(st: dict) -> dict | None:
+    if (st.get("broker") or {}).get("state") != "stopping":
+        return None
+    n = len(st.get("peers") or [])
+    return result("stopping", f"end of stream: every peer was told to stop; {n} still to leave")
+
+
+def _lost(st: dict) -> dict | None:
+    live = {(p.get("role"), p.get("instance")) for p in st.get("peers") or []}
+    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost"
+            and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S and (g.get("role"), g.get("instance")) not in live]
+    if not lost:
+        return None
+    g = lost[-1]  # the gone list is oldest first
+    role, held = g.get("role"), g.get("held") or {}
+    text = f"{WORD.get(role, role)} {_name(g)} lost {_dur(g.get('ago_s'))} ago: {g.get('reason')}"
+    if role == "consumer":
+        text += f"; last step {g.get('last_step', '?')}; its {held.get('in_flight', 0)} unacked batches were requeued"
+    else:
+        text += f"; its {held.get('samples_returned', 0)} unfinished samples went back to the pool"
+    if len(lost) > 1:
+        text = f"{len(lost)} peers lost in the last {RECENT_LOSS_S / 60:.0f} min; latest: {text}"
+    left = len(_live(st, role))
+    carry = f"{left} {SIDE.get(role, role)} carry on" if left else f"no {WORD.get(role, role)} is left"
+    return result("peer_lost", text, f"read its last lines (dflash-logs --instance {g.get('instance')} "
+                  f"--level warning) and restart it; {carry}", SIDE.get(role))
+
+
+def _missing(st: dict) -> dict | None:
+    prod, cons = _live(st, "producer"), _live(st, "consumer")
+    ctl = ((st.get("broker") or {}).get("endpoints") or {}).get("control", "<broker>")
+    q, s = st.get("queue") or {}, st.get("samples") or {}
+    if not prod and not cons:
+        return result("no_peers", "no targets or drafters connected", f"start dflash-produce and dflash-consume "
+                      f"with --broker {ctl}")
+    if not cons:
+        return result("no_drafters", f"no drafter connected: {q.get('batches', 0)} batches wait in the queue",
+                      f"start dflash-consume --broker {ctl}", "drafters")
+    if not prod:
+        if not s.get("pending") and not s.get("leased") and s.get("total") is not None:
+            return result("finishing", f"every sample is produced; drafters train the last "
+                          f"{q.get('batches', 0) + q.get('in_flight_batches', 0)} batches")
+        return result("no_targets", f"no target connected: drafters get nothing new ({q.get('batches', 0)} "
+                      "batches left in the queue)", f"start dflash-produce --broker {ctl}", "targets")
+    return None
+
+
+def _oom(st: dict) -> dict | None:
+    hit = [p for p in st.get("peers") or [] if p.get("oom_backoff") is True]
+    if not hit:
+        return None
+    p = hit[0]
+    ooms = (p.get("stats") or {}).get("ooms")
+    text = (f"{WORD.get(p['role'])} {_name(p)} is in OOM backoff: it ran out of GPU memory"
+            f"{f' ({ooms} times)' if ooms else ''} and now sends smaller batches{_mem(p)}")
+    if len(hit) > 1:
+        text += f"; {len(hit) - 1} more peers in backoff"
+    budget = "--token-budget / --max-batch-size" if p["role"] == "producer" else "the targets' --token-budget"
+    return result("oom_backoff", text, f"restart it with a smaller {budget} or free memory on its GPU",
+                  SIDE.get(p["role"]))
+
+
+def _idle(st: dict) -> dict | None:
+    q = st.get("queue") or {}
+    idle = [p for p in st.get("peers") or [] if _idle_with_work(p, q)]
+    if not idle:
+        return None
+    role = idle[0]["role"]
+    same = [p for p in idle if p["role"] == role]
+    what = ", ".join(f"{_name(p)} {_util(p)}" for p in same)
+    if role == "consumer":
+        why = (f"while {q.get('batches', 0)} batches wait in the queue" if q.get("batches")
+               else "while holding unacked batches")
+        hint = "a memory limit, a stuck data-parallel peer, or an error"
+    else:
+        why, hint = "while the queue has room", "a stuck forward pass or an error"
+    text = f"{len(same)} of {len(_live(st, role))} {WORD[role]} GPUs idle ({what}) {why}"
+    return result("gpu_idle", text, f"check its log for {hint} (dflash-logs --instance "
+                  f"{same[0].get('instance')} --level warning)", SIDE[role])
+
+
+def _idle_with_work(p: dict, q: dict) -> bool:
+    """Idle although work is there for it (an idle GPU waiting for the other side is
+    the balance's business, not this check's)."""
+    util = p.get("gpu_util")
+    if p.get("role") == "consumer":
+        if p.get("waiting_s") is not None or p.get("state") == "stopping":
+            return False
+        has_work = bool(q.get("batches")) or bool(p.get("in_flight"))
+        no_credit = not p.get("credit") and not p.get("in_flight") and bool(q.get("batches"))
+        return has_work and (no_credit or (isinstance(util, (int, float)) and util < IDLE_UTIL))
+    return (p.get("state") == "producing" and q.get("reading", True) is True
+            and isinstance(util, (int, float)) and util < IDLE_UTIL)
+
+
+def _balance(st: dict) -> dict:
+    prod, cons = _live(st, "producer"), _live(st, "consumer")
+    q, r = st.get("queue") or {}, st.get("rates") or {}
+    if not r.get("batches_in"):
+        return result("starting", "no batch produced yet: targets are loading or tokenising", None, "targets")
+    full = _num(q.get("full_frac"), 0.0 if q.get("reading", True) else 1.0)
+    waits = [_wait(c) for c in cons]
+    wait = sum(waits) / len(waits)
+    supply = sum(_num(p.get("tokens_per_s"), 0.0) for p in prod)
+    trained = sum(_num(c.get("tokens_per_s"), 0.0) for c in cons)
+    p_cap = sum(_capacity(p.get("tokens_per_s"), full) for p in prod) / len(prod)
+    c_cap = sum(_capacity(c.get("tokens_per_s"), w) for c, w in zip(cons, waits)) / len(cons)
+    if wait >= WAITS and wait > full:
+        waiting = sum(1 for c in cons if c.get("waiting_s") is not None)
+        text = (f"targets limit throughput: drafters starved, queue {q.get('batches', 0)} batches, "
+                f"{waiting} of {len(cons)} drafters waiting now ({wait:.0%} of the last 10 s); "
+                f"targets make {_tok(supply)}")
+        return result("drafters_starved", text, _suggest(len(prod), p_cap, len(cons), c_cap, "targets"), "targets")
+    if full >= WAITS or q.get("reading") is False:
+        text = (f"drafters limit throughput: targets backed up, queue full ({q.get('batches', 0)} batches, "
+                f"oldest {_dur(q.get('oldest_age_s'))}), targets blocked on send {full:.0%} of the last 10 s, "
+                f"drafters busy training {_tok(trained)}{_straggler(cons)}")
+        return result("targets_backed_up", text, _suggest(len(prod), p_cap, len(cons), c_cap, "drafters"),
+                      "drafters")
+    if q.get("batches") and supply > GROWS * trained:
+        text = (f"drafters limit throughput: queue growing ({q.get('batches')} batches, {_bytes(q.get('bytes'))} of "
+                f"{_bytes(q.get('capacity_bytes'))}, oldest {_dur(q.get('oldest_age_s'))}), targets make "
+                f"{_tok(supply)}, drafters train {_tok(trained)}{_straggler(cons)}; targets block once it is full")
+        return result("queue_growing", text, _suggest(len(prod), p_cap, len(cons), c_cap, "drafters"), "drafters")
+    text = (f"balanced: targets make {_tok(supply)}, drafters train {_tok(trained)}, queue "
+            f"{q.get('batches', 0)} batches, drafters waited {wait:.0%} and targets {full:.0%} of the last 10 s")
+    return result("balanced", text, _suggest(len(prod), p_cap, len(cons), c_cap, None))
+
+
+# ---------------------------------------------------------------- the arithmetic
+
+
+def best_move(n_targets: int, target_rate: float, n_drafters: int, drafter_rate: float) -> tuple[int, float, float]:
+    """GPUs to move from targets to drafters (negative: the other way) maximising the
+    pipeline's rate min(targets' supply, drafters' demand), GPUs alike, at least one of
+    each kept; returns (k, rate now, rate after). Ties go to the smaller move."""
+    def rate(k: int) -> float:
+        return min((n_targets - k) * target_rate, (n_drafters + k) * drafter_rate)
+
+    k = max(range(-(n_drafters - 1), n_targets), key=lambda k: (round(rate(k), 6), -abs(k)))
+    return k, rate(0), rate(k)
+
+
+def _suggest(n_p: int, p_cap: float, n_c: int, c_cap: float, limit: str | None) -> str | None:
+    k, now, after = best_move(n_p, p_cap, n_c, c_cap)
+    if k and now > 0 and after >= MIN_GAIN * now:
+        src, dst = ("targets", "drafters") if k > 0 else ("drafters", "targets")
+        return (f"move {abs(k)} GPU{'s' if abs(k) > 1 else ''} from {src} to {dst} (if the GPUs are alike): "
+                f"est. {_tok(now)} -> {_tok(after)}")
+    if limit == "targets" and p_cap > 0:
+        return f"add target GPUs: the drafters could take ~{n_c * c_cap / (n_p * p_cap):.1f}x what the targets make"
+    if limit == "drafters" and c_cap > 0:
+        return f"add drafter GPUs: the targets could make ~{n_p * p_cap / (n_c * c_cap):.1f}x what the drafters train"
+    return None
+
+
+def _capacity(rate, waited: float) -> float:
+    """Tokens/s a peer would do if it never waited: measured / (1 - fraction waited)."""
+    return _num(rate, 0.0) / (1.0 - min(max(waited, 0.0), MAX_WAIT))
+
+
+def _wait(c: dict) -> float:
+    """Fraction of the last window a consumer had credit and nothing to get."""
+    w = c.get("wait_frac")
+    if isinstance(w, (int, float)):
+        return float(w)
+    return 1.0 if c.get("waiting_s") is not None else 0.0  # a map without the window: now only
+
+
+def _straggler(cons: list[dict]) -> str:
+    """"; slowest drafter c2 (gpu6) at 0.4 Ktok/s (the others' median 2.1 Ktok/s)" when
+    one lags: in data-parallel training every rank waits for the slowest each step."""
+    if len(cons) < 2:
+        return ""
+    by_rate = sorted(cons, key=lambda c: _num(c.get("tokens_per_s"), 0.0))
+    slow, others = by_rate[0], [_num(c.get("tokens_per_s"), 0.0) for c in by_rate[1:]]
+    median = others[len(others) // 2] if len(others) % 2 else sum(others[len(others) // 2 - 1:][:2]) / 2
+    r = _num(slow.get("tokens_per_s"), 0.0)
+    return f"; slowest drafter {_name(slow)} at {_tok(r)} (the others' median {_tok(median)})" if r < 0.5 * median else ""
+
+
+# ---------------------------------------------------------------- words
+
+
+def _live(st: dict, role: str | None) -> list[dict]:
+    return [p for p in st.get("peers") or [] if p.get("role") == role]
+
+
+def _name(p: dict) -> str:
+    return f"{p.get('peer')} ({p.get('instance')})"
+
+
+def _num(v, default: float) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
+def _tok(v: float) -> str:
+    return f"{v / 1000:.1f} Ktok/s" if v >= 1000 else f"{v:.0f} tok/s"
+
+
+def _bytes(n) -> str:
+    n = _num(n, 0.0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "?"
+
+
+def _dur(s) -> str:
+    s = _num(s, 0.0)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}min"
+
+
+def _util(p: dict) -> str:
+    u = p.get("gpu_util")
+    if isinstance(u, (int, float)):
+        return f"{u:.0f}% util"
+    return f"credit {p.get('credit', 0)}, nothing in flight"
+
+
+def _mem(p: dict) -> str:
+    used, total = p.get("gpu_mem_used"), p.get("gpu_mem_total")
+    if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total:
+        return f" (GPU {p.get('gpu')}: {used / 2**30:.1f} of {total / 2**30:.1f} GiB used)"
+    return ""
