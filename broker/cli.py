@@ -51,6 +51,8 @@ from .server import Broker
         help="Data-parallel world size: consumers get ranks 0..N-1 in hello order, plus rank 0's rendezvous "
              "address. 0 = do not arrange ranks.")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
+@option("--metrics-port", default=0, type=int,
+        help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
         help="Lowest level logged.")
 @option("--resume", default=None, metavar="RUN",
@@ -96,11 +98,13 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     lineage = {"parent_run": parent.run_id, "resumed_from": parent.summary()} if parent else {}
     try:
         broker = Broker(cfg, run_id, run_dir, host, parent)
-    except zmq.ZMQError as e:
-        log.error("broker.start_failed", error=str(e), port=cfg.port, data_in_port=cfg.data_in_port)
+    except (zmq.ZMQError, OSError) as e:  # OSError: the --metrics-port HTTP server
+        log.error("broker.start_failed", error=str(e), port=cfg.port, data_in_port=cfg.data_in_port,
+                  metrics_port=cfg.metrics_port)
         runinfo.start(run_dir, run_id, as_dict(cfg), {}, cfg.instance, **lineage)
         runinfo.finish(run_dir, "failed", error=f"cannot bind: {e}")
-        click.echo(f"error: cannot bind ports {cfg.port}/{cfg.data_in_port} on {cfg.bind}: {e}", err=True)
+        ports = f"{cfg.port}/{cfg.data_in_port}" + (f"/{cfg.metrics_port}" if cfg.metrics_port else "")
+        click.echo(f"error: cannot bind ports {ports} on {cfg.bind}: {e}", err=True)
         close_logging()
         return 1
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)

@@ -39,6 +39,7 @@ class BrokerConfig:
     num_samples: int | None = None
     consumers: int = 0
     progress_s: float = 10.0
+    metrics_port: int = 0  # Prometheus text on http://HOST:PORT/metrics; 0 = off
     log_level: str = "info"
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
 
@@ -62,6 +63,11 @@ class BrokerConfig:
             raise ValueError("--num-samples must be >= 0")
         if self.consumers < 0:
             raise ValueError("--consumers must be >= 0")
+        if self.metrics_port and (not 0 < self.metrics_port < 65536
+                                  or self.metrics_port in (self.port, self.data_in_port)
+                                  or lo <= self.metrics_port <= hi):
+            raise ValueError(f"--metrics-port {self.metrics_port}: use a free port in 1..65535 "
+                             "outside the other ports (0 = off)")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
             raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
 

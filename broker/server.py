@@ -26,6 +26,7 @@ from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
 from .ledger import Ledger
 from .liveness import Every, RateLimit, RateMeter, TimeShare, silent
+from .metrics import MetricsServer
 from .peers import Peer, PeerTable
 from .resume import Parent
 from .status import build_status, log_progress, progress_fields, samples
@@ -79,14 +80,19 @@ class Broker:
                 self.ctx, zmq.PULL, tcp_endpoint(cfg.bind, cfg.data_in_port), bind=True,
                 opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes),
             )
+            if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
+                self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
         except Exception:
             self.close()
             raise
 
     @property
     def endpoints(self) -> dict:
-        return {"control": tcp_endpoint(self.advertise, self.cfg.port),
-                "data_in": tcp_endpoint(self.advertise, self.cfg.data_in_port)}
+        eps = {"control": tcp_endpoint(self.advertise, self.cfg.port),
+               "data_in": tcp_endpoint(self.advertise, self.cfg.data_in_port)}
+        if self.cfg.metrics_port:
+            eps["metrics"] = f"http://{self.advertise}:{self.cfg.metrics_port}/metrics"
+        return eps
 
     # ------------------------------------------------------------ the loop
 

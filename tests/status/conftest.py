@@ -1,0 +1,50 @@
+"""Fixtures for status tests: a real broker process (tests/broker/broker_harness.py) and
+stats-reporting wire fakes as processes (status_fakes.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "broker"))
+sys.path.insert(0, str(HERE))
+
+from broker_harness import BrokerProc  # noqa: E402
+
+
+@pytest.fixture
+def start_broker(tmp_path):
+    started: list[BrokerProc] = []
+
+    def start(*args: str, n_out: int = 8) -> BrokerProc:
+        b = BrokerProc(tmp_path / "runs", list(args), n_out)
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        if b.proc.poll() is None:
+            b.proc.kill()
+            b.proc.wait(5)
+
+
+@pytest.fixture
+def fakes():
+    """spawn(role, broker, *args) -> Popen; every process is killed at the end."""
+    from status_helpers import spawn
+
+    procs = []
+
+    def start(role, broker, *args):
+        p = spawn(role, broker, *args)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(5)
