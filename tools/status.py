@@ -1,25 +1,37 @@
 """`dflash-status`: the live state of a run, asked of its broker (`status` ->
-`status_reply`, PROTOCOL.md 4.7).
+`status_reply`, PROTOCOL.md 4.7), or the plain verdict on a run that is not live.
 
-Prints the run ID, uptime, queue depth, sample counts, one row per live peer and the
-recently lost or departed ones with when and why. `--json` prints the raw status map
-(fields in docs/LOGS.md). Exit 0 on an answer, 1 when the broker does not answer, 2 on a
-bad option. Talks msgpack directly (no torch import) so it answers in a blink.
+    dflash-status                      the run the broker serves now, with a diagnosis
+    dflash-status --watch 2            the same, redrawn in place every 2 s
+    dflash-status --json               the raw status map (fields: docs/STATUS.md)
+    dflash-status --run latest         a run's verdict from its files: LIVE only if its
+                                       broker answers with that run ID; else FINISHED,
+                                       STOPPED or DIED, when, and its last step
+
+Exit 0 on an answer, 1 when the broker does not answer (live mode) or the run is not
+found, 2 on a bad option. Talks msgpack directly (no torch import), so it answers in a blink.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from datetime import datetime
+import time
+from pathlib import Path
 
 import click
 import msgpack
 import zmq
 
-from dflash.protocol.config import broker_option, fail, option
+from dflash.protocol.config import broker_option, fail, option, runs_dir_option
 from dflash.protocol.messages import MAX_HEADER_BYTES, PROTOCOL_VERSION
+from dflash.protocol.run import resolve_run, runs_root
 from dflash.protocol.sockets import split_endpoint
+
+from . import runstate
+from .status_view import render
+
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: one frame drawn over the last
 
 
 class NoAnswer(Exception):
@@ -53,135 +65,110 @@ def ask(endpoint: str, timeout_s: float) -> dict:
     return h["status"]
 
 
-# ---------------------------------------------------------------- formatting
-
-
-def _size(n) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return "?"
-
-
-def _dur(s) -> str:
-    if s is None:
-        return "-"
-    s = float(s)
-    if s < 60:
-        return f"{s:.1f}s"
-    m, s = divmod(int(s), 60)
-    h, m = divmod(m, 60)
-    d, h = divmod(h, 24)
-    return f"{d}d{h:02d}h{m:02d}m" if d else f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
-
-
-def _rate(row: dict) -> str:
-    st = row.get("stats") or {}
-    bps = st.get("batches_per_s", row.get("batches_per_s"))
-    tps = st.get("tokens_per_s", row.get("tokens_per_s"))
-    out = f"{bps:.2f} b/s" if isinstance(bps, (int, float)) else "-"
-    if isinstance(tps, (int, float)) and tps:
-        out += f" {tps / 1000:.1f} Ktok/s"
-    return out
-
-
-def _detail(row: dict) -> str:
-    st = row.get("stats") or {}
-    if row["role"] == "producer":
-        parts = [f"leases {row.get('leases_open', 0)}", f"batches {row.get('batches_in', 0)}"]
-        if st.get("q_pre") is not None:
-            parts.append(f"q_pre {st['q_pre']}")
-        if row.get("stale"):
-            parts.append(f"stale {row['stale']}")
-    else:
-        parts = [f"credit {row.get('credit', 0)}", f"in flight {row.get('in_flight', 0)}",
-                 f"acked {row.get('acked', 0)}"]
-        if row.get("rank") is not None:
-            parts.insert(0, f"rank {row['rank']}")
-        if st.get("step") is not None:
-            parts.append(f"step {st['step']}")
-        if row.get("waiting_s") is not None:
-            parts.append(f"waiting {_dur(row['waiting_s'])}")
-    if st.get("gpu_mem_used") is not None and st.get("gpu_mem_total"):
-        parts.append(f"mem {_size(st['gpu_mem_used'])}/{_size(st['gpu_mem_total'])}")
-    return ", ".join(parts)
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-
-
-def _clock(iso: str | None) -> str:
-    if not iso:
-        return "?"
-    try:
-        return datetime.fromisoformat(iso.replace("Z", "+00:00")).strftime("%H:%M:%SZ")
-    except ValueError:
-        return iso
-
-
-def render(st: dict) -> str:
-    br, q, s = st.get("broker", {}), st.get("queue", {}), st.get("samples", {})
-    lines = [f"run {st.get('run_id')}  up {_dur(br.get('uptime_s'))}  state {br.get('state')}  "
-             f"broker {br.get('instance')}@{br.get('host')} pid {br.get('pid')}"]
-    lines.append(f"queue    {q.get('batches', 0)} batches  {_size(q.get('bytes'))} of {_size(q.get('capacity_bytes'))}"
-                 f"  oldest {_dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"
-                 f" ({_size(q.get('in_flight_bytes'))})" + ("" if q.get("reading", True) else "  FULL: producers blocked"))
-    total, done = s.get("total"), s.get("done", 0)
-    pct = f" ({100 * done / total:.1f}%)" if total else ""
-    lines.append(f"samples  {done} of {total if total is not None else '?'} done{pct}  trained {s.get('trained', 0)}"
-                 f"  committed {s.get('committed', 0)}  skipped {s.get('skipped', 0)}  in queue/flight "
-                 f"{s.get('produced', 0) + s.get('delivered', 0)}  epoch {s.get('epoch', 0) + 1}/{s.get('epochs', '?')}")
-    r = st.get("rates", {})
-    lines.append(f"rates    in {r.get('batches_in_per_s', 0):.2f} batch/s  out {r.get('batches_out_per_s', 0):.2f} batch/s")
-    peers = st.get("peers", [])
-    lines.append("")
-    if peers:
-        head = ["ROLE", "PEER", "INSTANCE", "HOST", "GPU", "STATE", "RATE", "HB AGE", "DETAIL"]
-        rows = [[p["role"], p["peer"], p["instance"], p["host"], "-" if p.get("gpu") is None else str(p["gpu"]),
-                 p.get("state", "?"), _rate(p), _dur(p.get("heartbeat_age_s")), _detail(p)] for p in peers]
-        lines += _table([head, *rows])
-    else:
-        lines.append("no live producers or consumers")
-    gone = st.get("gone", [])
-    if gone:
-        lines += ["", "GONE"]
-        rows = [[p["role"], p["peer"], p["instance"], p["host"], "-" if p.get("gpu") is None else str(p["gpu"]),
-                 f"{p['state']} {_clock(p.get('at'))}", p.get("reason") or "",
-                 _held(p.get("held") or {})] for p in gone]
-        lines += _table(rows)
-    return "\n".join(lines)
-
-
-def _held(held: dict) -> str:
-    if "in_flight" in held:
-        return f"held {held['in_flight']} unacked batches (requeued)"
-    if "samples_returned" in held:
-        return f"held {len(held.get('leases', []))} leases, {held['samples_returned']} samples returned"
-    return ""
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@broker_option()
-@option("--json", "as_json", is_flag=True, default=False, envvar="DFLASH_STATUS_JSON",
-        help="Print the raw status map as JSON (for scripts and jq).")
-@option("--timeout-s", default=3.0, type=float, envvar="DFLASH_STATUS_TIMEOUT_S",
-        help="Seconds to wait for the broker's answer.")
-def main(broker: str, as_json: bool, timeout_s: float) -> None:
-    """Show the live state of the run a broker serves: queue, samples, every peer."""
+def _endpoint(broker: str) -> str:
     try:
         host, port = split_endpoint(broker)
     except ValueError as e:
         fail(str(e))
+    return f"tcp://{host}:{port}"
+
+
+def _latest_hint(runs_dir: str) -> str:
+    """"; the latest run here is X (...)" so a silent broker is not read as 'nothing ran'."""
+    latest = runs_root(runs_dir) / "latest"
+    if not latest.exists():
+        return ""
+    return f"; latest run under {runs_root(runs_dir)} is {latest.resolve().name} (dflash-status --run latest)"
+
+
+def show_live(endpoint: str, timeout_s: float, as_json: bool, runs_dir: str) -> None:
     try:
-        st = ask(f"tcp://{host}:{port}", timeout_s)
+        st = ask(endpoint, timeout_s)
     except NoAnswer as e:
-        fail(str(e), code=1)
+        fail(f"{e}{_latest_hint(runs_dir)}", code=1)
     click.echo(json.dumps(st, indent=2, sort_keys=True) if as_json else render(st))
+
+
+def watch(endpoint: str, timeout_s: float, as_json: bool, every_s: float) -> None:
+    """Redraw until Ctrl-C; a broker that stops answering is said so in place, not fatal."""
+    tty = sys.stdout.isatty()
+    last_run = None
+    try:
+        while True:
+            try:
+                st = ask(endpoint, timeout_s)
+                last_run = st.get("run_id")
+                frame = json.dumps(st, sort_keys=True) if as_json else render(st)
+            except NoAnswer as e:
+                gone = f" (last run seen: {last_run}; dflash-status --run {last_run})" if last_run else ""
+                frame = (json.dumps({"error": str(e), "last_run": last_run}) if as_json
+                         else f"{time.strftime('%H:%M:%S')} {e}{gone}")
+            if as_json:
+                click.echo(frame)  # JSON lines: one map per interval, for scripts
+            elif tty:
+                click.echo(CLEAR + frame + f"\n\n(every {every_s:g}s; Ctrl-C to quit)", nl=True)
+            else:
+                click.echo(frame + "\n")  # piped: frames one after another, no escape codes
+            sys.stdout.flush()
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        pass
+
+
+def show_run(ref: str, runs_dir: str, broker: str | None, timeout_s: float, as_json: bool) -> None:
+    try:
+        run_dir = resolve_run(ref, runs_dir)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e), code=1)
+
+    def probe(endpoint: str) -> dict | None:
+        try:
+            return ask(_endpoint(endpoint), timeout_s)
+        except NoAnswer:
+            return None
+
+    d = runstate.describe(Path(run_dir), probe, broker)
+    if as_json:
+        click.echo(json.dumps(d, indent=2, sort_keys=True, default=str))
+    elif d["live"]:
+        click.echo(render(d["status"]))
+        for n in d["notes"]:
+            click.echo(f"note: {n}")
+    else:
+        click.echo(runstate.render(d))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@broker_option()
+@option("--json", "as_json", is_flag=True, default=False, envvar="DFLASH_STATUS_JSON",
+        help="Print the status map as JSON (with --watch: one compact map per line; with --run: the verdict).")
+@option("--timeout-s", default=3.0, type=float, envvar="DFLASH_STATUS_TIMEOUT_S",
+        help="Seconds to wait for the broker's answer.")
+@option("--watch", "-w", "watch_s", type=float, is_flag=False, flag_value=2.0, default=None, metavar="[SECS]",
+        envvar="DFLASH_STATUS_WATCH", help="Redraw in place every SECS seconds (2 if no value) until Ctrl-C.")
+@option("--run", "run_ref", default=None, metavar="ID|PATH|latest", envvar="DFLASH_STATUS_RUN",
+        help="Say what became of this run from its files (FINISHED/STOPPED/DIED, when, last step); "
+             "LIVE only if its broker answers with that run ID.")
+@runs_dir_option()
+def main(broker: str, as_json: bool, timeout_s: float, watch_s: float | None, run_ref: str | None,
+         runs_dir: str) -> None:
+    """Show the live state of the run a broker serves: progress and ETA, queue, every
+    producer and consumer, lost peers, and what limits throughput now (with a
+    suggestion). With --run, say plainly whether that run is live, finished or died."""
+    if watch_s is not None and watch_s <= 0:
+        fail("--watch SECS must be positive")
+    if run_ref is not None:
+        if watch_s is not None:
+            fail("--watch follows the live run; leave out --run")
+        source = click.get_current_context().get_parameter_source("broker")
+        named = broker if source is not click.core.ParameterSource.DEFAULT else None
+        show_run(run_ref, runs_dir, named, timeout_s, as_json)
+        sys.exit(0)
+    endpoint = _endpoint(broker)
+    if watch_s is not None:
+        watch(endpoint, timeout_s, as_json, watch_s)
+    else:
+        show_live(endpoint, timeout_s, as_json, runs_dir)
     sys.exit(0)
 
 

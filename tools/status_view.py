@@ -1,0 +1,149 @@
+"""The human view of a live status map (`dflash-status` without `--json`).
+
+Layout, top to bottom: run ID and start time; progress and ETA; queue; rates; the
+diagnosis with its suggestion; one table of targets (producers) and one of drafters
+(consumers), every row starting with role, peer ID and instance; then the lost and
+departed peers with when and why. Field meanings: docs/STATUS.md.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+
+def size(n) -> str:
+    if not isinstance(n, (int, float)):
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "?"
+
+
+def dur(s) -> str:
+    if not isinstance(s, (int, float)):
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h{m:02d}m" if d else f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+def clock(iso: str | None, fmt: str = "%H:%M:%SZ") -> str:
+    if not iso:
+        return "?"
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).strftime(fmt)
+    except ValueError:
+        return iso
+
+
+def tok(v) -> str:
+    if not isinstance(v, (int, float)):
+        return "-"
+    return f"{v / 1000:.1f}K" if v >= 1000 else f"{v:.0f}"
+
+
+def _num(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def _gpu_mem(p: dict) -> str:
+    used, total = p.get("gpu_mem_used"), p.get("gpu_mem_total")
+    if not isinstance(used, (int, float)) or not total:
+        return "-"
+    return f"{used / 2**30:.1f}/{total / 2**30:.1f}G"
+
+
+def _pct(v) -> str:
+    return f"{v:.0f}%" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def header(st: dict) -> list[str]:
+    br, q, p, r = st.get("broker") or {}, st.get("queue") or {}, st.get("progress") or {}, st.get("rates") or {}
+    s = st.get("samples") or {}
+    lines = [f"run {st.get('run_id')}  started {clock(br.get('started_at'), '%Y-%m-%d %H:%M:%SZ')}  up "
+             f"{dur(br.get('uptime_s'))}  LIVE ({br.get('state')})  broker {br.get('instance')}@{br.get('host')} "
+             f"pid {br.get('pid')}"]
+    total = p.get("total")
+    pct = f" ({100 * p['fraction']:.1f}%)" if isinstance(p.get("fraction"), (int, float)) else ""
+    eta = (f"ETA {dur(p['eta_s'])} ({clock(p.get('eta_at'), '%Y-%m-%d %H:%MZ')}) at {p.get('samples_per_s')} "
+           "samples/s" if p.get("eta_s") is not None else "ETA -")
+    epochs_done = _num(p.get("epochs_done"), ".2f")
+    epoch = "-" if p.get("epoch") is None else p["epoch"] + 1  # 1-based for people
+    lines.append(f"progress epoch {epoch}/"
+                 f"{p.get('epochs', '?')} ({epochs_done} epochs done)  samples trained {p.get('trained', 0)} "
+                 f"committed {p.get('committed', 0)} of {total if total is not None else '?'}{pct}  skipped "
+                 f"{s.get('skipped', 0)}  {eta}")
+    lines.append(f"queue    {q.get('batches', 0)} batches  {size(q.get('bytes'))} of {size(q.get('capacity_bytes'))}"
+                 f"  oldest {dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"
+                 f" ({size(q.get('in_flight_bytes'))})" + ("" if q.get("reading", True) else "  FULL: targets blocked"))
+    peers = st.get("peers") or []
+    t_in = sum(x.get("tokens_per_s") or 0 for x in peers if x.get("role") == "producer")
+    t_out = sum(x.get("tokens_per_s") or 0 for x in peers if x.get("role") == "consumer")
+    lines.append(f"rates    in {r.get('batches_in_per_s', 0):.2f} batch/s {tok(t_in)} tok/s  out "
+                 f"{r.get('batches_out_per_s', 0):.2f} batch/s {tok(t_out)} tok/s")
+    d = st.get("diagnosis")
+    if d:
+        lines.append(f"why      {d.get('text')}")
+        if d.get("suggestion"):
+            lines.append(f"         -> {d['suggestion']}")
+    return lines
+
+
+def producer_rows(peers: list[dict]) -> list[str]:
+    head = ["ROLE", "PEER", "INSTANCE", "HOST", "GPU", "STATE", "TOK/S", "Q_PRE", "IN FLIGHT", "HB AGE", "GPU MEM",
+            "UTIL"]
+    rows = [["producer", p["peer"], p["instance"], p["host"], _gpu(p), str(p.get("state")), tok(p.get("tokens_per_s")),
+             _num(p.get("q_pre"), "d"), f"{p.get('in_flight', 0)} smp", dur(p.get("heartbeat_age_s")), _gpu_mem(p),
+             _pct(p.get("gpu_util")) + (" OOM-BACKOFF" if p.get("oom_backoff") else "")] for p in peers]
+    return table([head, *rows]) if rows else ["no live producers (targets)"]
+
+
+def consumer_rows(peers: list[dict]) -> list[str]:
+    head = ["ROLE", "PEER", "INSTANCE", "RANK", "HOST", "GPU", "STATE", "STEP", "TOK/S", "LOSS", "ACC", "STREAK",
+            "CREDIT", "IN FLIGHT", "WAITED", "HB AGE", "GPU MEM", "UTIL"]
+    rows = [["consumer", p["peer"], p["instance"], _num(p.get("rank"), "d"), p["host"], _gpu(p), str(p.get("state")),
+             _num(p.get("step"), "d"), tok(p.get("tokens_per_s")), _num(p.get("loss"), ".4f"), _num(p.get("acc"), ".3f"),
+             _num(p.get("streak"), ".2f"), str(p.get("credit", 0)), f"{p.get('in_flight', 0)} b",
+             _pct(100 * p["wait_frac"]) if isinstance(p.get("wait_frac"), (int, float)) else "-",
+             dur(p.get("heartbeat_age_s")), _gpu_mem(p), _pct(p.get("gpu_util"))] for p in peers]
+    return table([head, *rows]) if rows else ["no live consumers (drafters)"]
+
+
+def gone_rows(gone: list[dict]) -> list[str]:
+    rows = []
+    for g in gone:
+        held = g.get("held") or {}
+        if g.get("role") == "consumer":
+            what = f"last step {g.get('last_step') if g.get('last_step') is not None else '?'}; " \
+                   f"held {held.get('in_flight', 0)} unacked batches (requeued)"
+        else:
+            what = f"held {len(held.get('leases') or [])} leases, {held.get('samples_returned', 0)} samples returned"
+        rows.append([g.get("role", "?"), g.get("peer", "?"), g.get("instance", "?"), g.get("host", "?"), _gpu(g),
+                     f"{g.get('state', '?')} {dur(g.get('ago_s'))} ago ({clock(g.get('at'))})",
+                     g.get("reason") or "", what])
+    return table(rows)
+
+
+def _gpu(p: dict) -> str:
+    return "-" if p.get("gpu") is None else str(p["gpu"])
+
+
+def render(st: dict) -> str:
+    peers = st.get("peers") or []
+    lines = header(st) + [""]
+    lines += producer_rows([p for p in peers if p.get("role") == "producer"]) + [""]
+    lines += consumer_rows([p for p in peers if p.get("role") == "consumer"])
+    gone = st.get("gone") or []
+    if gone:
+        lines += ["", "GONE (lost or left; newest last)"] + gone_rows(gone)
+    return "\n".join(lines)
