@@ -41,6 +41,7 @@ def render(series: dict, position_acc: list | None, out: Path, title: str, dpi: 
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.75))
     for ax, (key, label) in zip(axes.flat, PANELS):
@@ -52,7 +53,9 @@ def render(series: dict, position_acc: list | None, out: Path, title: str, dpi: 
         ax.grid(alpha=0.3)
     ax = axes.flat[-1]
     if position_acc:
-        ax.bar(range(1, len(position_acc) + 1), position_acc)
+        positions = range(1, len(position_acc) + 1)
+        ax.bar(positions, [0 if a is None else a for a in position_acc])  # None: no valid token there
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions are whole numbers
     ax.set_title("acc by block position (latest)")
     ax.set_xlabel("position k")
     fig.suptitle(title)
@@ -67,7 +70,8 @@ def render(series: dict, position_acc: list | None, out: Path, title: str, dpi: 
 @option("--out", "-o", type=click.Path(dir_okay=False), default=None,
         help="PNG to write (default runs/<run_id>/plot.png).")
 def main(run_ref, runs_dir, out):
-    """Write a PNG of loss, acc, streak, lr and throughput against step."""
+    """Write a PNG (1200x675 px) of loss, acc, streak, lr and throughput against step, and
+    the latest accuracy per block position, from the logs of consumer rank 0."""
     try:
         run_dir = resolve_run(run_ref, runs_dir)
     except (FileNotFoundError, ValueError) as e:
