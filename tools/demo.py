@@ -78,7 +78,8 @@ def _wait_for_run(broker_out: Path, deadline: float, group: ProcessGroup) -> str
 
 def _progress(ev: dict, t0: float) -> str:
     q = ev.get("queue") or {}
-    qs = f" q_pre={q.get('q_pre')} q_hs={q.get('queue_batches')}" if q else ""
+    q_pre = list((q.get("q_pre") or {}).values())
+    qs = f" q_pre={q_pre} q_hs={q.get('q_hs')}" if q else ""
     eta = f" ETA={ev['eta_s']}s" if ev.get("eta_s") is not None else ""
     return (f"[{(time.monotonic() - t0) / 60:4.1f}m] step={ev['step']} loss={ev.get('loss')} acc={ev.get('acc')} "
             f"streak={ev.get('streak')} lr={ev.get('lr', 0):.2e} | {ev.get('tokens_per_s', 0) / 1000:.1f}Ktok/s"
@@ -89,7 +90,7 @@ def _progress(ev: dict, t0: float) -> str:
 @option("--runs-dir", default="runs", type=click.Path(file_okay=False), help="Root folder of run folders.")
 @option("--producers", default=2, type=click.IntRange(1, 8), help="Target producer processes.")
 @option("--consumers", default=2, type=click.IntRange(1, 8), help="Drafter consumer processes (data-parallel ranks).")
-@option("--epochs", default=3, type=click.IntRange(1), help="Passes over the bundled dataset.")
+@option("--epochs", default=5, type=click.IntRange(1), help="Passes over the bundled dataset.")
 @option("--target", default=None, help="Target model folder (default: a tiny model built locally, cached).")
 @option("--data", default=None, help="Dataset (default: the bundled sample chats).")
 @option("--block-size", default=8, type=click.IntRange(2), help="DFlash block size (small for a CPU demo).")
@@ -126,7 +127,7 @@ def main(runs_dir, producers, consumers, epochs, target, data, block_size, ancho
         for i in range(producers):
             group.start(f"producer-{i}", _cli("produce") + [
                 "--broker", broker, "--runs-dir", runs_dir, "--instance", f"demo-p{i}", "--device", "cpu",
-                "--target", target, "--data", data, "--token-budget", "2048", "--max-batch-size", "16",
+                "--target", target, "--data", data, "--token-budget", "2048", "--max-batch-size", "16", "--max-length", "512",
                 "--lease-size", "32", "--prefetch", "2"], run_dir / "stdout" / f"producer-{i}.out", env)
         for i in range(consumers):
             group.start(f"consumer-{i}", _cli("consume") + [
