@@ -67,6 +67,7 @@ class PeerLink:
         self.welcome: dict = {}
         self.broker_stats: dict = {}
         self.stopped = threading.Event()
+        self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
         self._ctx = zmq.Context.instance()
         self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
@@ -153,6 +154,10 @@ class PeerLink:
         self._closing.set()
         self._wake()
         self._thread.join(timeout=flush_timeout_s)
+        if self.error is None and not self._thread.is_alive():
+            # The thread may have left its loop before sending what was queued just
+            # before close (a last ack or commit): the socket is ours now, send it.
+            self._flush_control()
         self._thread = None
         # Producers: deliver what ZeroMQ still holds before saying bye, so the broker does
         # not return leases whose batches are merely in transit.
@@ -290,6 +295,7 @@ class PeerLink:
             self._grants.put(h)
         elif h["type"] == "stop":
             log.info("link.stop", reason=h["reason"])
+            self.stop_reason = str(h["reason"])  # set before the event: readers see both
             self.stopped.set()
         elif h["type"] == "reject":
             log.error("link.rejected", reason=h["reason"], code=h["code"])
