@@ -226,7 +226,9 @@ def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force
     try:
         src = resolve_checkpoint(checkpoint, runs_dir)
         out = export_checkpoint(src, out_dir, target=target, overwrite=force)
-    except (ExportError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+    except KeyError as e:
+        fail(f"{checkpoint}: config.json lacks {e}")
+    except (ExportError, FileNotFoundError, json.JSONDecodeError) as e:
         fail(str(e))
     cfg = json.loads((out / "config.json").read_text())
     click.echo(f"exported {src} -> {out} (block_size {cfg['block_size']}, "

@@ -7,8 +7,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from dflash.consumers.batch import Batch
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
