@@ -9,10 +9,11 @@ throughput fell to a quarter with two drafter GPUs idle and nothing said why; th
 the line that says why.
 
 Balance: the queue tells which side waits. Drafters with credit and an empty queue wait
-for targets; a full queue (producers blocked on send) waits for drafters, and a queue that grows while no drafter waits soon will. A side that
-waits a fraction w of the time could go 1/(1-w) times faster, so its capacity is its
-measured rate / (1-w); the suggestion moves whole GPUs between the sides to maximise
-min(targets' supply, drafters' demand), assuming the GPUs are alike.
+for targets; a full queue (producers blocked on send) waits for drafters, and a queue
+that grows while no drafter waits soon will. A side that waits a fraction w of the time
+could go 1/(1-w) times faster, so its capacity is its measured rate / (1-w); the
+suggestion moves whole GPUs between the sides to maximise min(targets' supply, drafters'
+demand), assuming the GPUs are alike.
 """
 
 from __future__ import annotations
@@ -222,7 +223,9 @@ def _straggler(cons: list[dict]) -> str:
     slow, others = by_rate[0], [_num(c.get("tokens_per_s"), 0.0) for c in by_rate[1:]]
     median = others[len(others) // 2] if len(others) % 2 else sum(others[len(others) // 2 - 1:][:2]) / 2
     r = _num(slow.get("tokens_per_s"), 0.0)
-    return f"; slowest drafter {_name(slow)} at {_tok(r)} (the others' median {_tok(median)})" if r < 0.5 * median else ""
+    if r >= 0.5 * median:
+        return ""
+    return f"; slowest drafter {_name(slow)} at {_tok(r)} (the others' median {_tok(median)})"
 
 
 # ---------------------------------------------------------------- words

@@ -112,7 +112,8 @@ def consumer_rows(peers: list[dict]) -> list[str]:
     head = ["ROLE", "PEER", "INSTANCE", "RANK", "HOST", "GPU", "STATE", "STEP", "TOK/S", "LOSS", "ACC", "STREAK",
             "CREDIT", "IN FLIGHT", "WAITED", "HB AGE", "GPU MEM", "UTIL"]
     rows = [["consumer", p["peer"], p["instance"], _num(p.get("rank"), "d"), p["host"], _gpu(p), str(p.get("state")),
-             _num(p.get("step"), "d"), tok(p.get("tokens_per_s")), _num(p.get("loss"), ".4f"), _num(p.get("acc"), ".3f"),
+             _num(p.get("step"), "d"), tok(p.get("tokens_per_s")), _num(p.get("loss"), ".4f"),
+             _num(p.get("acc"), ".3f"),
              _num(p.get("streak"), ".2f"), str(p.get("credit", 0)), f"{p.get('in_flight', 0)} b",
              _pct(100 * p["wait_frac"]) if isinstance(p.get("wait_frac"), (int, float)) else "-",
              dur(p.get("heartbeat_age_s")), _gpu_mem(p), _pct(p.get("gpu_util"))] for p in peers]

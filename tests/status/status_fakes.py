@@ -76,7 +76,8 @@ class StatsConsumer(FakeConsumer):
         return round(6.0 / (1 + 0.05 * self.step), 4)
 
     def stats(self) -> dict:
-        return {"step": self.step, "state": "training", "loss": self.loss(), "acc": round(min(0.9, 0.01 * self.step), 4),
+        return {"step": self.step, "state": "training", "loss": self.loss(),
+                "acc": round(min(0.9, 0.01 * self.step), 4),
                 "streak": round(min(8.0, 0.1 * self.step), 3), "tokens_per_s": round(self.window.rate(), 1),
                 "batches_per_s": round(self.window.rate() / TOKENS_PER_BATCH, 3), "prefetched": 0,
                 **gpu_stats(self.gpu_util, 70.25)}

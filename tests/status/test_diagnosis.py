@@ -83,7 +83,8 @@ def test_a_growing_queue_names_the_drafters_before_it_is_full():
     d = diagnose(st)
     assert d["code"] == "queue_growing" and d["limited_by"] == "drafters"
     assert d["text"].startswith("drafters limit throughput: queue growing (156 batches, 156.0 MiB of 4.0 GiB")
-    assert d["suggestion"] == "add drafter GPUs: the targets could make ~2.3x what the drafters train"  # 384 / (159 / 0.97)
+    # 384 / (159 / 0.97)
+    assert d["suggestion"] == "add drafter GPUs: the targets could make ~2.3x what the drafters train"
 
 
 def test_balanced_when_neither_side_waits():

@@ -41,7 +41,7 @@ def check_every_field(st: dict, run_id: str) -> None:
 
 def test_lagging_drafter_names_the_drafters_and_every_field_is_there(start_broker, fakes):
     # A small queue fills fast: one quick target, one quick drafter, one drafter 10x slower.
-    b = start_broker("--queue-bytes", "2KiB", "--consumers", "2")
+    b = start_broker("--queue-bytes", "2KiB", "--consumers", "2", "--progress-s", "1")
     fakes("producer", b, "--instance", "tgt0", "--gpu", "0", "--delay-s", "0.01")
     fakes("consumer", b, "--instance", "dft5", "--gpu", "5", "--train-s", "0.05")
     fakes("consumer", b, "--instance", "dft6", "--gpu", "6", "--train-s", "0.5")
@@ -71,6 +71,12 @@ def test_lagging_drafter_names_the_drafters_and_every_field_is_there(start_broke
     table = {ln.split()[2]: ln for ln in lines if ln.startswith(("producer ", "consumer "))}
     assert "61.5/96.0G" in table["tgt0"] and "90%" in table["tgt0"] and "smp" in table["tgt0"]
     assert table["dft6"].split()[3] == "1" and "70.2/96.0G" in table["dft6"]  # rank column
+
+    # the logs keep the history: when the limit changed, and the pace with each progress line
+    changed = b.wait_event("broker.diagnosis", 5, lambda e: e["code"] == "targets_backed_up")
+    assert changed["level"] == "warning" and changed["limited_by"] == "drafters" and changed["suggestion"]
+    progress = b.wait_event("broker.progress", 5, lambda e: e["diagnosis"] == "targets_backed_up")
+    assert progress["samples_per_s"] > 0 and progress["eta_s"] > 0
 
 
 def test_slow_target_names_the_targets_and_suggests_moving_a_drafter_gpu(start_broker, fakes):

@@ -15,12 +15,22 @@ from status_helpers import status_json, wait_for
 CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.cli import main; main()"
 
 
+def mask_id(target) -> int:
+    """The tiny tokenizer's <|mask|> row: DFlash's MASK token, passed explicitly."""
+    from dflash.tools.tiny import MASK_TOKEN
+
+    added = json.loads((target / "tokenizer.json").read_text())["added_tokens"]
+    return next(a["id"] for a in added if a["content"] == MASK_TOKEN)
+
+
 def test_local_run_is_running_then_finished(tmp_path):
     from dflash.tools.tiny import tiny_target
 
     runs = tmp_path / "runs"
-    args = ["--target", str(tiny_target()), "--runs-dir", str(runs), "--draft-layers", "1", "--target-layers",
-            "1,2", "--block-size", "4", "--anchors", "6", "--synthetic-seq-len", "32", "--synthetic-seqs", "2",
+    target = tiny_target()
+    args = ["--target", str(target), "--mask-token-id", str(mask_id(target)), "--runs-dir", str(runs),
+            "--draft-layers", "1", "--target-layers", "1,2", "--block-size", "4", "--anchors", "6",
+            "--synthetic-seq-len", "32", "--synthetic-seqs", "2",
             "--synthetic-batches", "100000", "--save-every", "0", "--instance", "local-cpu"]
     p = subprocess.Popen([sys.executable, "-c", CONSUME, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

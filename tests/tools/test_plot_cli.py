@@ -17,6 +17,14 @@ STEPS = 12
 CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.cli import main; main()"
 
 
+def mask_id(target) -> int:
+    """The tiny tokenizer's <|mask|> row: DFlash's MASK token, passed explicitly."""
+    from dflash.tools.tiny import MASK_TOKEN
+
+    added = json.loads((target / "tokenizer.json").read_text())["added_tokens"]
+    return next(a["id"] for a in added if a["content"] == MASK_TOKEN)
+
+
 def png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
     """(type, payload) of every chunk; AssertionError on a bad signature or CRC."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
@@ -36,8 +44,10 @@ def trained_run(tmp_path_factory) -> Path:
     from dflash.tools.tiny import tiny_target
 
     runs = tmp_path_factory.mktemp("plot") / "runs"
-    args = ["--target", str(tiny_target()), "--runs-dir", str(runs), "--draft-layers", "1", "--target-layers",
-            "1,2", "--block-size", "4", "--anchors", "6", "--synthetic-seq-len", "32", "--synthetic-seqs", "2",
+    target = tiny_target()
+    args = ["--target", str(target), "--mask-token-id", str(mask_id(target)), "--runs-dir", str(runs),
+            "--draft-layers", "1", "--target-layers", "1,2", "--block-size", "4", "--anchors", "6",
+            "--synthetic-seq-len", "32", "--synthetic-seqs", "2",
             "--synthetic-batches", str(STEPS), "--log-position-every", "4", "--save-every", "0",
             "--instance", "plot-cpu"]
     r = subprocess.run([sys.executable, "-c", CONSUME, *args], capture_output=True, text=True, timeout=240)
