@@ -11,11 +11,33 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dflash.protocol.errors import DFlashError
+
+
+class RankLost(DFlashError):
+    """A collective failed: another rank of the group died, left, or never came."""
+
+
+@contextmanager
+def collective_failures_named() -> Iterator[None]:
+    """Turn torch.distributed's failures (the peer side of a collective went away, a
+    rendezvous timed out) into RankLost with a one-line reason; other errors pass."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if not (isinstance(e, getattr(dist, "DistError", ())) or "Connection closed by peer" in text
+                or "Connection reset by peer" in text):
+            raise
+        raise RankLost(f"the data-parallel group failed: another rank went away or never came "
+                       f"({text.splitlines()[0][:200]}); see that rank's log") from e
 
 
 class Dist:

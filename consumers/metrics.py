@@ -38,26 +38,24 @@ class Meter:
                  position_every: int, window: int = 20):
         self.B, self.total_steps, self.epoch_samples, self.position_every = (
             block_size, total_steps, epoch_samples, position_every)
-        self.hist: deque = deque(maxlen=window + 1)  # (time, tokens, batches, step)
-        self.hist.append((time.monotonic(), 0, 0, 0))
-        self.tok = self.bat = 0
+        self.hist: deque = deque(maxlen=window + 1)  # (time, tokens, batches, step, samples)
+        self.hist.append((time.monotonic(), 0, 0, 0, 0))
+        self.tok = self.bat = self.smp = 0
         self.pos = [0.0] * (2 * (block_size - 1))
 
     def log_step(self, step: int, total: list[float], mine: list[float], *, lr: float, noise: float,
-                 grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int) -> dict:
+                 grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int,
+                 progress: dict | None = None) -> dict:
         """Log one `train.step` line (global figures; `rank_tokens` is this rank's share); return its fields."""
         f = named(total)
         weight, valid, blocks = f["weight"], f["valid"], f["blocks"]
         self.tok += f["tokens"]
         self.bat += f["batches"]
-        self.hist.append((time.monotonic(), self.tok, self.bat, step))
-        (t0, k0, b0, s0), (t1, k1, b1, s1) = self.hist[0], self.hist[-1]
+        self.smp += f["samples"]
+        self.hist.append((time.monotonic(), self.tok, self.bat, step, self.smp))
+        (t0, k0, b0, s0, m0), (t1, k1, b1, s1, m1) = self.hist[0], self.hist[-1]
         dt = max(t1 - t0, 1e-9)
-        eta = None
-        if self.total_steps:
-            eta = round(max(0, self.total_steps - step) * dt / max(1, s1 - s0))
-        if self.epoch_samples:
-            epoch = round(samples / self.epoch_samples, 4)
+        epoch, eta = self._epoch_eta(step, samples, epoch, progress or {}, dt, s1 - s0, m1 - m0)
         line = dict(
             step=step, loss=round(f["loss_sum"] / weight, 5) if weight else None,
             acc=round(f["correct"] / valid, 4) if valid else None,
@@ -74,3 +72,22 @@ class Meter:
             log.info("train.position_acc", step=step, acc_by_position=acc, positions=list(range(1, self.B)))
             self.pos = [0.0] * (2 * n)
         return line
+
+    def _epoch_eta(self, step: int, samples: int, epoch: float, progress: dict, dt: float, d_steps: int,
+                   d_samples: float) -> tuple[float, int | None]:
+        """Epoch fraction and ETA in seconds. From the broker's counts when it sent them
+        (only it knows the run's size and what every consumer and earlier run trained):
+        epoch = samples done / samples per epoch (1.25 = a quarter into the second epoch),
+        ETA = samples left / this job's sample rate. Else from --epoch-samples and
+        --total-steps; else the batch's epoch and no ETA."""
+        n, total, done = progress.get("n_samples"), progress.get("samples_total"), progress.get("samples_done")
+        if n and done is not None:
+            epoch = round(done / n, 4)
+        elif self.epoch_samples:
+            epoch = round(samples / self.epoch_samples, 4)
+        eta = None
+        if total and done is not None:
+            eta = round(max(0, total - done) * dt / d_samples) if d_samples > 0 else None
+        elif self.total_steps:
+            eta = round(max(0, self.total_steps - step) * dt / max(1, d_steps))
+        return epoch, eta

@@ -28,6 +28,7 @@ EMBED_NAMES = (
     "language_model.model.embed_tokens.weight",
     "transformer.wte.weight",
 )
+MASK_TOKEN = "<|mask|>"  # the token a target prepared for DFlash reserves as the block MASK
 HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
 
 
@@ -133,6 +134,16 @@ def _fingerprint(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor) -
     for t in (embed, lm_head):
         h.update(t[:16].detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
     return {"model_type": spec.model_type, "config_sha256": shape, "heads_sha256": h.hexdigest()[:16]}
+
+
+def tokenizer_mask_id(path: str | Path, token: str = MASK_TOKEN) -> int | None:
+    """The ID of the tokenizer's own `<|mask|>` token, if the target folder's tokenizer.json
+    declares one (targets prepared for DFlash reserve it), else None. Reads that JSON only."""
+    try:
+        added = json.loads((Path(path) / "tokenizer.json").read_text()).get("added_tokens") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((int(t["id"]) for t in added if isinstance(t, dict) and t.get("content") == token), None)
 
 
 def load_target_heads(

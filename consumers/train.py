@@ -2,10 +2,12 @@
 
 The loop knows nothing about the network. It takes
   - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
-    waiting for data, and ends (StopIteration) at the end of the stream;
+    waiting for data, yields None for "nothing arrived in time" (this rank takes an empty
+    step if another rank has a batch), and ends (StopIteration) at the end of the stream;
   - `Hooks`: `on_step(step, batch_ids)` after the optimizer step that used those batches
     (the broker `ack`), `on_checkpoint(step, path)` on rank 0 once a checkpoint is durable
-    (the broker `commit`), `queue()` for the queue figures to log, `stop` to end early.
+    (the broker `commit`), `queue()` for the queue figures to log, `progress()` for the
+    run's sample counts (epoch fraction, ETA), `stop` to end early.
 Every rank runs this same loop; ranks agree each step on whether anyone still has data.
 """
 
@@ -22,14 +24,14 @@ import torch
 
 from dflash.protocol.logs import get_logger
 
-from .batch import Batch
+from .batch import Batch, BatchMismatch
 from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .dist import Dist
 from .loss import LossStats, default_gamma
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .step import batch_loss
-from .target_heads import TargetHeads
+from .target_heads import TargetHeads, tokenizer_mask_id
 
 log = get_logger()
 
@@ -72,10 +74,14 @@ class Hooks:
     on_step: Callable[[int, list[str]], None] | None = None
     on_checkpoint: Callable[[int, Path], None] | None = None
     queue: Callable[[], dict] | None = None
+    # The run's sample counts, {samples_total, samples_done, n_samples} (the broker's
+    # heartbeat): the logged epoch fraction and ETA come from them when present.
+    progress: Callable[[], dict] | None = None
     stop: threading.Event | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
     # Updated in place after every step with the consumer's heartbeat keys (PROTOCOL.md
-    # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s), for an I/O thread to read.
+    # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
+    # to read.
     stats: dict | None = None
 
 
@@ -95,11 +101,15 @@ class TrainState:
 
 
 def default_target_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
-    """n layers evenly spaced from 1 to L-3 (DFLASH.md; Qwen3-8B: 1, 9, 17, 25, 33)."""
-    start, end = 1, max(1, num_target_layers - 3)
+    """n layers evenly spaced from 1 to L-3 (DFLASH.md; Qwen3-8B: 1, 9, 17, 25, 33).
+
+    The producers' rule exactly (producers/target.py default_layer_ids), so both sides'
+    `auto` agree: small targets get the distinct layers rounding yields (6 layers ->
+    1, 2, 3), and below 4 layers the range is 0..L-2."""
+    start, end = (1, num_target_layers - 3) if num_target_layers >= 4 else (0, max(0, num_target_layers - 2))
     if n == 1:
-        return (num_target_layers // 2,)
-    return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+        return ((start + end) // 2,)
+    return tuple(sorted({int(round(start + i * (end - start) / (n - 1))) for i in range(n)}))
 
 
 def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
@@ -110,6 +120,8 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
         # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
         raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
     mask = cfg.mask_token_id
+    if mask is None:
+        mask = tokenizer_mask_id(heads.path)
     if mask is None:
         if spec.model_type.startswith("qwen3") and spec.vocab_size > 151669:
             mask = 151669
@@ -213,22 +225,31 @@ def train(
             state.end_reason = "max_steps"
             break
         want_stop = hooks.stop is not None and hooks.stop.is_set()
-        batch = None
+        batch, bad = None, None
         if not exhausted and not want_stop:
-            batch = next(source, None)
-            exhausted = batch is None
-        # Every rank takes part in every step; stop only when no rank has data left or
-        # one was asked to stop. A rank without a batch takes an empty step.
-        have, stops = dist.all_sum([batch is not None, want_stop])
+            try:
+                batch = next(source)  # None: nothing arrived in time (the source waited)
+            except StopIteration:
+                exhausted = True
+        if batch is not None:
+            batch, bad = _prepare(batch, heads, signal)
+        # Every rank takes part in every step (one small collective first): stop when one
+        # rank was asked to or every rank's stream ended; a rank without a batch takes an
+        # empty step while another has one; nobody steps while nobody has data. A bad
+        # batch on any rank ends every rank, so none is left waiting in a collective.
+        have, stops, ended, bads = dist.all_sum([batch is not None, want_stop, exhausted, bad is not None])
+        if bads > 0:
+            raise bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
         if want_stop:
             log.warning("train.stopping", step=state.step, rank=dist.rank)
-        if stops > 0 or have == 0:
+        if stops > 0 or ended == dist.world_size:
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
             break
-        if batch is not None and not isinstance(batch, Batch):
-            batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
+        if have == 0:
+            if hooks.stats is not None:
+                hooks.stats["state"] = "waiting"
+            continue
         if batch is not None:
-            batch.check(list(signal.target_layers), heads.spec.hidden_size)
             state.epoch = batch.epoch
 
         step = state.step + 1
@@ -268,9 +289,10 @@ def train(
             hooks.after_step(step, model)
         line = meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
                               tokens_seen=state.tokens, epoch=state.epoch, queue=hooks.queue() if hooks.queue else {},
-                              rank=dist.rank)
+                              progress=hooks.progress() if hooks.progress else None, rank=dist.rank)
         if hooks.stats is not None:
-            hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")})
+            hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
+                               state="training")
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
             last_saved = step
@@ -280,6 +302,22 @@ def train(
     log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
     state.model = model
     return state
+
+
+def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
+    """The batch as a `Batch` checked against this drafter's signal, or the mismatch.
+
+    A batch of other target layers (or width) is a misconfigured run, not a bad message:
+    training on it would silently learn the wrong thing, so the caller stops every rank."""
+    if not isinstance(batch, Batch):
+        batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
+    try:
+        batch.check(list(signal.target_layers), heads.spec.hidden_size)
+    except BatchMismatch as e:
+        log.error("train.batch_mismatch", batch_id=batch.batch_id, error=str(e), layer_ids=batch.layer_ids,
+                  target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))
+        return None, e
+    return batch, None
 
 
 def _log_oom(e: Exception, device: torch.device, batch: Batch, step: int) -> None:
