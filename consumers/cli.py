@@ -1,13 +1,16 @@
 """dflash-consume: train the DFlash drafter on the batches handed to this consumer.
 
+    dflash-consume --gpu 5 --target Qwen/Qwen3-8B --broker tcp://host:5555
+
 The click command only maps options onto `ConsumerConfig` (and its `TrainConfig`); the
-rest is setup: logging, device, data-parallel group, target heads, run folder, source.
-Batches come from a local synthetic stream for now (`--synthetic-batches`); the broker
-link (protocol/peer.py PeerLink) plugs in as the batch source and hooks later.
+rest is setup: logging, device, target heads, then either the broker (`_serve`: the
+broker's run, ranks and batches, through protocol/peer.py PeerLink) or a local synthetic
+stream (`--synthetic-batches`, a run of its own).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,12 +22,16 @@ import click
 import torch
 
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
-from dflash.protocol.errors import DFlashError
+from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+from dflash.protocol.peer import BrokerLost, PeerLink
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
+from dflash.protocol.run import run_dir as run_folder
 
-from .checkpoint import resolve_checkpoint
-from .dist import Dist
+from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
+from .dist import Dist, RankLost, collective_failures_named
+from .link import (BrokerHooks, arranged_dist, broker_batches, hello_config, offer_dist_addr, resume_point,
+                   run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
@@ -42,6 +49,7 @@ class ConsumerConfig:
     runs_dir: str = "runs"
     run_id: str | None = None
     dist_init: str | None = None  # tcp://HOST:PORT rendezvous of the data-parallel group
+    dist_addr: str | None = None  # HOST:PORT offered to the broker's other ranks if we are rank 0
     rank: int = 0
     world_size: int = 1
     synthetic_batches: int = 0
@@ -67,14 +75,17 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @broker_option()
 @runs_dir_option()
 @option("--instance", default=None, help="This consumer's name in logs and at the broker (default <host>-gpu<N>).")
-@option("--run-id", default=None, help="Run ID for a local run (default: a new one; with a broker, the broker's).")
+@option("--run-id", default=None, help="Local run: its ID (default: a new one). With a broker: join only if it "
+        "serves this run (default: the broker's run).")
 @option("--draft-layers", default=5, type=click.IntRange(1), help="Draft decoder layers (paper: 5).")
 @option("--target-layers", default="auto", callback=_layers,
-        help="Comma-separated 0-based target layer IDs fed to the drafter; auto: 5 spaced from 1 to L-3.")
+        help="Comma-separated 0-based target layer IDs fed to the drafter; auto: the broker run's (its "
+        "producers'), else 5 spaced from 1 to L-3.")
 @option("--block-size", default=16, type=click.IntRange(2), help="Block size B: anchor + B-1 drafted tokens.")
 @option("--anchors", default=512, type=click.IntRange(1), help="Anchors sampled per sequence (at most the valid ones).")
 @option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
-@option("--mask-token-id", default=None, type=int, help="Vocabulary row used as MASK (default 151669 for Qwen3).")
+@option("--mask-token-id", default=None, type=int,
+        help="Vocabulary row used as MASK (default: the tokenizer's <|mask|> token if any, else 151669 for Qwen3).")
 @option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
 @option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
 @option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of --total-steps.")
@@ -95,8 +106,12 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--resume", default=None, help="Checkpoint folder, run ID or run folder, or 'latest', to continue from.")
 @option("--force", is_flag=True, default=False, help="Resume even if the training signal differs from the checkpoint's.")
 @option("--log-position-every", default=100, type=click.IntRange(0), help="Log per-position accuracy every N steps.")
-@option("--epoch-samples", default=None, type=click.IntRange(1), help="Samples per epoch, for the logged epoch fraction.")
-@option("--dist-init", default=None, help="tcp://HOST:PORT rendezvous for data-parallel ranks (torchrun's env also works).")
+@option("--epoch-samples", default=None, type=click.IntRange(1),
+        help="Samples per epoch, for the logged epoch fraction of a local run (with a broker: the broker's count).")
+@option("--dist-init", default=None, help="tcp://HOST:PORT rendezvous for data-parallel ranks you arrange yourself "
+        "(torchrun's env also works); default: the ranks the broker arranges (dflash-broker --consumers N).")
+@option("--dist-addr", default=None, help="HOST:PORT this consumer offers the broker's other ranks to meet at if it "
+        "becomes rank 0 (default: this host's IP towards the broker and a free port).")
 @option("--rank", default=0, type=click.IntRange(0), help="This consumer's rank with --dist-init.")
 @option("--world-size", default=1, type=click.IntRange(1), help="Number of consumer ranks with --dist-init.")
 @option("--synthetic-batches", default=0, type=click.IntRange(0), help="Train on N local synthetic batches instead of a broker.")
@@ -113,41 +128,118 @@ def main(**o) -> None:
 
 
 def run(cfg: ConsumerConfig) -> None:
-    """Set up and train; exits non-zero with a one-line reason on bad input."""
+    """Set up and train; exits non-zero with a one-line reason on bad input (2) or when
+    the broker is unreachable, refuses us or is lost (1)."""
     setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist, previous = None, {}
     try:
-        dist = (Dist.init(init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size, device=device)
-                if cfg.dist_init else Dist.from_torchrun(device)) or Dist(device=device)
+        log.info("consume.start", config=_json_config(cfg), device=str(device),
+                 source="synthetic" if cfg.synthetic_batches else cfg.broker)
         heads = load_target_heads(cfg.target, device=device,
                                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         tcfg = cfg.train
-        if tcfg.resume:  # resolve before this run's folder exists, and record the parent
+        if tcfg.resume and cfg.synthetic_batches:  # before this run's folder exists; records the parent
             tcfg = replace(tcfg, resume=str(resolve_checkpoint(tcfg.resume, cfg.runs_dir)))
-        signal_ = resolve_signal(tcfg, heads)
-        if not cfg.synthetic_batches:
-            fail("the broker link is not wired into dflash-consume yet; use --synthetic-batches N for a local run")
-        run_dir = _start_run(cfg, tcfg, dist)
+        elif tcfg.resume and tcfg.resume != "latest":
+            resolve_checkpoint(tcfg.resume, cfg.runs_dir)  # a wrong path fails before connecting
+        resolve_signal(tcfg, heads)  # bad settings fail here, before anything connects
         stop = threading.Event()
         previous = _stop_on_signals(stop)
-        source = synthetic_stream(heads.spec, list(signal_.target_layers), batches=cfg.synthetic_batches,
-                                  n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
-                                  seed=tcfg.seed, dtype=heads.embed.dtype)
-        state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
-                      run_config=_json_config(cfg), hooks=Hooks(stop=stop))
+        if cfg.synthetic_batches:
+            dist = _own_dist(cfg, device) or Dist(device=device)
+            state = _local(cfg, tcfg, heads, dist, stop)
+        else:
+            state, dist = _serve(cfg, tcfg, heads, device, stop)
+        log.info("consume.done", step=state.step, reason=state.end_reason, tokens=state.tokens,
+                 samples=state.samples, last_checkpoint=str(state.last_checkpoint) if state.last_checkpoint else None)
         click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}")
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
-        log.error("consumer.failed", error=str(e), error_type=type(e).__name__)
-        fail(str(e))
+        # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
+        log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
+                  error_type=type(e).__name__)
+        fail(str(e), code=1 if isinstance(e, (BrokerUnreachable, Rejected, BrokerLost, RankLost)) else 2)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if dist is not None:
             dist.close()
         close_logging()
+
+
+def _own_dist(cfg: ConsumerConfig, device: torch.device) -> Dist | None:
+    """A data-parallel group arranged outside the broker (--dist-init or torchrun), or None."""
+    if cfg.dist_init:
+        return Dist.init(init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size, device=device)
+    return Dist.from_torchrun(device)
+
+
+def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: threading.Event):
+    """A run of our own on the synthetic stream: no broker, our own run folder."""
+    run_dir = _start_run(cfg, tcfg, dist)
+    signal_ = resolve_signal(tcfg, heads)
+    source = synthetic_stream(heads.spec, list(signal_.target_layers), batches=cfg.synthetic_batches,
+                              n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
+                              seed=tcfg.seed, dtype=heads.embed.dtype)
+    return train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
+                 run_config=_json_config(cfg), hooks=Hooks(stop=stop))
+
+
+def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, stop: threading.Event):
+    """Join the broker's run as one data-parallel rank and train until it says stop.
+    Returns (TrainState, Dist). Raises BrokerUnreachable, Rejected, BrokerLost,
+    RunConfigMismatch, SignalMismatch, BatchMismatch, RankLost."""
+    own = bool(cfg.dist_init) or "RANK" in os.environ  # ranks arranged outside the broker
+    dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
+    link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
+                    config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
+                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
+    plugs, dist, reason = None, None, "failed"
+    link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
+    try:
+        run_config = link.welcome.get("run_config") or {}
+        tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
+        tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir))
+        with collective_failures_named():
+            dist = (_own_dist(cfg, device) if own else arranged_dist(run_config, device)) or Dist(device=device)
+            _check_world(dist, run_config)
+            signal_ = resolve_signal(tcfg, heads)
+            _same_signal(dist, signal_)
+            plugs = BrokerHooks(link, dist.rank, stop, device)
+            state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
+                          ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
+                          run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
+        if dist.rank == 0 and state.end_reason == "end_of_stream":
+            plugs.commit_final(state.step)
+        plugs.stats["state"] = "done"
+        reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
+        return state, dist
+    except BaseException:
+        if dist is not None:  # the caller's finally closes it only on success
+            dist.close()
+        raise
+    finally:
+        link.close(reason=reason)
+
+
+def _check_world(dist: Dist, run_config: dict) -> None:
+    """Ranks arranged outside the broker must agree with its --consumers, if it has one."""
+    world = run_config.get("world_size")
+    if world and world != dist.world_size:
+        raise DFlashError(f"this consumer is one of {dist.world_size} ranks (--dist-init/torchrun), but the broker "
+                          f"arranges {world} (dflash-broker --consumers): use one or the other")
+
+
+def _same_signal(dist: Dist, signal_) -> None:
+    """Every rank trains one model: refuse ranks whose training signals differ."""
+    mine = json.dumps(signal_.as_dict(), sort_keys=True)
+    theirs = dist.broadcast_str(mine, max_bytes=8192)
+    if theirs != mine:
+        diffs = signal_differences(json.loads(theirs), signal_)
+        raise SignalMismatch(f"rank {dist.rank}'s training signal differs from rank 0's ({'; '.join(diffs)}): "
+                             "start every consumer of a run with the same training options")
 
 
 def _json_config(cfg: ConsumerConfig) -> dict:
@@ -186,3 +278,7 @@ def _stop_on_signals(stop: threading.Event) -> dict:
         stop.set()
 
     return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+if __name__ == "__main__":
+    main()

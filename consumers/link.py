@@ -1,0 +1,198 @@
+"""The consumer's plugs onto the broker link (protocol/peer.py `PeerLink`), as
+producers/link.py is the producer's.
+
+- `hello_config`: what a consumer tells the broker (its training signal, and the
+  rendezvous address it offers if it becomes rank 0: PROTOCOL.md 4.1);
+- `run_layers`: the welcome's run facts against this drafter (fail before training);
+- `resume_point`: the checkpoint to start from (a resumed run names it);
+- `arranged_dist`: the data-parallel group the broker arranged (`--consumers N`);
+- `broker_batches`: the batch iterator `train()` reads: a message, None when nothing came
+  in time (an empty step or a wait, never a hang), the end at `stop` once drained;
+- `BrokerHooks`: ack after each step, commit after each checkpoint (rank 0), the queue
+  and progress figures each `train.step` logs, the heartbeat's stats.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlsplit
+
+import torch
+
+from dflash.protocol.errors import DFlashError
+from dflash.protocol.logs import get_logger
+
+from .checkpoint import Signal, resolve_checkpoint
+from .dist import Dist
+from .train import Hooks, TrainConfig
+
+log = get_logger()
+
+# How long a rank waits for a batch before it reports "nothing now" to the step's
+# collective. Short enough that a starved rank delays a peer's step little; long enough
+# that ranks with nothing to do meet about twice a second rather than spinning.
+BATCH_WAIT_S = 0.5
+
+
+class RunConfigMismatch(DFlashError):
+    """The broker's run (its producers' target) does not fit this drafter."""
+
+
+def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = False) -> dict:
+    """`hello.config` of a consumer: its training signal (target layers nil when they are
+    left to the run), and `dist_addr` for the broker to hand the other ranks if we are rank 0."""
+    cfg = {"signal": {**signal.as_dict(), **({"target_layers": None} if auto_layers else {})}}
+    if dist_addr:
+        cfg["dist_addr"] = dist_addr
+    return cfg
+
+
+def offer_dist_addr(broker: str) -> str:
+    """'host:port' other ranks can dial if this consumer becomes rank 0: the address of
+    the interface that reaches the broker (other consumers reach the broker too) and a
+    port free now. Raises DFlashError if the broker address has no host."""
+    host = urlsplit(broker).hostname
+    if not host:
+        raise DFlashError(f"--broker {broker!r}: expected tcp://HOST[:PORT]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            ip = s.getsockname()[0]
+    except OSError:
+        ip = socket.gethostname()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{ip}:{port}"
+
+
+def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainConfig:
+    """`tcfg` with the run's target layers when this consumer left them to `auto`.
+
+    Raises RunConfigMismatch when the run's producers send other layers than
+    --target-layers asks for, or features of another width (another target)."""
+    run_hidden = run_config.get("hidden_size")
+    if run_hidden is not None and run_hidden != hidden_size:
+        raise RunConfigMismatch(f"this run's target has hidden size {run_hidden}, --target here has {hidden_size}: "
+                                "consumers must load the producers' target")
+    layers = run_config.get("layer_ids")
+    if layers is None:  # no producer yet: batches are checked as they come
+        return tcfg
+    if tcfg.target_layers is None:
+        log.info("consume.layers_from_run", target_layers=list(layers))
+        return replace(tcfg, target_layers=tuple(int(i) for i in layers))
+    if list(tcfg.target_layers) != list(layers):
+        raise RunConfigMismatch(f"--target-layers {','.join(map(str, tcfg.target_layers))} but this run's "
+                                f"producers capture layers {','.join(map(str, layers))}: use the same layers "
+                                "on both sides (or leave --target-layers auto)")
+    return tcfg
+
+
+def resume_point(ref: str | None, run_config: dict, runs_dir) -> str | None:
+    """The checkpoint folder to start from, or None to start fresh.
+
+    A resumed broker run names it (`resumed_from`: the newest commit of its chain,
+    PROTOCOL.md 8): a newer checkpoint on disk holds samples the run makes again, so
+    `latest` (or no --resume) means that one. Outside a resumed run, --resume as given.
+    Raises RunConfigMismatch for an explicit other checkpoint, FileNotFoundError."""
+    if "resumed_from" not in run_config:
+        return str(resolve_checkpoint(ref, runs_dir)) if ref else None
+    named = run_config["resumed_from"]
+    want = resolve_checkpoint(named["checkpoint"], runs_dir).resolve() if named else None
+    if ref not in (None, "latest"):
+        have = resolve_checkpoint(ref, runs_dir).resolve()
+        if have != want:
+            raise RunConfigMismatch(f"--resume {ref} but this run continues run {run_config.get('parent_run')} "
+                                    f"from {want or 'no checkpoint'}; leave out --resume (the broker says where)")
+    log.info("consume.resume_point", checkpoint=str(want) if want else None, parent_run=run_config.get("parent_run"))
+    return str(want) if want else None
+
+
+def arranged_dist(run_config: dict, device: torch.device) -> Dist | None:
+    """The data-parallel group the broker arranged (rank, world_size, dist in the welcome),
+    or None if it arranges none. Blocks until every rank has joined (Dist.init's timeout).
+    Raises DFlashError when ranks are arranged but rank 0 offered no rendezvous."""
+    world = run_config.get("world_size")
+    if not world:
+        return None
+    rank = int(run_config["rank"])
+    if world == 1:
+        return Dist(0, 1, device)
+    if not run_config.get("dist"):
+        raise DFlashError(f"the broker arranges {world} ranks but rank 0 sent no dist_addr to meet at")
+    log.info("consume.dist_join", rank=rank, world_size=world, dist=run_config["dist"],
+             backend="nccl" if device.type == "cuda" else "gloo")
+    return Dist.init(init_method=run_config["dist"], rank=rank, world_size=world, device=device)
+
+
+def broker_batches(link, stop: threading.Event, wait_s: float = BATCH_WAIT_S) -> Iterator:
+    """Batch messages for `train()`: None when nothing came within `wait_s`; returns at
+    end of stream (the broker sends `stop` only once every delivered batch is acked, so
+    the inbox is empty by then). A `stop` for another reason (the broker shuts down)
+    sets `stop`: save what we have and leave; batches not trained go back to its queue.
+    Raises what the link raises (BrokerLost, Rejected)."""
+    while True:
+        if link.stopped.is_set() and link.stop_reason != "end_of_stream":
+            stop.set()
+            return
+        msg = link.next_batch(timeout_s=wait_s)  # sleeps in a queue wait: no busy loop
+        if msg is None and link.stopped.is_set() and link.prefetched() == 0:
+            if link.stop_reason == "end_of_stream":
+                return
+            continue  # shutdown: handled at the top
+        yield msg
+
+
+class BrokerHooks:
+    """`train()` hooks wired to the link; `stats` is what the heartbeat reports."""
+
+    def __init__(self, link, rank: int, stop: threading.Event, device: torch.device):
+        self.link, self.rank, self.device = link, rank, device
+        self.stats: dict = {"state": "starting", "rank": rank}
+        self.last_commit: tuple[int, str, bool] | None = None  # step, path, sent after stop
+        self.hooks = Hooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, queue=self.queue,
+                           progress=self.progress, stop=stop, stats=self.stats)
+
+    def on_step(self, step: int, batch_ids: list[str]) -> None:
+        self.link.ack(batch_ids, step)
+
+    def on_checkpoint(self, step: int, path) -> None:
+        path = str(Path(path).resolve())  # a resumed run's consumers load it from any cwd
+        self.link.commit(step, path)
+        self.last_commit = (step, path, self.link.stopped.is_set())
+
+    def commit_final(self, step: int) -> None:
+        """Commit the last step's checkpoint again if it went out before `stop`.
+
+        Other ranks ack that step on their own connections, which may reach the broker
+        after rank 0's commit; those samples would stay `trained`. `stop` comes only
+        after every ack, so a commit sent after it covers them all."""
+        if self.last_commit and self.last_commit[0] == step and not self.last_commit[2]:
+            log.info("consume.commit_again", step=step, checkpoint=self.last_commit[1])
+            self.on_checkpoint(step, self.last_commit[1])
+
+    def queue(self) -> dict:
+        """The field report's queue depths: q_pre per producer, q_hs the shared queue,
+        and this consumer's own prefetched batches."""
+        s = self.link.broker_stats
+        return {"q_pre": s.get("q_pre") or {}, "q_hs": s.get("queue_batches"), "prefetched": self.link.prefetched()}
+
+    def progress(self) -> dict:
+        return self.link.broker_stats
+
+    def heartbeat(self) -> dict:
+        """Heartbeat stats (PROTOCOL.md 4.2). Runs on the link's I/O thread: a C-level
+        dict copy, never iteration over a dict the training thread updates."""
+        out = dict(self.stats)
+        out["prefetched"] = self.link.prefetched()
+        if self.device.type == "cuda":
+            try:
+                free, total = torch.cuda.mem_get_info(self.device)
+                out.update(gpu_mem_used=total - free, gpu_mem_total=total)
+            except RuntimeError:
+                pass  # figures are optional; liveness is not
+        return out

@@ -1,0 +1,163 @@
+"""dflash-consume against a real broker process: refusals, a lost broker and batches of
+other target layers end it with a one-line reason and a non-zero exit; starved
+data-parallel ranks wait without spinning a core and stop together on one SIGTERM.
+(The full pipeline with real producers: tests/test_pipeline_e2e.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from consumer_helpers import MASK_ID
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
+from broker_fakes import FakeProducer  # noqa: E402  (a hand-written producer, from PROTOCOL.md)
+from broker_harness import BrokerProc  # noqa: E402
+
+
+class Consumer:
+    """A dflash-consume process; output goes to a file, read when needed."""
+
+    def __init__(self, broker: BrokerProc, target_dir, out: Path, *extra: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+        env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
+        self.out = out
+        with open(out, "w") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dflash.consumers.cli", "--broker", broker.control, "--target",
+                 str(target_dir), "--runs-dir", str(broker.runs_dir), "--draft-layers", "1", "--block-size", "4",
+                 "--anchors", "6", "--mask-token-id", str(MASK_ID), *extra],
+                stdout=f, stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout_s: float = 60) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return code, self.out.read_text()
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in map(json.loads, (x for x in self.out.read_text().splitlines() if x.startswith("{")))
+                if e["event"] == name]
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds this process has used so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _consumers_waiting(b: BrokerProc, n: int, timeout_s: float = 90) -> list[dict]:
+    """The broker's status rows of `n` consumers once all report state 'waiting'."""
+    end = time.monotonic() + timeout_s
+    rows: list = []
+    while time.monotonic() < end:
+        st = b.ask() or {}
+        rows = [p for p in st.get("peers", []) if p["role"] == "consumer"]
+        if len(rows) == n and all(p["stats"].get("state") == "waiting" for p in rows):
+            return rows
+        time.sleep(0.2)
+    raise AssertionError(f"consumers not all waiting after {timeout_s}s: {rows}")
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_dir, tmp_path):
+    b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8"])
+    cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}") for i in range(2)]
+    try:
+        rows = _consumers_waiting(b, 2)  # no producer: the queue stays empty
+        before = [c.cpu_s() for c in cs]
+        time.sleep(2.0)
+        used = [c.cpu_s() - t for c, t in zip(cs, before)]
+        # Waiting is a blocking queue wait plus one tiny collective every 0.5 s; a polling
+        # loop would burn most of a core (>1 s here).
+        assert all(u < 0.4 for u in used), used
+        rank1 = next(p for p in rows if p["rank"] == 1)
+        os.kill(rank1["pid"], signal.SIGTERM)  # rank 0 learns it through the step's collective
+        results = [c.wait(60) for c in cs]
+    finally:
+        for c in cs:
+            if c.proc.poll() is None:
+                c.proc.kill()
+        b.stop()
+    assert [code for code, _ in results] == [0, 0], [out[-1500:] for _, out in results]
+    for c in cs:
+        (end,) = c.events("train.end")
+        assert end["reason"] == "stop" and end["step"] == 0
+    left = b.events("broker.peer_left")
+    assert sorted(e["reason"] for e in left) == ["stop", "stop"]
+
+
+def test_refused_or_lost_broker_exits_1_with_the_reason(target_dir, tmp_path):
+    b = BrokerProc(tmp_path / "runs", ["--num-samples", "8"])  # heartbeat 0.2 s, timeout 1.5 s
+    try:
+        refused = Consumer(b, target_dir, tmp_path / "refused.out", "--instance", "r",
+                           "--run-id", "20200101T000000Z-dead")
+        lost = Consumer(b, target_dir, tmp_path / "lost.out", "--instance", "l")
+        code, out = refused.wait(60)
+        assert code == 1
+        assert _last_line(out).startswith("error: broker rejected us: run '20200101T000000Z-dead' is not the run")
+        assert "[run_mismatch]" in _last_line(out)
+
+        _consumers_waiting(b, 1)
+        b.proc.kill()  # SIGKILL: no stop, no goodbye
+        code, out = lost.wait(30)
+    finally:
+        b.stop()
+    assert code == 1
+    assert _last_line(out).startswith(f"error: broker {b.control} silent for"), out[-800:]
+
+
+def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_path):
+    """The fake producer's batches carry layers [1, 2] of a 4-wide target; this drafter
+    trains on layer [1] of a 64-wide one."""
+    b = BrokerProc(tmp_path / "runs", ["--num-samples", "4"])
+    try:
+        early = Consumer(b, target_dir, tmp_path / "early.out", "--instance", "early")
+        _consumers_waiting(b, 1)  # joined before any producer: the batch itself is checked
+        producer = FakeProducer(b.control, "fake-p", n_samples=4)
+        threading.Thread(target=producer.run_to_end, daemon=True).start()
+        code, out = early.wait(60)
+        assert code == 2
+        assert "carries target layers [1, 2], the drafter trains on [1]" in _last_line(out), out[-800:]
+        (bad,) = early.events("train.batch_mismatch")
+        assert bad["layer_ids"] == [1, 2] and bad["target_layers"] == [1]
+
+        # Joining once the run's facts are known: refused at the welcome, before training.
+        late = Consumer(b, target_dir, tmp_path / "late.out", "--instance", "late")
+        code, out = late.wait(60)
+        assert code == 2
+        assert "this run's target has hidden size 4, --target here has 64" in _last_line(out), out[-800:]
+    finally:
+        b.stop()
+
+
+def test_a_resumed_run_names_the_checkpoint_to_start_from(tmp_path):
+    """PROTOCOL.md 8: the newest *commit* of the chain, not a newer checkpoint on disk."""
+    from dflash.consumers.link import RunConfigMismatch, resume_point
+
+    runs = tmp_path / "runs"
+    old = runs / "20260101T000000Z-aaaa" / "checkpoints"
+    for step in (10, 20):  # step-20 was written but its commit never reached the broker
+        (old / f"step-{step}").mkdir(parents=True)
+        (old / f"step-{step}" / "state.json").write_text("{}")
+    committed = {"parent_run": "20260101T000000Z-aaaa",
+                 "resumed_from": {"run": "20260101T000000Z-aaaa", "step": 10, "checkpoint": str(old / "step-10")}}
+    assert resume_point(None, committed, runs) == str((old / "step-10").resolve())
+    assert resume_point("latest", committed, runs) == str((old / "step-10").resolve())
+    with pytest.raises(RunConfigMismatch, match="leave out --resume"):
+        resume_point(str(old / "step-20"), committed, runs)
+    assert resume_point("latest", {"parent_run": "x", "resumed_from": None}, runs) is None  # nothing committed yet
+    assert resume_point("latest", {}, runs) == str(old / "step-20")  # not a resumed run: as asked
+    assert resume_point(None, {}, runs) is None
