@@ -1,0 +1,196 @@
+"""The whole pipeline, every role its own process on loopback: `dflash-broker --consumers 2
+--epochs 2`, two CPU producers running a tiny real target over the bundled chats, two
+CPU consumers training one drafter as two gloo ranks.
+
+Run once per module; each test checks one thing a user would notice: clean exits, every
+(epoch, sample) trained exactly once and committed, a final checkpoint that loads, logs
+that are JSON lines of this run with the field report's content, a falling loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+N_ROWS = 120  # chats per epoch: enough steps for the loss to move, small enough for 2 cores
+EPOCHS = 2
+STEP_FIELDS = ("step", "loss", "acc", "streak", "lr", "noise", "tokens_per_s", "batches_per_s", "queue",
+               "epoch", "eta_s")
+
+
+def _free_port_block(n: int) -> int:
+    """First of `n` consecutive TCP ports free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+def _start(name: str, module: str, args: list[str], out_dir: Path, env: dict) -> tuple[str, subprocess.Popen, Path]:
+    out = out_dir / f"{name}.out"
+    with open(out, "w") as f:  # a file, not a pipe: nobody has to drain it
+        p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+    return name, p, out
+
+
+def _wait_all(procs, timeout_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _, p, _ in procs:
+            p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for _, p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {name: p.returncode for name, p, _ in procs}
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Run the pipeline to the end; returns (run folder, exit codes, wall seconds)."""
+    from dflash.tools.tiny import tiny_target
+
+    import dflash.producers.sample_data as sample_data
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    chats = (Path(sample_data.__file__).parent / "chats.jsonl").read_text().splitlines()[:N_ROWS]
+    data = tmp / "chats.jsonl"
+    data.write_text("\n".join(chats) + "\n")
+    target, runs = str(tiny_target()), str(tmp / "runs")
+    base = _free_port_block(6)
+    broker = f"tcp://127.0.0.1:{base}"
+    # One torch thread per process: five processes share two cores. No DFLASH_* from the
+    # developer's shell: every option is on the command line.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
+    t0 = time.monotonic()
+    procs = [_start("broker", "dflash.broker.cli", [
+        "--bind", "127.0.0.1", "--port", str(base), "--data-in-port", str(base + 1),
+        "--data-out-ports", f"{base + 2}-{base + 5}", "--runs-dir", runs, "--epochs", str(EPOCHS),
+        "--consumers", "2", "--heartbeat-s", "0.5", "--timeout-s", "30", "--lease-size", "8"], tmp, env)]
+    for i in range(2):
+        procs.append(_start(f"producer-{i}", "dflash.producers.cli", [
+            "--broker", broker, "--runs-dir", runs, "--instance", f"p{i}", "--device", "cpu", "--target", target,
+            "--data", str(data), "--token-budget", "256", "--max-length", "256", "--max-batch-size", "2",
+            "--lease-size", "8", "--prefetch", "2"], tmp, env))
+    for i in range(2):
+        procs.append(_start(f"consumer-{i}", "dflash.consumers.cli", [
+            "--broker", broker, "--runs-dir", runs, "--instance", f"c{i}", "--target", target,
+            "--block-size", "4", "--anchors", "16", "--draft-layers", "1", "--lr", "3e-3", "--save-every", "20",
+            "--keep", "2", "--log-position-every", "20"], tmp, env))
+    codes = _wait_all(procs, timeout_s=240)
+    wall = time.monotonic() - t0
+    if any(codes.values()):
+        tails = {name: out.read_text()[-1500:] for name, _, out in procs if codes[name]}
+        pytest.fail(f"exit codes {codes}; output of the failed: {tails}")
+    (run_dir,) = [p for p in Path(runs).iterdir() if p.name != "latest"]
+    print(f"pipeline wall time {wall:.1f}s")
+    return run_dir, codes, wall
+
+
+def _consumer_logs(run_dir: Path) -> dict[int, list[dict]]:
+    """rank -> that consumer's events."""
+    out = {}
+    for f in (run_dir / "logs").glob("consumer-*.jsonl"):
+        ev = _events(f)
+        rank = next(e["rank"] for e in ev if e["event"] == "train.start")
+        out[rank] = ev
+    return out
+
+
+def test_every_process_exits_0(run):
+    _, codes, _ = run
+    assert codes == {"broker": 0, "producer-0": 0, "producer-1": 0, "consumer-0": 0, "consumer-1": 0}
+
+
+def test_every_epoch_sample_is_trained_exactly_once_and_committed(run):
+    run_dir, _, _ = run
+    db = sqlite3.connect(run_dir / "ledger.sqlite")
+    rows = db.execute("SELECT epoch, sample, state, batch_id FROM samples").fetchall()
+    assert sorted((e, s) for e, s, _, _ in rows) == [(e, s) for e in range(EPOCHS) for s in range(N_ROWS)]
+    assert {state for _, _, state, _ in rows} == {"committed"}
+    batches = {b: (n, d, state) for b, n, d, state in
+               db.execute("SELECT batch_id, n_samples, deliveries, state FROM batches")}
+    per_batch = Counter(b for *_, b in rows)
+    assert set(per_batch) == set(batches)
+    assert all(batches[b] == (n, 1, "committed") for b, n in per_batch.items())  # delivered once, trained once
+    # The consumers' own count (summed over both ranks) agrees: nothing trained twice.
+    ends = [next(e for e in ev if e["event"] == "consume.done") for ev in _consumer_logs(run_dir).values()]
+    assert [e["samples"] for e in ends] == [EPOCHS * N_ROWS] * 2
+    assert ends[0]["step"] == ends[1]["step"]
+    last_commit = db.execute("SELECT step, checkpoint FROM commits ORDER BY rowid DESC LIMIT 1").fetchone()
+    assert last_commit[0] == ends[0]["step"] and last_commit[1].endswith(f"step-{ends[0]['step']}")
+
+
+def test_final_checkpoint_exists_and_loads(run):
+    import torch
+
+    from dflash.consumers.checkpoint import load_checkpoint
+    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.target_heads import load_target_heads
+    from dflash.tools.tiny import tiny_target
+
+    run_dir, _, _ = run
+    done = next(e for e in _consumer_logs(run_dir)[0] if e["event"] == "consume.done")
+    path = run_dir / "checkpoints" / f"step-{done['step']}"
+    assert Path(done["last_checkpoint"]).resolve() == path.resolve()
+    heads = load_target_heads(tiny_target(), dtype=torch.float32)
+    state = json.loads((path / "state.json").read_text())
+    model = DFlashDraft(DrafterConfig.from_target(heads.spec, 1, len(state["signal"]["target_layers"])))
+    saved, rng = load_checkpoint(path, model, torch.optim.AdamW(model.parameters()))
+    assert saved["step"] == done["step"] and saved["samples"] == EPOCHS * N_ROWS and len(rng) == 2
+    assert saved["signal"]["block_size"] == 4 and saved["signal"]["anchors"] == 16
+
+
+def test_logs_are_json_lines_of_this_run_with_the_field_report(run):
+    run_dir, _, _ = run
+    files = sorted(p.name for p in (run_dir / "logs").glob("*.jsonl"))
+    assert files == ["broker-main.jsonl", "consumer-c0.jsonl", "consumer-c1.jsonl", "producer-p0.jsonl",
+                     "producer-p1.jsonl"]
+    for f in (run_dir / "logs").glob("*.jsonl"):
+        assert {e["run_id"] for e in _events(f)} == {run_dir.name}, f.name
+    logs = _consumer_logs(run_dir)
+    assert sorted(logs) == [0, 1]
+    for rank, ev in logs.items():
+        steps = [e for e in ev if e["event"] == "train.step"]
+        assert steps and all(k in e for e in steps for k in STEP_FIELDS), rank
+        assert all(e["rank"] == rank for e in steps)
+        # the broker's figures reached the line: producers' q_pre, the shared queue, progress
+        assert any(e["queue"]["q_pre"] for e in steps) and all("q_hs" in e["queue"] for e in steps)
+        assert 1.0 < max(e["epoch"] for e in steps) <= EPOCHS
+        assert any(e["eta_s"] is not None for e in steps)
+
+
+def test_loss_at_the_end_is_below_the_start(run):
+    run_dir, _, _ = run
+    losses = [e["loss"] for e in _consumer_logs(run_dir)[0] if e["event"] == "train.step" and e["loss"] is not None]
+    assert len(losses) >= 10
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
