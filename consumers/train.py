@@ -231,6 +231,9 @@ def train(
                 batch = next(source)  # None: nothing arrived in time (the source waited)
             except StopIteration:
                 exhausted = True
+            # A stop asked while we waited (a signal, the broker's shutdown) counts now, so
+            # the stream a shutdown ends is not taken for its natural end.
+            want_stop = hooks.stop is not None and hooks.stop.is_set()
         if batch is not None:
             batch, bad = _prepare(batch, heads, signal)
         # Every rank takes part in every step (one small collective first): stop when one

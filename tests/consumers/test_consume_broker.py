@@ -119,6 +119,21 @@ def test_refused_or_lost_broker_exits_1_with_the_reason(target_dir, tmp_path):
     assert _last_line(out).startswith(f"error: broker {b.control} silent for"), out[-800:]
 
 
+def test_broker_shutdown_makes_a_consumer_stop_and_exit_0(target_dir, tmp_path):
+    """PROTOCOL.md 4.6: `stop {reason: shutdown}` means save what you have and leave."""
+    b = BrokerProc(tmp_path / "runs", ["--num-samples", "8"])
+    c = Consumer(b, target_dir, tmp_path / "c.out", "--instance", "c")
+    try:
+        _consumers_waiting(b, 1)
+        assert b.stop() == 0  # SIGTERM
+        code, out = c.wait(30)
+    finally:
+        b.stop()
+    assert code == 0, out[-800:]
+    assert [e["reason"] for e in c.events("link.stop")] == ["shutdown"]
+    assert [e["reason"] for e in c.events("train.end")] == ["stop"]  # not taken for the end of the stream
+
+
 def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_path):
     """The fake producer's batches carry layers [1, 2] of a 4-wide target; this drafter
     trains on layer [1] of a 64-wide one."""
