@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import torch
 
 from dflash.protocol.errors import DFlashError
+from dflash.protocol.gpu import gpu_figures
 from dflash.protocol.logs import get_logger
 
 from .checkpoint import Signal, resolve_checkpoint
@@ -189,10 +190,5 @@ class BrokerHooks:
         dict copy, never iteration over a dict the training thread updates."""
         out = dict(self.stats)
         out["prefetched"] = self.link.prefetched()
-        if self.device.type == "cuda":
-            try:
-                free, total = torch.cuda.mem_get_info(self.device)
-                out.update(gpu_mem_used=total - free, gpu_mem_total=total)
-            except RuntimeError:
-                pass  # figures are optional; liveness is not
+        out.update(gpu_figures(self.device))  # memory (+ utilisation with NVML); {} on CPU; never raises
         return out
