@@ -13,6 +13,7 @@ import sys
 import click
 import zmq
 
+from dflash.protocol.alloc import reuse_freed_memory
 from dflash.protocol.config import as_dict, config_option, fail, option, runs_dir_option
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
@@ -89,6 +90,7 @@ def _explicit(names: tuple[str, ...]) -> set[str]:
 
 def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     """Create the run, serve it, record the outcome. Returns the exit status."""
+    reuse_freed_memory()  # before ZeroMQ starts its I/O threads: see protocol/alloc.py
     setup_logging("broker", cfg.instance, level=cfg.log_level)
     log = get_logger()
     run_id = new_run_id()
