@@ -56,6 +56,9 @@ from .server import Broker
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
         help="Lowest level logged.")
+@option("--max-peers", default=256, type=int,
+        help="Most live producer+consumer sessions; more hellos are refused ('full'). Bounds what a flood "
+             "of hellos can make the broker hold.")
 @option("--resume", default=None, metavar="RUN",
         help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
              "trained again, everything else is made again, in the same per-epoch order (its --seed). "

@@ -14,6 +14,16 @@ MAX_CREDIT = 64
 MAX_UNACKED = 2 * MAX_CREDIT
 # ZMQ_MAXMSGSIZE on the control socket: the 1 MiB header limit plus framing margin.
 CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
+# Control messages ZeroMQ may queue per connection, each way. Normal traffic is a few
+# small messages per second per peer; the bound is what a peer that floods (or never
+# reads its replies) can make the broker hold: RCVHWM x CONTROL_MAX_BYTES in, SNDHWM x
+# one reply out. A full in-pipe stops ZeroMQ reading that TCP connection: backpressure,
+# not loss.
+CONTROL_RCVHWM = 100
+CONTROL_SNDHWM = 1000
+# Largest `hello.config` kept for a session (as JSON): sessions are bounded in number
+# (--max-peers) and each keeps its config, so each must be small.
+MAX_HELLO_CONFIG_BYTES = 64 * 1024
 # Messages a producer's pipe may hold inside the broker's ZeroMQ before TCP pushes back.
 # Small because one message can be ~1 GiB: the broker's memory is the byte-bounded
 # queue plus at most this many messages per producer.
@@ -42,6 +52,7 @@ class BrokerConfig:
     metrics_port: int = 0  # Prometheus text on http://HOST:PORT/metrics; 0 = off
     log_level: str = "info"
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
+    max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -63,6 +74,8 @@ class BrokerConfig:
             raise ValueError("--num-samples must be >= 0")
         if self.consumers < 0:
             raise ValueError("--consumers must be >= 0")
+        if self.max_peers < 1:
+            raise ValueError("--max-peers must be >= 1")
         if self.metrics_port and (not 0 < self.metrics_port < 65536
                                   or self.metrics_port in (self.port, self.data_in_port)
                                   or lo <= self.metrics_port <= hi):

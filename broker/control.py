@@ -128,6 +128,7 @@ def on_ack(b, p: Peer, h: dict) -> None:
             unknown.append(bid)
             continue
         b.batch_ids.discard(bid)
+        b.queue.release(qb)
         b.ledger.trained(qb, p.id, h["step"])
         b.rate_samples.add(len(qb.samples))  # the ETA's pace
         p.acked += 1
@@ -165,7 +166,7 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
         p.in_flight.clear()
         for qb in back:
             b.ledger.requeued(qb)
-        b.queue.push_front(back)  # returned batches are the oldest: they go first
+        b.queue.requeue(back)  # returned batches are the oldest: they go first
         if p.pipe is not None:
             p.pipe.close(linger=0)
             p.pipe = None

@@ -43,11 +43,17 @@ class Consumer(Protocol):
 
 
 class BatchQueue:
-    """FIFO of batches, bounded in bytes: `has_room` is what the loop polls data-in on."""
+    """FIFO of batches, bounded in bytes: `has_room` is what the loop polls data-in on.
+
+    The bound covers every batch the broker holds: queued (`bytes`) and delivered but not
+    yet acked (`in_flight_bytes`, kept for redelivery). Otherwise consumers that take
+    batches and never ack would let the broker hold far more than `capacity`.
+    """
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self.bytes = 0
+        self.in_flight_bytes = 0
         self._q: deque[QueuedBatch] = deque()
 
     def __len__(self) -> int:
@@ -56,7 +62,7 @@ class BatchQueue:
     def has_room(self) -> bool:
         # Room for the next read: one message may overshoot by its own size, never more,
         # because the loop stops reading data-in as soon as this turns False.
-        return self.bytes < self.capacity
+        return self.bytes + self.in_flight_bytes < self.capacity
 
     def push(self, b: QueuedBatch) -> None:
         self._q.append(b)
@@ -72,9 +78,21 @@ class BatchQueue:
         return self._q[0]
 
     def pop(self) -> QueuedBatch:
+        """Take the head batch out to deliver it: it stays held (in flight) until released."""
         b = self._q.popleft()
         self.bytes -= b.nbytes
+        self.in_flight_bytes += b.nbytes
         return b
+
+    def release(self, b: QueuedBatch) -> None:
+        """An in-flight batch was acked: the broker no longer holds it."""
+        self.in_flight_bytes -= b.nbytes
+
+    def requeue(self, batches: Iterable[QueuedBatch]) -> None:
+        """In-flight batches of a lost consumer go back to the front, oldest first."""
+        batches = list(batches)
+        self.in_flight_bytes -= sum(b.nbytes for b in batches)
+        self.push_front(batches)
 
     def oldest_age(self, now: float | None = None) -> float:
         if not self._q:

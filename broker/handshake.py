@@ -15,7 +15,7 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 
 from . import runinfo
-from .config import MAX_CREDIT
+from .config import MAX_CREDIT, MAX_HELLO_CONFIG_BYTES
 from .peers import Peer
 from .replies import refuse
 
@@ -30,11 +30,16 @@ def hello(b, identity: bytes, h: dict) -> None:
         return refuse(b, identity, "bad_message", f"role {role!r}: hello is for 'producer' or 'consumer'", h)
     if not instance or len(instance) > 128 or not isinstance(config, dict):
         return refuse(b, identity, "bad_message", "hello needs a non-empty instance (<=128 chars) and a map config", h)
+    if len(json.dumps(config, default=str)) > MAX_HELLO_CONFIG_BYTES:
+        return refuse(b, identity, "bad_message", f"hello config is larger than {MAX_HELLO_CONFIG_BYTES} bytes "
+                      "as JSON", {**h, "config": None})
     same = b.peers.by_identity.get(identity)
     if same is not None:
         if same.role == role and same.instance == instance:
             return welcome(b, same)  # the peer retried its hello: give the same answer
         return refuse(b, identity, "bad_message", f"this connection already joined as {same.id}", h)
+    if len(b.peers.by_id) >= b.cfg.max_peers:  # every session costs memory: a flood of hellos must not
+        return refuse(b, identity, "full", f"{b.cfg.max_peers} live peers already (--max-peers)", h)
     other = b.peers.instance_taken(role, instance)
     if other is not None:
         return refuse(b, identity, "duplicate_instance",

@@ -18,7 +18,7 @@ from dflash.protocol.messages import DATA
 from .control import finish_lease
 from .dispatch import QueuedBatch
 from .leases import StaleBatch
-from .replies import log_bad
+from .replies import MAX_REASON, clip, log_bad
 
 log = get_logger()
 
@@ -60,8 +60,10 @@ def handle(b, frames: list) -> None:
     except StaleBatch as e:
         return stale(b, h, str(e))
     p.last_seen = time.monotonic()  # data counts as a sign of life too
+    # The header counts too: unknown fields are allowed, so a header may be up to 1 MiB
+    # for a few bytes of tensors, and the queue's byte bound must see what it holds.
     qb = QueuedBatch(h["batch_id"], p.id, h["lease"], h["epoch"], list(h["samples"]), int(sum(h["seq_lens"])),
-                     msg.payload_bytes(), frames)
+                     msg.payload_bytes() + len(frames[0]), frames)
     b.queue.push(qb)
     b.batch_ids.add(qb.batch_id)
     b.ledger.produced(qb)
@@ -79,7 +81,8 @@ def stale(b, h: dict, reason: str) -> None:
     p = b.peers.by_id.get(h["producer"])
     if p is not None:
         p.stale += 1
-    ok, suppressed = b.log_limit.allow(f"stale:{h['producer']}")
+    producer = clip(h["producer"], 64)  # a key of the rate limit: the sender chose it
+    ok, suppressed = b.log_limit.allow(f"stale:{producer}")
     if ok:
-        log.warning("broker.batch_stale", batch_id=h["batch_id"][:64], producer=h["producer"][:64],
-                    lease=h["lease"], epoch=h["epoch"], reason=reason, suppressed=suppressed)
+        log.warning("broker.batch_stale", batch_id=clip(h["batch_id"], 64), producer=producer,
+                    lease=h["lease"], epoch=h["epoch"], reason=clip(reason, MAX_REASON), suppressed=suppressed)

@@ -21,13 +21,14 @@ from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 
 from . import control, intake, resume
-from .config import CONTROL_MAX_BYTES, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
+from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
 from .ledger import Ledger
 from .liveness import Every, RateLimit, RateMeter, TimeShare, silent
 from .metrics import MetricsServer
 from .peers import Peer, PeerTable
+from .replies import LogGate
 from .resume import Parent
 from .status import build_status, log_progress, progress_fields, samples
 
@@ -64,7 +65,7 @@ class Broker:
         self.blocked = False
         self.last_tick = time.monotonic()
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
-        self.log_limit, self.reply_limit = RateLimit(5.0), RateLimit(3.0)
+        self.log_limit, self.reply_limit = LogGate(), RateLimit(3.0)
         self.rate_in, self.rate_out = RateMeter(), RateMeter()
         self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
         self.full_share = TimeShare()  # how much of the last 10 s producers were blocked
@@ -74,7 +75,7 @@ class Broker:
         try:
             self.control = make_socket(
                 self.ctx, zmq.ROUTER, tcp_endpoint(cfg.bind, cfg.port), bind=True,
-                opts=SocketOpts(sndhwm=10_000, rcvhwm=10_000, maxmsgsize=CONTROL_MAX_BYTES),
+                opts=SocketOpts(sndhwm=CONTROL_SNDHWM, rcvhwm=CONTROL_RCVHWM, maxmsgsize=CONTROL_MAX_BYTES),
             )
             self.data_in = make_socket(
                 self.ctx, zmq.PULL, tcp_endpoint(cfg.bind, cfg.data_in_port), bind=True,
@@ -112,6 +113,7 @@ class Broker:
                 self._drain(self.data_in, lambda f: intake.handle(self, f), while_room=True)
             self.dispatch()
             self.tick(time.monotonic())
+        self.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
         return self.outcome
 
     def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
@@ -170,6 +172,7 @@ class Broker:
         if self.progress.due(now):
             log_progress(self, now)
         self.ledger.maybe_flush(now)
+        self.log_limit.report(now)
         control.check_end_of_stream(self)
 
     # ------------------------------------------------------------ sending

@@ -7,9 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
-from broker_fakes import FakeConsumer, FakeProducer
+from broker_fakes import FakeConsumer, FakeProducer, batch_frames
 
-BATCH_BYTES = 168  # 2 samples x 4 tokens: int32 ids 32 B + uint8 mask 8 B + bf16 [8, 8] 128 B
+# What the queue counts for one batch: every frame, header included (a header may carry
+# unknown fields, so it is held memory too). 2 samples x 4 tokens: int32 ids 32 B + uint8
+# mask 8 B + bf16 [8, 8] 128 B + the header (same length for batch IDs p1-1..p1-9).
+BATCH_BYTES = sum(map(len, batch_frames("20260101T000000Z-abcd", "p1", "p1-1", 1, 0, [0, 1])))
 
 
 def test_full_queue_stops_reading_and_producers_wait_without_losing_anything(start_broker):

@@ -88,9 +88,14 @@ def test_dispatch_oldest_first_least_recently_served_first_and_only_against_cred
     a, b, c = FakeConsumer("a", credit=2), FakeConsumer("b", credit=1), FakeConsumer("c", connected=False, credit=5)
     sent = dispatch(q, [a, b, c], lambda con, _b: con.connected)
     assert [(con.name, bt.batch_id) for con, bt in sent] == [("a", "p1-0"), ("b", "p1-1"), ("a", "p1-2")]
-    assert (a.credit, b.credit, c.credit) == (0, 0, 5) and len(q) == 1 and q.has_room()
+    assert (a.credit, b.credit, c.credit) == (0, 0, 5) and len(q) == 1
+    # delivered but not acked is still held (for redelivery), so it still counts: 10 + 30
+    assert not q.has_room() and (q.bytes, q.in_flight_bytes) == (10, 30)
+    q.release(b.in_flight.pop("p1-1"))  # b acked
+    assert q.has_room()
     # a lost consumer's batches go back in front of everything, oldest first
-    q.push_front(list(a.in_flight.values()))
+    q.requeue(list(a.in_flight.values()))
+    assert (q.bytes, q.in_flight_bytes) == (30, 0)
     assert [q.pop().batch_id for _ in range(3)] == ["p1-0", "p1-2", "p1-3"]
 
 
