@@ -38,8 +38,8 @@ def test_watch_redraws_in_place_on_a_terminal_and_survives_the_broker_going(star
                           "--timeout-s", "0.5"], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     try:
-        out = _read_pty(master, lambda o: o.count(CLEAR) >= 3, 20)
-        frames = out.split(CLEAR)[1:]
+        out = _read_pty(master, lambda o: o.count(CLEAR) >= 4, 20)
+        frames = out.split(CLEAR)[1:-1]  # complete frames: each is followed by the next clear
         assert len(frames) >= 3, out[-2000:]
         assert all(f"run {b.run_id}".encode() in f and b"every 0.3s; Ctrl-C to quit" in f for f in frames[:3])
         assert b.stop() == 0
