@@ -121,7 +121,7 @@ def on_credit(b, p: Peer, h: dict) -> None:
 
 
 def on_ack(b, p: Peer, h: dict) -> None:
-    unknown = []
+    unknown, trained = [], []
     for bid in h["batch_ids"]:
         qb = p.in_flight.pop(bid, None) if isinstance(bid, str) else None
         if qb is None:
@@ -132,9 +132,22 @@ def on_ack(b, p: Peer, h: dict) -> None:
         b.ledger.trained(qb, p.id, h["step"])
         b.rate_samples.add(len(qb.samples))  # the ETA's pace
         p.acked += 1
+        trained.append(qb)
     if unknown and b.log_limit.allow(f"ack:{p.id}")[0]:
         log.warning("broker.ack_unknown", peer=p.id, step=h["step"], batch_ids=[str(x)[:64] for x in unknown[:16]],
                     n=len(unknown))
+    last = b.ledger.last_commit
+    if trained and last is not None and h["step"] <= last[0]:
+        commit_late(b, p, h["step"], trained, last)
+
+
+def commit_late(b, p: Peer, step: int, batches: list, last: tuple[int, str]) -> None:
+    """An ack that comes after the commit of its step (PROTOCOL.md 4.5: each rank acks on
+    its own connection): the committed checkpoint holds these samples, so they are
+    committed now, not at the next commit (a crash in between would train them twice)."""
+    n = b.ledger.committed_late(batches)
+    log.info("broker.ack_committed", peer=p.id, step=step, commit_step=last[0], checkpoint=last[1],
+             batch_ids=[x.batch_id for x in batches[:16]], samples=n, committed=b.ledger.counts["committed"])
 
 
 def on_commit(b, p: Peer, h: dict) -> None:

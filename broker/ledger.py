@@ -95,6 +95,9 @@ class Ledger:
         self._last_flush = time.monotonic()
         self.counts: Counter[str] = Counter()
         self.flush_seconds = 0.0  # total time spent writing, for the status map
+        # (step, checkpoint) of this run's newest commit: a later ack of a step <= it is
+        # committed on arrival (committed_late)
+        self.last_commit: tuple[int, str] | None = None
 
     # ------------------------------------------------------------ run facts
 
@@ -172,6 +175,34 @@ class Ledger:
             n = self._commit_rows(step, checkpoint, peer, now)
         finally:
             self.db.execute("PRAGMA synchronous=NORMAL")  # the rest may be made again
+        self._move("trained", "committed", n)
+        if self.last_commit is None or step >= self.last_commit[0]:
+            self.last_commit = (step, checkpoint)
+        return n
+
+    def committed_late(self, batches: list) -> int:
+        """Batches (dispatch.QueuedBatch) just acked by `trained` at a step <= this run's
+        last commit -> committed. Returns the samples moved.
+
+        Each rank acks on its own connection, so another rank's ack of step N can come
+        after rank 0's commit of N; the checkpoint of N holds those samples all the same.
+        Left `trained`, a crash before the next commit would make them again: trained
+        twice. Written at once and fsync'd, like a commit."""
+        self.flush()  # the `trained` rows these update
+        now = time.time()
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            with self.db:
+                self.db.execute("BEGIN")
+                n = 0
+                for b in batches:  # by primary key: no scan of the samples table
+                    n += self.db.executemany("UPDATE samples SET state='committed', updated=? WHERE epoch=? "
+                                             "AND sample=? AND state='trained'",
+                                             [(now, b.epoch, s) for s in b.samples]).rowcount
+                self.db.executemany("UPDATE batches SET state='committed', updated=? WHERE batch_id=? "
+                                    "AND state='trained'", [(now, b.batch_id) for b in batches])
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")
         self._move("trained", "committed", n)
         return n
 
