@@ -14,12 +14,13 @@ import click
 import zmq
 
 from dflash.protocol.alloc import reuse_freed_memory
+from dflash.protocol import curve
 from dflash.protocol.config import as_dict, config_option, fail, option, runs_dir_option
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest
 
-from . import resume, runinfo
+from . import resume, runinfo, security
 from .config import BrokerConfig, parse_bytes, parse_port_range
 from .ledger import SCHEMA_VERSION
 from .server import Broker
@@ -59,6 +60,10 @@ from .server import Broker
 @option("--max-peers", default=256, type=int,
         help="Most live producer+consumer sessions; more hellos are refused ('full'). Bounds what a flood "
              "of hellos can make the broker hold.")
+@option("--curve-keys", default=None, metavar="DIR",
+        help="CurveZMQ on: encrypt every socket and admit only peers whose public key is in DIR/authorized/ "
+             "(the broker's keypair is DIR/broker.key_secret; make keys with dflash-keygen). Off = plain TCP, "
+             "fit for loopback only (docs/SECURITY.md).")
 @option("--resume", default=None, metavar="RUN",
         help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
              "trained again, everything else is made again, in the same per-epoch order (its --seed). "
@@ -76,11 +81,13 @@ def main(**opts) -> None:
         opts["max_message_bytes"] = parse_bytes(opts["max_message_bytes"])
         opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
         cfg = BrokerConfig(**opts)
+        if cfg.curve_keys:
+            curve.server_keys(cfg.curve_keys)  # a missing key is a one-line error now, not at bind
         if cfg.resume:
             parent = resume.load(cfg.resume, cfg.runs_dir)
             cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
         cfg.check()
-    except (ValueError, TypeError) as e:  # resume.ResumeError is a ValueError
+    except (ValueError, TypeError, curve.CurveKeyError) as e:  # resume.ResumeError is a ValueError
         fail(str(e))
     sys.exit(run(cfg, parent))
 
@@ -116,6 +123,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     point_latest(run_id, cfg.runs_dir)
     broker.ledger.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,
                            config=as_dict(cfg))
+    security.warn_if_open(cfg.bind, bool(cfg.curve_keys))
     if parent is not None:
         log.info("broker.resume", **lineage["resumed_from"], left=resume.left_to_do(parent, cfg.epochs),
                  epochs=cfg.epochs, seed=cfg.seed)

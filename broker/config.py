@@ -53,6 +53,7 @@ class BrokerConfig:
     log_level: str = "info"
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
     max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
+    curve_keys: str | None = None  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""

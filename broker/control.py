@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from dflash.protocol import codec
+from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import CONTROL_TO_BROKER, PROTOCOL_VERSION
@@ -53,7 +53,7 @@ def handle(b, identity: bytes, frames: list) -> None:
     if t == "status":
         return b.send(identity, "status_reply", status=build_status(b))
     if t == "hello":
-        return handshake.hello(b, identity, h)
+        return handshake.hello(b, identity, h, key=curve.key_name(frames[0]))
     if peer is None:
         return refuse(b, identity, "unknown_peer", "this connection has no live session (never said hello, "
                       "or was declared lost): say hello again to rejoin with a new peer ID", h)

@@ -24,7 +24,8 @@ log = get_logger()
 FACT_KEYS = ("target", "layer_ids", "hidden_size")
 
 
-def hello(b, identity: bytes, h: dict) -> None:
+def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
+    """`key`: the authorised Curve key's name this connection used (None without Curve)."""
     role, instance, config = h["role"], h["instance"], h.get("config") or {}
     if role not in ("producer", "consumer"):
         return refuse(b, identity, "bad_message", f"role {role!r}: hello is for 'producer' or 'consumer'", h)
@@ -70,7 +71,8 @@ def hello(b, identity: bytes, h: dict) -> None:
         if rank == 0:
             b.dist = dist_endpoint(config.get("dist_addr"))
     b.ledger.peer_joined(p)
-    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=_brief(config))
+    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=_brief(config),
+             curve_key=key)
     welcome(b, p)
     if b.stopping is not None:  # joined after end of stream: nothing left to do
         b.stopping.add(p.id)
@@ -147,7 +149,7 @@ def open_pipe(b) -> tuple[zmq.Socket, int] | None:
             continue
         try:
             sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
-                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0))
+                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve))
         except zmq.ZMQError:
             continue  # another process holds it
         b.next_port = lo + (port + 1 - lo) % n

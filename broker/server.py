@@ -20,7 +20,7 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 
-from . import control, intake, resume
+from . import control, intake, resume, security
 from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
@@ -41,7 +41,8 @@ DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot 
 
 class Broker:
     def __init__(self, cfg: BrokerConfig, run_id: str, run_dir, hostname: str, parent: Parent | None = None):
-        """Bind the control and data-in sockets. Raises zmq.ZMQError (e.g. a port in use)."""
+        """Bind the control and data-in sockets. Raises zmq.ZMQError (e.g. a port in use),
+        CurveKeyError (with --curve-keys: a key file missing)."""
         self.cfg, self.run_id, self.run_dir, self.hostname = cfg, run_id, run_dir, hostname
         self.parent = parent  # the run this one resumes (resume.py), or None
         self.advertise = cfg.host_to_advertise(hostname)
@@ -72,14 +73,18 @@ class Broker:
         self.metrics = None  # the --metrics-port HTTP endpoint (metrics.MetricsServer)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.ctx = zmq.Context()
+        self.curve, self.auth = None, None
         try:
+            # ZAP first: libzmq admits every client while no authenticator runs.
+            self.curve, self.auth = security.setup(cfg.curve_keys, self.ctx)
             self.control = make_socket(
                 self.ctx, zmq.ROUTER, tcp_endpoint(cfg.bind, cfg.port), bind=True,
-                opts=SocketOpts(sndhwm=CONTROL_SNDHWM, rcvhwm=CONTROL_RCVHWM, maxmsgsize=CONTROL_MAX_BYTES),
+                opts=SocketOpts(sndhwm=CONTROL_SNDHWM, rcvhwm=CONTROL_RCVHWM, maxmsgsize=CONTROL_MAX_BYTES,
+                                curve=self.curve),
             )
             self.data_in = make_socket(
                 self.ctx, zmq.PULL, tcp_endpoint(cfg.bind, cfg.data_in_port), bind=True,
-                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes),
+                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes, curve=self.curve),
             )
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
@@ -225,6 +230,8 @@ class Broker:
             self.control.close(linger=1000)  # let the last stop/replies out
         if getattr(self, "data_in", None) is not None:
             self.data_in.close(linger=0)
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()  # after the sockets: none may outlive the authenticator
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
         self.ctx.term()

@@ -29,6 +29,7 @@ from . import codec
 from .errors import BrokerUnreachable, DFlashError, ProtocolError, Rejected, RunMismatch
 from .logs import bind_run, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, header
+from .curve import CurveClient
 from .sockets import SocketOpts, make_socket
 
 log = get_logger()
@@ -56,6 +57,7 @@ class PeerLink:
         inbox_batches: int = 2,
         stats: Callable[[], dict] | None = None,
         max_message_bytes: int = 1 << 30,
+        curve: CurveClient | None = None,
     ):
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be producer or consumer, not {role!r}")
@@ -64,6 +66,7 @@ class PeerLink:
         self.connect_timeout_s = connect_timeout_s
         self.stats = stats or (lambda: {})
         self.max_message_bytes = max_message_bytes
+        self.curve = curve  # CurveZMQ client keys (protocol/curve.py), or None for plain TCP
         self.welcome: dict = {}
         self.broker_stats: dict = {}
         self.stopped = threading.Event()
@@ -97,7 +100,7 @@ class PeerLink:
 
         Raises BrokerUnreachable, Rejected (RunMismatch for another run's ID)."""
         ctl = make_socket(self._ctx, zmq.DEALER, self.broker, bind=False,
-                          opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES))
+                          opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES, curve=self.curve))
         try:
             self.welcome = self._handshake(ctl)
         except Exception:
@@ -122,7 +125,10 @@ class PeerLink:
         log.info("link.connect", broker=self.broker, expect_run=self.expect_run)
         codec.send(ctl, hello)
         if not ctl.poll(int(self.connect_timeout_s * 1000)):
-            raise BrokerUnreachable(f"no answer from broker {self.broker} within {self.connect_timeout_s:g}s")
+            # With Curve a refused key looks exactly like this: the broker says nothing.
+            hint = (f" (CurveZMQ on: is key {self.curve.name!r} in the broker's authorized/ folder?)"
+                    if self.curve else "")
+            raise BrokerUnreachable(f"no answer from broker {self.broker} within {self.connect_timeout_s:g}s{hint}")
         msg = codec.recv(ctl, allowed=CONTROL_FROM_BROKER, peer="broker")
         if msg.type == "reject":
             cls = RunMismatch if msg.header["code"] == "run_mismatch" else Rejected
@@ -137,10 +143,10 @@ class PeerLink:
             # A tiny send HWM: memory stays bounded and backpressure reaches the producer
             # as soon as the broker stops reading.
             return make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
-                               opts=SocketOpts(sndhwm=1, linger_ms=-1))
+                               opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve))
         return make_socket(self._ctx, zmq.PULL, self.welcome["data_out"], bind=False,
                            opts=SocketOpts(rcvhwm=self._inbox_capacity + 1,
-                                           maxmsgsize=self.max_message_bytes))
+                                           maxmsgsize=self.max_message_bytes, curve=self.curve))
 
     def close(self, reason: str = "done", flush_timeout_s: float = 60.0) -> None:
         """Flush queued batches (producers), say `bye`, stop the I/O thread, close sockets."""

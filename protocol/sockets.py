@@ -5,8 +5,12 @@ ZeroMQ applies most of them only to pipes created afterwards."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
+
+if TYPE_CHECKING:
+    from .curve import CurveClient, CurveServer
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,7 @@ class SocketOpts:
     sndbuf: int = -1  # kernel socket buffer; -1 = OS default
     rcvbuf: int = -1
     immediate: bool = False  # queue only on completed connections
+    curve: CurveServer | CurveClient | None = None  # CurveZMQ keys (protocol/curve.py); None = plain
 
 
 def make_socket(
@@ -29,6 +34,8 @@ def make_socket(
     opts: SocketOpts = SocketOpts(),
     identity: bytes | None = None,
 ) -> zmq.Socket:
+    """A socket of `kind`, options set, bound or connected. Raises zmq.ZMQError (e.g. the
+    address is in use); the half-made socket is closed first."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, opts.linger_ms)
@@ -44,6 +51,8 @@ def make_socket(
             sock.setsockopt(zmq.IMMEDIATE, 1)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if opts.curve is not None:
+            opts.curve.apply(sock)
         (sock.bind if bind else sock.connect)(endpoint)
         return sock
     except Exception:
@@ -66,3 +75,28 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"broker address {endpoint!r}: port {port!r} is not a TCP port")
     return host, int(port)
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """First of `n` consecutive TCP ports free on `host` (each checked by binding it).
+
+    For local runs and tests that start a broker on ports nobody else uses. Raises
+    RuntimeError when no such block turns up in 200 tries."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports on {host}")

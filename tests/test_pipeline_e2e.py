@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -21,30 +19,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from dflash.protocol.sockets import free_port_block as _free_port_block
 
 N_ROWS = 120  # chats per epoch: enough steps for the loss to move, small enough for 2 cores
 EPOCHS = 2
 STEP_FIELDS = ("step", "loss", "acc", "streak", "lr", "noise", "tokens_per_s", "batches_per_s", "queue",
                "epoch", "eta_s")
 
-
-def _free_port_block(n: int) -> int:
-    """First of `n` consecutive TCP ports free on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 def _start(name: str, module: str, args: list[str], out_dir: Path, env: dict) -> tuple[str, subprocess.Popen, Path]:

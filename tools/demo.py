@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from dflash.protocol.run import resolve_run, runs_root
 
 from .procs import ProcessGroup, tail_lines
 from .summary import render, summarise
+from dflash.protocol.sockets import free_port_block
 
 
 
@@ -30,26 +30,6 @@ def _sample_data() -> Path:
 
     return Path(pkg.__file__).resolve().parent / "chats.jsonl"
 
-
-def free_port_block(n: int) -> int:
-    """First of `n` consecutive TCP ports free on 127.0.0.1 (checked by binding each)."""
-    import random
-
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports found")
 
 
 def _cli(name: str) -> list[str]:

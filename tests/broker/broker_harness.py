@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,32 +14,13 @@ import time
 from pathlib import Path
 
 import msgpack
-import pytest
 import zmq
+from dflash.protocol.sockets import free_port_block
 
 HERE = Path(__file__).resolve().parent
 FAKES = str(HERE / "broker_fakes.py")
 sys.path.insert(0, str(HERE))
 
-
-def free_port_block(n: int) -> int:
-    """First port of `n` consecutive free TCP ports on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 def ask_status(endpoint: str, timeout_s: float = 2.0) -> dict | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,25 +18,10 @@ import pytest
 from producer_helpers import tiny_dir, write_jsonl
 
 from dflash.producers.sample_data import generate_chats
+from dflash.protocol.sockets import free_port_block as _free_ports
 
 N = 1000
 
-
-def _free_ports(n: int) -> int:
-    for base in range(31000, 60000, 97):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 class Proc:

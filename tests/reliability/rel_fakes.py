@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import zmq
+import zmq.auth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
 

@@ -11,10 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
+import zmq
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "broker"))
 
 from broker_harness import BrokerProc  # noqa: E402,F401
+
+from dflash.protocol.curve import client_keys  # noqa: E402
 
 REL_FAKES = str(HERE / "rel_fakes.py")
 
@@ -71,3 +76,46 @@ def wait_until(pred, timeout_s: float, what: str, every_s: float = 0.05):
             return v
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def curve_dealer(endpoint: str, keys: Path | None, name: str | None) -> zmq.Socket:
+    """A DEALER that is a CURVE client with keypair `name` of `keys` (plain if keys is None)."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        client_keys(keys, name).apply(s)
+    s.connect(endpoint)
+    return s
+
+
+def curve_status(endpoint: str, keys: Path | None, name: str | None, timeout_s: float = 2.0) -> dict | None:
+    """The broker's status map asked over Curve, or None if it does not answer."""
+    s = curve_dealer(endpoint, keys, name)
+    try:
+        s.send(msgpack.packb({"v": 1, "type": "status"}))
+        if s.poll(int(timeout_s * 1000)):
+            return msgpack.unpackb(s.recv_multipart()[0], strict_map_key=False)["status"]
+        return None
+    finally:
+        s.close()
+
+
+class CurveBrokerProc(BrokerProc):
+    """A broker started with --curve-keys; its liveness probe speaks Curve as `probe_name`."""
+
+    def __init__(self, runs_dir: Path, args: list[str], keys: Path, probe_name: str, n_out: int = 8):
+        self.keys, self.probe_name = keys, probe_name
+        super().__init__(runs_dir, ["--curve-keys", str(keys), *args], n_out)
+
+    def ask(self) -> dict | None:
+        return curve_status(self.control, self.keys, self.probe_name)
+
+    def _wait_up(self, timeout_s: float = 20.0) -> dict:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited {self.proc.returncode}: {self.stderr}")
+            st = curve_status(self.control, self.keys, self.probe_name, 0.5)
+            if st is not None:
+                return st
+        raise RuntimeError("broker did not answer status over Curve")

@@ -108,3 +108,18 @@ def test_rate_limit_state_stays_bounded_under_invented_senders():
         gate.allow(f"stale:sender-{i}")
     assert len(gate._senders._state) <= gate._senders.max_keys
     assert len(gate._kinds._state) <= 2
+
+
+@pytest.mark.xfail(strict=True, reason="libzmq applies MAXMSGSIZE per frame and HWMs per complete message: "
+                   "an endless multipart message is buffered whole (docs/SECURITY.md); strict, so a libzmq "
+                   "that fixes it makes this XPASS and the doc gets updated")
+def test_an_endless_multipart_message_is_bounded_without_curve(brokers):
+    b = brokers()
+    rss0 = rss_kib(b.proc.pid)
+    raw = RawZmtp("127.0.0.1", b.port + 1, b"PUSH")
+    for _ in range(48):  # 48 frames of 1 MiB, each under the limit, never a last frame
+        raw.send_frame(b"\x00" * (1 << 20), more=True)
+    time.sleep(0.5)
+    grown = rss_kib(b.proc.pid) - rss0
+    raw.close()
+    assert grown < 16 * 1024, f"the broker buffered {grown // 1024} MiB of one unfinished message"
