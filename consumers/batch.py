@@ -52,6 +52,15 @@ class Batch:
             hidden=hidden,
         )
 
+    def select(self, keep: list[int]) -> "Batch":
+        """The same batch (same batch_id) with only the sequences at indices `keep`."""
+        starts = [0]
+        for n in self.seq_lens:
+            starts.append(starts[-1] + n)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep] or [torch.zeros(0, dtype=torch.long)])
+        return Batch(self.batch_id, [self.samples[i] for i in keep], [self.seq_lens[i] for i in keep],
+                     self.layer_ids, self.epoch, self.input_ids[rows], self.loss_mask[rows], self.hidden[rows])
+
     def check(self, layer_ids: list[int], hidden_size: int) -> None:
         """Raise BatchMismatch unless this batch carries `layer_ids` of width hidden_size."""
         if self.layer_ids != list(layer_ids):

@@ -7,6 +7,8 @@ A checkpoint folder holds
   optimizer.pt       AdamW state (torch.save; loaded with weights_only=True)
   rng.pt             each rank's RNG states
   state.json         step, tokens/samples seen, schedule, training signal, run config
+  trained.safetensors  (epoch, sample) -> times the weights were trained on it, all ranks,
+                     cumulative over resumes (record.py documents the format)
 The training signal decides what the drafter learns; resuming with another one is
 refused (naming the fields) unless forced. Packing settings are not part of it.
 """
@@ -102,6 +104,7 @@ def save_checkpoint(
     rng: list[torch.Tensor],
     drafter_config: dict,
     keep: int,
+    record=None,
 ) -> Path:
     """Write step-<step>/ atomically (temp folder, fsync, rename), then prune to `keep`."""
     root.mkdir(parents=True, exist_ok=True)
@@ -115,6 +118,8 @@ def save_checkpoint(
     torch.save({"rng": rng}, tmp / "rng.pt")
     write_json_atomic(tmp / "config.json", drafter_config)
     write_json_atomic(tmp / "state.json", {**state, "step": step, "saved_at": time.time()})
+    if record is not None:  # in the same folder as the weights: renamed into place with them
+        record.save(tmp)
     _fsync_files(tmp)
     if final.exists():  # re-saving a step (rare: a restarted run) replaces it whole
         old = root / f".old-step-{step}-{os.getpid()}"

@@ -201,7 +201,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     try:
         run_config = link.welcome.get("run_config") or {}
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
-        tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir))
+        tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir), skip_held=True)
         with collective_failures_named():
             dist = (_own_dist(cfg, device) if own else arranged_dist(run_config, device)) or Dist(device=device)
             _check_world(dist, run_config)

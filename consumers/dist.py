@@ -117,6 +117,19 @@ class Dist:
         dist.all_gather(out, t)
         return [o.cpu() for o in out]
 
+    def gather_rows(self, rows: torch.Tensor, n_max: int) -> torch.Tensor:
+        """Every rank's int64 rows [k, w] (k <= n_max, the same n_max on every rank),
+        concatenated in rank order. One all_gather of [n_max, w] per rank, padded with -1:
+        the caller knows n_max already (e.g. the step's summed sample count), so no round
+        trip for the sizes is needed."""
+        if not self.enabled:
+            return rows
+        w = rows.shape[1]
+        buf = torch.full((max(1, n_max), w), -1, dtype=torch.int64)
+        buf[: rows.shape[0]] = rows
+        out = torch.cat(self.all_gather(buf))
+        return out[out[:, 0] >= 0]
+
     def broadcast_str(self, text: str, max_bytes: int = 256) -> str:
         """Rank 0's string on every rank (e.g. the run ID of a local data-parallel run)."""
         if not self.enabled:

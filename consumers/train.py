@@ -30,6 +30,7 @@ from .dist import Dist
 from .loss import LossStats, default_gamma
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
+from .record import TrainedRecord
 from .step import batch_loss
 from .target_heads import TargetHeads, tokenizer_mask_id
 
@@ -67,6 +68,10 @@ class TrainConfig:
     force: bool = False  # resume even if the training signal differs
     log_position_every: int = 100
     epoch_samples: int | None = None  # samples per epoch, for the epoch fraction and ETA
+    # Leave out sequences whose (epoch, sample) the weights already hold (the record):
+    # on with a broker, where a crash can make a sample again (exactly-once); off for local
+    # streams, which may repeat a batch on purpose
+    skip_held: bool = False
 
 
 @dataclass
@@ -95,6 +100,8 @@ class TrainState:
     end_reason: str = ""
     last_checkpoint: Path | None = None
     model: torch.nn.Module | None = field(default=None, repr=False)  # the trained drafter
+    # (epoch, sample) -> times trained, all ranks, cumulative over resumes (record.py)
+    record: TrainedRecord = field(default_factory=TrainedRecord, repr=False)
 
 
 # ---------------------------------------------------------------- setup
@@ -236,6 +243,8 @@ def train(
             want_stop = hooks.stop is not None and hooks.stop.is_set()
         if batch is not None:
             batch, bad = _prepare(batch, heads, signal)
+        if batch is not None and cfg.skip_held:
+            batch = _drop_held(batch, state, hooks)
         # Every rank takes part in every step (one small collective first): stop when one
         # rank was asked to or every rank's stream ended; a rank without a batch takes an
         # empty step while another has one; nobody steps while nobody has data. A bad
@@ -274,6 +283,7 @@ def train(
                 raise
         mine = local_figures(batch, stats)
         total = dist.all_sum(mine)  # one small collective for every figure a step logs
+        _record_samples(state, dist, batch, int(named(total)["samples"]), step)
         dist.sum_grads(params)
         weight = named(total)["weight"]
         grad_norm = 0.0
@@ -332,6 +342,39 @@ def _log_oom(e: Exception, device: torch.device, batch: Batch, step: int) -> Non
               error=str(e).splitlines()[0])
 
 
+def _drop_held(batch: Batch, state: TrainState, hooks: Hooks) -> Batch | None:
+    """`batch` without the sequences whose (epoch, sample) the weights already hold.
+
+    A sample can come again although the weights hold it: the broker's ledger did not
+    get to `committed` for it before a crash (its ack was lost with a killed rank or
+    broker, docs/RELIABILITY.md), so a resumed run makes it again. The record is the
+    truth of what the weights saw, so those sequences are left out. They are still acked
+    with the batch (they are in the weights, which the next commit makes durable); a
+    batch held entirely is acked at once at the current step and is no batch at all."""
+    held = [i for i, s in enumerate(batch.samples) if state.record.holds(batch.epoch, s)]
+    if not held:
+        return batch
+    log.info("train.skip_held", batch_id=batch.batch_id, epoch=batch.epoch, step=state.step,
+             samples=[batch.samples[i] for i in held[:16]], n=len(held), of=len(batch.samples))
+    if len(held) == len(batch.samples):
+        if hooks.on_step is not None:
+            hooks.on_step(state.step, [batch.batch_id])
+        return None
+    drop = set(held)
+    return batch.select([i for i in range(len(batch.samples)) if i not in drop])
+
+
+def _record_samples(state: TrainState, dist: Dist, batch: Batch | None, n_all: int, step: int) -> None:
+    """Every rank's (epoch, sample) pairs of this step into the record (one all_gather of
+    at most `n_all` pairs per rank, n_all being the step's summed sample count)."""
+    mine = torch.tensor([[batch.epoch, s] for s in batch.samples] if batch is not None else [],
+                        dtype=torch.int64).reshape(-1, 2)
+    again = state.record.add(map(tuple, dist.gather_rows(mine, n_all).tolist()))
+    if again:  # a sample the weights had already seen: exactly-once is broken somewhere
+        log.error("train.sample_repeated", step=step, rank=dist.rank, n=len(again),
+                  pairs=[list(x) for x in again[:16]], repeats=state.record.repeats)
+
+
 def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:
     path = resolve_checkpoint(cfg.resume, runs_dir)
     saved, rng = load_checkpoint(path, model, optimizer)
@@ -340,13 +383,19 @@ def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:
         log.warning("train.signal_changed", checkpoint=str(path), differences=diffs)
     state.step, state.tokens, state.samples = saved["step"], saved["tokens"], saved["samples"]
     state.epoch, state.resumed_from = saved.get("epoch", 0), str(path)
+    record = TrainedRecord.load(path)
+    if record is None:  # an older checkpoint: its weights hold samples nobody listed
+        log.warning("train.record_missing", checkpoint=str(path))
+        record = TrainedRecord(complete=False)
+    state.record = record
     device = next(model.parameters()).device
     if dist.rank < len(rng):
         _set_rng_state(rng[dist.rank], device)
     else:  # more ranks than when saved: a fresh, reproducible stream for the new rank
         torch.manual_seed(cfg.seed + 1 + dist.rank + 1000 * state.step)
         log.info("train.rng_reseeded", rank=dist.rank, saved_ranks=len(rng))
-    log.info("train.resumed", checkpoint=str(path), step=state.step, tokens=state.tokens)
+    log.info("train.resumed", checkpoint=str(path), step=state.step, tokens=state.tokens,
+             record_samples=state.record.count(), record_complete=state.record.complete)
 
 
 def _checkpoint(cfg, signal, model, optimizer, state, dist, root, drafter_json, hooks, run_config) -> None:
@@ -359,7 +408,7 @@ def _checkpoint(cfg, signal, model, optimizer, state, dist, root, drafter_json, 
                 "scheduler": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
                               "total_steps": cfg.total_steps}}
         path = save_checkpoint(root, state.step, model, optimizer, state=body, rng=rng,
-                               drafter_config=drafter_json, keep=cfg.keep)
+                               drafter_config=drafter_json, keep=cfg.keep, record=state.record)
         state.last_checkpoint = path
         log.info("train.checkpoint", step=state.step, path=str(path), seconds=round(time.monotonic() - t0, 3))
         if hooks.on_checkpoint is not None:

@@ -34,6 +34,7 @@ def main(target_dir: str, out_dir: str, rank: int, world: int, port: int) -> Non
     finally:
         dist.close()
     snapshots["tokens"] = torch.tensor([state.tokens])
+    snapshots["record0"] = torch.from_numpy(state.record.counts(0).copy())  # epoch 0: times each sample was trained
     save_file(snapshots, f"{out_dir}/rank{rank}.safetensors")
 
 

@@ -57,3 +57,7 @@ def test_two_ranks_stay_identical_and_equal_single_process_on_the_union(heads, t
         torch.testing.assert_close(r0[f"step{s}"], ref[s], rtol=1e-4, atol=1e-5, msg=f"step {s}")
     assert not torch.equal(r0["step3"], r0["step4"])  # the empty step on rank 1 still trained rank 0's batch
     assert int(r0["tokens"]) == int(r1["tokens"]) == state.tokens
+    # Both ranks recorded both ranks' samples (gathered every step), each exactly once.
+    want = sorted(s for rank in (0, 1) for batch in rank_batches(heads.spec, rank) for s in batch.samples)
+    for r in (r0, r1):
+        assert torch.nonzero(r["record0"]).flatten().tolist() == want and set(r["record0"][want].tolist()) == {1}
