@@ -84,3 +84,47 @@ def test_parent_ledger_is_read_from_a_copy_as_it_lies_after_sigkill(tmp_path):
     assert meta["parent_run"] == run_dir.name and meta["resumed_from"]["step"] == 3
     child.close()
     os.remove(tmp_path / "child.sqlite")
+
+
+def _run_folder(root, run_id: str, parent: str | None = None) -> "Path":
+    d = root / run_id
+    d.mkdir(parents=True)
+    info = {"run_id": run_id, "config": {"seed": 1, "epochs": 1, "num_samples": 6}, "outcome": "completed",
+            "broker": {}, "facts": {}, "parent_run": parent}
+    (d / "run.json").write_text(json.dumps(info))
+    return d
+
+
+def _commit(led: Ledger, samples: list[int], step: int, bid: str) -> None:
+    import types
+
+    b = types.SimpleNamespace(batch_id=bid, producer="p1", lease=1, epoch=0, samples=samples, tokens=4,
+                              nbytes=8, deliveries=1)
+    led.leased(1, 0, "p1", samples)
+    led.produced(b)
+    led.delivered(b, "c1")
+    led.trained(b, "c1", step)
+    led.committed(step, f"ckpt/step-{step}", "c1")
+
+
+def test_a_chain_of_resumes_inherits_every_ancestors_commits_with_who_committed_them(tmp_path):
+    root = tmp_path / "runs"
+    a, b = "20260101T000000Z-aaaa", "20260101T010000Z-bbbb"
+    led_a = Ledger(_run_folder(root, a) / "ledger.sqlite")
+    led_a.set_meta(run_id=a)
+    _commit(led_a, [0, 1], 5, "p1-1")
+    led_a.close()
+    pa = resume.load(a, root)
+    led_b = Ledger(_run_folder(root, b, parent=a) / "ledger.sqlite")
+    resume.inherit(led_b, pa)
+    led_b.set_meta(run_id=b)
+    led_b.close()
+    pb = resume.load(b, root)  # B committed nothing itself: the chain's newest commit is still A's
+    assert pb.resumed_from == {"run": a, "step": 5, "checkpoint": "ckpt/step-5"}
+    led_b = Ledger(root / b / "ledger.sqlite")
+    _commit(led_b, [4], 2, "p1-1")
+    led_b.close()
+    pb = resume.load(b, root)
+    assert sorted((e, s, r) for e, s, r, _ in pb.rows) == [(0, 0, a), (0, 1, a), (0, 4, b)]
+    assert pb.resumed_from == {"run": b, "step": 2, "checkpoint": "ckpt/step-2"}
+    assert pb.committed[0] == bytearray([1, 1, 0, 0, 1, 0])
