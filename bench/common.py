@@ -195,6 +195,11 @@ class Broker:
             self.proc.kill()
             raise RuntimeError("broker did not exit after end of stream") from None
 
+    def why(self) -> str:
+        """The broker's side of a failure: exit status and the end of its stderr."""
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return f"broker {state}; its stderr ends: {self.stderr.read_text()[-1500:]!r}"
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

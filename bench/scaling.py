@@ -43,10 +43,13 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
                         "--n-samples", str(n)]) for i in range(n_prod)]
         procs = cons + prods
         cpu.watch(*(p.pid for p in procs))
-        got = [result(c, 900) for c in cons]
-        for p in prods:
-            result(p, 900)
-        rc = b.wait()
+        try:
+            got = [result(c, 900) for c in cons]
+            for p in prods:
+                result(p, 900)
+            rc = b.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{b.why()}") from None
     finally:
         cpu.stop()
         b.kill()

@@ -70,18 +70,26 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path) -> dict:
     b = Broker(runs, 2, "--num-samples", str(n + warm), "--lease-size", "256", "--queue-bytes", a.queue_bytes,
                "--heartbeat-s", "1", "--timeout-s", "60", *a.broker_arg)
     cpu = CpuSampler().watch(b.proc.pid, threads=True)
+    procs = []
     try:
         common = ["--broker", b.control, "--runs-dir", str(runs), "--io-threads", str(a.io_threads)]
         cons = spawn([sys.executable, PEERS, "consume", *common, "--warm", str(warm), "--credit", str(a.credit)])
         prod = spawn([sys.executable, PEERS, "produce", *common, "--mib", str(mib), "--n-samples", str(n + warm)])
+        procs = [cons, prod]
         cpu.watch(cons.pid, prod.pid)
-        c, p = result(cons, 600), result(prod, 600)
-        rc = b.wait()
+        try:
+            c, p = result(cons, 600), result(prod, 600)
+            rc = b.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{b.why()}") from None
         if p["sent"] != n + warm:
             raise RuntimeError(f"producer sent {p['sent']} of {n + warm} batches")
     finally:
         cpu.stop()
         b.kill()
+        for proc in procs:  # one peer failed: do not leave the other waiting
+            if proc.poll() is None:
+                proc.kill()
     if rc != 0 or c["received"] != n + warm:
         raise RuntimeError(f"broker exited {rc}, consumer got {c['received']} of {n + warm} batches")
     window = (c["t0"], c["t1"])
