@@ -24,6 +24,7 @@ import msgpack
 import zmq
 
 from dflash.protocol.config import broker_option, fail, option, runs_dir_option
+from dflash.protocol.curve import CurveClient, CurveKeyError, client_from, curve_options
 from dflash.protocol.messages import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from dflash.protocol.run import resolve_run, runs_root
 from dflash.protocol.sockets import split_endpoint
@@ -38,12 +39,14 @@ class NoAnswer(Exception):
     """The broker did not answer in time, or answered something that is not a status."""
 
 
-def ask(endpoint: str, timeout_s: float) -> dict:
-    """One status round trip. Raises NoAnswer."""
+def ask(endpoint: str, timeout_s: float, curve: CurveClient | None = None) -> dict:
+    """One status round trip (CurveZMQ with `curve` keys). Raises NoAnswer."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 4 * MAX_HEADER_BYTES)
+    if curve is not None:
+        curve.apply(sock)
     try:
         sock.connect(endpoint)
         sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "status"}))
@@ -81,22 +84,22 @@ def _latest_hint(runs_dir: str) -> str:
     return f"; latest run under {runs_root(runs_dir)} is {latest.resolve().name} (dflash-status --run latest)"
 
 
-def show_live(endpoint: str, timeout_s: float, as_json: bool, runs_dir: str) -> None:
+def show_live(endpoint: str, timeout_s: float, as_json: bool, runs_dir: str, curve=None) -> None:
     try:
-        st = ask(endpoint, timeout_s)
+        st = ask(endpoint, timeout_s, curve)
     except NoAnswer as e:
         fail(f"{e}{_latest_hint(runs_dir)}", code=1)
     click.echo(json.dumps(st, indent=2, sort_keys=True) if as_json else render(st))
 
 
-def watch(endpoint: str, timeout_s: float, as_json: bool, every_s: float) -> None:
+def watch(endpoint: str, timeout_s: float, as_json: bool, every_s: float, curve=None) -> None:
     """Redraw until Ctrl-C; a broker that stops answering is said so in place, not fatal."""
     tty = sys.stdout.isatty()
     last_run = None
     try:
         while True:
             try:
-                st = ask(endpoint, timeout_s)
+                st = ask(endpoint, timeout_s, curve)
                 last_run = st.get("run_id")
                 frame = json.dumps(st, sort_keys=True) if as_json else render(st)
             except NoAnswer as e:
@@ -115,7 +118,7 @@ def watch(endpoint: str, timeout_s: float, as_json: bool, every_s: float) -> Non
         pass
 
 
-def show_run(ref: str, runs_dir: str, broker: str | None, timeout_s: float, as_json: bool) -> None:
+def show_run(ref: str, runs_dir: str, broker: str | None, timeout_s: float, as_json: bool, curve=None) -> None:
     try:
         run_dir = resolve_run(ref, runs_dir)
     except (FileNotFoundError, ValueError) as e:
@@ -123,7 +126,7 @@ def show_run(ref: str, runs_dir: str, broker: str | None, timeout_s: float, as_j
 
     def probe(endpoint: str) -> dict | None:
         try:
-            return ask(_endpoint(endpoint), timeout_s)
+            return ask(_endpoint(endpoint), timeout_s, curve)
         except NoAnswer:
             return None
 
@@ -150,25 +153,30 @@ def show_run(ref: str, runs_dir: str, broker: str | None, timeout_s: float, as_j
         help="Say what became of this run from its files (FINISHED/STOPPED/DIED, when, last step); "
              "LIVE only if its broker answers with that run ID.")
 @runs_dir_option()
+@curve_options
 def main(broker: str, as_json: bool, timeout_s: float, watch_s: float | None, run_ref: str | None,
-         runs_dir: str) -> None:
+         runs_dir: str, curve_keys: str | None, curve_name: str | None) -> None:
     """Show the live state of the run a broker serves: progress and ETA, queue, every
     producer and consumer, lost peers, and what limits throughput now (with a
     suggestion). With --run, say plainly whether that run is live, finished or died."""
     if watch_s is not None and watch_s <= 0:
         fail("--watch SECS must be positive")
+    try:
+        curve = client_from(curve_keys, curve_name)
+    except CurveKeyError as e:
+        fail(str(e))
     if run_ref is not None:
         if watch_s is not None:
             fail("--watch follows the live run; leave out --run")
         source = click.get_current_context().get_parameter_source("broker")
         named = broker if source is not click.core.ParameterSource.DEFAULT else None
-        show_run(run_ref, runs_dir, named, timeout_s, as_json)
+        show_run(run_ref, runs_dir, named, timeout_s, as_json, curve)
         sys.exit(0)
     endpoint = _endpoint(broker)
     if watch_s is not None:
-        watch(endpoint, timeout_s, as_json, watch_s)
+        watch(endpoint, timeout_s, as_json, watch_s, curve)
     else:
-        show_live(endpoint, timeout_s, as_json, runs_dir)
+        show_live(endpoint, timeout_s, as_json, runs_dir, curve)
     sys.exit(0)
 
 

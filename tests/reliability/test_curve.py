@@ -183,3 +183,18 @@ def test_what_a_wire_tap_sees(curve_broker, brokers, keys, on):
     # In clear the run ID and the message type cross the wire readably; with Curve neither does.
     readable = b.run_id.encode() in tap.seen or b"status_reply" in tap.seen
     assert readable is not on
+
+
+def test_dflash_status_speaks_curve_with_an_authorised_key_only(curve_broker, keys):
+    b = curve_broker()
+
+    def status(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--json",
+                               "--timeout-s", "3", *extra], capture_output=True, text=True, timeout=60)
+
+    ok = status("--curve-keys", str(keys), "--curve-name", "good-c")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["run_id"] == b.run_id
+    for extra in ([], ["--curve-keys", str(keys), "--curve-name", "intruder"]):
+        refused = status(*extra)  # plain TCP, or a key the broker does not know: no answer at all
+        assert refused.returncode == 1 and "no answer" in refused.stderr, refused.stderr
