@@ -24,6 +24,7 @@ import torch
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+from dflash.protocol.curve import client_from, curve_options
 from dflash.protocol.peer import BrokerLost, PeerLink
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
 from dflash.protocol.run import run_dir as run_folder
@@ -56,6 +57,8 @@ class ConsumerConfig:
     synthetic_seqs: int = 4
     synthetic_seq_len: int = 512
     log_level: str = "info"
+    curve_keys: str | None = None  # CurveZMQ: keys folder (dflash-keygen), None = plain TCP
+    curve_name: str | None = None
 
 
 def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
@@ -118,6 +121,7 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--synthetic-seqs", default=4, type=click.IntRange(1), help="Sequences per synthetic batch.")
 @option("--synthetic-seq-len", default=512, type=click.IntRange(2), help="Tokens per synthetic sequence.")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@curve_options
 def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
     train_fields = set(TrainConfig.__dataclass_fields__)
@@ -194,6 +198,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     own = bool(cfg.dist_init) or "RANK" in os.environ  # ranks arranged outside the broker
     dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
     link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
+                    curve=client_from(cfg.curve_keys, cfg.curve_name),
                     config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
                     stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
     plugs, dist, reason = None, None, "failed"
