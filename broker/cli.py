@@ -64,6 +64,9 @@ from .server import Broker
         help="CurveZMQ on: encrypt every socket and admit only peers whose public key is in DIR/authorized/ "
              "(the broker's keypair is DIR/broker.key_secret; make keys with dflash-keygen). Off = plain TCP, "
              "fit for loopback only (docs/SECURITY.md).")
+@option("--drain-s", default=120.0, type=float,
+        help="On SIGINT/SIGTERM, the longest wait for consumers to checkpoint, commit and leave before "
+             "exiting (a second signal exits at once); their last commit is recorded only meanwhile.")
 @option("--resume", default=None, metavar="RUN",
         help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
              "trained again, everything else is made again, in the same per-epoch order (its --seed). "
@@ -130,6 +133,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
 
     def on_signal(signum, _frame):
         broker.signal = signal.Signals(signum).name  # acted on by the loop, never here
+        broker.signals += 1
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

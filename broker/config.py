@@ -54,6 +54,7 @@ class BrokerConfig:
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
     max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
     curve_keys: str | None = None  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
+    drain_s: float = 120.0  # on SIGINT/SIGTERM: longest wait for peers' last commit and bye
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""

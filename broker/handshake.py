@@ -74,9 +74,9 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=_brief(config),
              curve_key=key)
     welcome(b, p)
-    if b.stopping is not None:  # joined after end of stream: nothing left to do
+    if b.stopping is not None:  # joined after end of stream (or during a shutdown): nothing left to do
         b.stopping.add(p.id)
-        b.send(p.identity, "stop", reason="end_of_stream")
+        b.send(p.identity, "stop", reason=b.stop_reason)
 
 
 def welcome(b, p: Peer) -> None:

@@ -63,6 +63,9 @@ class Broker:
         self.stopping: set[str] | None = None  # peers sent `stop` at end of stream
         self.outcome: str | None = None
         self.signal: str | None = None  # set by the signal handler, acted on in the loop
+        self.signals = 0  # SIGINT/SIGTERM received: a second one ends a shutdown's drain at once
+        self.stop_reason = "end_of_stream"  # what `stop` says: end_of_stream, or shutdown (signal)
+        self.draining: float | None = None  # a shutdown's deadline (monotonic), while it waits for peers
         self.blocked = False
         self.last_tick = time.monotonic()
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
@@ -135,6 +138,9 @@ class Broker:
                 log.exception("broker.internal_error", socket="control" if sock is self.control else "data_in")
 
     def dispatch(self) -> None:
+        if self.draining is not None:  # stopping consumers train nothing more: keep batches here
+            self.blocked = False
+            return
         sent = dispatch(self.queue, self.peers.live("consumer"), self._send_batch)
         now = time.monotonic()
         for c, b in sent:
@@ -160,8 +166,11 @@ class Broker:
             return False
 
     def tick(self, now: float) -> None:
-        if self.signal is not None:
-            self.shutdown(f"signal {self.signal}", outcome="interrupted")
+        if self.signal is not None and self.draining is None and (self.stop_reason != "end_of_stream"
+                                                                  or self.stopping is None or self.signals > 1):
+            # (a first signal during end of stream changes nothing: the run is ending anyway)
+            self.shutdown(f"signal {self.signal}")
+        if self.draining is not None and self._drained(now):
             return
         if not self.queue.has_room():
             self.leases.hold_clocks(now - self.last_tick)
@@ -178,7 +187,8 @@ class Broker:
             log_progress(self, now)
         self.ledger.maybe_flush(now)
         self.log_limit.report(now)
-        control.check_end_of_stream(self)
+        if self.draining is None:
+            control.check_end_of_stream(self)
 
     # ------------------------------------------------------------ sending
 
@@ -213,13 +223,34 @@ class Broker:
         for p in self.peers.live():
             self.send(p.identity, "heartbeat", stats=stats)
 
-    def shutdown(self, reason: str, outcome: str) -> None:
-        """Tell every live peer to stop, persist the ledger, and end the loop."""
+    def shutdown(self, reason: str) -> None:
+        """SIGINT/SIGTERM: tell every live peer to stop, then drain (PROTOCOL.md 4.6).
+
+        Consumers answer `stop {shutdown}` by finishing their step, writing a checkpoint
+        and committing it: the broker must still be here to record that commit, or the
+        samples trained since the last one are made and trained again after resume. So it
+        keeps serving acks, commits and byes (sending no batch, granting no lease) until
+        every peer has left or was lost, at most --drain-s; a second signal ends the wait."""
+        self.stop_reason = "shutdown"
+        self.stopping = {p.id for p in self.peers.live()}  # joiners are told to stop too
+        self.draining = time.monotonic() + self.cfg.drain_s
         for p in self.peers.live():
             self.send(p.identity, "stop", reason="shutdown")
         self.ledger.flush()
-        log.info("broker.stop", reason=reason, outcome=outcome, **progress_fields(self, time.monotonic()))
-        self.outcome = outcome
+        log.info("broker.draining", reason=reason, peers=sorted(self.stopping), drain_s=self.cfg.drain_s)
+        self._reason = reason
+
+    def _drained(self, now: float) -> bool:
+        """End the loop once no peer told to stop is left (or the drain is over)."""
+        left = sorted(pid for pid in self.stopping if pid in self.peers.by_id)
+        if left and now < self.draining and self.signals < 2:
+            return False
+        self.ledger.flush()
+        why = "drained" if not left else ("second signal" if self.signals >= 2 else "drain_s passed")
+        log.info("broker.stop", reason=self._reason, outcome="interrupted", drain=why, peers_left=left,
+                 **progress_fields(self, now))
+        self.outcome = "interrupted"
+        return True
 
     def close(self) -> None:
         """Release sockets and the ledger. Safe on a half-built broker."""

@@ -184,6 +184,7 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
     """A run of our own on the synthetic stream: no broker, our own run folder."""
     run_dir = _start_run(cfg, tcfg, dist)
     signal_ = resolve_signal(tcfg, heads)
+    stop.armed = True
     source = synthetic_stream(heads.spec, list(signal_.target_layers), batches=cfg.synthetic_batches,
                               n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
                               seed=tcfg.seed, dtype=heads.embed.dtype)
@@ -213,6 +214,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             signal_ = resolve_signal(tcfg, heads)
             _same_signal(dist, signal_)
             plugs = BrokerHooks(link, dist.rank, stop, device)
+            stop.armed = True  # from here a signal means: finish the step, checkpoint, commit
             state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
                           ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
                           run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
@@ -272,12 +274,16 @@ def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
 
 def _stop_on_signals(stop: threading.Event) -> dict:
     """First SIGINT/SIGTERM: finish the step, write the final checkpoint, exit 0. Second: die.
-    Returns the previous handlers, to put back afterwards.
+    Before training starts (`stop.armed` unset: loading, the broker handshake, the ranks'
+    rendezvous, which can wait minutes for a rank that never comes) a signal ends us at
+    once: there is nothing to save yet. Returns the previous handlers, to put back afterwards.
 
     The handler must not log: it runs between two bytecodes of the main thread, which may
     hold the log file's lock at that moment (a deadlock); the loop logs the stop instead."""
+    stop.armed = False
+
     def handler(signum, _frame):
-        if stop.is_set():
+        if stop.is_set() or not stop.armed:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         stop.set()

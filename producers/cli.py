@@ -8,8 +8,11 @@ batches away: a check of data, template, memory and throughput before a real run
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
+import threading
 
 import click
 
@@ -104,23 +107,53 @@ def _dry_run(cfg: ProducerConfig, c) -> dict:
 
 
 def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
-    """Connect to the broker, produce until it says there is no work left, leave."""
+    """Connect to the broker, produce until it says there is no work left (or a signal
+    says stop), leave."""
     from dflash.protocol.peer import PeerLink
 
-    from .link import BrokerWorkSource, link_sink
+    from .link import BrokerWorkSource, Stopped, link_sink
 
     producer = None
     link = PeerLink(cfg.broker, "producer", instance, gpu=cfg.gpu, config=hello_config(c, cfg),
                     runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"})
-    link.start()
-    reason = "failed"
+    link.start()  # until we are welcome, a signal ends us at once: nothing is ours to hand back
+    stop = threading.Event()
+    previous = _stop_on_signals(stop)
+    reason, flush_s = "failed", 60.0
     try:
-        producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size), link_sink(link))
-        summary = producer.run()
+        producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size, stop), link_sink(link, stop))
+        producer.stop = stop
+        try:
+            summary = producer.run()
+        except Stopped:
+            summary = producer.summary()
         reason = "done"
+        if stop.is_set():
+            # Leases not produced go back to the pool with our `bye` (PROTOCOL.md 6); a
+            # batch still waiting for a full broker is not worth holding the exit for.
+            reason, flush_s = f"signal {stop.signal_name}", 5.0
+            log.warning("produce.stopped", signal=stop.signal_name, **summary)
         return summary
     finally:
-        link.close(reason=reason)
+        link.close(reason=reason, flush_timeout_s=flush_s)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stop_on_signals(stop: threading.Event) -> dict:
+    """First SIGINT/SIGTERM: finish the batch in hand, say bye (the broker takes back our
+    leases), exit 0. Second: die. The handler only sets a flag: it runs between two
+    bytecodes of the main thread, which may hold the log's lock (PROTOCOL.md 4.6)."""
+    stop.signal_name = None
+
+    def handler(signum, _frame):
+        if stop.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        stop.signal_name = signal.Signals(signum).name
+        stop.set()
+
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 if __name__ == "__main__":

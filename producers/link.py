@@ -7,20 +7,26 @@ full: that is the broker's backpressure reaching the GPU loop.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from .prefetch import Lease
 from .producer import BatchSink
 
 
-class BrokerWorkSource:
-    """Leases of `want` samples from the broker, until it says there is no work left."""
+class Stopped(Exception):
+    """A signal asked the producer to stop while a batch waited for room in the outbox."""
 
-    def __init__(self, link, want: int):
-        self.link, self.want = link, want
+
+class BrokerWorkSource:
+    """Leases of `want` samples from the broker, until it says there is no work left (or
+    `stop` is set: a signal asked us to leave)."""
+
+    def __init__(self, link, want: int, stop: threading.Event | None = None):
+        self.link, self.want, self.stop = link, want, stop or threading.Event()
 
     def next_lease(self) -> Lease | None:
-        while not self.link.stopped.is_set():
+        while not self.link.stopped.is_set() and not self.stop.is_set():
             grant = self.link.request_lease(self.want)
             if grant["samples"]:
                 return Lease(int(grant["lease"]), int(grant["epoch"]), [int(s) for s in grant["samples"]])
@@ -33,7 +39,14 @@ class BrokerWorkSource:
         self.link.lease_done(lease, skipped)
 
 
-def link_sink(link) -> BatchSink:
+def link_sink(link, stop: threading.Event | None = None) -> BatchSink:
+    """Push to the link; while backpressure holds a batch, look at `stop` every 0.5 s and
+    raise Stopped once set (the batch is dropped: its samples go back with `bye`)."""
     def push(fields: dict, tensors: dict) -> str:
-        return link.push_batch(fields, tensors)
+        while True:
+            try:
+                return link.push_batch(fields, tensors, timeout_s=None if stop is None else 0.5)
+            except TimeoutError:
+                if stop.is_set():
+                    raise Stopped("stopped by a signal while the broker's queue was full") from None
     return push

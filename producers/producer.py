@@ -11,6 +11,7 @@ to the sink; batches never mix leases, since a batch header names one lease.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict, deque
 from typing import Callable, Protocol
@@ -92,6 +93,9 @@ class Producer:
         self._window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (t, tokens, batches)
         self._t0 = time.monotonic()
         self.state = "starting"
+        # Set (by a signal handler) to stop after the batch in hand: no new lease, no new
+        # batch; what was leased and not pushed goes back to the broker with `bye`.
+        self.stop = threading.Event()
 
     # ------------------------------------------------------------ prefetch thread
 
@@ -146,7 +150,7 @@ class Producer:
         self.prefetcher.start()
         oom_skipped: dict[int, list[tuple[int, str]]] = defaultdict(list)
         try:
-            while True:
+            while not self.stop.is_set():
                 t_wait = time.monotonic()
                 item: Item = self.prefetcher.get()
                 wait_s = time.monotonic() - t_wait

@@ -76,10 +76,14 @@ def test_sigterm_stops_peers_persists_ledger_and_exits_0(start_broker):
     assert cons.stopped == "shutdown"  # told, rather than left to time out
     info = json.loads((b.run_dir / "run.json").read_text())
     assert info["outcome"] == "interrupted" and info["ended_at"]
+    # The broker drained (PROTOCOL.md 4.6): these fakes do not answer `stop`, so they were
+    # declared lost meanwhile, and the producer's lease went back to the pool, on disk.
     db = sqlite3.connect(b.run_dir / "ledger.sqlite")
-    leased = db.execute("SELECT sample FROM samples WHERE state='leased' ORDER BY sample").fetchall()
-    assert sorted(s for (s,) in leased) == sorted(grant["samples"])
-    assert b.events("broker.stop")[0]["reason"] == "signal SIGTERM"
+    rows = db.execute("SELECT sample, state FROM samples ORDER BY sample").fetchall()
+    assert rows == [(s, "pending") for s in sorted(grant["samples"])]
+    (stop,) = b.events("broker.stop")
+    assert stop["reason"] == "signal SIGTERM" and stop["drain"] == "drained"
+    assert {e["peer_instance"] for e in b.events("broker.peer_lost")} == {"t0", "c"}
     prod.close()
     cons.close()
 

@@ -32,7 +32,7 @@ SEQ, WIDTH = 1024, 32 * 1024  # hidden bf16 [1024, 32768] = 64 MiB
 def _broker(tmp_path) -> Broker:
     port = free_port_block(4)
     cfg = BrokerConfig(bind="127.0.0.1", port=port, data_in_port=port + 1, data_out_ports=(port + 2, port + 3),
-                       runs_dir=str(tmp_path), timeout_s=30.0)
+                       runs_dir=str(tmp_path), timeout_s=30.0, drain_s=0.0)  # SIGTERM: no wait for peers
     run_id = new_run_id()
     run_dir = make_run_dir(run_id, tmp_path)
     b = Broker(cfg, run_id, run_dir, "127.0.0.1")

@@ -67,7 +67,7 @@ class Pipeline:
         args = ["--bind", "127.0.0.1", "--port", str(p), "--data-in-port", str(p + 1),
                 "--data-out-ports", f"{p + 2}-{p + 1 + N_OUT}", "--runs-dir", str(self.runs),
                 "--consumers", str(self.n_consumers), "--heartbeat-s", "0.5", "--timeout-s", "3",
-                "--lease-size", "8"]
+                "--lease-size", "8", "--drain-s", "30"]
         args += ["--resume", resume] if resume else ["--epochs", str(self.epochs), "--seed", str(self.seed)]
         proc = self._spawn("broker", "dflash.broker.cli", args)
         end = time.monotonic() + 60
@@ -138,8 +138,9 @@ class Pipeline:
     def run_json(self, run_id: str) -> dict:
         return json.loads((self.runs / run_id / "run.json").read_text())
 
-    def tail(self, name_or_proc, n: int = 1500) -> str:
-        p = self.procs.get(name_or_proc) if isinstance(name_or_proc, str) else name_or_proc
+    def tail(self, name: str, n: int = 1500) -> str:
+        """The end of the newest process named `name`'s output (live or not)."""
+        p = next((p for p in reversed(self.everything) if p.name == name), None)
         return Path(p.log).read_text()[-n:] if p is not None else ""
 
     # ------------------------------------------------------------ operator's hands
