@@ -16,6 +16,7 @@ import threading
 
 import click
 
+from dflash.protocol.curve import client_from, curve_options
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.logs import close_logging, get_logger, setup_logging
@@ -67,6 +68,7 @@ log = get_logger()
 @option("--dry-run", is_flag=True, default=False, help="No broker: one pass over the local dataset, batches "
         "discarded, summary printed.")
 @option("--limit", type=int, default=None, help="With --dry-run: only the first N samples.")
+@curve_options
 def main(**kw) -> None:
     """Run a frozen target model on leased samples and stream hidden states to the broker."""
     cfg = ProducerConfig(**kw)
@@ -115,6 +117,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
 
     producer = None
     link = PeerLink(cfg.broker, "producer", instance, gpu=cfg.gpu, config=hello_config(c, cfg),
+                    curve=client_from(cfg.curve_keys, cfg.curve_name),
                     runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"})
     link.start()  # until we are welcome, a signal ends us at once: nothing is ours to hand back
     stop = threading.Event()

@@ -40,6 +40,8 @@ class ProducerConfig:
     log_level: str = "info"
     dry_run: bool = False
     limit: int | None = None
+    curve_keys: str | None = None  # CurveZMQ: keys folder (dflash-keygen), None = plain TCP
+    curve_name: str | None = None
 
     def template_kwargs(self) -> dict:
         """`chat_template_kwargs` parsed. Raises ValueError if it is not a JSON object."""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import json
+import os
 import random
 
 import msgpack
@@ -198,3 +199,39 @@ def test_dflash_status_speaks_curve_with_an_authorised_key_only(curve_broker, ke
     for extra in ([], ["--curve-keys", str(keys), "--curve-name", "intruder"]):
         refused = status(*extra)  # plain TCP, or a key the broker does not know: no answer at all
         assert refused.returncode == 1 and "no answer" in refused.stderr, refused.stderr
+
+
+def test_real_producer_and_consumer_train_over_curve_and_a_keyless_producer_is_refused(curve_broker, keys,
+                                                                                      tmp_path):
+    from dflash.tools.tiny import tiny_target
+    import dflash.producers.sample_data as pkg
+
+    rows = (Path(pkg.__file__).parent / "chats.jsonl").read_text().splitlines()[:24]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    target, runs = str(tiny_target()), str(tmp_path / "runs")
+    b = curve_broker("--epochs", "1", "--consumers", "1")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}, "OMP_NUM_THREADS": "1"}
+
+    def start(module: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", module, "--broker", b.control, "--runs-dir", runs, *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    produce = ["--device", "cpu", "--target", target, "--data", str(data), "--max-length", "512",
+               "--token-budget", "2048"]
+    keyless = start("dflash.producers.cli", *produce, "--instance", "nokey")
+    procs = [start("dflash.producers.cli", *produce, "--instance", "p", "--curve-keys", str(keys),
+                   "--curve-name", "good-p"),
+             start("dflash.consumers.cli", "--target", target, "--block-size", "8", "--anchors", "32",
+                   "--draft-layers", "1", "--instance", "c", "--curve-keys", str(keys), "--curve-name", "good-c")]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:]
+        assert len(committed(b.run_dir)) == 24
+        out = keyless.communicate(timeout=60)[0]  # its hello never got an answer: plain TCP is refused
+        assert keyless.returncode == 1 and "no answer from broker" in out, out[-2000:]
+    finally:
+        for p in procs + [keyless]:
+            if p.poll() is None:
+                p.kill()
