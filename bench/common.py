@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import msgpack
 import zmq
+from dflash.protocol.sockets import free_port_block  # noqa: F401  (bench scripts import it from here)
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -134,23 +133,6 @@ class CpuSampler:
         return name, cores
 
 
-def free_port_block(n: int) -> int:
-    """First of `n` consecutive free TCP ports on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 BROKER_CMD = [sys.executable, "-m", "dflash.broker.cli"]  # what `dflash-broker` runs
