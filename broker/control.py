@@ -194,12 +194,29 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
                 "batches_in": p.batches_in}
     p.held = held
     b.peers.remove(p, state, reason)
+    if p.role == "consumer":
+        check_job(b, p, state, reason)
     b.ledger.peer_gone(p.id, state, reason)
     fields = dict(**p.describe(), reason=reason, silent_s=silent_s, held=held, last_stats=p.stats)
     if state == "lost":
         log.warning("broker.peer_lost", **fields)
     else:
         log.info("broker.peer_left", **fields)
+
+
+def check_job(b, p: Peer, state: str, reason: str) -> None:
+    """The last consumer is gone before end of stream while samples are trained and not
+    committed: those lived only in the weights that went with the job. This run cannot
+    make them again (their batches are gone once acked), so consumers joining it now would
+    skip them; they are refused (`job_lost`) and the run must be resumed, which makes again
+    everything not committed. After a clean stop (everything committed) consumers may join
+    and start from the newest commit (handshake.welcome)."""
+    trained = b.ledger.counts["trained"]
+    if b.stopping is None and b.job_lost is None and trained > 0 and not b.peers.live("consumer"):
+        b.job_lost = {"peer": p.id, "state": state, "reason": reason, "trained": trained}
+        log.warning("broker.job_lost", peer=p.id, state=state, reason=reason, trained=trained,
+                    last_commit=list(b.ledger.last_commit) if b.ledger.last_commit else None,
+                    hint=f"restart with dflash-broker --resume {b.run_id}")
 
 
 def check_end_of_stream(b) -> None:

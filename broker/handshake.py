@@ -46,6 +46,8 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
         return refuse(b, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
                       f"{other.pid}); give this one another name (--instance)", h)
+    if role == "consumer" and b.job_lost is not None and b.stopping is None:
+        return refuse(b, identity, "job_lost", job_lost_reason(b), h)
     facts, pipe, port, rank = None, None, None, None
     if role == "producer":
         facts = producer_facts(b.facts, config)
@@ -84,6 +86,9 @@ def welcome(b, p: Peer) -> None:
                   "max_message_bytes": b.cfg.max_message_bytes, "max_credit": MAX_CREDIT}
     if b.parent is not None:  # consumers load this checkpoint, not a newer one (PROTOCOL.md 8)
         run_config.update(parent_run=b.parent.run_id, resumed_from=b.parent.resumed_from)
+    if b.ledger.last_commit is not None:  # a consumer joining later starts from this run's newest commit
+        step, checkpoint = b.ledger.last_commit
+        run_config["resumed_from"] = {"run": b.run_id, "step": step, "checkpoint": checkpoint}
     fields = {"run": b.run_id, "peer": p.id, "heartbeat_s": b.cfg.heartbeat_s, "timeout_s": b.cfg.timeout_s}
     if p.role == "producer":
         fields["data_in"] = b.endpoints["data_in"]
@@ -92,6 +97,14 @@ def welcome(b, p: Peer) -> None:
         if b.cfg.consumers:
             run_config.update(rank=p.rank, world_size=b.cfg.consumers, dist=b.dist)
     b.send(p.identity, "welcome", run_config=run_config, **fields)
+
+
+def job_lost_reason(b) -> str:
+    lost = b.job_lost
+    return (f"this run's training job ended with {lost['trained']} trained samples not committed (its last "
+            f"consumer {lost['peer']} {lost['state']}: {lost['reason'][:80]}); only the weights that died with "
+            f"it held them, and this run will not make them again: stop the run and restart it with "
+            f"dflash-broker --resume {b.run_id}")
 
 
 def producer_facts(facts: dict, config: dict) -> dict | str:

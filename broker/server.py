@@ -66,6 +66,7 @@ class Broker:
         self.signals = 0  # SIGINT/SIGTERM received: a second one ends a shutdown's drain at once
         self.stop_reason = "end_of_stream"  # what `stop` says: end_of_stream, or shutdown (signal)
         self.draining: float | None = None  # a shutdown's deadline (monotonic), while it waits for peers
+        self.job_lost: dict | None = None  # the training job died with uncommitted work (control.check_job)
         self.blocked = False
         self.last_tick = time.monotonic()
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
