@@ -49,7 +49,9 @@ def _stopping(st: dict) -> dict | None:
     if (st.get("broker") or {}).get("state") != "stopping":
         return None
     n = len(st.get("peers") or [])
-    return result("stopping", f"end of stream: every peer was told to stop; {n} still to leave")
+    why = "shutdown (a signal): waiting for the consumers' last commit" if (
+        st["broker"].get("stop_reason") == "shutdown") else "end of stream"
+    return result("stopping", f"{why}: every peer was told to stop; {n} still to leave")
 
 
 def _lost(st: dict) -> dict | None:

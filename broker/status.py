@@ -146,6 +146,7 @@ def build_status(b) -> dict:
         "protocol_version": PROTOCOL_VERSION,
         "broker": {
             "instance": b.cfg.instance, "host": b.hostname, "pid": os.getpid(), "state": state,
+            "stop_reason": b.stop_reason if b.stopping is not None else None,  # end_of_stream | shutdown
             "started_at": _iso(b.started_at), "uptime_s": round(now - b.started_mono, 3),
             "endpoints": b.endpoints, "run_dir": str(b.run_dir), "now": _iso(time.time()),
         },
