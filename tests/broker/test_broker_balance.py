@@ -21,10 +21,10 @@ import msgpack
 import zmq
 from broker_fakes import FakeConsumer, FakeProducer, batch_frames
 
-UNIT_S = 0.01  # the fastest consumer's time per batch
+UNIT_S = 0.03  # the fastest consumer's time per batch: well above a round trip under load
 SLOWNESS = (1, 2, 4)
 SPEED_SHARE = [(1 / k) / sum(1 / s for s in SLOWNESS) for k in SLOWNESS]  # 4/7, 2/7, 1/7
-BATCHES = 350
+BATCHES = 280
 
 
 def _shares(counts: list[int]) -> list[float]:
