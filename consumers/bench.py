@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
 from .blocks import build_layout
+from .flops import matmul_ceiling_tflops, step_flops, step_shape
+from .model import DrafterConfig
 from .step import draft_states, make_layout
 from .synthetic import rule_batch, synthetic_stream
 from .target_heads import load_target_heads
@@ -80,7 +82,11 @@ def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
 @click.option("--vary", is_flag=True, help="Vary sequence lengths from batch to batch, as real packing does.")
 @click.option("--vocab", default=QWEN3_8B["vocab_size"], type=int, help="Vocabulary of the fake target.")
 @click.option("--skip-check", is_flag=True, help="Skip the flex-vs-SDPA agreement check.")
-def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary, vocab, skip_check) -> None:
+@click.option("--draft-layers", default=5, type=int, help="Draft decoder layers.")
+@click.option("--ceiling-tflops", default=None, type=float,
+              help="bf16 matmul rate for MFU (default: measured on this GPU first).")
+def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary, vocab, skip_check,
+         draft_layers, ceiling_tflops) -> None:
     """Measure drafter training steps on synthetic batches shaped like real ones."""
     device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
@@ -92,7 +98,8 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     _stage("heads_loaded", start)
     mask_id = 151669 if vocab > 151669 else vocab - 1
     cfg = TrainConfig(block_size=block_size, anchors=anchors, attn=attn, loss_chunk=loss_chunk, lr=6e-4,
-                      total_steps=steps, log_position_every=0, mask_token_id=mask_id)
+                      total_steps=steps, log_position_every=0, mask_token_id=mask_id, draft_layers=draft_layers)
+    ceiling = ceiling_tflops or matmul_ceiling_tflops(device)
     rel = None if skip_check else check_flex_vs_sdpa(heads, cfg)
     _stage("flex_vs_sdpa_checked", start)
     signal = resolve_signal(cfg, heads)
@@ -119,6 +126,11 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     lines = [e for e in logs if e["event"] == "train.step"]
     half = len(ends) // 2  # the first steps compile kernels
     step_s = (ends[-1] - ends[half]) / max(1, len(ends) - 1 - half)
+    dcfg = DrafterConfig.from_target(heads.spec, cfg.draft_layers, len(layers))
+    timed = batches[half + 1 : len(ends)]
+    shapes = [step_shape(b, block_size, anchors, cfg.seed) for b in timed]
+    flops_per_step = sum(step_flops(dcfg, heads.spec.vocab_size, s) for s in shapes) / max(1, len(shapes))
+    anchors_per_step = sum(s.queries for s in shapes) / block_size / max(1, len(shapes))
     print(json.dumps({
         "attn": attn, "vary": vary, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
         "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
@@ -126,7 +138,10 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
         "tokens_per_s": round(seqs * seq_len / step_s),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
         "loss_first": lines[0]["loss"], "loss_last": lines[-1]["loss"], "acc_last": lines[-1]["acc"],
-        "flex_vs_sdpa_rel_err": rel,
+        "flex_vs_sdpa_rel_err": rel, "tflop_per_step": round(flops_per_step / 1e12, 2),
+        "achieved_tflops": round(flops_per_step / step_s / 1e12, 1), "ceiling_tflops": round(ceiling, 1),
+        "mfu": round(flops_per_step / step_s / 1e12 / ceiling, 3),
+        "anchors_per_s": round(anchors_per_step / step_s),
     }))
 
 
