@@ -103,7 +103,16 @@ def _default_instance(cfg: ProducerConfig) -> str:
 def _dry_run(cfg: ProducerConfig, c) -> dict:
     n = len(c.dataset) if cfg.limit is None else min(cfg.limit, len(c.dataset))
     source = LocalWorkSource(n, cfg.lease_size)
+    device = c.target.device
+    if device.type == "cuda":  # the peak is the figure that sizes --token-budget
+        import torch
+
+        weights = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     summary = make_producer(cfg, c, source, lambda fields, tensors: None).run()
+    if device.type == "cuda":
+        summary["gpu_weights_gib"] = round(weights / 2**30, 2)
+        summary["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     click.echo(" ".join(f"{k}={v}" for k, v in summary.items()), err=True)
     return summary
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Every GPU benchmark of docs/BENCHMARKS.md, in three parts of under 10 minutes each (the
+# device tool's limit per command). Run from the repository root on a machine with one or
+# two GPUs; with two, independent stages run side by side (one per GPU) and the pipeline
+# puts the producer and the consumer on different GPUs.
+#
+#   bash bench/gpu_run.sh part1   # matmul ceiling; capture (uniform and packed data), producer
+#                                 # dry run; drafter step (sdpa, flex) with MFU
+#   bash bench/gpu_run.sh part2   # pipeline vs alone; CPU transport on this host's cores
+#   bash bench/gpu_run.sh part3   # tau/speedup of a drafter trained online on a small target
+#
+# Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
+# stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
+# parts while the machine is the same; rebuilt otherwise).
+set -uo pipefail
+PART=${1:?usage: gpu_run.sh part1|part2}
+OUT=${OUT:-/tmp/dflash-gpu/out}
+W=${DFLASH_GPU_WORK:-/tmp/dflash-gpu}
+mkdir -p "$OUT" "$W/logs"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+G0=0; G1=$(( NGPU > 1 ? 1 : 0 ))
+T8=$W/qwen3-8b; T06=$W/qwen3-0.6b
+echo "gpus=$NGPU $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)"
+
+# stage TRACK NAME TIMEOUT_S CMD...: run CMD, keep its log, copy its JSON lines (tagged) to
+# the track's results file.
+stage() {
+  local track=$1 name=$2 limit=$3; shift 3
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$W/logs/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s"
+  python3 - "$W/logs/$name.log" "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/results_$track.jsonl" <<'EOF'
+import json, sys
+path, name, rc, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+print(json.dumps({"stage": name, "rc": rc, "seconds": secs}))
+for line in open(path, errors="replace"):
+    if line.startswith("{") and '"event"' not in line:  # the benchmark's rows, not log lines
+        try:
+            print(json.dumps({"stage": name, **json.loads(line)}))
+        except ValueError:
+            pass
+EOF
+  [ $rc -eq 0 ] || tail -5 "$W/logs/$name.log" | cut -c1-400
+}
+
+inputs() {
+  stage setup target8b 240 python3 bench/gpu_setup.py target --shape qwen3-8b --out "$T8"
+  stage setup data 120 bash -c "python3 bench/gpu_setup.py data --tokenizer '$T8' --out '$W/packed.jsonl' --n 3000 \
+      && python3 bench/gpu_setup.py data --tokenizer '$T8' --out '$W/long.jsonl' --n 400 --median 100000 --min 3072"
+}
+
+part1_capture() {  # GPU0
+  stage a ceiling 60 python3 -c "
+import json, torch
+from dflash.consumers.flops import matmul_ceiling_tflops
+r = [round(matmul_ceiling_tflops(torch.device('cuda', $G0), n), 1) for n in (4096, 8192, 16384)]
+print(json.dumps({'gpu': $G0, 'bf16_matmul_tflops_4k_8k_16k': r}))"
+  stage a capture_uniform_sdpa 200 python3 -m dflash.producers.bench_capture --shape qwen3-8b --tokens 49152 \
+      --seq-len 3072 --attn sdpa --reps 3
+  stage a capture_packed_flex 240 python3 -m dflash.producers.bench_capture --target "$T8" --data "$W/packed.jsonl" \
+      --token-budget 49152 --attn flex_attention --batches 12
+  stage a producer_dry_run_packed 200 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/packed.jsonl" \
+      --producer-gpu $G0 --parts producer_alone --token-budget 49152 --limit 2500 --seconds 170
+}
+
+part1_drafter() {  # GPU1 (or GPU0 after the capture on one GPU)
+  local d="python3 -m dflash.consumers.bench --gpu $G1 --block-size 16 --anchors 512 --seq-len 3072 --steps 10"
+  stage b drafter_sdpa_4x3072 150 $d --seqs 4 --attn sdpa
+  stage b drafter_sdpa_8x3072 150 $d --seqs 8 --attn sdpa --skip-check
+  stage b drafter_flex_4x3072 180 $d --seqs 4 --attn flex --skip-check
+}
+
+part2() {
+  stage a pipeline 400 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/long.jsonl" --producer-gpu $G0 \
+      --consumer-gpu $G1 --token-budget 12288 --seconds 150 &
+  stage b transport 300 python3 bench/transport.py --sizes 16,64,256 --out "$OUT/transport_gpu_host.json"
+  wait
+}
+
+part3() {
+  stage c target06b 120 python3 bench/gpu_setup.py target --shape qwen3-0.6b --out "$T06"
+  stage c tau 420 python3 bench/gpu_tau.py --target "$T06" --producer-gpu $G0 --consumer-gpu $G1 --epochs 12 \
+      --train-timeout-s 200
+}
+
+case $PART in
+  part1)
+    if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
+  part2)
+    [ -f "$T8/config.json" ] && [ -f "$W/long.jsonl" ] || inputs
+    part2 ;;
+  part3) part3 ;;
+  *) echo "unknown part $PART" >&2; exit 2 ;;
+esac
+tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)
+echo "done $PART in ${SECONDS}s"
