@@ -9,7 +9,8 @@ The code is read with `ast`, not grepped: a call counts when it is a level metho
   - helpers that pass a parameter on as the event: `def _say(event, **kw): log.info(event, **kw)`
     counts every literal its callers pass.
 An event the scanner cannot name is a failure of its own: write a literal, or list it in
-DYNAMIC_EVENTS with the reason. Besides the name, each row must give the call's level in
+DYNAMIC_EVENTS with the reason. So is `x.info("a.b", ...)` on an `x` not bound to a logger
+in its module (a logger passed in as an argument), which would otherwise escape. Besides the name, each row must give the call's level in
 its level column and every literal keyword field in its fields column (`**spread` fields
 cannot be read statically; LOGS.md documents them by hand from the dicts they spread).
 """
@@ -67,6 +68,9 @@ def _dotted(node: ast.AST) -> str | None:
 def _called_name(call: ast.Call) -> str | None:
     f = call.func
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+_EVENT = re.compile(r"^[a-z_]+(?:\.[a-z0-9_]+)+$")
 
 
 class Module:
@@ -153,6 +157,13 @@ class Module:
             elif _dotted(f) in self.aliases:
                 yield call, self.aliases[_dotted(f)]
 
+    def unknown_loggers(self) -> list[ast.Call]:
+        """`x.info("a.b", ...)` where `x` is not known as a logger here (a logger passed in
+        as an argument, imported from another module...): it would escape the check."""
+        return [c for c in self.calls if isinstance(c.func, ast.Attribute) and c.func.attr in LEVEL_METHODS
+                and _dotted(c.func.value) not in self.loggers and c.args
+                and isinstance(c.args[0], ast.Constant) and _EVENT.match(str(c.args[0].value))]
+
 
 def _params(fn) -> list[str]:
     a = fn.args
@@ -193,6 +204,10 @@ class Scanner:
                                               "OTHER_LOGGER_METHODS")
                 else:
                     self._site(m, call, levels)
+            for call in m.unknown_loggers():
+                self.scan.problems.append(f"{m.path}:{call.lineno}: `{ast.unparse(call)[:120]}` looks like a log "
+                                          f"call, but `{ast.unparse(call.func.value)}` is not bound to "
+                                          "get_logger() in this module; bind it so, or teach this test")
         return self.scan
 
     def _site(self, m: Module, call: ast.Call, levels: set[str]) -> None:
@@ -263,7 +278,7 @@ class Row:
     fields: str
 
 
-_ROW = re.compile(r"^\|\s*`([a-z_]+(?:\.[a-z_]+)+)`\s*\|")
+_ROW = re.compile(r"^\|\s*`([a-z_]+(?:\.[a-z0-9_]+)+)`\s*\|")
 
 
 def documented_events(text: str) -> tuple[dict[str, Row], list[str]]:
@@ -346,7 +361,7 @@ other = object()
 def plain():
     log.info("a.plain", x=1, y=2)
     log.exception("a.exc")
-    other.error("not.a_log")  # `other` is no logger
+    other.error("no such option")  # `other` is no logger, and this is no event name
 
 def conditional(e):
     log.error("a.one" if e else "a.two", error=str(e))
@@ -371,9 +386,10 @@ class C:
         self.m("a.method")
         self.m()
 
-def bad(name):
+def bad(name, logger):
     log.info(f"a.{name}")
     log.info(name)
+    logger.warning("a.passed_in")
 '''
 
 
@@ -387,10 +403,20 @@ def test_scanner_sees_every_form_and_reports_what_it_cannot_read():
         ("a.helper", ("debug",), ("n",)), ("a.keyword", ("debug",), ("n",)),
         ("a.method", ("warning",), ()), ("a.default", ("warning",), ()),
     }
-    # The f-string, and `name` of `bad`, a parameter no caller passes a literal to.
+    # The f-string, `name` of `bad` (a parameter no caller passes a literal to), and a
+    # logger that came in as an argument.
     lines = SAMPLE.splitlines()
-    expected = {f"m.py:{lines.index(c) + 1}" for c in ('    log.info(f"a.{name}")', "    log.info(name)")}
+    expected = {f"m.py:{lines.index(c) + 1}" for c in ('    log.info(f"a.{name}")', "    log.info(name)",
+                                                       '    logger.warning("a.passed_in")')}
     assert {p.split(": ")[0] for p in scan.problems} == expected, scan.problems
+
+
+def test_dynamic_events_name_what_the_scanner_cannot(monkeypatch):
+    monkeypatch.setitem(DYNAMIC_EVENTS, "m.py:bad", {"a.name_one", "a.name_two"})
+    scan = Scanner({"m.py": SAMPLE}).run()
+    from_bad = {s.event for s in scan.sites if s.event.startswith("a.name_")}
+    assert from_bad == {"a.name_one", "a.name_two"}
+    assert len(scan.problems) == 1 and "a.passed_in" in scan.problems[0], scan.problems
 
 
 def test_docs_parser_reads_only_event_tables():
