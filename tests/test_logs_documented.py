@@ -10,9 +10,11 @@ The code is read with `ast`, not grepped: a call counts when it is a level metho
     counts every literal its callers pass.
 An event the scanner cannot name is a failure of its own: write a literal, or list it in
 DYNAMIC_EVENTS with the reason. So is `x.info("a.b", ...)` on an `x` not bound to a logger
-in its module (a logger passed in as an argument), which would otherwise escape. Besides the name, each row must give the call's level in
-its level column and every literal keyword field in its fields column (`**spread` fields
-cannot be read statically; LOGS.md documents them by hand from the dicts they spread).
+in its module (a logger passed in as an argument), which would otherwise escape.
+
+Besides the name, each row must give the call's level in its level column and every
+literal keyword field in its fields column (`**spread` fields cannot be read statically;
+LOGS.md documents them by hand from the dicts they spread).
 """
 
 from __future__ import annotations
