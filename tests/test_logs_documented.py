@@ -13,8 +13,9 @@ DYNAMIC_EVENTS with the reason. So is `x.info("a.b", ...)` on an `x` not bound t
 in its module (a logger passed in as an argument), which would otherwise escape.
 
 Besides the name, each row must give the call's level in its level column and every
-literal keyword field in its fields column (`**spread` fields cannot be read statically;
-LOGS.md documents them by hand from the dicts they spread).
+keyword field in its fields column: literal keywords, and the keys of `**name` where the
+same function sets `name = dict(k=...)` or `{"k": ...}`. Other spreads (a summary a method
+returns, `vars(info)`) cannot be read statically; LOGS.md documents them by hand.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Module:
         self.path = path
         self.calls: list[ast.Call] = []
         self.assigns: list[tuple[str, ast.AST]] = []
+        self.local: dict[tuple[int, str], list[ast.AST]] = {}  # (id(function), name) -> values
         self.function: dict[int, ast.FunctionDef | None] = {}  # id(call) -> enclosing function
         self._walk(ast.parse(text, filename=path), None)
         self.loggers = self._find_loggers()
@@ -97,6 +99,9 @@ class Module:
                 self.function[id(node)] = fn
             elif isinstance(node, ast.Assign):
                 self.assigns += [(_dotted(t), node.value) for t in node.targets if _dotted(t)]
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        self.local.setdefault((id(fn), t.id), []).append(node.value)
             elif isinstance(node, ast.AnnAssign) and node.value is not None and _dotted(node.target):
                 self.assigns.append((_dotted(node.target), node.value))
             inner = node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
@@ -159,6 +164,19 @@ class Module:
             elif _dotted(f) in self.aliases:
                 yield call, self.aliases[_dotted(f)]
 
+    def spread_fields(self, value: ast.AST, fn) -> list[str]:
+        """Keys of `**name` when `name` is set in the same function to `dict(k=...)` or
+        `{"k": ...}` literals; nothing for other spreads (a summary a method returns)."""
+        if not isinstance(value, ast.Name):
+            return []
+        keys: list[str] = []
+        for v in self.local.get((id(fn), value.id), []):
+            if isinstance(v, ast.Call) and _dotted(v.func) == "dict":
+                keys += [k.arg for k in v.keywords if k.arg is not None]
+            elif isinstance(v, ast.Dict):
+                keys += [k.value for k in v.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+        return keys
+
     def unknown_loggers(self) -> list[ast.Call]:
         """`x.info("a.b", ...)` where `x` is not known as a logger here (a logger passed in
         as an argument, imported from another module...): it would escape the check."""
@@ -216,6 +234,7 @@ class Scanner:
         where = f"{m.path}:{call.lineno}"
         fn = m.function[id(call)]
         fields = [k.arg for k in call.keywords if k.arg is not None and k.arg != "event"]
+        fields += [f for k in call.keywords if k.arg is None for f in m.spread_fields(k.value, fn)]
         expr = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "event"), None)
         key = f"{m.path}:{fn.name}" if fn is not None else m.path
         if key in DYNAMIC_EVENTS:
@@ -360,8 +379,11 @@ from dflash.protocol.logs import get_logger
 log = get_logger()
 other = object()
 
-def plain():
+def plain(more):
     log.info("a.plain", x=1, y=2)
+    extra = dict(u=1, **more)
+    line = {"v": 2, "w": 3}
+    log.info("a.spread", **extra, **line, **more)
     log.exception("a.exc")
     other.error("no such option")  # `other` is no logger, and this is no event name
 
@@ -400,6 +422,7 @@ def test_scanner_sees_every_form_and_reports_what_it_cannot_read():
     got = {(s.event, tuple(sorted(s.levels)), tuple(s.fields)) for s in scan.sites}
     assert got == {
         ("a.plain", ("info",), ("x", "y")), ("a.exc", ("error",), ()),
+        ("a.spread", ("info",), ("u", "v", "w")),
         ("a.one", ("error",), ("error",)), ("a.two", ("error",), ("error",)),
         ("a.alias", ("info", "warning"), ("code",)),
         ("a.helper", ("debug",), ("n",)), ("a.keyword", ("debug",), ("n",)),
