@@ -100,8 +100,9 @@ def _oom(st: dict) -> dict | None:
         return None
     p = hit[0]
     ooms = (p.get("stats") or {}).get("ooms")
+    now = "sends smaller batches" if p["role"] == "producer" else "splits its steps into micro-batches"
     text = (f"{WORD.get(p['role'])} {_name(p)} is in OOM backoff: it ran out of GPU memory"
-            f"{f' ({ooms} times)' if ooms else ''} and now sends smaller batches{_mem(p)}")
+            f"{f' ({ooms} times)' if ooms else ''} and now {now}{_mem(p)}")
     if len(hit) > 1:
         text += f"; {len(hit) - 1} more peers in backoff"
     budget = "--token-budget / --max-batch-size" if p["role"] == "producer" else "the targets' --token-budget"

@@ -5,6 +5,8 @@ Kept apart from the loop (train.py) so the tests and the loop run the very same 
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +29,23 @@ def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, b
     return build_layout(batch.seq_lens, anchors, signal.block_size, device, backend)
 
 
-def add_feature_noise(hidden: torch.Tensor, n_layers: int, sigma: float) -> torch.Tensor:
-    """hidden + sigma * rms * N(0, 1), rms per token and per target layer.
+def noise_seed(seed: int, epoch: int, sample_id: int, step: int) -> int:
+    """Per (run seed, epoch, sample, step) seed of a sequence's feature noise.
+
+    Not the global RNG: a draw over the whole batch would depend on how the batch is cut
+    (an OOM split into micro-batches, another packing, another rank) and the split step
+    would train on other noise than the step it replaces. Seeded per sequence, a sample
+    gets the same noise however its step is cut or spread over ranks, and fresh noise
+    each time it is trained (the step is in the seed), even when a local stream repeats it."""
+    digest = hashlib.sha256(f"noise:{seed}:{epoch}:{sample_id}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def add_feature_noise(
+    hidden: torch.Tensor, n_layers: int, sigma: float, seq_lens: list[int], seeds: list[int]
+) -> torch.Tensor:
+    """hidden + sigma * rms * N(0, 1), rms per token and per target layer; the N(0, 1) of
+    each sequence (rows of `seq_lens`) drawn from its own seed (`noise_seed`).
 
     Relative to each layer's own scale: target layers differ in magnitude by orders, so
     one absolute sigma would drown shallow layers and not touch deep ones."""
@@ -37,20 +54,30 @@ def add_feature_noise(hidden: torch.Tensor, n_layers: int, sigma: float) -> torc
     T = hidden.shape[0]
     x = hidden.view(T, n_layers, -1)  # [T, n, D]
     rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()  # [T, n, 1]
-    noisy = x + (torch.randn(x.shape, device=x.device) * (sigma * rms)).to(x.dtype)
+    z = torch.empty(x.shape, device=x.device)
+    start = 0
+    for L, s in zip(seq_lens, seeds):
+        g = torch.Generator(device=x.device).manual_seed(s)
+        z[start : start + L].normal_(generator=g)  # rows of one sequence: contiguous
+        start += L
+    noisy = x + (z * (sigma * rms)).to(x.dtype)
     return noisy.view(T, -1)
 
 
 def draft_states(
-    model: DFlashDraft, heads: TargetHeads, batch: Batch, layout: BlockLayout, signal: Signal, noise: float = 0.0
+    model: DFlashDraft, heads: TargetHeads, batch: Batch, layout: BlockLayout, signal: Signal, noise: float = 0.0,
+    *, seed: int = 0, step: int = 0,
 ) -> torch.Tensor:
-    """The drafter's final-normed states for every block position, [Q, D]."""
+    """The drafter's final-normed states for every block position, [Q, D]. Feature noise
+    (sigma `noise`) is seeded per sequence by (`seed`, epoch, sample, `step`)."""
     device = heads.embed.device
     ids = batch.input_ids.to(device)
     block_ids = layout.block_input_ids(ids, signal.mask_token_id)  # [Q]: anchor, MASK, ...
     x = F.embedding(block_ids, heads.embed)  # [Q, D], frozen target embedding
     features = batch.hidden.to(device=device, dtype=heads.embed.dtype, non_blocking=True)  # [T, n*D]
-    features = add_feature_noise(features, len(signal.target_layers), noise)
+    if noise > 0:
+        seeds = [noise_seed(seed, batch.epoch, s, step) for s in batch.samples]
+        features = add_feature_noise(features, len(signal.target_layers), noise, batch.seq_lens, seeds)
     return model(features, x, layout)
 
 
@@ -64,13 +91,18 @@ def batch_loss(
     backend: str = "sdpa",
     noise: float = 0.0,
     loss_chunk: int = 2048,
+    step: int = 0,
 ) -> tuple[torch.Tensor | None, LossStats]:
     """(sum of weighted CE over the batch's block positions, stats). None for the loss
-    when the batch has no anchor (all prompts, or sequences shorter than a block)."""
+    when the batch has no anchor (all prompts, or sequences shorter than a block).
+
+    Every term is per sequence (anchors and noise seeded per sample, attention within a
+    sequence, a loss summed over positions): the sums of the batch's parts are the
+    batch's sums, which is what splitting a step into micro-batches relies on (oom.py)."""
     device = heads.embed.device
     layout = make_layout(batch, signal, seed, device, backend)
     if layout.num_queries == 0:
         return None, LossStats(pos_correct=[0] * (signal.block_size - 1), pos_valid=[0] * (signal.block_size - 1))
-    h = draft_states(model, heads, batch, layout, signal, noise)  # [Q, D]
+    h = draft_states(model, heads, batch, layout, signal, noise, seed=seed, step=step)  # [Q, D]
     labels, valid = layout.labels(batch.input_ids.to(device), batch.loss_mask.to(device))
     return block_loss(h, heads.lm_head, labels, valid, signal.block_size, signal.gamma, loss_chunk)

@@ -30,6 +30,7 @@ from .dist import Dist
 from .loss import LossStats, default_gamma
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
+from .oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .step import batch_loss
 from .target_heads import TargetHeads, tokenizer_mask_id
@@ -213,8 +214,9 @@ def train(
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda")
+    splitter = StepSplitter(params, device, inject=OomInjection.from_env())
     state = TrainState()
-    torch.manual_seed(cfg.seed + 1 + dist.rank)  # noise differs per rank, reproducibly
+    torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
     if cfg.resume:
         _resume(cfg, signal, model, optimizer, state, dist, runs_dir)
     drafter_json = published_config(mcfg, heads.spec, block_size=signal.block_size,
@@ -270,17 +272,8 @@ def train(
             g["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         stats = LossStats(pos_correct=[0] * (signal.block_size - 1), pos_valid=[0] * (signal.block_size - 1))
-        if batch is not None:
-            try:
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss_sum, stats = batch_loss(model, heads, batch, signal, seed=cfg.seed, backend=backend,
-                                                 noise=noise, loss_chunk=cfg.loss_chunk)
-                if loss_sum is not None:
-                    loss_sum.backward()  # d(sum of weighted CE); divided by the global weight below
-                    del loss_sum
-            except torch.OutOfMemoryError as e:
-                _log_oom(e, device, batch, step)
-                raise
+        if batch is not None:  # split into micro-batches if memory runs out (oom.py)
+            stats = splitter.run(batch, _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise), step)
         mine = local_figures(batch, stats)
         total = dist.all_sum(mine)  # one small collective for every figure a step logs
         _record_samples(state, dist, batch, int(named(total)["samples"]), step)
@@ -302,10 +295,11 @@ def train(
             hooks.after_step(step, model)
         line = meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
                               tokens_seen=state.tokens, epoch=state.epoch, queue=hooks.queue() if hooks.queue else {},
-                              progress=hooks.progress() if hooks.progress else None, rank=dist.rank)
+                              progress=hooks.progress() if hooks.progress else None, rank=dist.rank,
+                              micro_batches=splitter.last_splits if batch is not None else 0, ooms=splitter.ooms)
         if hooks.stats is not None:
             hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
-                               state="training")
+                               state="training", **splitter.heartbeat())
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
             last_saved = step
@@ -333,13 +327,20 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
     return batch, None
 
 
-def _log_oom(e: Exception, device: torch.device, batch: Batch, step: int) -> None:
-    """The cause as fields (DESIGN.md "Logs"): device, memory free/total, the batch's size."""
-    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
-    log.error("train.oom", device=str(device), step=step, batch_id=batch.batch_id, tokens=batch.tokens,
-              sequences=len(batch.seq_lens), bytes_free=free, bytes_total=total,
-              bytes_allocated=torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
-              error=str(e).splitlines()[0])
+def _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise) -> Callable[[Batch], LossStats]:
+    """Forward and backward of one (micro-)batch of `step`: d(sum of weighted CE) is added
+    to every `.grad`; the loop divides by the global weight once every part is in."""
+    device = heads.embed.device
+
+    def run(part: Batch) -> LossStats:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss_sum, stats = batch_loss(model, heads, part, signal, seed=cfg.seed, backend=backend, noise=noise,
+                                         loss_chunk=cfg.loss_chunk, step=step)
+        if loss_sum is not None:
+            loss_sum.backward()
+        return stats
+
+    return run
 
 
 def _drop_held(batch: Batch, state: TrainState, hooks: Hooks) -> Batch | None:

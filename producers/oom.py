@@ -12,23 +12,17 @@ for this GPU costs one failed pass, not one per batch.
 
 from __future__ import annotations
 
-import gc
-import os
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from dflash.protocol.logs import get_logger
+from dflash.protocol.memory import bytes_asked, bytes_free, release  # noqa: F401  (bytes_asked: part of this module's API)
 
 from .packing import PackedBatch
 
 log = get_logger()
-
-_ASKED = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]i?B)")
-_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
-          "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 
 
 @dataclass
@@ -38,27 +32,6 @@ class Outcome:
     batch: PackedBatch | None = None
     hidden: torch.Tensor | None = None
     skipped: tuple[int, str] | None = None
-
-
-def bytes_asked(err: BaseException) -> int | None:
-    """The allocation size in torch's OOM message ('Tried to allocate 4.74 GiB'), if any."""
-    m = _ASKED.search(str(err))
-    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
-
-
-def bytes_free(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class OomSplitter:
@@ -98,7 +71,7 @@ class OomSplitter:
                 yield Outcome(batch=b, hidden=hidden)
                 continue
             # Out of the except block: the failed pass's tensors are unreachable now.
-            _release(self.device)
+            release(self.device)
             self.ooms += 1
             self._ok = 0
             self.backoff_tokens = min(b.tokens, self.backoff_tokens or b.tokens)

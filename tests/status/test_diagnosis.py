@@ -118,6 +118,13 @@ def test_oom_backoff_names_the_peer_and_its_memory():
     assert d["code"] == "oom_backoff" and d["limited_by"] == "targets"
     assert "target p3 (h-gpu3) is in OOM backoff" in d["text"] and "(2 times)" in d["text"]
     assert "GPU 3: 94.0 of 96.0 GiB used" in d["text"] and "--token-budget" in d["suggestion"]
+    # a drafter's backoff (consumers/oom.py): its steps run in micro-batches
+    cons = [consumer(i, 7 * K) for i in range(3)]
+    cons[1].update(oom_backoff=True, stats={"ooms": 1})
+    d = diagnose(status([producer(i, 4 * K) for i in range(5)], cons))
+    assert d["code"] == "oom_backoff" and d["limited_by"] == "drafters"
+    assert "drafter c1 (h-gpu6) is in OOM backoff" in d["text"] and "splits its steps into micro-batches" in d["text"]
+    assert "the targets' --token-budget" in d["suggestion"]
 
 
 def test_idle_drafter_gpus_with_work_waiting_incident_6():
