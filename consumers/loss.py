@@ -74,6 +74,18 @@ class LossStats:
     pos_correct: list | None = None  # per block position 1..B-1
     pos_valid: list | None = None
 
+    def add(self, other: "LossStats") -> "LossStats":
+        """Add `other`'s sums into these (parts of one batch, batches of one evaluation)."""
+        self.loss_sum += other.loss_sum
+        self.weight += other.weight
+        self.valid += other.valid
+        self.correct += other.correct
+        self.streak += other.streak
+        self.blocks += other.blocks
+        self.pos_correct = [a + b for a, b in zip(self.pos_correct, other.pos_correct)]
+        self.pos_valid = [a + b for a, b in zip(self.pos_valid, other.pos_valid)]
+        return self
+
 
 def block_loss(
     h: torch.Tensor,

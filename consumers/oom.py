@@ -92,21 +92,6 @@ def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
                  batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows])
 
 
-def merge_stats(parts: list[LossStats]) -> LossStats:
-    """The stats of the whole batch from its micro-batches' (every figure is a sum)."""
-    out = LossStats(pos_correct=[0] * len(parts[0].pos_correct), pos_valid=[0] * len(parts[0].pos_valid))
-    for s in parts:
-        out.loss_sum += s.loss_sum
-        out.weight += s.weight
-        out.valid += s.valid
-        out.correct += s.correct
-        out.streak += s.streak
-        out.blocks += s.blocks
-        out.pos_correct = [a + b for a, b in zip(out.pos_correct, s.pos_correct)]
-        out.pos_valid = [a + b for a, b in zip(out.pos_valid, s.pos_valid)]
-    return out
-
-
 @dataclass
 class OomInjection:
     """Test only: a micro-batch of more than `above_tokens` tokens raises
@@ -192,17 +177,18 @@ class StepSplitter:
         return {"oom_backoff": self.splits > 1, "ooms": self.ooms, "micro_batches": self.last_splits}
 
     def _attempt(self, parts: list[Batch], fwd_bwd: ForwardBackward) -> tuple[LossStats | None, _Failure | None]:
-        stats = []
+        total: LossStats | None = None
         for part in parts:
             try:
-                stats.append(fwd_bwd(part))
+                stats = fwd_bwd(part)
                 if self.inject is not None:
                     self.inject.after_backward(part)
             except RuntimeError as e:  # torch.OutOfMemoryError is one
                 if not is_oom(e):
                     raise
                 return None, _Failure(part, str(e).splitlines()[0][:300], bytes_asked(e))
-        return merge_stats(stats), None
+            total = stats if total is None else total.add(stats)  # every figure is a sum
+        return total, None
 
     def _clear_grads(self) -> None:
         for p in self.params:
