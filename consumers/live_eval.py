@@ -44,14 +44,7 @@ def simulated_acceptance(model: nn.Module, heads: TargetHeads, batches: list[Bat
         for b in batches:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 _, s = batch_loss(model, heads, b, signal, seed=EVAL_SEED)
-            total.loss_sum += s.loss_sum
-            total.weight += s.weight
-            total.valid += s.valid
-            total.correct += s.correct
-            total.streak += s.streak
-            total.blocks += s.blocks
-            total.pos_correct = [a + c for a, c in zip(total.pos_correct, s.pos_correct)]
-            total.pos_valid = [a + c for a, c in zip(total.pos_valid, s.pos_valid)]
+            total.add(s)
     finally:
         model.train(was_training)
     streak = total.streak / total.blocks if total.blocks else 0.0
