@@ -259,34 +259,44 @@ class Pumping:
         self.thread.join()
 
 
-def main(argv=None) -> int:
+# ---------------------------------------------------------------- as a process
+# The runner below is shared with the other folders' fake processes (rel_fakes.py,
+# status_fakes.py): they add options and build their own peer classes.
+
+
+def fake_parser(**defaults) -> argparse.ArgumentParser:
+    """The options of every fake process; `defaults` overrides some, callers add theirs."""
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=["producer", "consumer"])
     ap.add_argument("--broker", required=True)
-    ap.add_argument("--instance", default=None)
+    ap.add_argument("--instance", default=None, help="default <role>-<pid>")
+    ap.add_argument("--gpu", type=int, default=None, help="the GPU the hello names (none is used)")
     ap.add_argument("--runs-dir", default="runs")
-    ap.add_argument("--run", default=None)
+    ap.add_argument("--run", default=None, help="join only this run")
     ap.add_argument("--n-samples", type=int, default=64)
     ap.add_argument("--per-batch", type=int, default=2)
-    ap.add_argument("--delay-s", type=float, default=0.0)
-    ap.add_argument("--train-s", type=float, default=0.0)
+    ap.add_argument("--delay-s", type=float, default=0.0, help="producer: seconds per batch (a slow target)")
+    ap.add_argument("--train-s", type=float, default=0.0, help="consumer: seconds per step (a lagging drafter)")
     ap.add_argument("--prefetch", type=int, default=1)
-    a = ap.parse_args(argv)
+    ap.add_argument("--max-s", type=float, default=120.0, help="consumer: give up after this long")
+    ap.set_defaults(**defaults)
+    return ap
+
+
+def serve(a: argparse.Namespace, make_peer) -> int:
+    """Run one fake process to its end. `make_peer(a, instance, log)` builds the peer
+    (`log.info` is a FakePeer `log`). Logs go to the run folder; exit 0 after stop /
+    grant end, 3 when rejected, 4 when the broker goes silent."""
     from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 
     instance = a.instance or f"{a.role}-{os.getpid()}"
-    setup_logging(a.role, instance)
+    setup_logging(a.role, instance, gpu=a.gpu)
     log = get_logger()
-    emit = lambda event, **kw: log.info(event, **kw)  # noqa: E731
     try:
-        if a.role == "producer":
-            peer = FakeProducer(a.broker, instance, run=a.run, n_samples=a.n_samples, per_batch=a.per_batch,
-                                delay_s=a.delay_s, log=emit)
-        else:
-            peer = FakeConsumer(a.broker, instance, run=a.run, train_s=a.train_s, prefetch=a.prefetch, log=emit)
+        peer = make_peer(a, instance, log)
         bind_run(peer.run, a.runs_dir)
         log.info("fake.joined", peer=peer.peer, data=peer.welcome.get("data_in") or peer.welcome.get("data_out"))
-        peer.run_to_end(**({"max_s": 120.0} if a.role == "consumer" else {}))
+        peer.run_to_end(**({"max_s": a.max_s} if a.role == "consumer" else {}))
         peer.close()
         return 0
     except Rejected as e:
@@ -298,6 +308,18 @@ def main(argv=None) -> int:
         return 4
     finally:
         close_logging()
+
+
+def _plain_peer(a: argparse.Namespace, instance: str, log) -> FakePeer:
+    common = dict(run=a.run, gpu=a.gpu, log=log.info)
+    if a.role == "producer":
+        return FakeProducer(a.broker, instance, n_samples=a.n_samples, per_batch=a.per_batch, delay_s=a.delay_s,
+                            **common)
+    return FakeConsumer(a.broker, instance, train_s=a.train_s, prefetch=a.prefetch, **common)
+
+
+def main(argv=None) -> int:
+    return serve(fake_parser().parse_args(argv), _plain_peer)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
+import pytest
 import zmq
 from dflash.protocol.sockets import free_port_block
 
@@ -66,10 +69,10 @@ class BrokerProc:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited {self.proc.returncode}: {self.stderr}")
-            st = ask_status(self.control, 0.5)
+            st = self.ask(0.5)
             if st is not None:
                 return st
-        raise RuntimeError("broker did not answer status")
+        raise RuntimeError(f"{type(self).__name__}: the broker did not answer status")
 
     def events(self, name: str | None = None) -> list[dict]:
         out = []
@@ -88,8 +91,9 @@ class BrokerProc:
             time.sleep(0.02)
         raise AssertionError(f"no {name} within {timeout_s}s; last lines: {self.lines[-5:]}")
 
-    def ask(self) -> dict | None:
-        return ask_status(self.control)
+    def ask(self, timeout_s: float = 2.0) -> dict | None:
+        """The broker's status, or None when it does not answer within timeout_s."""
+        return ask_status(self.control, timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> int:
         if self.proc.poll() is None:
@@ -101,7 +105,37 @@ class BrokerProc:
         return self.runs_dir / self.run_id
 
 
-def spawn_fake(role: str, broker: BrokerProc, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, FAKES, role, "--broker", broker.control, "--runs-dir",
-                             str(broker.runs_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def spawn_fake(role: str, broker: BrokerProc, *args: str, script: str = FAKES, stdout=subprocess.PIPE
+               ) -> subprocess.Popen:
+    """A fake peer process (`script`: broker_fakes.py or another folder's fakes built on it)
+    attached to `broker`."""
+    return subprocess.Popen([sys.executable, script, role, "--broker", broker.control, "--runs-dir",
+                             str(broker.runs_dir), *args], stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+@contextmanager
+def broker_procs(runs_dir: Path, make=BrokerProc) -> Iterator:
+    """`start(*args, **kw)` -> make(runs_dir, list(args), **kw), a broker process; every one
+    still running is killed on the way out. The body of each folder's broker fixture."""
+    started: list[BrokerProc] = []
+
+    def start(*args: str, **kw) -> BrokerProc:
+        b = make(runs_dir, list(args), **kw)
+        started.append(b)
+        return b
+
+    try:
+        yield start
+    finally:
+        for b in started:
+            if b.proc.poll() is None:
+                b.proc.kill()
+                b.proc.wait(5)
+
+
+@pytest.fixture
+def start_broker(tmp_path):
+    """`start_broker(*args, n_out=8, env=None)` starts a broker on free loopback ports under
+    tmp_path/runs (import it into a conftest.py to use it)."""
+    with broker_procs(tmp_path / "runs") as start:
+        yield start

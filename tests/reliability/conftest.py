@@ -7,23 +7,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "broker"))
 
-from reliability_helpers import BrokerProc  # noqa: E402
+from broker_harness import broker_procs  # noqa: E402
 
 
 @pytest.fixture
 def brokers(tmp_path):
-    """`brokers(*args)` starts a broker on free loopback ports under tmp_path/runs."""
-    started: list[BrokerProc] = []
-
-    def start(*args: str, n_out: int = 8, env: dict | None = None) -> BrokerProc:
-        b = BrokerProc(tmp_path / "runs", list(args), n_out, env=env)
-        started.append(b)
-        return b
-
-    yield start
-    for b in started:
-        if b.proc.poll() is None:
-            b.proc.kill()
-            b.proc.wait(5)
+    """`brokers(*args, n_out=8, env=None)` starts a broker on free loopback ports under tmp_path/runs."""
+    with broker_procs(tmp_path / "runs") as start:
+        yield start

@@ -12,8 +12,6 @@ Exit codes as broker_fakes: 0 after stop / grant end, 3 rejected, 4 broker silen
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import zmq.auth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
 
-from broker_fakes import BrokerGone, FakeConsumer, FakeProducer, Rejected  # noqa: E402
+from broker_fakes import FakeConsumer, FakeProducer, fake_parser, serve  # noqa: E402
 
 
 class CommittingConsumer(FakeConsumer):
@@ -50,51 +48,23 @@ def use_curve(keys_dir: str, name: str) -> None:
     ctx.setsockopt(zmq.CURVE_SECRETKEY, sec)
 
 
+def _peer(a, instance: str, log):
+    if a.role == "producer":
+        return FakeProducer(a.broker, instance, n_samples=a.n_samples, per_batch=a.per_batch, delay_s=a.delay_s,
+                            log=log.info)
+    return CommittingConsumer(a.broker, instance, train_s=a.train_s, prefetch=a.prefetch, log=log.info,
+                              commit_every=a.commit_every)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["producer", "consumer"])
-    ap.add_argument("--broker", required=True)
-    ap.add_argument("--instance", default=None)
-    ap.add_argument("--runs-dir", default="runs")
-    ap.add_argument("--n-samples", type=int, default=64)
-    ap.add_argument("--per-batch", type=int, default=2)
-    ap.add_argument("--delay-s", type=float, default=0.0)
-    ap.add_argument("--train-s", type=float, default=0.0)
-    ap.add_argument("--prefetch", type=int, default=1)
+    ap = fake_parser()
     ap.add_argument("--commit-every", type=int, default=0)
-    ap.add_argument("--max-s", type=float, default=120.0)
     ap.add_argument("--curve-keys", default=None)
     ap.add_argument("--curve-name", default=None)
     a = ap.parse_args(argv)
-    from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
-
     if a.curve_keys:
         use_curve(a.curve_keys, a.curve_name)
-    instance = a.instance or f"{a.role}-{os.getpid()}"
-    setup_logging(a.role, instance)
-    log = get_logger()
-    emit = lambda event, **kw: log.info(event, **kw)  # noqa: E731
-    try:
-        if a.role == "producer":
-            peer = FakeProducer(a.broker, instance, n_samples=a.n_samples, per_batch=a.per_batch,
-                                delay_s=a.delay_s, log=emit)
-        else:
-            peer = CommittingConsumer(a.broker, instance, train_s=a.train_s, prefetch=a.prefetch, log=emit,
-                                      commit_every=a.commit_every)
-        bind_run(peer.run, a.runs_dir)
-        log.info("fake.joined", peer=peer.peer)
-        peer.run_to_end(**({"max_s": a.max_s} if a.role == "consumer" else {}))
-        peer.close()
-        return 0
-    except Rejected as e:
-        log.error("fake.rejected", reason=str(e))
-        print(f"error: broker rejected us: {e}", file=sys.stderr)
-        return 3
-    except BrokerGone as e:
-        log.error("fake.broker_lost", reason=str(e))
-        return 4
-    finally:
-        close_logging()
+    return serve(a, _peer)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import zmq
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "broker"))
 
-from broker_harness import BrokerProc  # noqa: E402,F401
+from broker_harness import BrokerProc, spawn_fake  # noqa: E402,F401
 
 from dflash.protocol.curve import client_keys  # noqa: E402
 
@@ -26,9 +26,7 @@ REL_FAKES = str(HERE / "rel_fakes.py")
 
 def spawn(role: str, broker: BrokerProc, *args: str) -> subprocess.Popen:
     """A rel_fakes.py process attached to `broker`."""
-    return subprocess.Popen([sys.executable, REL_FAKES, role, "--broker", broker.control, "--runs-dir",
-                             str(broker.runs_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return spawn_fake(role, broker, *args, script=REL_FAKES)
 
 
 def finish(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> list[int]:
@@ -107,15 +105,5 @@ class CurveBrokerProc(BrokerProc):
         self.keys, self.probe_name = keys, probe_name
         super().__init__(runs_dir, ["--curve-keys", str(keys), *args], n_out)
 
-    def ask(self) -> dict | None:
-        return curve_status(self.control, self.keys, self.probe_name)
-
-    def _wait_up(self, timeout_s: float = 20.0) -> dict:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited {self.proc.returncode}: {self.stderr}")
-            st = curve_status(self.control, self.keys, self.probe_name, 0.5)
-            if st is not None:
-                return st
-        raise RuntimeError("broker did not answer status over Curve")
+    def ask(self, timeout_s: float = 2.0) -> dict | None:
+        return curve_status(self.control, self.keys, self.probe_name, timeout_s)

@@ -18,6 +18,7 @@ import random
 import msgpack
 import pytest
 import zmq
+from broker_harness import broker_procs
 from fuzz_messages import batch
 from reliability_helpers import (CurveBrokerProc, committed, curve_dealer, curve_status, finish, rss_kib, spawn,
                                  wait_until)
@@ -41,18 +42,9 @@ def keys(tmp_path_factory):
 
 @pytest.fixture
 def curve_broker(tmp_path, keys):
-    started = []
-
-    def start(*args: str) -> CurveBrokerProc:
-        b = CurveBrokerProc(tmp_path / "runs", list(args), keys, "good-c")
-        started.append(b)
-        return b
-
-    yield start
-    for b in started:
-        if b.proc.poll() is None:
-            b.proc.kill()
-            b.proc.wait(5)
+    """`curve_broker(*args)`: a broker with --curve-keys, probed as good-c."""
+    with broker_procs(tmp_path / "runs", lambda runs, args: CurveBrokerProc(runs, args, keys, "good-c")) as start:
+        yield start
 
 
 def _silent(sock: zmq.Socket, within_s: float) -> bool:

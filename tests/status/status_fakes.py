@@ -9,7 +9,6 @@ numbers: these machines have no GPU.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
 
-from broker_fakes import BrokerGone, FakeConsumer, FakeProducer, Rejected  # noqa: E402
+from broker_fakes import FakeConsumer, FakeProducer, fake_parser, serve  # noqa: E402
 
 TOKENS_PER_BATCH = 8  # broker_fakes.batch_frames: seq_len 4 x per_batch 2
 GiB = 1 << 30
@@ -106,47 +105,21 @@ class StatsConsumer(FakeConsumer):
             super().send("commit", step=step, checkpoint=f"fake/step-{step}")
 
 
+def _peer(a, instance: str, log):
+    if a.role == "producer":
+        return StatsProducer(a.broker, instance, n_samples=a.n_samples, delay_s=a.delay_s, gpu=a.gpu,
+                             gpu_util=a.gpu_util, oom_backoff=a.oom_backoff)
+    return StatsConsumer(a.broker, instance, train_s=a.train_s, prefetch=a.prefetch, gpu=a.gpu,
+                         gpu_util=a.gpu_util, commit_every=a.commit_every, oom_at_step=a.oom_at_step, logger=log)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["producer", "consumer"])
-    ap.add_argument("--broker", required=True)
-    ap.add_argument("--instance", required=True)
-    ap.add_argument("--gpu", type=int, default=None)
-    ap.add_argument("--runs-dir", default="runs")
-    ap.add_argument("--n-samples", type=int, default=5000)
-    ap.add_argument("--delay-s", type=float, default=0.0, help="producer: seconds per batch (a slow target)")
-    ap.add_argument("--train-s", type=float, default=0.0, help="consumer: seconds per step (a lagging drafter)")
-    ap.add_argument("--prefetch", type=int, default=1)
+    ap = fake_parser(n_samples=5000)
     ap.add_argument("--gpu-util", type=float, default=90.0)
     ap.add_argument("--oom-backoff", action="store_true")
     ap.add_argument("--commit-every", type=int, default=5)
     ap.add_argument("--oom-at-step", type=int, default=0)
-    a = ap.parse_args(argv)
-    from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
-
-    setup_logging(a.role, a.instance, gpu=a.gpu)
-    log = get_logger()
-    try:
-        if a.role == "producer":
-            peer = StatsProducer(a.broker, a.instance, n_samples=a.n_samples, delay_s=a.delay_s, gpu=a.gpu,
-                                 gpu_util=a.gpu_util, oom_backoff=a.oom_backoff)
-        else:
-            peer = StatsConsumer(a.broker, a.instance, train_s=a.train_s, prefetch=a.prefetch, gpu=a.gpu,
-                                 gpu_util=a.gpu_util, commit_every=a.commit_every, oom_at_step=a.oom_at_step,
-                                 logger=log)
-        bind_run(peer.run, a.runs_dir)
-        log.info("fake.joined", peer=peer.peer)
-        peer.run_to_end(**({"max_s": 120.0} if a.role == "consumer" else {}))
-        peer.close()
-        return 0
-    except Rejected as e:
-        log.error("fake.rejected", reason=str(e))
-        return 3
-    except BrokerGone as e:
-        log.error("fake.broker_lost", reason=str(e))
-        return 4
-    finally:
-        close_logging()
+    return serve(ap.parse_args(argv), _peer)
 
 
 if __name__ == "__main__":

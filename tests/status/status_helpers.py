@@ -8,14 +8,16 @@ import sys
 import time
 from pathlib import Path
 
-FAKES = str(Path(__file__).resolve().parent / "status_fakes.py")
+HERE = Path(__file__).resolve().parent
+FAKES = str(HERE / "status_fakes.py")
+sys.path.insert(0, str(HERE.parent / "broker"))
+
+from broker_harness import spawn_fake  # noqa: E402
 
 
 def spawn(role: str, broker, *args: str) -> subprocess.Popen:
     # stdout to /dev/null: a fake logs a line per step, and an unread pipe would block it
-    return subprocess.Popen([sys.executable, FAKES, role, "--broker", broker.control, "--runs-dir",
-                             str(broker.runs_dir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    return spawn_fake(role, broker, *args, script=FAKES, stdout=subprocess.DEVNULL)
 
 
 def status(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
