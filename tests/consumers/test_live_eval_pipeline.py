@@ -1,6 +1,6 @@
 """`dflash-consume --eval-every N` on a real pipeline: a broker, a CPU producer running a
-tiny real target over the bundled chats, and a consumer, each its own process on
-loopback. The consumer logs `eval.step` (simulated acceptance on the batch about to be
+tiny real target over the bundled chats with --regenerate, and a consumer, each its own
+process on loopback. The consumer logs `eval.step` (simulated acceptance on the batch about to be
 trained), `eval.tau` (real speculative decoding of the whole target on --eval-prompts,
 lossless) and `eval.cost`; `dflash-status --json` on the live run shows the latest figures,
 and the human view an EVAL row.
@@ -20,7 +20,7 @@ import pytest
 from dflash.protocol.sockets import free_port_block
 from dflash.tools.procs import ProcessGroup
 
-N_ROWS, EPOCHS, EVERY, B, PROMPTS, NEW = 48, 2, 4, 4, 3, 16
+N_ROWS, EPOCHS, EVERY, B, PROMPTS, NEW, REGEN_NEW = 48, 2, 4, 4, 3, 16, 24
 
 
 def _status(broker: str) -> dict | None:
@@ -60,7 +60,8 @@ def live_run(tmp_path_factory):
     group.start("producer", py + ["dflash.producers.cli", "--broker", broker, "--runs-dir", runs, "--instance", "p0",
                                   "--device", "cpu", "--target", target, "--data", str(tmp / "chats.jsonl"),
                                   "--token-budget", "256", "--max-length", "256", "--max-batch-size", "2",
-                                  "--lease-size", "8", "--prefetch", "2"], tmp / "producer.out", env)
+                                  "--lease-size", "8", "--prefetch", "2", "--regenerate", "--max-new-tokens",
+                                  str(REGEN_NEW), "--regen-cache", str(tmp / "regen")], tmp / "producer.out", env)
     group.start("consumer", py + ["dflash.consumers.cli", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
                                   "--target", target, "--block-size", str(B), "--anchors", "16", "--draft-layers",
                                   "1", "--lr", "3e-3", "--save-every", "0", "--eval-every", str(EVERY),
@@ -85,11 +86,13 @@ def live_run(tmp_path_factory):
         pytest.fail("; ".join(f"{c.name} rc={c.proc.returncode}: {c.out_path.read_text()[-1500:]}" for c in failed))
     (run_dir,) = [p for p in Path(runs).iterdir() if p.name != "latest"]
     (log,) = (run_dir / "logs").glob("consumer-*.jsonl")
-    return [json.loads(x) for x in log.read_text().splitlines()], st, text
+    (plog,) = (run_dir / "logs").glob("producer-*.jsonl")
+    producer = [json.loads(x) for x in plog.read_text().splitlines()]
+    return [json.loads(x) for x in log.read_text().splitlines()], st, text, producer
 
 
 def test_eval_events_every_n_steps_with_sane_figures(live_run):
-    events, _, _ = live_run
+    events, _, _, _ = live_run
     done = next(e for e in events if e["event"] == "consume.done")
     sims = [e for e in events if e["event"] == "eval.step"]
     taus = [e for e in events if e["event"] == "eval.tau"]
@@ -115,7 +118,7 @@ def test_eval_events_every_n_steps_with_sane_figures(live_run):
 
 
 def test_status_json_and_view_show_the_latest_eval(live_run):
-    events, st, text = live_run
+    events, st, text, _ = live_run
     ev = _consumer_eval(st)
     assert ev is not None, f"no eval in the live status: {json.dumps(st)[:2000]}"
     sim = next(e for e in events if e["event"] == "eval.step" and e["step"] == ev["step"])
@@ -132,3 +135,12 @@ def test_status_json_and_view_show_the_latest_eval(live_run):
     sim = next(e for e in events if e["event"] == "eval.step" and e["step"] == int(cols[3]))
     real = next(e for e in events if e["event"] == "eval.tau" and e["step"] == int(cols[3]))
     assert f"{sim['tau']:.2f}" == cols[5] and f"{real['tau']:.2f}" == cols[8] and cols[12] == f"{PROMPTS}/{PROMPTS}"
+
+
+def test_the_producer_regenerates_once_and_reads_the_cache_in_epoch_2(live_run):
+    *_, producer = live_run
+    regen = [e for e in producer if e["event"] == "produce.regen"]
+    assert sum(e["generated"] for e in regen) == N_ROWS  # each chat generated once, in epoch 1
+    assert sum(e["cached"] for e in regen) == N_ROWS * (EPOCHS - 1)  # and read back after
+    assert all(e["rows"] == e["generated"] + e["cached"] and (e["new_tokens"] > 0) == (e["generated"] > 0)
+               for e in regen)
