@@ -46,6 +46,8 @@ class RealTauSet:
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval().requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(target)
+        if len(tokenizer) < 2:  # transformers makes an empty one for a folder without tokenizer files
+            raise ValueError(f"--target {target} has no tokenizer (tokenizer.json etc.): --eval-prompts needs it")
         prompts = read_prompts(prompts_file, tokenizer, limit)
         if not prompts:
             raise ValueError(f"{prompts_file}: no prompts (JSON Lines of messages/prompt/text rows)")
