@@ -122,11 +122,12 @@ class LiveEval:
         t0 = time.monotonic()
         sim = simulated_acceptance(model, self.heads, [batch], self.signal)
         sim_s = time.monotonic() - t0
-        unseen = [s for s in batch.samples if not any(record.holds(e, s) for e in record.epochs)]
+        unseen = sum(not any(record.holds(e, s) for e in record.epochs) for s in batch.samples)
+        unseen_frac = round(unseen / max(1, len(batch.samples)), 4)
         log.info("eval.step", step=step, batch_id=batch.batch_id, epoch=batch.epoch, sequences=len(batch.samples),
-                 unseen_frac=round(len(unseen) / max(1, len(batch.samples)), 4), seconds=round(sim_s, 3), **sim)
+                 unseen_frac=unseen_frac, seconds=round(sim_s, 3), **sim)
         real = self._real_tau(step, model) if self.real is not None else None
-        self._publish(step, sim, len(unseen) / max(1, len(batch.samples)), real, t0)
+        self._publish(step, sim, unseen_frac, real, t0)
 
     def final(self, step: int, model: nn.Module) -> None:
         """Real tau of the finished weights, if not measured at this step already (there is
@@ -167,7 +168,7 @@ class LiveEval:
             "overhead_frac": round(overhead, 4) if overhead is not None else None,
             "sim_tau": sim["tau"] if sim else None, "sim_acc": sim["acc"] if sim else None,
             "sim_loss": sim["loss"] if sim else None, "sim_blocks": sim["blocks"] if sim else 0,
-            "unseen_frac": round(unseen_frac, 4) if unseen_frac is not None else None,
+            "unseen_frac": unseen_frac,
             "tau": real["tau"] if real else None, "tau_pooled": real["tau_pooled"] if real else None,
             "acceptance_rate": real["acceptance_rate"] if real else None,
             "speedup": real["speedup"] if real else None, "prompts": real["prompts"] if real else 0,

@@ -154,6 +154,14 @@ class Regenerator:
                  new_tokens=new_tokens, gen_s=round(time.monotonic() - t0, 3))
         return [done[r.sample].row(r) if r.messages is not None else r for r in rows]
 
+    def check(self, row: Row) -> None:
+        """Raise BadRow if `row` is a chat the template cannot render around probe turns
+        (before any generation, so one bad row does not fail a whole batch)."""
+        if row.messages is not None:
+            c = self._start(row)
+            for k in range(len(c.turns) + 1):
+                self._render(c, k)
+
     def _regenerate(self, rows: list[Row]) -> tuple[list[Regenerated], int]:
         """Turn by turn for all `rows` at once. Returns the conversations, tokens generated."""
         convs = [self._start(r) for r in rows]
@@ -191,10 +199,10 @@ class Regenerator:
         probe = _PROBE.format(c.turns[k - 1])
         if text.count(probe) != 1:
             raise BadRow(c.row.sample, c.row.source, f"the chat template does not render assistant turn {k - 1} "
-                         "verbatim; cannot place the regenerated tokens")
+                         "(0-based) verbatim; cannot place the regenerated tokens")
         text = text.split(probe, 1)[1]
         # The template ends the turn with its marker (<|im_end|>); the target may have emitted it already.
-        last = c.generated[k - 1]
+        last = c.generated[k - 1] if k - 1 < len(c.generated) else []  # none yet: check()
         if last and last[-1] in self.stop_ids:
             end = self.tok.decode([last[-1]])
             if end and text.startswith(end):

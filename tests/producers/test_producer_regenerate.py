@@ -143,3 +143,24 @@ def test_ids_differ_from_the_text_round_trip_for_some_rows(tiny, tokenizer, refe
                              add_special_tokens=False)["input_ids"]
         lost += text_ids != [t for t in r.input_ids[a:b] if t not in stops]
     print(f"\n{lost} of {len(rows)} regenerated turns change in a decode, strip, encode round trip (the text cache)")
+
+
+def test_a_row_the_template_cannot_render_is_a_bad_row_named_before_generating(tiny, tokenizer, tmp_path):
+    import copy
+
+    import pytest
+
+    from dflash.producers.data import BadRow
+
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (  # refuses system turns, and upper-cases answers (not rendered verbatim)
+        "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{%- endif %}"
+        "{{- m['role'] + ': ' + (m['content'] | upper if m['role'] == 'assistant' else m['content']) + '\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}")
+    regen = Regenerator(target, tok, RegenCache(tmp_path, "k"), max_new_tokens=NEW)
+    with pytest.raises(BadRow, match=r"d:7: chat template failed: .*no system turns"):
+        regen.check(Row(7, "d:7", messages=[{"role": "system", "content": "s"}, *CHAT[:2]]))
+    with pytest.raises(BadRow, match=r"d:8: the chat template does not render assistant turn 0 \(0-based\) verbatim"):
+        regen.check(Row(8, "d:8", messages=CHAT))
+    regen.check(Row(10, "d:10", text="plain"))  # nothing to regenerate
