@@ -101,8 +101,13 @@ def peer_row(b, p, now: float) -> dict:
                    in_flight_bytes=sum(x.nbytes for x in p.in_flight.values()), delivered=p.delivered,
                    acked=p.acked, data_out=p.data_out,
                    waiting_s=None if p.waiting_since is None else round(now - p.waiting_since, 3),
-                   wait_frac=round(p.wait_share.share(now), 3))
+                   wait_frac=round(p.wait_share.share(now), 3), eval=_eval(p.stats.get("eval")))
     return row
+
+
+def _eval(v) -> dict | None:
+    """A consumer's latest live evaluation (`--eval-every`, its heartbeat's `eval` map), or null."""
+    return v if isinstance(v, dict) and v else None
 
 
 def _number(v):

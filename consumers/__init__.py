@@ -4,7 +4,8 @@ What the CLI and the broker link call:
   target_heads.load_target_heads(path, device=, dtype=) -> TargetHeads   (embed + lm_head only)
   train.TrainConfig                                                       (all training options)
   train.train(cfg, heads, batches, dist=, ckpt_root=, runs_dir=, run_config=, hooks=) -> TrainState
-  train.Hooks(on_step, on_checkpoint, queue, stop, after_step, stats)     (ack, commit, figures, stop)
+  train.Hooks(on_step, on_checkpoint, queue, stop, after_step, before_step, stats)  (ack, commit, figures, stop, eval)
+  live_eval.LiveEval(heads, signal, every, stats=, real=).before_step     (--eval-every; real_tau.RealTauSet)
   batch.Batch / Batch.from_message(msg)                                   (decoded `batch` messages)
   dist.Dist.init(...) / Dist.from_torchrun(device)                        (gloo on CPU, NCCL on GPU)
   checkpoint.resolve_checkpoint(ref, runs_dir), SignalMismatch

@@ -31,6 +31,8 @@ from dflash.protocol.run import run_dir as run_folder
 
 from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
+from .live_eval import LiveEval
+from .real_tau import RealTauSet
 from .link import (BrokerHooks, arranged_dist, broker_batches, hello_config, offer_dist_addr, resume_point,
                    run_layers)
 from .synthetic import synthetic_stream
@@ -59,6 +61,10 @@ class ConsumerConfig:
     log_level: str = "info"
     curve_keys: str | None = None  # CurveZMQ: keys folder (dflash-keygen), None = plain TCP
     curve_name: str | None = None
+    eval_every: int = 0  # live evaluation every N steps on rank 0 (live_eval.py), 0 = off
+    eval_prompts: str | None = None  # JSON Lines prompts for real tau (loads the whole target)
+    eval_max_new_tokens: int = 64
+    eval_limit: int | None = 8
 
 
 def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
@@ -120,6 +126,15 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--synthetic-batches", default=0, type=click.IntRange(0), help="Train on N local synthetic batches instead of a broker.")
 @option("--synthetic-seqs", default=4, type=click.IntRange(1), help="Sequences per synthetic batch.")
 @option("--synthetic-seq-len", default=512, type=click.IntRange(2), help="Tokens per synthetic sequence.")
+@option("--eval-every", default=0, type=click.IntRange(0),
+        help="Every N steps rank 0 evaluates the drafter before the next step trains: simulated acceptance on "
+        "that step's batch (not trained yet), and real tau with --eval-prompts; logged as eval.*, shown by "
+        "dflash-status (docs/EVAL.md). 0: off.")
+@option("--eval-prompts", default=None, type=click.Path(exists=True, dir_okay=False),
+        help="JSON Lines prompts (as dflash-eval reads them) for real tau during training; rank 0 then loads "
+        "the whole --target on its device. Needs --eval-every.")
+@option("--eval-max-new-tokens", default=64, type=click.IntRange(1), help="Tokens decoded per eval prompt.")
+@option("--eval-limit", default=8, type=click.IntRange(1), help="Use only the first N of --eval-prompts.")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
 @curve_options
 def main(**o) -> None:
@@ -140,6 +155,8 @@ def run(cfg: ConsumerConfig) -> None:
         torch.cuda.set_device(device)
     dist, previous = None, {}
     try:
+        if cfg.eval_prompts and not cfg.eval_every:
+            raise ValueError("--eval-prompts is used by the live evaluation: give --eval-every N too")
         log.info("consume.start", config=_json_config(cfg), device=str(device),
                  source="synthetic" if cfg.synthetic_batches else cfg.broker)
         heads = load_target_heads(cfg.target, device=device,
@@ -188,8 +205,12 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
     source = synthetic_stream(heads.spec, list(signal_.target_layers), batches=cfg.synthetic_batches,
                               n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
                               seed=tcfg.seed, dtype=heads.embed.dtype)
-    return train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
-                 run_config=_json_config(cfg), hooks=Hooks(stop=stop))
+    live = _live_eval(cfg, heads, signal_, dist.rank, None)
+    state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
+                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step))
+    if live and state.end_reason != "stop":
+        live.final(state.step, state.model)
+    return state
 
 
 def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, stop: threading.Event):
@@ -214,12 +235,16 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             signal_ = resolve_signal(tcfg, heads)
             _same_signal(dist, signal_)
             plugs = BrokerHooks(link, dist.rank, stop, device)
+            live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
+            plugs.hooks.before_step = live and live.before_step
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit
             state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
                           ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
                           run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
+        if live and state.end_reason != "stop":  # the finished drafter's real tau, while the broker still listens
+            live.final(state.step, state.model)
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist
@@ -229,6 +254,18 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         raise
     finally:
         link.close(reason=reason)
+
+
+def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | None) -> LiveEval | None:
+    """The evaluator of --eval-every (None when off or not rank 0). Rank 0 loads
+    the whole target here for --eval-prompts. Raises ValueError (bad prompts), OSError."""
+    if not cfg.eval_every or rank != 0:
+        return None
+    real = None
+    if cfg.eval_prompts:
+        real = RealTauSet.load(cfg.target, cfg.eval_prompts, device=heads.embed.device, dtype=heads.embed.dtype,
+                               max_new_tokens=cfg.eval_max_new_tokens, limit=cfg.eval_limit)
+    return LiveEval(heads, signal_, cfg.eval_every, rank=rank, stats=stats, real=real)
 
 
 def _check_world(dist: Dist, run_config: dict) -> None:

@@ -1,14 +1,21 @@
-"""Live evaluation during training: simulated acceptance on held-out batches, logged as
-`eval.step` events, through the training loop's existing `Hooks.after_step`.
+"""Live evaluation during training (`dflash-consume --eval-every N`), logged as `eval.*`
+events and carried to the broker in the consumer's heartbeat (`stats.eval`), so
+`dflash-status` shows it.
 
-Simulated acceptance is what training measures, on data the drafter never trains on: for
-each anchor the block is drafted from the context before it, and the correct prefix of
-the block (`streak`) is the number of drafts a greedy verifier would accept, so
-tau = streak + 1 (DFLASH.md "Metrics"). The held-out anchors are drawn with a fixed seed,
-so successive evaluations measure the same blocks and differ only by the weights.
+Every N steps rank 0 measures the weights of that step, before the next step trains:
 
-Real tau needs the whole target, which a consumer does not load: dflash-eval on the
-checkpoints gives it (docs/EVAL.md).
+- simulated acceptance on the batch that next step is about to train: data these weights
+  have not trained on (in the first epoch never; later epochs' samples were seen in an
+  earlier epoch, which `unseen_frac` says). For each anchor the block is drafted from
+  the context before it, and the correct prefix of the block (`streak`) is the number of
+  drafts a greedy verifier would accept, so tau = streak + 1 (DFLASH.md "Metrics").
+  Anchors are drawn with a fixed seed and no feature noise, unlike training's. Nothing is
+  held back from training, so the broker's exactly-once accounting is untouched;
+- real tau (`--eval-prompts`): speculative decoding of the whole target with this drafter
+  on fixed prompts (real_tau.py), lossless-checked against the target's greedy output.
+
+`eval_hook` is the simpler programmatic form: simulated acceptance on fixed held-out
+batches the caller provides, through `Hooks.after_step`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from dflash.protocol.logs import get_logger
 from .batch import Batch
 from .checkpoint import Signal
 from .loss import empty_stats
+from .real_tau import RealTauSet
+from .record import TrainedRecord
 from .step import batch_loss
 from .target_heads import TargetHeads
 
@@ -71,3 +80,90 @@ def eval_hook(heads: TargetHeads, signal: Signal, held_out: list[Batch], every: 
         log.info("eval.step", step=step, batches=len(held_out), seconds=round(time.monotonic() - t0, 3), **figures)
 
     return after_step
+
+
+class LiveEval:
+    """`Hooks.before_step` of `dflash-consume --eval-every N` (see the module docstring).
+
+    `stats` is the heartbeat's dict: the latest figures go into its `eval` key as one new
+    flat map each time (the I/O thread copies the dict; the map is never changed after)."""
+
+    def __init__(self, heads: TargetHeads, signal: Signal, every: int, *, rank: int = 0,
+                 stats: dict | None = None, real: RealTauSet | None = None):
+        if every < 1:
+            raise ValueError(f"eval every {every} steps: must be >= 1")
+        self.heads, self.signal, self.every, self.rank = heads, signal, every, rank
+        self.stats, self.real = stats, real
+        self.due = every  # the weights' step the next evaluation is for (or the first after it)
+        self.last_end: float | None = None  # when the previous evaluation ended (overhead share)
+        self.last_step = 0  # weights' step of the latest evaluation
+        if real is not None:
+            real.check_drafter(list(signal.target_layers), heads.spec.hidden_size)
+            log.info("eval.start", every=every, prompts=len(real.prompts), max_new_tokens=real.max_new_tokens,
+                     target_tokens=sum(len(b.tokens) for b in real.baselines), load_s=real.load_s)
+        else:
+            log.info("eval.start", every=every, prompts=0, max_new_tokens=None, target_tokens=0, load_s=0.0)
+
+    def before_step(self, step: int, model: nn.Module, batch: Batch | None, record: TrainedRecord) -> None:
+        """Evaluate the weights of `step` (optimizer steps so far) on `batch`, which the
+        next step is about to train. A rank without a batch (an empty step) tries again
+        at the next step, so an evaluation is late rather than lost."""
+        if self.rank != 0 or step < self.due or batch is None:
+            return
+        self.due = (step // self.every + 1) * self.every
+        self.last_step = step
+        t0 = time.monotonic()
+        sim = simulated_acceptance(model, self.heads, [batch], self.signal)
+        sim_s = time.monotonic() - t0
+        unseen = sum(not any(record.holds(e, s) for e in record.epochs) for s in batch.samples)
+        unseen_frac = round(unseen / max(1, len(batch.samples)), 4)
+        log.info("eval.step", step=step, batch_id=batch.batch_id, epoch=batch.epoch, sequences=len(batch.samples),
+                 unseen_frac=unseen_frac, seconds=round(sim_s, 3), **sim)
+        real = self._real_tau(step, model) if self.real is not None else None
+        self._publish(step, sim, unseen_frac, real, t0)
+
+    def final(self, step: int, model: nn.Module) -> None:
+        """Real tau of the finished weights, if not measured at this step already (there is
+        no next batch for a simulated figure)."""
+        if self.rank != 0 or self.real is None or step == 0 or step == self.last_step:
+            return
+        t0 = time.monotonic()
+        real = self._real_tau(step, model)
+        self._publish(step, None, None, real, t0)
+
+    def _real_tau(self, step: int, model: nn.Module) -> dict:
+        t0 = time.monotonic()
+        rep = self.real.evaluate(model, self.signal.block_size, self.signal.mask_token_id,
+                                 list(self.signal.target_layers))
+        figures = {k: rep[k] for k in ("tau", "tau_pooled", "tau_hist", "drafted", "accepted", "acceptance_rate",
+                                       "prompts", "cycles", "new_tokens", "speedup", "mismatches")}
+        log.info("eval.tau", step=step, seconds=round(time.monotonic() - t0, 3), **figures)
+        for r in rep["per_prompt"]:
+            if not r["lossless"]:
+                log.error("eval.mismatch", step=step, prompt=r["prompt"], first_difference=r["first_difference"],
+                          new_tokens=r["new_tokens"])
+        return figures
+
+    def _publish(self, step: int, sim: dict | None, unseen_frac: float | None, real: dict | None,
+                 t0: float) -> None:
+        """Log the evaluation's cost and hand the figures to the heartbeat."""
+        end = time.monotonic()
+        seconds = end - t0
+        # Share of the wall time since the previous evaluation spent evaluating.
+        overhead = seconds / (end - self.last_end) if self.last_end is not None else None
+        self.last_end = end
+        log.info("eval.cost", step=step, seconds=round(seconds, 3),
+                 overhead_frac=round(overhead, 4) if overhead is not None else None)
+        if self.stats is None:
+            return
+        self.stats["eval"] = {
+            "step": step, "at": round(time.time(), 3), "seconds": round(seconds, 3),
+            "overhead_frac": round(overhead, 4) if overhead is not None else None,
+            "sim_tau": sim["tau"] if sim else None, "sim_acc": sim["acc"] if sim else None,
+            "sim_loss": sim["loss"] if sim else None, "sim_blocks": sim["blocks"] if sim else 0,
+            "unseen_frac": unseen_frac,
+            "tau": real["tau"] if real else None, "tau_pooled": real["tau_pooled"] if real else None,
+            "acceptance_rate": real["acceptance_rate"] if real else None,
+            "speedup": real["speedup"] if real else None, "prompts": real["prompts"] if real else 0,
+            "mismatches": len(real["mismatches"]) if real else 0,
+        }

@@ -85,6 +85,9 @@ class Hooks:
     progress: Callable[[], dict] | None = None
     stop: threading.Event | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
+    # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
+    # or None, the record); live evaluation on a batch the weights have not trained on yet.
+    before_step: Callable[[int, torch.nn.Module, Batch | None, TrainedRecord], None] | None = None
     # Updated in place after every step with the consumer's heartbeat keys (PROTOCOL.md
     # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
     # to read.
@@ -265,6 +268,8 @@ def train(
             continue
         if batch is not None:
             state.epoch = batch.epoch
+        if hooks.before_step is not None:
+            hooks.before_step(state.step, model, batch, state.record)
 
         step = state.step + 1
         lr, noise = lr_at(step, cfg), noise_at(step, cfg)

@@ -57,6 +57,9 @@ class ChatEncoder:
 
     def encode(self, row: Row) -> Encoded:
         """Token IDs and loss mask of `row`. Raises BadRow if its template render fails."""
+        if row.input_ids is not None:
+            # Already tokens (a regenerated chat): re-tokenising decoded text is lossy.
+            return self._truncate(row.sample, row.input_ids, row.loss_mask)
         if row.text is not None:
             # Plain text: no turns, every token carries loss (continuation data).
             ids = self.tok(row.text, add_special_tokens=True)["input_ids"]

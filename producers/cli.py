@@ -52,7 +52,8 @@ log = get_logger()
 @option("--skip-bad-rows", is_flag=True, default=False, help="Skip malformed rows (each logged, counted and "
         "reported to the broker) instead of stopping with an error naming file:line.")
 @option("--regenerate", is_flag=True, default=False, help="Replace assistant turns by the target's own greedy "
-        "generation before capture (cached on disk per dataset, target and settings).")
+        "generation before capture, trained as the exact token IDs generated (loss on those only); cached on disk "
+        "per dataset, target and settings.")
 @option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
 @option("--regen-batch-size", type=int, default=16, help="Rows generated together with --regenerate.")
 @option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")

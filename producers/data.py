@@ -51,12 +51,16 @@ class BadRow(DFlashError):
 
 @dataclass
 class Row:
-    """One parsed sample: exactly one of `messages` / `text` is set."""
+    """One parsed sample: exactly one of `messages` / `text` is set. A regenerated chat
+    (producers/regenerate.py) also carries its exact token IDs and loss mask, which the
+    encoder uses as they are; `messages` then holds the decoded turns, for reading only."""
 
     sample: int
     source: str
     messages: list[dict] | None = None
     text: str | None = None
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
 
 
 class DataSource(Protocol):

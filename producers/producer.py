@@ -105,7 +105,10 @@ class Producer:
         rows: list[Row] = []
         for sample in lease.samples:
             try:
-                rows.append(self.dataset.read(sample))
+                row = self.dataset.read(sample)
+                if self.regenerator is not None:
+                    self.regenerator.check(row)  # a row it cannot regenerate is a bad row, not a failed lease
+                rows.append(row)
             except BadRow as e:
                 skipped.append(self._bad_row(e))
         if self.regenerator is not None:

@@ -1,11 +1,24 @@
 """`--regenerate`: replace assistant turns by the target's own greedy generation.
 
 DFlash drafters learn what the target says, so the paper trains on responses regenerated
-by the target. Turns are generated in order (turn k+1's prompt holds regenerated turn k),
-batched across the rows of a lease with left padding. Results are cached in one SQLite
-file per (dataset fingerprint, target, generation settings), keyed by sample ID, so an
-epoch 2 or a restarted producer reads them instead of generating again. SQLite (WAL, busy
-timeout) because several producers on one host share the cache.
+by the target. What is kept is the token IDs, never text: decoding a turn and encoding it
+again is lossy with byte-level BPE (a token that splits a UTF-8 character decodes to
+U+FFFD; merges differ across a boundary), so the drafter would learn tokens the target
+never produced. Each conversation is built as one ID sequence, in order:
+
+    [template text before turn 0] [turn 0 as generated] [template text before turn 1] ...
+
+Template text is rendered with the tokenizer's chat template, each assistant content
+replaced by a probe string, and tokenised piece by piece; turn k is generated from
+exactly the IDs before it (so turn k+1's prompt holds turn k's IDs as generated). The
+loss mask is 1 on the generated IDs, stop token included when the target emitted one,
+and 0 on template text; if the target emitted the template's turn end marker itself, the
+template's copy is left out. Rows are batched per turn with left padding.
+
+Results are cached in one SQLite file per (dataset fingerprint, target, generation
+settings, format), keyed by sample ID, so an epoch 2 or a restarted producer reads them
+instead of generating again. SQLite (WAL, busy timeout) because several producers on one
+host share the cache.
 """
 
 from __future__ import annotations
@@ -16,16 +29,22 @@ import os
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflash.protocol.logs import get_logger
 
-from .data import Row
+from .data import BadRow, Row
 from .target import Target
 
 log = get_logger()
+
+
+FORMAT = "ids-v1"  # what a cache file holds; part of the key, so text-era caches are never read
+_PROBE = "\u2063dflash-turn-{}\u2063"  # invisible separators: never in real text
 
 
 def cache_key(fingerprint: str, target: Target, tokenizer, max_new_tokens: int, template_kwargs: dict) -> str:
@@ -34,13 +53,25 @@ def cache_key(fingerprint: str, target: Target, tokenizer, max_new_tokens: int, 
         "data": fingerprint, "target": target.info.name, "dtype": target.info.dtype,
         "config": target.config.to_json_string(use_diff=False),
         "max_new_tokens": max_new_tokens, "template": getattr(tokenizer, "chat_template", None),
-        "template_kwargs": template_kwargs,
+        "template_kwargs": template_kwargs, "format": FORMAT,
     }, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+@dataclass
+class Regenerated:
+    """One regenerated conversation: the exact IDs to train on, and the turns decoded (for reading)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    messages: list[dict]
+
+    def row(self, r: Row) -> Row:
+        return Row(r.sample, r.source, messages=self.messages, input_ids=self.input_ids, loss_mask=self.loss_mask)
+
+
 class RegenCache:
-    """sample ID -> regenerated messages, in `<dir>/<key>.sqlite`."""
+    """sample ID -> Regenerated, in `<dir>/<key>.sqlite` (IDs as int32 bytes, mask as uint8)."""
 
     def __init__(self, directory: str | os.PathLike, key: str):
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -48,22 +79,42 @@ class RegenCache:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=60, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS regen (sample INTEGER PRIMARY KEY, messages TEXT NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS regen_ids (sample INTEGER PRIMARY KEY, input_ids BLOB NOT NULL, "
+                         "loss_mask BLOB NOT NULL, messages TEXT NOT NULL)")
 
-    def get(self, samples: list[int]) -> dict[int, list[dict]]:
+    def get(self, samples: list[int]) -> dict[int, Regenerated]:
         with self._lock:
             q = ",".join("?" * len(samples))
-            rows = self._db.execute(f"SELECT sample, messages FROM regen WHERE sample IN ({q})", samples)
-            return {s: json.loads(m) for s, m in rows}
+            rows = self._db.execute(f"SELECT sample, input_ids, loss_mask, messages FROM regen_ids "
+                                    f"WHERE sample IN ({q})", samples).fetchall()
+        return {s: Regenerated(np.frombuffer(ids, dtype=np.int32).tolist(), list(mask), json.loads(m))
+                for s, ids, mask, m in rows}
 
-    def put(self, items: dict[int, list[dict]]) -> None:
+    def put(self, items: dict[int, Regenerated]) -> None:
+        rows = [(s, np.asarray(r.input_ids, dtype=np.int32).tobytes(), bytes(r.loss_mask),
+                 json.dumps(r.messages, ensure_ascii=False)) for s, r in items.items()]
         with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO regen VALUES (?, ?)",
-                                 [(s, json.dumps(m, ensure_ascii=False)) for s, m in items.items()])
+            self._db.executemany("INSERT OR REPLACE INTO regen_ids VALUES (?, ?, ?, ?)", rows)
 
     def __len__(self) -> int:
         with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM regen").fetchone()[0]
+            return self._db.execute("SELECT COUNT(*) FROM regen_ids").fetchone()[0]
+
+
+@dataclass
+class _Conversation:
+    """One row being regenerated: its probe render and the IDs built so far."""
+
+    row: Row
+    probes: list[dict]  # the messages, each assistant content replaced by its probe
+    turns: list[int]  # indices of the assistant messages
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    generated: list[list[int]] = field(default_factory=list)  # each turn's IDs, as generated
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) == len(self.turns)
 
 
 class Regenerator:
@@ -77,11 +128,13 @@ class Regenerator:
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
         self.kw = dict(template_kwargs or {})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_ids = stop_ids(target.model, tokenizer)
         self.generated = 0
         self.cache_hits = 0
 
     def apply(self, rows: list[Row]) -> list[Row]:
-        """`rows` with regenerated assistant turns (cached or new); text rows unchanged."""
+        """`rows` with regenerated assistant turns as exact IDs (cached or new); text rows unchanged.
+        Raises BadRow when the chat template cannot render a row's turns verbatim."""
         chats = [r for r in rows if r.messages is not None]
         if not chats:
             return rows
@@ -99,42 +152,102 @@ class Regenerator:
         self.generated += len(todo)
         log.info("produce.regen", rows=len(chats), cached=len(chats) - len(todo), generated=len(todo),
                  new_tokens=new_tokens, gen_s=round(time.monotonic() - t0, 3))
-        return [Row(r.sample, r.source, messages=done[r.sample]) if r.messages is not None else r for r in rows]
+        return [done[r.sample].row(r) if r.messages is not None else r for r in rows]
 
-    def _regenerate(self, rows: list[Row]) -> tuple[list[list[dict]], int]:
-        """Turn by turn for all `rows` at once. Returns the new conversations, tokens generated."""
-        src = [r.messages for r in rows]
-        convs: list[list[dict]] = [[] for _ in rows]
-        pos = [0] * len(rows)
+    def check(self, row: Row) -> None:
+        """Raise BadRow if `row` is a chat the template cannot render around probe turns
+        (before any generation, so one bad row does not fail a whole batch)."""
+        if row.messages is not None:
+            c = self._start(row)
+            for k in range(len(c.turns) + 1):
+                self._render(c, k)
+
+    def _regenerate(self, rows: list[Row]) -> tuple[list[Regenerated], int]:
+        """Turn by turn for all `rows` at once. Returns the conversations, tokens generated."""
+        convs = [self._start(r) for r in rows]
         total = 0
         while True:
-            # Copy every non-assistant message up to the next assistant turn.
-            for k, msgs in enumerate(src):
-                while pos[k] < len(msgs) and msgs[pos[k]]["role"] != "assistant":
-                    convs[k].append(dict(msgs[pos[k]]))
-                    pos[k] += 1
-            want = [k for k, msgs in enumerate(src) if pos[k] < len(msgs)]
+            want = [c for c in convs if not c.done]
             if not want:
-                return convs, total
-            texts, n = self._generate([convs[k] for k in want])
-            total += n
-            for k, text in zip(want, texts):
-                convs[k].append({"role": "assistant", "content": text})
-                pos[k] += 1
+                return [self._finish(c) for c in convs], total
+            for c in want:  # the template text up to the next turn's first generated token
+                self._append(c, self._render(c, len(c.generated)), loss=0)
+            outs = self._generate([c.ids for c in want])
+            for c, out in zip(want, outs):
+                c.generated.append(out)
+                c.ids += out
+                c.mask += [1] * len(out)
+                total += len(out)
 
-    def _generate(self, prompts: list[list[dict]]) -> tuple[list[str], int]:
-        texts = [self.tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **self.kw)
-                 for p in prompts]
-        enc = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        width = max(len(e) for e in enc)
+    def _start(self, row: Row) -> _Conversation:
+        turns = [i for i, m in enumerate(row.messages) if m["role"] == "assistant"]
+        probes = [{**m, "content": _PROBE.format(k)} if m["role"] == "assistant" else dict(m)
+                  for k, m in enumerate(row.messages)]
+        return _Conversation(row, probes, turns)
+
+    def _render(self, c: _Conversation, k: int) -> str:
+        """Template text after turn k-1's content (all of it for k = 0) up to turn k's
+        content (k = number of turns: to the end). Raises BadRow."""
+        msgs = c.probes[: c.turns[k]] if k < len(c.turns) else c.probes
+        try:
+            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=k < len(c.turns),
+                                                **self.kw)
+        except Exception as e:  # jinja raises TemplateError for e.g. non-alternating roles
+            raise BadRow(c.row.sample, c.row.source, f"chat template failed: {type(e).__name__}: {e}") from None
+        if k == 0:
+            return text
+        probe = _PROBE.format(c.turns[k - 1])
+        if text.count(probe) != 1:
+            raise BadRow(c.row.sample, c.row.source, f"the chat template does not render assistant turn {k - 1} "
+                         "(0-based) verbatim; cannot place the regenerated tokens")
+        text = text.split(probe, 1)[1]
+        # The template ends the turn with its marker (<|im_end|>); the target may have emitted it already.
+        last = c.generated[k - 1] if k - 1 < len(c.generated) else []  # none yet: check()
+        if last and last[-1] in self.stop_ids:
+            end = self.tok.decode([last[-1]])
+            if end and text.startswith(end):
+                text = text[len(end):]
+        return text
+
+    def _append(self, c: _Conversation, text: str, loss: int) -> None:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+        c.ids += ids
+        c.mask += [loss] * len(ids)
+
+    def _finish(self, c: _Conversation) -> Regenerated:
+        """The template text after the last turn, and the decoded turns."""
+        self._append(c, self._render(c, len(c.turns)), loss=0)
+        messages = [dict(m) for m in c.row.messages]
+        for i, out in zip(c.turns, c.generated):
+            messages[i]["content"] = self.tok.decode(out, skip_special_tokens=True).strip()
+        return Regenerated(c.ids, c.mask, messages)
+
+    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Greedy continuation of every prompt: its new IDs up to and including the first
+        stop token (or max_new_tokens of them)."""
+        width = max(len(p) for p in prompts)
         # Left padding: every row's last prompt token sits at the same column for generate().
-        ids = torch.tensor([[self.pad_id] * (width - len(e)) + e for e in enc], device=self.target.device)
-        att = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc], device=self.target.device)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.target.device)
+        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.target.device)
         with self.target.lock, torch.inference_mode():
             out = self.target.model.generate(
                 input_ids=ids, attention_mask=att, max_new_tokens=self.max_new_tokens, do_sample=False,
-                pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None,
+                pad_token_id=self.pad_id, eos_token_id=sorted(self.stop_ids), temperature=None, top_p=None,
+                top_k=None,
             )
-        new = out[:, width:]
-        n_tokens = int((new != self.pad_id).sum())
-        return [self.tok.decode(row, skip_special_tokens=True).strip() for row in new], n_tokens
+        return [_until_stop(row, self.stop_ids) for row in out[:, width:].tolist()]
+
+
+def _until_stop(tokens: list[int], stops: set[int]) -> list[int]:
+    """`tokens` up to and including the first stop token: generate() pads after it."""
+    end = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return tokens if end is None else tokens[: end + 1]
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """Where a turn ends: the generation config's eos IDs (chat models end a turn on e.g.
+    <|im_end|>), else the tokenizer's EOS."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) - {None}

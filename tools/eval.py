@@ -48,6 +48,8 @@ def read_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[
             ids = prompt_ids(row, tokenizer)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a prompt row ({type(e).__name__}: {e})") from None
+        if not ids:
+            raise ValueError(f"{where}: the prompt is empty once tokenised")
         out.append(Prompt(str(row.get("id", where)), ids))
         if limit is not None and len(out) >= limit:
             break

@@ -62,6 +62,11 @@ def _pct(v) -> str:
     return f"{v:.0f}%" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
+def _share(v) -> str:
+    """A fraction 0..1 as a percentage."""
+    return _pct(100 * v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
 def table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -120,6 +125,36 @@ def consumer_rows(peers: list[dict]) -> list[str]:
     return table([head, *rows]) if rows else ["no live consumers (drafters)"]
 
 
+def eval_rows(peers: list[dict], now_iso: str | None) -> list[str]:
+    """The latest live evaluation of each consumer that runs one (`--eval-every`)."""
+    now = _timestamp(now_iso)
+    head = ["EVAL", "PEER", "INSTANCE", "STEP", "AGE", "SIM TAU", "SIM ACC", "UNSEEN", "TAU", "POOLED", "ACCEPTED",
+            "SPEEDUP", "LOSSLESS", "COST"]
+    rows = []
+    for p in peers:
+        e = p.get("eval")
+        if not isinstance(e, dict):
+            continue
+        age = now - e["at"] if now is not None and isinstance(e.get("at"), (int, float)) else None
+        prompts = e.get("prompts") or 0
+        lossless = f"{prompts - (e.get('mismatches') or 0)}/{prompts}" if prompts else "-"
+        overhead = e.get("overhead_frac")
+        cost = _num(e.get("seconds"), ".2f") + "s" + (f" ({_share(overhead)})" if _share(overhead) != "-" else "")
+        speedup = e.get("speedup")
+        rows.append(["eval", p["peer"], p["instance"], _num(e.get("step"), "d"), dur(age),
+                     _num(e.get("sim_tau"), ".2f"), _num(e.get("sim_acc"), ".3f"), _share(e.get("unseen_frac")),
+                     _num(e.get("tau"), ".2f"), _num(e.get("tau_pooled"), ".2f"), _share(e.get("acceptance_rate")),
+                     _num(speedup, ".2f") + ("x" if isinstance(speedup, (int, float)) else ""), lossless, cost])
+    return table([head, *rows]) if rows else []
+
+
+def _timestamp(iso: str | None) -> float | None:
+    try:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() if iso else None
+    except ValueError:
+        return None
+
+
 def gone_rows(gone: list[dict]) -> list[str]:
     rows = []
     for g in gone:
@@ -144,6 +179,9 @@ def render(st: dict) -> str:
     lines = header(st) + [""]
     lines += producer_rows([p for p in peers if p.get("role") == "producer"]) + [""]
     lines += consumer_rows([p for p in peers if p.get("role") == "consumer"])
+    evals = eval_rows([p for p in peers if p.get("role") == "consumer"], (st.get("broker") or {}).get("now"))
+    if evals:
+        lines += [""] + evals
     gone = st.get("gone") or []
     if gone:
         lines += ["", "GONE (lost or left; newest last)"] + gone_rows(gone)

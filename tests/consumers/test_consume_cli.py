@@ -88,3 +88,27 @@ def test_sigterm_finishes_the_step_and_writes_a_final_checkpoint(target_dir, tmp
     (run,) = [d for d in runs.iterdir() if d.name != "latest"]
     end = [e for e in _lines(run / "logs" / "consumer-test-cpu.jsonl") if e["event"] == "train.end"][0]
     assert end["reason"] == "stop" and (run / "checkpoints" / f"step-{end['step']}").is_dir()
+
+
+def test_eval_options_refuse_bad_input_naming_it(target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    r = CliRunner().invoke(main, _args(target_dir, tmp_path / "runs", "--synthetic-batches", "2",
+                                       "--eval-prompts", str(prompts)))
+    assert r.exit_code == 2 and "--eval-prompts" in r.output and "--eval-every" in r.output
+    # This target folder has no tokenizer files: real tau cannot read prompts.
+    r = CliRunner().invoke(main, _args(target_dir, tmp_path / "runs", "--synthetic-batches", "2",
+                                       "--eval-every", "1", "--eval-prompts", str(prompts)))
+    assert r.exit_code == 2 and "has no tokenizer" in r.output, r.output
+
+
+def test_eval_prompts_name_a_bad_row(tmp_path):
+    from dflash.tools.tiny import tiny_target
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"no_prompt_here": 1}\n')
+    args = ["--target", str(tiny_target()), "--runs-dir", str(tmp_path / "runs"), "--draft-layers", "1",
+            "--block-size", "4", "--anchors", "6", "--synthetic-seq-len", "32", "--synthetic-batches", "2",
+            "--eval-every", "1", "--eval-prompts", str(prompts)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "prompts.jsonl:2" in r.output, r.output

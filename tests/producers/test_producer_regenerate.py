@@ -1,51 +1,166 @@
-"""--regenerate: assistant turns become the target's own greedy output, turn by turn, and
-are cached on disk so an epoch 2 or a restart does not generate again."""
+"""--regenerate: assistant turns become the target's own greedy output, kept as the exact
+token IDs it generated (never decoded and re-encoded), turn by turn, with the loss mask on
+the generated tokens only; cached on disk so an epoch 2 or a restart does not generate
+again. Tiny Qwen3 (untied) and Llama (tied) targets built from configs."""
 
 from __future__ import annotations
 
 import torch
+from structlog.testing import capture_logs
 
+from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
-from dflash.producers.regenerate import RegenCache, Regenerator, cache_key
+from dflash.producers.regenerate import RegenCache, Regenerator, cache_key, stop_ids
 from dflash.producers.target import load_target
+from dflash.producers.sample_data import generate_chats
 
 CPU = torch.device("cpu")
 CHAT = [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "7"},
         {"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1 2 3"}]
+NEW = 6
 
 
-def greedy(model, tok, messages, n):
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+def spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of every run of 1s."""
+    out, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def reference_greedy(model, prefix: list[int], n: int, stops: set[int]) -> list[int]:
+    """The plain HF model's greedy continuation of exactly `prefix`, one row, no padding."""
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        ids = torch.tensor([prefix])  # an explicit mask: the pad ID may be a real token of the prefix
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=sorted(stops), pad_token_id=0)[0, len(prefix):].tolist()
+    end = next((i for i, t in enumerate(out) if t in stops), None)
+    return out if end is None else out[: end + 1]
 
 
-def test_regenerated_turns_are_the_targets_greedy_output_and_cached(tiny, tokenizer, reference, tmp_path):
+def check_exact(row: Row, model, tok, n_turns: int, max_new: int) -> None:
+    """Every generated span is the reference model's greedy output after exactly the IDs
+    before it; the mask is 1 on those spans and nowhere else; turn 0's prompt is the
+    chat template's generation prompt."""
+    stops = stop_ids(model, tok)
+    turns = spans(row.loss_mask)
+    assert len(turns) == n_turns and len(row.input_ids) == len(row.loss_mask)
+    for a, b in turns:
+        assert row.input_ids[a:b] == reference_greedy(model, row.input_ids[:a], max_new, stops)
+        assert b - a == max_new or row.input_ids[b - 1] in stops
+    first = tok.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True)
+    assert row.input_ids[: turns[0][0]] == tok(first, add_special_tokens=False)["input_ids"]
+
+
+def test_regenerated_turns_are_the_exact_ids_the_target_generated_and_cached(tiny, tokenizer, reference, tmp_path):
     target = load_target(str(tiny), None, device=CPU, full=True)
-    key = cache_key("fp0", target, tokenizer, 6, {})
-    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, key), max_new_tokens=6, batch_size=4)
+    key = cache_key("fp0", target, tokenizer, NEW, {})
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, key), max_new_tokens=NEW, batch_size=4)
     rows = [Row(0, "d:1", messages=CHAT), Row(1, "d:2", messages=CHAT[:2]), Row(2, "d:3", text="plain")]
     new = regen.apply(rows)
 
-    first = greedy(reference, tokenizer, CHAT[:1], 6)
-    second = greedy(reference, tokenizer, [CHAT[0], {"role": "assistant", "content": first}, CHAT[2]], 6)
-    assert [m["content"] for m in new[0].messages] == [CHAT[0]["content"], first, CHAT[2]["content"], second]
-    assert [m["content"] for m in new[1].messages] == [CHAT[0]["content"], first]
-    assert new[2].text == "plain"
+    check_exact(new[0], reference, tokenizer, 2, NEW)
+    check_exact(new[1], reference, tokenizer, 1, NEW)
+    # Batched with left padding or alone, turn 0 of the same prompt is the same IDs.
+    (a0, b0), (a1, b1) = spans(new[0].loss_mask)[0], spans(new[1].loss_mask)[0]
+    assert new[0].input_ids[:b0] == new[1].input_ids[:b1]
+    # Template text between turns is the template's: turn 1's prompt ends with the user turn
+    # and the assistant header exactly as the template renders them.
+    probe = [CHAT[0], {"role": "assistant", "content": "\u2063"}, CHAT[2]]
+    tail = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True).split("\u2063")[1]
+    (_, end0), (start1, _) = spans(new[0].loss_mask)
+    assert tokenizer.decode(new[0].input_ids[end0:start1]) == tail
+    assert new[2].text == "plain" and new[2].input_ids is None
+    # The producer's encoder trains on exactly these IDs and this mask.
+    enc = ChatEncoder(tokenizer, 4096).encode(new[0])
+    assert (enc.input_ids, enc.loss_mask) == (new[0].input_ids, new[0].loss_mask)
+    assert [m["content"] for m in new[0].messages][0::2] == [CHAT[0]["content"], CHAT[2]["content"]]
     assert regen.generated == 2 and regen.cache_hits == 0
 
-    # A restarted producer (new objects, same cache folder and key) generates nothing.
-    again = Regenerator(target, tokenizer, RegenCache(tmp_path, key), max_new_tokens=6)
-    assert again.apply(rows)[0].messages == new[0].messages
+    # A restarted producer (new objects, same cache folder and key) generates nothing and
+    # gets the same IDs back.
+    again = Regenerator(target, tokenizer, RegenCache(tmp_path, key), max_new_tokens=NEW)
+    with capture_logs() as logs:
+        cached = again.apply(rows)
+    assert [(r.input_ids, r.loss_mask, r.messages) for r in cached[:2]] == \
+        [(r.input_ids, r.loss_mask, r.messages) for r in new[:2]]
     assert again.generated == 0 and again.cache_hits == 2
+    (ev,) = [e for e in logs if e["event"] == "produce.regen"]
+    assert ev["cached"] == 2 and ev["generated"] == 0 and ev["new_tokens"] == 0
     # Other settings are another cache.
     assert cache_key("fp0", target, tokenizer, 7, {}) != key
-    assert cache_key("fp1", target, tokenizer, 6, {}) != key
+    assert cache_key("fp1", target, tokenizer, NEW, {}) != key
 
 
-def test_capture_is_unaffected_by_a_full_model(tiny, target):
-    full = load_target(str(tiny), None, device=CPU, full=True)
-    ids = torch.arange(20)
-    torch.testing.assert_close(full.capture(ids, torch.arange(20)), target.capture(ids, torch.arange(20)))
+def test_a_turn_the_target_ends_itself_keeps_its_stop_token_once(tiny, tokenizer, tmp_path):
+    """A target that ends its turn emits the template's end marker (<|im_end|>, <|eot_id|>)
+    itself: that token is trained (mask 1) and the template's copy is not added again.
+    The tiny target's head is changed so that ending the turn wins after two tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    stop = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    assert stop in stop_ids(model, tokenizer)
+    prompt = tokenizer(tokenizer.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+    first_two = reference_greedy(model, prompt, 2, set())
+    with torch.no_grad():  # the stop token's head row: 3x the third greedy token's, which then loses to it
+        third = reference_greedy(model, prompt + first_two, 1, set())[0]
+        model.get_output_embeddings().weight[stop] = 3 * model.get_output_embeddings().weight[third]
+    model.save_pretrained(tmp_path / "ends")  # tied: the stop token's input embedding changed too
+    tokenizer.save_pretrained(tmp_path / "ends")
+    ends = AutoModelForCausalLM.from_pretrained(tmp_path / "ends").eval()
+    expected = reference_greedy(ends, prompt, NEW, stop_ids(ends, tokenizer))
+    assert expected[-1] == stop and len(expected) < NEW  # the changed target does end its turn
+    target = load_target(str(tmp_path / "ends"), None, device=CPU, full=True)
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, "k"), max_new_tokens=NEW)
+    (row,) = regen.apply([Row(0, "d:1", messages=CHAT)])
+    (a, b), _ = spans(row.loss_mask)
+    assert row.input_ids[a:b] == expected and row.loss_mask[b - 1] == 1  # the stop token is trained
+    assert row.input_ids[b] != stop  # the template's own end marker is not added after it
+    check_exact(row, ends, tokenizer, 2, NEW)
+
+
+def test_ids_differ_from_the_text_round_trip_for_some_rows(tiny, tokenizer, reference, tmp_path):
+    """What the old text cache lost: decoding a random target's turn and encoding it again
+    does not give its IDs back for every row (split UTF-8 characters, other merges); the
+    IDs kept are the generated ones in every row."""
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    firsts = [next(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant") for c in generate_chats()[:12]]
+    chats = [c["messages"][: i + 1] for c, i in zip(generate_chats()[:12], firsts)]  # up to the first answer
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, "k"), max_new_tokens=16, batch_size=12)
+    rows = regen.apply([Row(i, f"d:{i}", messages=m) for i, m in enumerate(chats)])
+    stops = stop_ids(reference, tokenizer)
+    lost = 0
+    for r in rows:
+        ((a, b),) = spans(r.loss_mask)
+        assert r.input_ids[a:b] == reference_greedy(reference, r.input_ids[:a], 16, stops)
+        text_ids = tokenizer(tokenizer.decode(r.input_ids[a:b], skip_special_tokens=True).strip(),
+                             add_special_tokens=False)["input_ids"]
+        lost += text_ids != [t for t in r.input_ids[a:b] if t not in stops]
+    print(f"\n{lost} of {len(rows)} regenerated turns change in a decode, strip, encode round trip (the text cache)")
+
+
+def test_a_row_the_template_cannot_render_is_a_bad_row_named_before_generating(tiny, tokenizer, tmp_path):
+    import copy
+
+    import pytest
+
+    from dflash.producers.data import BadRow
+
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (  # refuses system turns, and upper-cases answers (not rendered verbatim)
+        "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{%- endif %}"
+        "{{- m['role'] + ': ' + (m['content'] | upper if m['role'] == 'assistant' else m['content']) + '\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}")
+    regen = Regenerator(target, tok, RegenCache(tmp_path, "k"), max_new_tokens=NEW)
+    with pytest.raises(BadRow, match=r"d:7: chat template failed: .*no system turns"):
+        regen.check(Row(7, "d:7", messages=[{"role": "system", "content": "s"}, *CHAT[:2]]))
+    with pytest.raises(BadRow, match=r"d:8: the chat template does not render assistant turn 0 \(0-based\) verbatim"):
+        regen.check(Row(8, "d:8", messages=CHAT))
+    regen.check(Row(10, "d:10", text="plain"))  # nothing to regenerate
