@@ -36,11 +36,13 @@ import json, sys
 path, name, rc, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 print(json.dumps({"stage": name, "rc": rc, "seconds": secs}))
 for line in open(path, errors="replace"):
-    if line.startswith("{") and '"event"' not in line:  # the benchmark's rows, not log lines
+    if line.startswith("{"):
         try:
-            print(json.dumps({"stage": name, **json.loads(line)}))
+            row = json.loads(line)
         except ValueError:
-            pass
+            continue
+        if not ("event" in row and "ts" in row):  # the benchmark's rows, not log lines
+            print(json.dumps({"stage": name, **row}))
 EOF
   [ $rc -eq 0 ] || tail -5 "$W/logs/$name.log" | cut -c1-400
 }
@@ -67,7 +69,7 @@ print(json.dumps({'gpu': $G0, 'bf16_matmul_tflops_4k_8k_16k': r}))"
 
 part1_drafter() {  # GPU1 (or GPU0 after the capture on one GPU)
   local d="python3 -m dflash.consumers.bench --gpu $G1 --block-size 16 --anchors 512 --seq-len 3072 --steps 10"
-  stage b drafter_sdpa_4x3072 150 $d --seqs 4 --attn sdpa
+  stage b drafter_sdpa_4x3072 150 $d --seqs 4 --attn sdpa --skip-check
   stage b drafter_sdpa_8x3072 150 $d --seqs 8 --attn sdpa --skip-check
   stage b drafter_flex_4x3072 180 $d --seqs 4 --attn flex --skip-check
 }

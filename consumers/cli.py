@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -182,6 +183,10 @@ def run(cfg: ConsumerConfig) -> None:
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
                   error_type=type(e).__name__)
         fail(str(e), code=1 if isinstance(e, (BrokerUnreachable, Rejected, BrokerLost, RankLost)) else 2)
+    except Exception as e:  # a bug or a library failure: still the run's log says why we died
+        log.error("consume.failed", error=str(e)[:2000], error_type=type(e).__name__,
+                  traceback=traceback.format_exc())
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

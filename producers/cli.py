@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 
 import click
 
@@ -87,6 +88,10 @@ def main(**kw) -> None:
         log.error("produce.failed", error=f"{type(e).__name__}: {e}")
         close_logging()
         fail(str(e), code=1)
+    except Exception as e:  # a bug or a library failure: still the run's log says why we died
+        log.error("produce.failed", error=f"{type(e).__name__}: {str(e)[:2000]}", traceback=traceback.format_exc())
+        close_logging()
+        raise
     log.info("produce.done", **summary)
     close_logging()
 

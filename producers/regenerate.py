@@ -229,7 +229,10 @@ class Regenerator:
         # Left padding: every row's last prompt token sits at the same column for generate().
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.target.device)
         att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.target.device)
-        with self.target.lock, torch.inference_mode():
+        # Generation runs with sdpa whatever packed capture uses: padded rows and a growing
+        # KV cache are what sdpa is for, and flex attention under generate() failed to
+        # compile on an H200 (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
+        with self.target.lock, self.target.attention("sdpa"), torch.inference_mode():
             out = self.target.model.generate(
                 input_ids=ids, attention_mask=att, max_new_tokens=self.max_new_tokens, do_sample=False,
                 pad_token_id=self.pad_id, eos_token_id=sorted(self.stop_ids), temperature=None, top_p=None,

@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -171,8 +173,22 @@ class Target:
 
     def set_attn(self, name: str) -> None:
         """Switch the attention implementation in place (the start-up fallback to sdpa)."""
-        self.decoder.set_attn_implementation(name)
+        (self.model or self.decoder).set_attn_implementation(name)
         self.info.attn_impl = getattr(self.config, "_attn_implementation", name)
+
+    @contextmanager
+    def attention(self, name: str) -> Iterator[None]:
+        """Run the block with attention `name`, then switch back. The caller holds `lock`
+        (capture must not run with the other implementation)."""
+        before = self.info.attn_impl
+        if before == name:
+            yield
+            return
+        self.set_attn(name)
+        try:
+            yield
+        finally:
+            self.set_attn(before)
 
     @property
     def width(self) -> int:

@@ -164,3 +164,27 @@ def test_a_row_the_template_cannot_render_is_a_bad_row_named_before_generating(t
     with pytest.raises(BadRow, match=r"d:8: the chat template does not render assistant turn 0 \(0-based\) verbatim"):
         regen.check(Row(8, "d:8", messages=CHAT))
     regen.check(Row(10, "d:10", text="plain"))  # nothing to regenerate
+
+
+def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokenizer, tmp_path):
+    """generate() always runs with sdpa (flex attention under generate() failed to compile on
+    an H200: docs/BENCHMARKS.md), and the packed capture goes back to the producer's own
+    attention, with the same hidden states as before."""
+    target = load_target(str(tiny), None, device=CPU, full=True, attn_impl="eager")
+    seen: list[str] = []
+    attn = target.layers[0].self_attn
+    hook = attn.register_forward_pre_hook(lambda m, a: seen.append(m.config._attn_implementation))
+    ids = torch.tensor(tokenizer("Count from 1 to 9.")["input_ids"])
+    pos = torch.arange(ids.numel())
+    before = target.capture(ids, pos)
+    assert seen == ["eager"]
+    seen.clear()
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, cache_key("fp-attn", target, tokenizer, NEW, {})),
+                        max_new_tokens=NEW, batch_size=2)
+    regen.apply([Row(0, "d:0", messages=CHAT)])
+    assert seen and set(seen) == {"sdpa"}
+    seen.clear()
+    after = target.capture(ids, pos)
+    hook.remove()
+    assert seen == ["eager"] and target.info.attn_impl == "eager"
+    assert torch.equal(before, after)
