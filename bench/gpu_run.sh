@@ -8,6 +8,7 @@
 #                                 # dry run; drafter step (sdpa, flex) with MFU
 #   bash bench/gpu_run.sh part2   # pipeline vs alone; CPU transport on this host's cores
 #   bash bench/gpu_run.sh part3   # tau/speedup of a drafter trained online on a small target
+#   bash bench/gpu_run.sh part4   # the drafter step with --fuse on (part34: 4 then 3)
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -83,8 +84,16 @@ part2() {
 
 part3() {
   stage c target06b 120 python3 bench/gpu_setup.py target --shape qwen3-0.6b --out "$T06"
-  stage c tau 420 python3 bench/gpu_tau.py --target "$T06" --producer-gpu $G0 --consumer-gpu $G1 --epochs 12 \
-      --train-timeout-s 200
+  stage c tau 360 python3 bench/gpu_tau.py --target "$T06" --producer-gpu $G0 --consumer-gpu $G1 --epochs 10 \
+      --train-timeout-s 150 --eval-rows 20 --max-new-tokens 64
+}
+
+part4() {  # the drafter step with fused elementwise kernels (--fuse on), both attention kernels
+  local d="python3 -m dflash.consumers.bench --block-size 16 --anchors 512 --seq-len 3072 --steps 10 --skip-check --fuse on"
+  (stage b drafter_flex_fuse_4x3072 200 $d --gpu $G1 --seqs 4 --attn flex
+   stage b drafter_sdpa_fuse_4x3072 120 $d --gpu $G1 --seqs 4 --attn sdpa) &
+  stage a drafter_flex_fuse_8x3072 200 $d --gpu $G0 --seqs 8 --attn flex
+  wait
 }
 
 case $PART in
@@ -94,6 +103,8 @@ case $PART in
     [ -f "$T8/config.json" ] && [ -f "$W/long.jsonl" ] || inputs
     part2 ;;
   part3) part3 ;;
+  part4) part4 ;;
+  part34) part4; part3 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

@@ -83,10 +83,11 @@ def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
 @click.option("--vocab", default=QWEN3_8B["vocab_size"], type=int, help="Vocabulary of the fake target.")
 @click.option("--skip-check", is_flag=True, help="Skip the flex-vs-SDPA agreement check.")
 @click.option("--draft-layers", default=5, type=int, help="Draft decoder layers.")
+@click.option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]), help="As dflash-consume --fuse.")
 @click.option("--ceiling-tflops", default=None, type=float,
               help="bf16 matmul rate for MFU (default: measured on this GPU first).")
 def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary, vocab, skip_check,
-         draft_layers, ceiling_tflops) -> None:
+         draft_layers, ceiling_tflops, fuse) -> None:
     """Measure drafter training steps on synthetic batches shaped like real ones."""
     device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
@@ -98,7 +99,8 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     _stage("heads_loaded", start)
     mask_id = 151669 if vocab > 151669 else vocab - 1
     cfg = TrainConfig(block_size=block_size, anchors=anchors, attn=attn, loss_chunk=loss_chunk, lr=6e-4,
-                      total_steps=steps, log_position_every=0, mask_token_id=mask_id, draft_layers=draft_layers)
+                      total_steps=steps, log_position_every=0, mask_token_id=mask_id, draft_layers=draft_layers,
+                      fuse=fuse)
     ceiling = ceiling_tflops or matmul_ceiling_tflops(device)
     rel = None if skip_check else check_flex_vs_sdpa(heads, cfg)
     _stage("flex_vs_sdpa_checked", start)
@@ -132,7 +134,7 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     flops_per_step = sum(step_flops(dcfg, heads.spec.vocab_size, s) for s in shapes) / max(1, len(shapes))
     anchors_per_step = sum(s.queries for s in shapes) / block_size / max(1, len(shapes))
     print(json.dumps({
-        "attn": attn, "vary": vary, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
+        "attn": attn, "fuse": fuse, "vary": vary, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
         "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
         "first_step_s": round(ends[0] - t0, 2), "step_s": round(step_s, 3),
         "tokens_per_s": round(seqs * seq_len / step_s),

@@ -110,6 +110,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
 @option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
         help="Attention kernel; auto: sdpa (one masked call per sequence); flex: block-sparse, experimental on GPU.")
+@option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
+        help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
+             "faster steps, slower start; auto: on on GPU.")
 @option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
 @option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
 @option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fused
+
 
 def default_gamma(block_size: int) -> float:
     """The paper's decay constants (7 for B=16, 5 for B=10, 4 for B=8); other sizes use
@@ -38,18 +40,13 @@ class ChunkedCE(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)  # at least fp32 for softmax sums
         loss = torch.zeros((), dtype=acc, device=h.device)
         preds = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+        chunk_fn = fused.get("ce_chunk")
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            logits = (h[s:e].to(W.dtype) @ W.T).to(acc)  # [c, V]: the only vocab-sized tensor
-            lse = torch.logsumexp(logits, dim=-1)  # [c]
-            picked = logits.gather(1, y[s:e, None])[:, 0]  # [c]
-            loss += ((lse - picked) * w[s:e]).sum()
-            preds[s:e] = logits.argmax(dim=-1)
+            logits = h[s:e].to(W.dtype) @ W.T  # [c, V]: the only vocab-sized tensor
+            part, preds[s:e], g = chunk_fn(logits, y[s:e], w[s:e], need_grad)
+            loss += part
             if need_grad:
-                # d CE / d logits = softmax - onehot, scaled by the row's weight.
-                g = torch.exp(logits.sub_(lse[:, None]))  # in place: softmax [c, V]
-                g[torch.arange(e - s, device=h.device), y[s:e]] -= 1.0
-                g.mul_(w[s:e, None])
                 grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)  # [c, D]
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(preds)
@@ -102,8 +99,11 @@ def block_loss(
     weighted mean over valid positions, and data parallel training exact (train.py)."""
     B = block_size
     w = position_weights(B, gamma, h.device).repeat(h.shape[0] // B) * valid  # [Q]
-    chunk = max(B, chunk // B * B)  # whole blocks per chunk
-    loss_sum, preds = ChunkedCE.apply(h, lm_head, labels, w, chunk)
+    # Only positions with loss go through the LM head: the anchors (1 in B) and labels
+    # outside the response would cost vocab-sized work for a weight of 0.
+    rows = valid.nonzero()[:, 0]
+    loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk)
+    preds = torch.full_like(labels, -1).index_copy_(0, rows, scored)
     with torch.no_grad():
         ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]
         vb = valid.view(-1, B)[:, 1:]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused
 from .blocks import BlockLayout
 from .target_heads import TargetSpec
 
@@ -57,11 +58,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (bf16 sums lose digits), hand back the input dtype so that
-        # fp32 master weights do not silently promote the bf16 activations under autocast.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return fused.get("rms_norm")(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -81,9 +78,7 @@ class Rotary(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, hd]; cos/sin [N, hd]."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return fused.get("rope")(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -123,7 +118,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.get("swiglu")(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@ import torch
 from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
+from . import fused
 from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .dist import Dist
 from .loss import LossStats, default_gamma
@@ -62,6 +63,7 @@ class TrainConfig:
     loss_chunk: int = 2048  # block positions per logits chunk
     attn: str = "auto"  # auto (= sdpa) | sdpa | flex (block-sparse, compiled on GPU; unverified there)
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
     # checkpoints and logs
     save_every: int = 1000
     keep: int = 3
@@ -208,6 +210,8 @@ def train(
     # step); compiled flex attention did not finish compiling in 90 s there and is opt-in.
     backend = "sdpa" if cfg.attn == "auto" else cfg.attn
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+    fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and device.type == "cuda"))
 
     # Model: fp32 master weights, same init on every rank, then rank 0's copy everywhere.
     torch.manual_seed(cfg.seed)

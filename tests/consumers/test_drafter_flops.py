@@ -33,9 +33,9 @@ def test_matrix_flops_equal_torchs_count_of_a_real_step(heads):
         loss, _ = batch_loss(model, heads, batch, _signal(heads), seed=SEED, backend="sdpa")
         loss.backward()
     counted = sum(n for op, n in counter.get_flop_counts()["Global"].items() if op.__name__.split(".")[0] in MATMUL_OPS)
-    # The loss scores every block position (the anchor's row too, with weight 0): the count
-    # of work done uses all Q rows for the head; without attention, the formula's matrix part.
-    work = StepShape(shape.context_tokens, shape.queries, scored=shape.queries, attended_keys=0)
+    # The LM head sees only the positions with a label (not the anchors); without attention,
+    # the formula's matrix part is all the matrix work torch counted.
+    work = StepShape(shape.context_tokens, shape.queries, scored=shape.scored, attended_keys=0)
     assert counted == step_flops(cfg, heads.spec.vocab_size, work)
 
 

@@ -1,0 +1,74 @@
+"""The drafter step's elementwise work, optionally fused by torch.compile.
+
+RMSNorm (in fp32), RoPE, SwiGLU and the loss's per-chunk softmax arithmetic are memory
+bound: run one PyTorch op at a time, each reads and writes whole [Q, D] or [chunk, vocab]
+tensors several times. `enable(True)` (dflash-consume `--fuse`) swaps in torch.compile'd
+versions of the very same functions (dynamic shapes: Q changes every batch), which read
+their inputs once. Off by default: compiling needs a working inductor toolchain and costs
+start-up time. Results agree with the eager versions to rounding (tests/consumers).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 (bf16 sums lose digits), hand back the input dtype so that fp32
+    # master weights do not silently promote the bf16 activations under autocast.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd]; cos/sin [N, hd] (rotate-half convention)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_grad: bool):
+    """One chunk of the weighted CE from its raw logits [c, V]: (sum of w * CE, argmax
+    predictions, d loss / d logits or None), softmax sums in at least fp32."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    logits = logits.to(acc)
+    lse = torch.logsumexp(logits, dim=-1)  # [c]
+    picked = logits.gather(1, y[:, None])[:, 0]  # [c]
+    loss = ((lse - picked) * w).sum()
+    preds = logits.argmax(dim=-1)
+    if not need_grad:
+        return loss, preds, None
+    # d CE / d logits = softmax - onehot, scaled by the row's weight.
+    g = torch.exp(logits.sub_(lse[:, None]))  # in place: softmax [c, V]
+    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+    return loss, preds, g.mul_(w[:, None])
+
+
+_EAGER: dict[str, Callable] = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "ce_chunk": ce_chunk}
+_active: dict[str, Callable] = dict(_EAGER)
+
+
+def enable(on: bool) -> None:
+    """Use torch.compile'd kernels (on) or the eager functions (off) from now on."""
+    if not on:
+        _active.update(_EAGER)
+        return
+    for name, fn in _EAGER.items():
+        if _active[name] is fn:
+            _active[name] = torch.compile(fn, dynamic=True)
+
+
+def enabled() -> bool:
+    return _active["rms_norm"] is not rms_norm
+
+
+def get(name: str) -> Callable:
+    return _active[name]
