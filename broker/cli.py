@@ -50,8 +50,15 @@ from .server import Broker
 @option("--num-samples", default=None, type=int,
         help="Dataset size; normally the first producer tells it (config.dataset.n_samples) and later ones must match.")
 @option("--consumers", default=0, type=int,
-        help="Data-parallel world size: consumers get ranks 0..N-1 in hello order, plus rank 0's rendezvous "
-             "address. 0 = do not arrange ranks.")
+        help="Data-parallel ranks: consumers get ranks 0..N-1 in hello order (a lost rank's number goes to the "
+             "next to join). With N >= 2 and --elastic, N is the most at once and training goes on while at "
+             "least one is left. 0 = do not arrange ranks.")
+@option("--elastic/--no-elastic", default=True,
+        help="With --consumers N >= 2: run a torchft lighthouse so consumers train elastically (a dead one is "
+             "left out, a restarted one rejoins and is healed: docs/RELIABILITY.md section 8). --no-elastic: one "
+             "fixed torch.distributed group that ends when a rank is lost.")
+@option("--lighthouse-port", default=0, type=int,
+        help="Port of the elastic consumers' torchft lighthouse (on --bind); 0 = any free port.")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")

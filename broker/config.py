@@ -55,6 +55,8 @@ class BrokerConfig:
     max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
     curve_keys: str | None = None  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
     drain_s: float = 120.0  # on SIGINT/SIGTERM: longest wait for peers' last commit and bye
+    elastic: bool = True  # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
+    lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -83,6 +85,8 @@ class BrokerConfig:
                                   or lo <= self.metrics_port <= hi):
             raise ValueError(f"--metrics-port {self.metrics_port}: use a free port in 1..65535 "
                              "outside the other ports (0 = off)")
+        if not 0 <= self.lighthouse_port < 65536:
+            raise ValueError(f"--lighthouse-port {self.lighthouse_port}: use 1..65535 (0 = any free port)")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
             raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
 

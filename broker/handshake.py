@@ -96,6 +96,8 @@ def welcome(b, p: Peer) -> None:
         fields["data_out"] = p.data_out
         if b.cfg.consumers:
             run_config.update(rank=p.rank, world_size=b.cfg.consumers, dist=b.dist)
+            if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
+                run_config["lighthouse"] = b.lighthouse.address
     b.send(p.identity, "welcome", run_config=run_config, **fields)
 
 

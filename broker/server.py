@@ -20,7 +20,7 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 
-from . import control, intake, resume, security
+from . import control, intake, lighthouse, resume, security
 from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
@@ -75,6 +75,7 @@ class Broker:
         self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
         self.full_share = TimeShare()  # how much of the last 10 s producers were blocked
         self.metrics = None  # the --metrics-port HTTP endpoint (metrics.MetricsServer)
+        self.lighthouse = None  # elastic consumers' torchft lighthouse (lighthouse.py)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.ctx = zmq.Context()
         self.curve, self.auth = None, None
@@ -92,6 +93,8 @@ class Broker:
             )
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
+            if cfg.elastic and cfg.consumers >= 2:  # consumers meet there every step
+                self.lighthouse = lighthouse.start(cfg.bind, cfg.lighthouse_port, self.advertise, cfg.timeout_s)
         except Exception:
             self.close()
             raise
@@ -266,5 +269,7 @@ class Broker:
             self.auth.stop()  # after the sockets: none may outlive the authenticator
         if getattr(self, "metrics", None) is not None:
             self.metrics.close()
+        if getattr(self, "lighthouse", None) is not None:
+            self.lighthouse.close()
         self.ctx.term()
         self.ledger.close()

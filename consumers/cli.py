@@ -238,10 +238,12 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
         tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir), skip_held=True)
         with collective_failures_named():
-            dist = (_own_dist(cfg, device) if own else arranged_dist(run_config, device)) or Dist(device=device)
+            dist = (_own_dist(cfg, device) if own else arranged_dist(run_config, device, cfg.instance, cfg.broker)
+                    ) or Dist(device=device)
             _check_world(dist, run_config)
             signal_ = resolve_signal(tcfg, heads)
-            _same_signal(dist, signal_)
+            if not dist.elastic:  # elastic: a joiner checks the signal of the state it is healed with
+                _same_signal(dist, signal_)
             plugs = BrokerHooks(link, dist.rank, stop, device)
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
@@ -279,7 +281,7 @@ def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | Non
 def _check_world(dist: Dist, run_config: dict) -> None:
     """Ranks arranged outside the broker must agree with its --consumers, if it has one."""
     world = run_config.get("world_size")
-    if world and world != dist.world_size:
+    if world and world != dist.world_size and not dist.elastic:
         raise DFlashError(f"this consumer is one of {dist.world_size} ranks (--dist-init/torchrun), but the broker "
                           f"arranges {world} (dflash-broker --consumers): use one or the other")
 

@@ -41,9 +41,35 @@ def collective_failures_named() -> Iterator[None]:
 
 
 class Dist:
+    """A fixed group: every rank for the whole job (a lost rank ends it: RankLost).
+    elastic.ElasticDist is the elastic one, with the same calls."""
+
+    elastic = False
+
     def __init__(self, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
+
+    # ------------------------------------------------------------ a step (no-ops: a fixed
+    # group has no quorum to meet, and a failed collective raises RankLost)
+
+    def register_state(self, save, load) -> None:
+        """Only an elastic group hands state to a joining rank."""
+
+    def set_step(self, step: int) -> None:
+        """Only an elastic group compares steps (who is behind and heals)."""
+
+    def begin_step(self) -> None:
+        """Only an elastic group meets (a quorum) before each step."""
+
+    def intact(self) -> bool:
+        return True
+
+    def error(self) -> str | None:
+        return None
+
+    def commit(self) -> bool:
+        return True
 
     @property
     def enabled(self) -> bool:

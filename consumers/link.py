@@ -5,7 +5,8 @@ producers/link.py is the producer's.
   rendezvous address it offers if it becomes rank 0: PROTOCOL.md 4.1);
 - `run_layers`: the welcome's run facts against this drafter (fail before training);
 - `resume_point`: the checkpoint to start from (a resumed run names it);
-- `arranged_dist`: the data-parallel group the broker arranged (`--consumers N`);
+- `arranged_dist`: the data-parallel group the broker arranged (`--consumers N`): elastic
+  (elastic.py, through the broker's torchft lighthouse) or a fixed torch.distributed group;
 - `broker_batches`: the batch iterator `train()` reads: a message, None when nothing came
   in time (an empty step or a wait, never a hang), the end at `stop` once drained;
 - `BrokerHooks`: ack after each step, commit after each checkpoint (rank 0), the queue
@@ -29,9 +30,16 @@ from dflash.protocol.logs import get_logger
 
 from .checkpoint import Signal, resolve_checkpoint
 from .dist import Dist
+from .elastic import ElasticDist, replica_name
 from .train import Hooks, TrainConfig
 
 log = get_logger()
+
+# Elastic consumers: how long a collective may wait for a peer, and a quorum for enough
+# peers, before this consumer gives up (RankLost). A dead peer's collective fails at once
+# (its connection closes); these bound a peer that hangs, or a host that vanished.
+ELASTIC_COLLECTIVE_TIMEOUT_S = 300.0
+ELASTIC_QUORUM_TIMEOUT_S = 600.0
 
 # How long a rank waits for a batch before it reports "nothing now" to the step's
 # collective. Short enough that a starved rank delays a peer's step little; long enough
@@ -59,16 +67,21 @@ def offer_dist_addr(broker: str) -> str:
     host = urlsplit(broker).hostname
     if not host:
         raise DFlashError(f"--broker {broker!r}: expected tcp://HOST[:PORT]")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
-            ip = s.getsockname()[0]
-    except OSError:
-        ip = socket.gethostname()
+    ip = reachable_ip(host)
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
     return f"{ip}:{port}"
+
+
+def reachable_ip(host: str) -> str:
+    """This host's address on the interface that reaches `host` (the broker's)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainConfig:
@@ -113,14 +126,22 @@ def resume_point(ref: str | None, run_config: dict, runs_dir) -> str | None:
     return str(want) if want else None
 
 
-def arranged_dist(run_config: dict, device: torch.device) -> Dist | None:
-    """The data-parallel group the broker arranged (rank, world_size, dist in the welcome),
-    or None if it arranges none. Blocks until every rank has joined (Dist.init's timeout).
-    Raises DFlashError when ranks are arranged but rank 0 offered no rendezvous."""
+def arranged_dist(run_config: dict, device: torch.device, instance: str = "",
+                  broker: str = "") -> Dist | ElasticDist | None:
+    """The data-parallel group the broker arranged (rank, world_size, dist or lighthouse in
+    the welcome), or None if it arranges none. Elastic: joins the lighthouse at once.
+    Fixed: blocks until every rank has joined (Dist.init's timeout). Raises DFlashError
+    when ranks are arranged but rank 0 offered no rendezvous."""
     world = run_config.get("world_size")
     if not world:
         return None
     rank = int(run_config["rank"])
+    if run_config.get("lighthouse"):
+        host = urlsplit(broker).hostname
+        return ElasticDist.join(lighthouse=run_config["lighthouse"], replica=replica_name(rank, instance),
+                                host=reachable_ip(host) if host else socket.gethostname(), device=device,
+                                rank=rank, max_world=int(world), timeout_s=ELASTIC_COLLECTIVE_TIMEOUT_S,
+                                quorum_timeout_s=ELASTIC_QUORUM_TIMEOUT_S)
     if world == 1:
         return Dist(0, 1, device)
     if not run_config.get("dist"):

@@ -61,6 +61,20 @@ class TrainedRecord:
         nz = np.flatnonzero(c)
         return c[: nz[-1] + 1] if nz.size else c[:0]
 
+    def to_state(self) -> dict:
+        """The record as plain values and uint8 tensors (sent to a joining replica)."""
+        import torch
+
+        return {"complete": self.complete, "repeats": self.repeats,
+                "epochs": {e: torch.from_numpy(self.counts(e).copy()) for e in self.epochs}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "TrainedRecord":
+        rec = cls(complete=bool(state["complete"]))
+        rec.repeats = int(state["repeats"])
+        rec.epochs = {int(e): bytearray(t.numpy().astype(np.uint8).tobytes()) for e, t in state["epochs"].items()}
+        return rec
+
     def save(self, folder: Path) -> Path:
         from safetensors.numpy import save_file
 

@@ -26,7 +26,8 @@ from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import fused
-from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .checkpoint import (Signal, SignalMismatch, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint,
+                         signal_differences)
 from .dist import Dist
 from .loss import LossStats, default_gamma
 from .metrics import Meter, local_figures, named
@@ -37,6 +38,11 @@ from .step import batch_loss
 from .target_heads import TargetHeads, tokenizer_mask_id
 
 log = get_logger()
+
+# Elastic start: while every rank of the quorum is new (none has stepped) and fewer than
+# the broker's --consumers N have joined, ranks wait this long for the rest before the
+# first step, as a fixed group does; afterwards a joiner never holds the others up.
+START_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class TrainState:
     samples: int = 0
     epoch: int = 0
     resumed_from: str | None = None
+    saved_step: int = 0  # the newest checkpoint's step (every rank agrees: it decides a collective)
     end_reason: str = ""
     last_checkpoint: Path | None = None
     model: torch.nn.Module | None = field(default=None, repr=False)  # the trained drafter
@@ -224,25 +231,37 @@ def train(
     splitter = StepSplitter(params, device, inject=OomInjection.from_env())
     state = TrainState()
     torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
-    if cfg.resume:
+    # An elastic group (elastic.py) hands this state to a joining replica, and heals us
+    # with a healthier one's; the quorum compares steps to decide who heals. The first
+    # quorum comes before the resume: a consumer joining a live run is healed from a
+    # running one (the checkpoint it was told may be pruned by now, and is older anyway).
+    dist.register_state(lambda: _replica_state(model, optimizer, state, signal),
+                        lambda got: _take_replica_state(got, model, optimizer, state, signal, dist))
+    met = dist.elastic
+    if met:
+        dist.begin_step()
+    if cfg.resume and state.step == 0:  # not healed to a live step
         _resume(cfg, signal, model, optimizer, state, dist, runs_dir)
+        dist.set_step(state.step)
     drafter_json = published_config(mcfg, heads.spec, block_size=signal.block_size,
                                     mask_token_id=signal.mask_token_id, target_layer_ids=list(signal.target_layers))
     log.info("train.start", rank=dist.rank, world_size=dist.world_size, device=str(device), attn=backend,
-             bf16=bf16, params=sum(p.numel() for p in params), signal=signal.as_dict(),
+             bf16=bf16, params=sum(p.numel() for p in params), signal=signal.as_dict(), elastic=dist.elastic,
              resumed_from=state.resumed_from, step=state.step, config=run_config)
 
     meter = Meter(signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
     source: Iterator = iter(batches)
-    exhausted, last_saved = False, state.step
+    exhausted, started = False, time.monotonic()
+    held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
+    stepped_here = False  # this process took a step (the startup wait ends)
     while True:
         # Stop before fetching: a fetched batch that is never trained is never acked.
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             state.end_reason = "max_steps"
             break
         want_stop = hooks.stop is not None and hooks.stop.is_set()
-        batch, bad = None, None
-        if not exhausted and not want_stop:
+        batch, bad, held = held, None, None
+        if batch is None and not exhausted and not want_stop:
             try:
                 batch = next(source)  # None: nothing arrived in time (the source waited)
             except StopIteration:
@@ -252,13 +271,21 @@ def train(
             want_stop = hooks.stop is not None and hooks.stop.is_set()
         if batch is not None:
             batch, bad = _prepare(batch, heads, signal)
-        if batch is not None and cfg.skip_held:
+        if not met:  # elastic: the quorum; a replica behind the others is healed here
+            dist.begin_step()
+        met = False
+        if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
             batch = _drop_held(batch, state, hooks)
         # Every rank takes part in every step (one small collective first): stop when one
         # rank was asked to or every rank's stream ended; a rank without a batch takes an
         # empty step while another has one; nobody steps while nobody has data. A bad
         # batch on any rank ends every rank, so none is left waiting in a collective.
-        have, stops, ended, bads = dist.all_sum([batch is not None, want_stop, exhausted, bad is not None])
+        starting = not stepped_here and time.monotonic() - started < START_WAIT_S
+        have, stops, ended, bads, n_starting = dist.all_sum(
+            [batch is not None, want_stop, exhausted, bad is not None, starting])
+        if _step_failed(dist):  # a rank went away: nothing was decided, try again
+            held = _dropped(batch, state, dist, "quorum")
+            continue
         if bads > 0:
             raise bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
         if want_stop:
@@ -266,7 +293,8 @@ def train(
         if stops > 0 or ended == dist.world_size:
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
             break
-        if have == 0:
+        if have == 0 or _short_at_start(dist, n_starting):
+            held = batch
             if hooks.stats is not None:
                 hooks.stats["state"] = "waiting"
             continue
@@ -285,8 +313,15 @@ def train(
             stats = splitter.run(batch, _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise), step)
         mine = local_figures(batch, stats)
         total = dist.all_sum(mine)  # one small collective for every figure a step logs
-        _record_samples(state, dist, batch, int(named(total)["samples"]), step)
-        dist.sum_grads(params)
+        pairs = None
+        if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
+            pairs = _gather_samples(dist, batch, int(named(total)["samples"]))
+            dist.sum_grads(params)
+        if not dist.commit():  # elastic: a collective failed; dropped on every rank that saw it
+            held = _dropped(batch, state, dist, "step")
+            continue
+        stepped_here = True
+        _record_samples(state, dist, pairs, step)
         weight = named(total)["weight"]
         grad_norm = 0.0
         if weight > 0:  # all ranks see the same weight: they all step or all skip
@@ -308,16 +343,70 @@ def train(
                               micro_batches=splitter.last_splits if batch is not None else 0, ooms=splitter.ooms)
         if hooks.stats is not None:
             hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
-                               state="training", **splitter.heartbeat())
+                               state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
-            last_saved = step
 
-    if ckpt_root is not None and state.step > last_saved:
+    if ckpt_root is not None and state.step > state.saved_step:
         _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
     log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
     state.model = model
     return state
+
+
+def _step_failed(dist: Dist) -> bool:
+    """True when a collective of this step failed (elastic: a peer went away). torchft is
+    told (should_commit answers False), so the next quorum rebuilds the group."""
+    if dist.intact():
+        return False
+    dist.commit()
+    return True
+
+
+def _dropped(batch: Batch | None, state: TrainState, dist: Dist, at: str) -> Batch | None:
+    """Log a dropped step; return our batch, trained again in the next step (not acked:
+    nothing of it reached the weights or the record here)."""
+    log.warning("train.step_dropped", step=state.step + 1, at=at, rank=dist.rank, world_size=dist.world_size,
+                batch_id=batch.batch_id if batch is not None else None,
+                samples=len(batch.samples) if batch is not None else 0, error=dist.error())
+    return batch
+
+
+def _short_at_start(dist: Dist, n_starting: float) -> bool:
+    """Elastic start: every rank of the quorum is new and not all N have joined yet."""
+    max_world = getattr(dist, "max_world", dist.world_size)
+    return dist.elastic and n_starting == dist.world_size and dist.world_size < max_world
+
+
+def _replica_state(model, optimizer, state: TrainState, signal) -> dict:
+    """What a healthy replica hands a joining one (elastic.py): everything the next step
+    depends on. Tensors are the live ones; torchft serves them before this replica's next
+    optimizer step."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "signal": signal.as_dict(),
+            "counters": {"step": state.step, "tokens": state.tokens, "samples": state.samples,
+                         "epoch": state.epoch, "saved_step": state.saved_step},
+            "record": state.record.to_state()}
+
+
+def _take_replica_state(got: dict, model, optimizer, state: TrainState, signal, dist: Dist) -> None:
+    """Heal: replace our state with a healthy replica's. Raises SignalMismatch when it
+    trains another signal (this consumer was started with other options)."""
+    diffs = signal_differences(got["signal"], signal)
+    if diffs:
+        raise SignalMismatch(f"the running consumers train another signal ({'; '.join(diffs)}): start every "
+                             "consumer of a run with the same training options")
+    before = state.step
+    model.load_state_dict(got["model"])
+    optimizer.load_state_dict(got["optimizer"])
+    c = got["counters"]
+    state.step, state.tokens, state.samples, state.epoch = c["step"], c["tokens"], c["samples"], c["epoch"]
+    state.saved_step = c["saved_step"]
+    state.record = TrainedRecord.from_state(got["record"])
+    # torchft heals every replica but one at each quorum until a first step is taken
+    # (init_sync): log the heals that change something.
+    (log.info if state.step != before else log.debug)(
+        "train.healed", step=state.step, previous_step=before, samples=state.samples,
+        record_samples=state.record.count(), rank=dist.rank)
 
 
 def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
@@ -374,12 +463,17 @@ def _drop_held(batch: Batch, state: TrainState, hooks: Hooks) -> Batch | None:
     return batch.select([i for i in range(len(batch.samples)) if i not in drop])
 
 
-def _record_samples(state: TrainState, dist: Dist, batch: Batch | None, n_all: int, step: int) -> None:
-    """Every rank's (epoch, sample) pairs of this step into the record (one all_gather of
-    at most `n_all` pairs per rank, n_all being the step's summed sample count)."""
+def _gather_samples(dist: Dist, batch: Batch | None, n_all: int) -> list[tuple[int, int]]:
+    """Every rank's (epoch, sample) pairs of this step (one all_gather of at most `n_all`
+    pairs per rank, n_all being the step's summed sample count)."""
     mine = torch.tensor([[batch.epoch, s] for s in batch.samples] if batch is not None else [],
                         dtype=torch.int64).reshape(-1, 2)
-    again = state.record.add(map(tuple, dist.gather_rows(mine, n_all).tolist()))
+    return list(map(tuple, dist.gather_rows(mine, n_all).tolist()))
+
+
+def _record_samples(state: TrainState, dist: Dist, pairs: list[tuple[int, int]], step: int) -> None:
+    """This (committed) step's pairs into the record: only a step that is applied counts."""
+    again = state.record.add(pairs)
     if again:  # a sample the weights had already seen: exactly-once is broken somewhere
         log.error("train.sample_repeated", step=step, rank=dist.rank, n=len(again),
                   pairs=[list(x) for x in again[:16]], repeats=state.record.repeats)
@@ -392,6 +486,7 @@ def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:
     if diffs:
         log.warning("train.signal_changed", checkpoint=str(path), differences=diffs)
     state.step, state.tokens, state.samples = saved["step"], saved["tokens"], saved["samples"]
+    state.saved_step = state.step
     state.epoch, state.resumed_from = saved.get("epoch", 0), str(path)
     record = TrainedRecord.load(path)
     if record is None:  # an older checkpoint: its weights hold samples nobody listed
@@ -423,4 +518,5 @@ def _checkpoint(cfg, signal, model, optimizer, state, dist, root, drafter_json, 
         log.info("train.checkpoint", step=state.step, path=str(path), seconds=round(time.monotonic() - t0, 3))
         if hooks.on_checkpoint is not None:
             hooks.on_checkpoint(state.step, path)
+    state.saved_step = state.step
     dist.barrier()  # nobody runs ahead of a checkpoint that may still fail

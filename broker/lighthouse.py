@@ -1,0 +1,53 @@
+"""The torchft lighthouse of an elastic consumer job (docs/RELIABILITY.md section 8).
+
+With `--consumers N` (N >= 2) the broker runs one (torchft's Rust server, on its own
+threads inside the broker process): every consumer's
+torchft Manager meets the others there each step (a quorum), so a consumer that dies is
+left out of the next step and one that (re)joins is let in and healed. Its address goes
+to consumers in `welcome` (run_config.lighthouse). It holds no training state: when the
+broker dies, the consumers stop anyway (the broker is lost) and a resumed run starts a new
+lighthouse.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from dflash.protocol.logs import get_logger
+
+log = get_logger()
+
+# How long the lighthouse waits for a replica that heartbeats but has not asked to join
+# before it forms a quorum without it (a slow starter joins the next one and is healed).
+JOIN_TIMEOUT_MS = 30_000
+
+
+class Lighthouse:
+    def __init__(self, server, address: str):
+        self.server, self.address = server, address
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def start(bind: str, port: int, advertise: str, timeout_s: float) -> Lighthouse | None:
+    """A lighthouse bound to `bind:port` (0: any free port), or None when torchft cannot
+    run here (logged: consumers then form a fixed group, as without elastic).
+    `timeout_s`: a replica silent this long is left out of quorums (the broker's --timeout-s)."""
+    try:
+        from torchft._torchft import LighthouseServer
+    except Exception as e:  # ImportError, or a torch too old for torchft
+        log.warning("broker.elastic_unavailable", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                    hint="pip install torchft (needs torch >= 2.7); consumers form a fixed group meanwhile")
+        return None
+    host = "0.0.0.0" if bind in ("*", "0.0.0.0") else ("[::]" if bind in ("::", "[::]") else bind)
+    try:
+        server = LighthouseServer(bind=f"{host}:{port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=int(timeout_s * 1000))
+    except RuntimeError as e:  # e.g. the port is taken: a start failure like a socket's
+        raise OSError(f"lighthouse on {host}:{port}: {e}") from e
+    bound = urlsplit(server.address()).port
+    address = f"http://{advertise}:{bound}"
+    log.info("broker.lighthouse", address=address, bind=f"{host}:{bound}", heartbeat_timeout_s=timeout_s,
+             join_timeout_s=JOIN_TIMEOUT_MS / 1000)
+    return Lighthouse(server, address)

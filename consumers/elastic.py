@@ -1,0 +1,210 @@
+"""Elastic data parallelism through torchft: consumers come and go, the job goes on.
+
+Each consumer is one torchft replica group of one process: a `Manager` that meets the
+others every step through the broker's lighthouse (a quorum), collectives through a
+managed process group that is rebuilt when the quorum changes, and `should_commit()`
+deciding whether the step is applied. A joining consumer is healed: it receives the
+weights, optimizer state, counters and trained record of a healthy replica over torchft's
+HTTP checkpoint transport.
+
+`ElasticDist` has `Dist`'s collectives (dist.py) plus the three calls a step makes:
+  begin_step()  the quorum (may heal this replica: state replaced in place);
+  intact()      False once a collective of this step failed (a peer went away);
+  commit()      should_commit: apply the step or drop it.
+Collectives that fail do not raise: torchft records the error, the step is dropped on the
+ranks that saw it, and the next quorum reconfigures the group without the lost peer.
+All collectives are sums (all_reduce), so gathers are sums of zero-padded slots: the one
+managed operation torchft wraps is enough.
+
+docs/RELIABILITY.md section 8 says what happens to the step in flight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from dflash.protocol.logs import get_logger
+
+from .dist import RankLost
+
+log = get_logger()
+
+# torchft's Rust side logs every quorum at INFO on stderr; our logs say what matters.
+os.environ.setdefault("RUST_LOG", "warn")
+
+
+def available() -> str | None:
+    """None if torchft imports here, else why not (one line)."""
+    try:
+        import torchft  # noqa: F401
+    except Exception as e:  # an ImportError, or a torch too old for it
+        return f"torchft does not import: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+def replica_name(rank: int, instance: str) -> str:
+    """The replica ID at the lighthouse. Quorum ranks follow the sorted replica IDs, so the
+    broker's rank leads: the lowest live broker rank is the quorum's rank 0 (it checkpoints)."""
+    return f"r{rank:05d}-{instance}"
+
+
+class ElasticDist:
+    elastic = True
+
+    def __init__(self, manager, store, pg, device: torch.device, rank: int, max_world: int):
+        self._manager, self._store, self._pg = manager, store, pg
+        self.device = device
+        self.rank, self.world_size = rank, 1  # until the first quorum
+        self.max_world = max_world
+        self.quorums = 0
+        self.healed_from: int | None = None  # the step this replica had before its last heal
+        self._save: Callable[[], dict] | None = None
+        self._load: Callable[[dict], None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    @classmethod
+    def join(cls, *, lighthouse: str, replica: str, host: str, device: torch.device, rank: int, max_world: int,
+             timeout_s: float, quorum_timeout_s: float) -> "ElasticDist":
+        """Start this replica's TCP store and torchft Manager (which starts heartbeating to
+        the lighthouse at once). `host`: the address other consumers reach us at."""
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        out = cls(None, store, pg, device, rank, max_world)
+        out._manager = Manager(
+            pg=pg, load_state_dict=out._heal, state_dict=out._state, min_replica_size=1,
+            use_async_quorum=False,  # heal before the step, so a joiner takes part in it
+            init_sync=True,  # at step 0 every replica but one heals: one set of weights
+            timeout=timeout, quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timeout, rank=0, world_size=1, store_addr=host, store_port=store.port,
+            lighthouse_addr=lighthouse, replica_id=replica, hostname=host)
+        log.info("consume.elastic_join", lighthouse=lighthouse, replica=replica, store=f"{host}:{store.port}",
+                 backend="nccl" if device.type == "cuda" else "gloo", max_world_size=max_world)
+        return out
+
+    # ------------------------------------------------------------ the training state
+
+    def register_state(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
+        """What a healthy replica sends a joining one, and how to take it in."""
+        self._save, self._load = save, load
+
+    def set_step(self, step: int) -> None:
+        """Our step (a resumed checkpoint's): the quorum compares steps to decide who heals."""
+        self._manager.load_state_dict({"step": step, "batches_committed": self._manager.batches_committed()})
+
+    def _state(self) -> dict:
+        assert self._save is not None, "register_state first"
+        return self._save()
+
+    def _heal(self, state: dict) -> None:
+        assert self._load is not None, "register_state first"
+        self._load(state)
+
+    # ------------------------------------------------------------ a step
+
+    def begin_step(self) -> None:
+        """Meet the others (the quorum); a replica behind them is healed here. Raises
+        RankLost when no quorum forms in time (e.g. half the known replicas silent)."""
+        before = (self.rank, self.world_size)
+        t0 = time.monotonic()
+        try:
+            self._manager.start_quorum()
+        except Exception as e:  # torchft raises its RPC errors as they are
+            raise RankLost(f"no elastic quorum: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+        self.rank = int(self._manager.participating_rank() or 0)
+        self.world_size = int(self._manager.num_participants())
+        self.quorums += 1
+        if (self.rank, self.world_size) != before or self.quorums == 1:
+            log.info("train.quorum", rank=self.rank, world_size=self.world_size, previous_rank=before[0],
+                     previous_world_size=before[1], step=self._manager.current_step(),
+                     seconds=round(time.monotonic() - t0, 3))
+
+    def intact(self) -> bool:
+        """No collective of this step failed so far."""
+        return self._manager.errored() is None
+
+    def error(self) -> str | None:
+        e = self._manager.errored()  # torchft's ExceptionWithTraceback
+        return None if e is None else str(getattr(e, "original_exception", e)).splitlines()[0][:300]
+
+    def commit(self) -> bool:
+        """Apply this step? False on every rank that saw a collective fail. Such a rank
+        first aborts its process group: a peer still waiting on it in a collective (which
+        the dead rank's failure did not reach) fails at once instead of at the timeout."""
+        if not self.intact():
+            self._pg.abort()
+        return bool(self._manager.should_commit())
+
+    # ------------------------------------------------------------ collectives (sums)
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import ReduceOp
+
+        self._manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        return t
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        return self._sum(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
+
+    def sum_grads(self, params: Iterable[nn.Parameter]) -> None:
+        from torch.distributed import ReduceOp
+
+        params = list(params)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        works = [self._manager.allreduce(p.grad, reduce_op=ReduceOp.SUM) for p in params]
+        for w in works:
+            w.wait()
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's same-shaped tensor: each fills its slot of a zeroed buffer, one sum.
+        After a failure only our own (the others' slots are not to be trusted)."""
+        wide = torch.float64 if t.is_floating_point() else torch.int64
+        buf = torch.zeros((self.world_size, *t.shape), dtype=wide, device=self.device)
+        buf[self.rank] = t.to(self.device, wide)
+        self._sum(buf)
+        if not self.intact():
+            return [t.cpu()]
+        return [b.to(t.dtype).cpu() for b in buf]
+
+    def gather_rows(self, rows: torch.Tensor, n_max: int) -> torch.Tensor:
+        """Every rank's int64 rows [k, w] (k <= n_max), in rank order. Rows are shifted by
+        one so the zero padding (-1 after the shift back) drops out."""
+        w = rows.shape[1]
+        buf = torch.zeros((max(1, n_max), w), dtype=torch.int64)
+        buf[: rows.shape[0]] = rows + 1
+        out = torch.cat(self.all_gather(buf)) - 1
+        return out[out[:, 0] >= 0]
+
+    def broadcast_params(self, module: nn.Module) -> None:
+        """Nothing to do: the first quorum heals every replica but one from it (init_sync)."""
+
+    def broadcast_str(self, text: str, max_bytes: int = 256) -> str:
+        raw = torch.zeros(max_bytes, dtype=torch.uint8)
+        data = text.encode()[:max_bytes]
+        raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        first = self.all_gather(raw)[0]
+        return bytes(first.tolist()).rstrip(b"\0").decode()
+
+    def barrier(self) -> None:
+        """Nothing to wait for: a rank that fails after this leaves, the others go on."""
+
+    def close(self) -> None:
+        try:
+            self._manager.shutdown(wait=False)
+        except Exception as e:  # shutting down after a failure: say so, do not mask the failure
+            log.warning("consume.elastic_shutdown_failed", error=str(e)[:200])
+
