@@ -60,7 +60,8 @@ class ElasticDist:
     def __init__(self, manager, store, pg, device: torch.device, rank: int, max_world: int):
         self._manager, self._store, self._pg = manager, store, pg
         self.device = device
-        self.rank, self.world_size = rank, 1  # until the first quorum
+        self.rank, self.world_size = rank, 1  # this step's quorum rank and size (begin_step)
+        self.arranged_rank = rank  # the broker's
         self.max_world = max_world
         self.quorums = 0
         self.healed_from: int | None = None  # the step this replica had before its last heal

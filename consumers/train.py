@@ -245,7 +245,9 @@ def train(
         dist.set_step(state.step)
     drafter_json = published_config(mcfg, heads.spec, block_size=signal.block_size,
                                     mask_token_id=signal.mask_token_id, target_layer_ids=list(signal.target_layers))
-    log.info("train.start", rank=dist.rank, world_size=dist.world_size, device=str(device), attn=backend,
+    # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
+    log.info("train.start", rank=getattr(dist, "arranged_rank", dist.rank), world_size=dist.world_size,
+             device=str(device), attn=backend,
              bf16=bf16, params=sum(p.numel() for p in params), signal=signal.as_dict(), elastic=dist.elastic,
              resumed_from=state.resumed_from, step=state.step, config=run_config)
 
