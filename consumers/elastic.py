@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from dflash.protocol.errors import DFlashError
 from dflash.protocol.logs import get_logger
 
 from .dist import RankLost
@@ -122,6 +123,8 @@ class ElasticDist:
         t0 = time.monotonic()
         try:
             self._manager.start_quorum()
+        except DFlashError:  # ours, from the heal (e.g. SignalMismatch): as it is
+            raise
         except Exception as e:  # torchft raises its RPC errors as they are
             raise RankLost(f"no elastic quorum: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
         self.rank = int(self._manager.participating_rank() or 0)

@@ -4,9 +4,8 @@ random processes, the broker at least once, are SIGKILLed at random moments and 
 the way an operator would:
 
 - a producer: started again, it joins the live run (the broker gave its leases back);
-- a consumer: the other rank exits 1 (no elastic recovery yet), so everything is stopped
-  and restarted with `dflash-broker --resume <last run>`, consumers loading the
-  checkpoint the broker names;
+- a consumer: the other one goes on (elastic consumers, docs/RELIABILITY.md 8); once the
+  broker has declared the dead one lost, it is started again and rejoins the live run;
 - the broker: every peer exits non-zero; everything is restarted with `--resume`.
 
 At the end, from the chain of ledgers and the final checkpoint's record of what its
@@ -111,13 +110,28 @@ class Operator:
                 if role == "producer":  # the operator starts it again; it joins the live run
                     pipe.start_producer(f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}")
                     continue
-                # A consumer or the broker: the others exit non-zero by themselves (the
-                # other rank's collective fails; peers find the broker silent); the
+                if role == "consumer":  # the other goes on; this one rejoins once declared lost
+                    self._when_lost(victim)
+                    pipe.start_consumer(f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}")
+                    continue
+                # The broker: the others find it silent and exit non-zero by themselves; the
                 # operator stops what is left and resumes the run.
                 pipe.wait_exit([n for n in pipe.procs if n[0] == "c"], 30)
                 codes = pipe.stop_rest()
                 return f"killed {victim}; exits {codes}"
             time.sleep(0.1)
+
+
+    def _when_lost(self, instance: str) -> None:
+        """Wait until the broker no longer holds `instance` live (declared lost after
+        --timeout-s), or has ended: a restarted consumer gets its rank only then."""
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            st = self.pipe.status()
+            if st is None or not any(p["instance"] == instance for p in st.get("peers", [])):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the broker did not declare {instance} lost within 30 s")
 
 
 def _progress_text(pipe: Pipeline) -> str:
