@@ -75,7 +75,7 @@ class ElasticDist:
 
     @classmethod
     def join(cls, *, lighthouse: str, replica: str, host: str, device: torch.device, rank: int, max_world: int,
-             timeout_s: float, quorum_timeout_s: float) -> "ElasticDist":
+             timeout_s: float, quorum_timeout_s: float, connect_timeout_s: float) -> "ElasticDist":
         """Start this replica's TCP store and torchft Manager (which starts heartbeating to
         the lighthouse at once). `host`: the address other consumers reach us at."""
         from torch.distributed import TCPStore
@@ -90,7 +90,7 @@ class ElasticDist:
             use_async_quorum=False,  # heal before the step, so a joiner takes part in it
             init_sync=True,  # at step 0 every replica but one heals: one set of weights
             timeout=timeout, quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr=host, store_port=store.port,
+            connect_timeout=datetime.timedelta(seconds=connect_timeout_s), rank=0, world_size=1, store_addr=host, store_port=store.port,
             lighthouse_addr=lighthouse, replica_id=replica, hostname=host)
         log.info("consume.elastic_join", lighthouse=lighthouse, replica=replica, store=f"{host}:{store.port}",
                  backend="nccl" if device.type == "cuda" else "gloo", max_world_size=max_world)

@@ -39,7 +39,11 @@ log = get_logger()
 # peers, before this consumer gives up (RankLost). A dead peer's collective fails at once
 # (its connection closes); these bound a peer that hangs, or a host that vanished.
 ELASTIC_COLLECTIVE_TIMEOUT_S = 300.0
-ELASTIC_QUORUM_TIMEOUT_S = 600.0
+ELASTIC_QUORUM_TIMEOUT_S = 60.0
+# How long torchft keeps trying to reach the lighthouse (or a peer's Manager) before the
+# quorum fails: the lighthouse dies with the broker, and a consumer must then exit (as it
+# does when it finds the broker silent) rather than wait out the quorum timeout.
+ELASTIC_CONNECT_TIMEOUT_S = 20.0
 
 # How long a rank waits for a batch before it reports "nothing now" to the step's
 # collective. Short enough that a starved rank delays a peer's step little; long enough
@@ -141,7 +145,8 @@ def arranged_dist(run_config: dict, device: torch.device, instance: str = "",
         return ElasticDist.join(lighthouse=run_config["lighthouse"], replica=replica_name(rank, instance),
                                 host=reachable_ip(host) if host else socket.gethostname(), device=device,
                                 rank=rank, max_world=int(world), timeout_s=ELASTIC_COLLECTIVE_TIMEOUT_S,
-                                quorum_timeout_s=ELASTIC_QUORUM_TIMEOUT_S)
+                                quorum_timeout_s=ELASTIC_QUORUM_TIMEOUT_S,
+                                connect_timeout_s=ELASTIC_CONNECT_TIMEOUT_S)
     if world == 1:
         return Dist(0, 1, device)
     if not run_config.get("dist"):
