@@ -14,7 +14,7 @@ Checked from what the run left on disk (logs, ledger, final checkpoint):
 
 The victim is rank 0 by default (the rank that checkpoints and commits: the role moves to
 the lowest survivor, then back to the rejoined rank 0); DFLASH_ELASTIC_VICTIM=1 or 2 kills
-another. DFLASH_LONG=1: more data, the kill later in the run.
+another. DFLASH_LONG=1: more data (400 samples x 4 epochs), the kill later in the run.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from chaos_audit import audit
 from chaos_pipeline import Pipeline
 
 LONG = os.environ.get("DFLASH_LONG") == "1"
-N_ROWS = 400 if LONG else 160
-EPOCHS = 2
-KILL_AT_STEP = 20 if LONG else 6  # the victim's committed step when it is killed
+N_ROWS = 400 if LONG else 320
+EPOCHS = 4 if LONG else 2
+KILL_AT_STEP = 40 if LONG else 6  # the victim's committed step when it is killed
 VICTIM = int(os.environ.get("DFLASH_ELASTIC_VICTIM", "0"))
 DEADLINE_S = 600 if LONG else 300
 
