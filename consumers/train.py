@@ -406,9 +406,9 @@ def _take_replica_state(got: dict, model, optimizer, state: TrainState, signal, 
     state.record = TrainedRecord.from_state(got["record"])
     # torchft heals every replica but one at each quorum until a first step is taken
     # (init_sync): log the heals that change something.
-    (log.info if state.step != before else log.debug)(
-        "train.healed", step=state.step, previous_step=before, samples=state.samples,
-        record_samples=state.record.count(), rank=dist.rank)
+    level = log.info if state.step != before else log.debug
+    level("train.healed", step=state.step, previous_step=before, samples=state.samples,
+          record_samples=state.record.count(), rank=dist.rank)
 
 
 def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
