@@ -31,7 +31,8 @@ from dflash.protocol.curve import AUTHORIZED, BROKER_NAME
               help="Copy a peer's public key into KEYS_DIR/authorized/ so the broker admits it.")
 @click.option("--force", is_flag=True, help="Replace an existing keypair of that name.")
 def main(keys_dir: str, name: str, authorize: bool, force: bool) -> None:
-    """Write a CurveZMQ keypair NAME.key (public) and NAME.key_secret (keep on its host)."""
+    """Write a CurveZMQ keypair KEYS_DIR/NAME.key (public) and KEYS_DIR/NAME.key_secret (keep
+    on its host)."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
         click.echo(f"error: --name {name!r}: use letters, digits, '.', '_', '-'", err=True)
         sys.exit(2)
