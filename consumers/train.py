@@ -67,7 +67,7 @@ class TrainConfig:
     seed: int = 0
     # implementation
     loss_chunk: int = 2048  # block positions per logits chunk
-    attn: str = "auto"  # auto (= sdpa) | sdpa | flex (block-sparse, compiled on GPU; unverified there)
+    attn: str = "auto"  # auto (= sdpa) | sdpa | flex (block-sparse, compiled on GPU)
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
     # checkpoints and logs
@@ -213,8 +213,9 @@ def train(
     hooks = hooks or Hooks()
     device = heads.embed.device
     signal = resolve_signal(cfg, heads)
-    # auto = SDPA everywhere for now: it ran on an H200 (bf16, 8192 block queries, 0.23 s a
-    # step); compiled flex attention did not finish compiling in 90 s there and is opt-in.
+    # auto = SDPA everywhere for now. On an H200 flex is 1.7x faster (MFU 26% -> 43%, 57%
+    # with --fuse; docs/BENCHMARKS.md) but was only run on fixed batch shapes there, and its
+    # first step compiles for ~1 min: opt-in until a real stream has run with it.
     backend = "sdpa" if cfg.attn == "auto" else cfg.attn
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
 
