@@ -56,6 +56,9 @@ class Operator:
         self.pipe, self.rng, self.plan, self.deadline = pipe, rng, list(plan), deadline
         self.killed: Counter = Counter()
         self.generations: list[dict] = []  # per generation: run, seconds, how it ended
+        # Killed consumers to start again once the broker has declared them lost; the
+        # operator does not stand still meanwhile (the next kill may come first).
+        self.rejoin: dict[str, str] = {}  # victim -> new instance name
 
     def run(self) -> None:
         resume, gen = None, 0
@@ -75,8 +78,10 @@ class Operator:
     def _generation(self, gen: int) -> str:
         """Watch one generation; returns 'completed' or what was killed."""
         pipe, mark, kill_at = self.pipe, 0, None
+        self.rejoin.clear()  # a new generation starts every role afresh
         while True:
             assert time.monotonic() < self.deadline, f"chaos run over its time bound; generations {self.generations}"
+            self._restart_lost_consumers()
             codes = pipe.exited()
             if "broker" in codes:  # the broker ended by itself: the run completed (or failed)
                 assert codes["broker"] == 0, pipe.tail("broker")
@@ -97,7 +102,15 @@ class Operator:
             if kill_at is not None and time.monotonic() >= kill_at:
                 role = self.plan[0]
                 victims = pipe.live(role)
-                if not victims:  # e.g. producers already finished: try again a little later
+                if not victims and role == "producer":
+                    # The tiny target outruns the drafters: the producers may have made the
+                    # whole run already and left. A consumer takes the planned kill instead.
+                    role, victims = "consumer", pipe.live("consumer")
+                if role == "consumer" and len(victims) < 2:
+                    # Elastic training needs a survivor: wait until the last killed consumer
+                    # is back before killing another (with none left the job is lost).
+                    victims = []
+                if not victims:  # e.g. a restarted consumer not in yet: try again a little later
                     kill_at = time.monotonic() + 0.5
                     continue
                 victim = self.rng.choice(victims)
@@ -111,8 +124,7 @@ class Operator:
                     pipe.start_producer(f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}")
                     continue
                 if role == "consumer":  # the other goes on; this one rejoins once declared lost
-                    self._when_lost(victim)
-                    pipe.start_consumer(f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}")
+                    self.rejoin[victim] = f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}"
                     continue
                 # The broker: the others find it silent and exit non-zero by themselves; the
                 # operator stops what is left and resumes the run.
@@ -122,16 +134,17 @@ class Operator:
             time.sleep(0.1)
 
 
-    def _when_lost(self, instance: str) -> None:
-        """Wait until the broker no longer holds `instance` live (declared lost after
-        --timeout-s), or has ended: a restarted consumer gets its rank only then."""
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            st = self.pipe.status()
-            if st is None or not any(p["instance"] == instance for p in st.get("peers", [])):
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"the broker did not declare {instance} lost within 30 s")
+    def _restart_lost_consumers(self) -> None:
+        """Start again each killed consumer the broker no longer holds live (declared lost
+        after --timeout-s): a restarted consumer gets its rank only then."""
+        if not self.rejoin:
+            return
+        st = self.pipe.status()
+        if st is None:  # the broker is gone (run over, or killed): nothing to rejoin
+            return
+        live = {p["instance"] for p in st.get("peers", [])}
+        for victim in [v for v in self.rejoin if v not in live]:
+            self.pipe.start_consumer(self.rejoin.pop(victim))
 
 
 def _progress_text(pipe: Pipeline) -> str:
