@@ -135,6 +135,15 @@ class CpuSampler:
 
 
 
+def command_path(name: str) -> str:
+    """A console script (`dflash-broker`, ...) beside this Python, else on PATH (pip may
+    put scripts elsewhere, as on the GPU machine's image)."""
+    import shutil
+
+    here = Path(sys.executable).with_name(name)
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
 BROKER_CMD = [sys.executable, "-m", "dflash.broker.cli"]  # what `dflash-broker` runs
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import click
 
+from common import command_path
 from dflash.protocol.sockets import free_port_block
 from dflash.tools.procs import ProcessGroup
 
@@ -59,12 +59,6 @@ def steady_rate(events: list[dict], field: str = "tokens") -> dict:
             "events": len(events), "timed": len(events) - k - 1, "span_s": round(span, 1)}
 
 
-def _bin(name: str) -> str:
-    """The command beside this Python, else on PATH (pip may put scripts elsewhere)."""
-    here = Path(sys.executable).with_name(name)
-    return str(here) if here.exists() else (shutil.which(name) or name)
-
-
 def _producer_args(target, data, gpu, budget, max_length, max_batch) -> list[str]:
     device = ["--device", "cpu"] if gpu < 0 else ["--gpu", str(gpu)]
     return ["--target", target, "--data", data, *device, "--token-budget", str(budget),
@@ -89,14 +83,14 @@ def _pipeline(work: Path, prod: list[str], cons: list[str], seconds: float, env:
     base = free_port_block(8)
     broker = f"tcp://127.0.0.1:{base}"
     group = ProcessGroup()
-    group.start("broker", [_bin("dflash-broker"), "--bind", "127.0.0.1", "--port", str(base),
+    group.start("broker", [command_path("dflash-broker"), "--bind", "127.0.0.1", "--port", str(base),
                            "--data-in-port", str(base + 1), "--data-out-ports", f"{base + 2}-{base + 5}",
                            "--runs-dir", str(work / "runs"), "--epochs", "100", "--consumers", "1",
                            "--queue-bytes", "8GiB", "--max-message-bytes", "1GiB", "--timeout-s", "120"],
                 work / "broker.out", env)
-    group.start("producer", [_bin("dflash-produce"), *prod, "--broker", broker, "--runs-dir", str(work / "runs")],
+    group.start("producer", [command_path("dflash-produce"), *prod, "--broker", broker, "--runs-dir", str(work / "runs")],
                 work / "producer.out", env)
-    group.start("consumer", [_bin("dflash-consume"), *cons, "--broker", broker, "--runs-dir", str(work / "runs")],
+    group.start("consumer", [command_path("dflash-consume"), *cons, "--broker", broker, "--runs-dir", str(work / "runs")],
                 work / "consumer.out", env)
     _run_for(group, seconds)
     result = {}
@@ -133,7 +127,7 @@ def main(target, data, producer_gpu, consumer_gpu, seconds, token_budget, max_le
     parts = set(parts.split(","))
     limit_args = ["--limit", str(limit)] if limit else []
     alone = [(name, argv) for name, argv in [
-                 ("producer_alone", [_bin("dflash-produce"), *prod, "--dry-run", *limit_args,
+                 ("producer_alone", [command_path("dflash-produce"), *prod, "--dry-run", *limit_args,
                                      "--runs-dir", str(work / "p")]),
                  ("consumer_alone", [sys.executable, "-m", "dflash.consumers.bench", "--gpu", str(consumer_gpu),
                                      "--seqs", str(seqs), "--seq-len", str(max_length), "--steps", "12",

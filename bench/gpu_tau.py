@@ -17,22 +17,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 
 import click
 
 from dflash.producers.sample_data import CHATS_PATH
+from common import command_path
 from dflash.protocol.sockets import free_port_block
 from dflash.tools.procs import ProcessGroup
-
-
-def _bin(name: str) -> str:
-    """The command beside this Python, else on PATH (pip may put scripts elsewhere)."""
-    here = Path(sys.executable).with_name(name)
-    return str(here) if here.exists() else (shutil.which(name) or name)
 
 
 def _split(work: Path, train_rows: int, eval_rows: int) -> tuple[Path, Path]:
@@ -49,18 +42,18 @@ def _train(work: Path, target: str, data: Path, args: dict, env: dict) -> tuple[
     base = free_port_block(8)
     broker, runs = f"tcp://127.0.0.1:{base}", str(work / "runs")
     group = ProcessGroup()
-    group.start("broker", [_bin("dflash-broker"), "--bind", "127.0.0.1", "--port", str(base),
+    group.start("broker", [command_path("dflash-broker"), "--bind", "127.0.0.1", "--port", str(base),
                            "--data-in-port", str(base + 1), "--data-out-ports", f"{base + 2}-{base + 5}",
                            "--runs-dir", runs, "--epochs", str(args["epochs"]), "--consumers", "1",
                            "--timeout-s", "120", "--lease-size", "64"], work / "broker.out", env)
     producer_device = ["--device", "cpu"] if args["producer_gpu"] < 0 else ["--gpu", str(args["producer_gpu"])]
-    group.start("producer", [_bin("dflash-produce"), "--broker", broker, "--runs-dir", runs, "--target", target,
+    group.start("producer", [command_path("dflash-produce"), "--broker", broker, "--runs-dir", runs, "--target", target,
                              "--data", str(data), *producer_device, "--regenerate",
                              "--max-new-tokens", str(args["max_new_tokens"]), "--regen-cache", str(work / "regen"),
                              "--token-budget", "8192", "--max-length", "1024", "--lease-size", "64"],
                 work / "producer.out", env)
     consumer_device = [] if args["consumer_gpu"] < 0 else ["--gpu", str(args["consumer_gpu"])]
-    group.start("consumer", [_bin("dflash-consume"), "--broker", broker, "--runs-dir", runs, "--target", target,
+    group.start("consumer", [command_path("dflash-consume"), "--broker", broker, "--runs-dir", runs, "--target", target,
                              *consumer_device, "--block-size", str(args["block_size"]), "--anchors", "64",
                              "--draft-layers", str(args["draft_layers"]), "--lr", str(args["lr"]),
                              "--save-every", "0", "--log-position-every", "0"], work / "consumer.out", env)
@@ -83,7 +76,7 @@ def _eval(work: Path, target: str, ckpt: Path, prompts: Path, gpu: int, dtype: s
     device = "cpu" if gpu < 0 else f"cuda:{gpu}"
     out = work / f"eval-{dtype}.json"
     group = ProcessGroup()
-    child = group.start("eval", [_bin("dflash-eval"), "--target", target, "--drafter", str(ckpt), "--prompts",
+    child = group.start("eval", [command_path("dflash-eval"), "--target", target, "--drafter", str(ckpt), "--prompts",
                                  str(prompts), "--device", device, "--dtype", dtype, "--max-new-tokens",
                                  str(new_tokens), "--json"], out, env)
     child.proc.wait()

@@ -58,7 +58,7 @@ def _naive(model, ids, pos, layer_ids):
 
 
 def _emit(**row) -> None:
-    click.echo(json.dumps(row), nl=True)
+    click.echo(json.dumps(row))
 
 
 def forward_flops(cfg, layers_run: int, seq_lens: list[int], logits: bool) -> int:
