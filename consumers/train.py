@@ -26,16 +26,18 @@ from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import fused
-from .checkpoint import (Signal, SignalMismatch, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint,
-                         signal_differences)
+from .checkpoint import Signal
 from .dist import Dist
+from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats, default_gamma
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
 from .record import TrainedRecord
+from .replica import replica_state, take_replica_state
 from .step import batch_loss
 from .target_heads import TargetHeads, tokenizer_mask_id
+from . import train_checkpoint
 
 log = get_logger()
 
@@ -176,21 +178,6 @@ def noise_at(step: int, cfg: TrainConfig) -> float:
     return cfg.feature_noise * f
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    """This rank's RNG states as one uint8 tensor (same size on every rank)."""
-    parts = [torch.get_rng_state()]
-    if device.type == "cuda":
-        parts.append(torch.cuda.get_rng_state(device))
-    return torch.cat(parts)
-
-
-def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    n = torch.get_rng_state().numel()
-    torch.set_rng_state(state[:n].clone())
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[n:].clone(), device)
-
-
 # ---------------------------------------------------------------- the loop
 
 
@@ -236,13 +223,13 @@ def train(
     # with a healthier one's; the quorum compares steps to decide who heals. The first
     # quorum comes before the resume: a consumer joining a live run is healed from a
     # running one (the checkpoint it was told may be pruned by now, and is older anyway).
-    dist.register_state(lambda: _replica_state(model, optimizer, state, signal),
-                        lambda got: _take_replica_state(got, model, optimizer, state, signal, dist))
+    dist.register_state(lambda: replica_state(model, optimizer, state, signal),
+                        lambda got: take_replica_state(got, model, optimizer, state, signal, dist))
     met = dist.elastic
     if met:
         dist.begin_step()
     if cfg.resume and state.step == 0:  # not healed to a live step
-        _resume(cfg, signal, model, optimizer, state, dist, runs_dir)
+        train_checkpoint.resume(cfg, signal, model, optimizer, state, dist, runs_dir)
         dist.set_step(state.step)
     drafter_json = published_config(mcfg, heads.spec, block_size=signal.block_size,
                                     mask_token_id=signal.mask_token_id, target_layer_ids=list(signal.target_layers))
@@ -278,7 +265,7 @@ def train(
             dist.begin_step()
         met = False
         if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
-            batch = _drop_held(batch, state, hooks)
+            batch = drop_held(batch, state, hooks)
         # Every rank takes part in every step (one small collective first): stop when one
         # rank was asked to or every rank's stream ended; a rank without a batch takes an
         # empty step while another has one; nobody steps while nobody has data. A bad
@@ -318,13 +305,13 @@ def train(
         total = dist.all_sum(mine)  # one small collective for every figure a step logs
         pairs = None
         if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
-            pairs = _gather_samples(dist, batch, int(named(total)["samples"]))
+            pairs = gather_samples(dist, batch, int(named(total)["samples"]))
             dist.sum_grads(params)
         if not dist.commit():  # elastic: a collective failed; dropped on every rank that saw it
             held = _dropped(batch, state, dist, "step")
             continue
         stepped_here = True
-        _record_samples(state, dist, pairs, step)
+        record_samples(state, dist, pairs, step)
         weight = named(total)["weight"]
         grad_norm = 0.0
         if weight > 0:  # all ranks see the same weight: they all step or all skip
@@ -348,10 +335,10 @@ def train(
             hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
                                state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())
         if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
-            _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
+            train_checkpoint.save(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
 
     if ckpt_root is not None and state.step > state.saved_step:
-        _checkpoint(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
+        train_checkpoint.save(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
     log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
     state.model = model
     return state
@@ -379,37 +366,6 @@ def _short_at_start(dist: Dist, n_starting: float) -> bool:
     """Elastic start: every rank of the quorum is new and not all N have joined yet."""
     max_world = getattr(dist, "max_world", dist.world_size)
     return dist.elastic and n_starting == dist.world_size and dist.world_size < max_world
-
-
-def _replica_state(model, optimizer, state: TrainState, signal) -> dict:
-    """What a healthy replica hands a joining one (elastic.py): everything the next step
-    depends on. Tensors are the live ones; torchft serves them before this replica's next
-    optimizer step."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "signal": signal.as_dict(),
-            "counters": {"step": state.step, "tokens": state.tokens, "samples": state.samples,
-                         "epoch": state.epoch, "saved_step": state.saved_step},
-            "record": state.record.to_state()}
-
-
-def _take_replica_state(got: dict, model, optimizer, state: TrainState, signal, dist: Dist) -> None:
-    """Heal: replace our state with a healthy replica's. Raises SignalMismatch when it
-    trains another signal (this consumer was started with other options)."""
-    diffs = signal_differences(got["signal"], signal)
-    if diffs:
-        raise SignalMismatch(f"the running consumers train another signal ({'; '.join(diffs)}): start every "
-                             "consumer of a run with the same training options")
-    before = state.step
-    model.load_state_dict(got["model"])
-    optimizer.load_state_dict(got["optimizer"])
-    c = got["counters"]
-    state.step, state.tokens, state.samples, state.epoch = c["step"], c["tokens"], c["samples"], c["epoch"]
-    state.saved_step = c["saved_step"]
-    state.record = TrainedRecord.from_state(got["record"])
-    # torchft heals every replica but one at each quorum until a first step is taken
-    # (init_sync): log the heals that change something.
-    level = log.info if state.step != before else log.debug
-    level("train.healed", step=state.step, previous_step=before, samples=state.samples,
-          record_samples=state.record.count(), rank=dist.rank)
 
 
 def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
@@ -442,84 +398,3 @@ def _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise) -> 
         return stats
 
     return run
-
-
-def _drop_held(batch: Batch, state: TrainState, hooks: Hooks) -> Batch | None:
-    """`batch` without the sequences whose (epoch, sample) the weights already hold.
-
-    A sample can come again although the weights hold it: the broker's ledger did not
-    get to `committed` for it before a crash (its ack was lost with a killed rank or
-    broker, docs/RELIABILITY.md), so a resumed run makes it again. The record is the
-    truth of what the weights saw, so those sequences are left out. They are still acked
-    with the batch (they are in the weights, which the next commit makes durable); a
-    batch held entirely is acked at once at the current step and is no batch at all."""
-    held = [i for i, s in enumerate(batch.samples) if state.record.holds(batch.epoch, s)]
-    if not held:
-        return batch
-    log.info("train.skip_held", batch_id=batch.batch_id, epoch=batch.epoch, step=state.step,
-             samples=[batch.samples[i] for i in held[:16]], n=len(held), of=len(batch.samples))
-    if len(held) == len(batch.samples):
-        if hooks.on_step is not None:
-            hooks.on_step(state.step, [batch.batch_id])
-        return None
-    drop = set(held)
-    return batch.select([i for i in range(len(batch.samples)) if i not in drop])
-
-
-def _gather_samples(dist: Dist, batch: Batch | None, n_all: int) -> list[tuple[int, int]]:
-    """Every rank's (epoch, sample) pairs of this step (one all_gather of at most `n_all`
-    pairs per rank, n_all being the step's summed sample count)."""
-    mine = torch.tensor([[batch.epoch, s] for s in batch.samples] if batch is not None else [],
-                        dtype=torch.int64).reshape(-1, 2)
-    return list(map(tuple, dist.gather_rows(mine, n_all).tolist()))
-
-
-def _record_samples(state: TrainState, dist: Dist, pairs: list[tuple[int, int]], step: int) -> None:
-    """This (committed) step's pairs into the record: only a step that is applied counts."""
-    again = state.record.add(pairs)
-    if again:  # a sample the weights had already seen: exactly-once is broken somewhere
-        log.error("train.sample_repeated", step=step, rank=dist.rank, n=len(again),
-                  pairs=[list(x) for x in again[:16]], repeats=state.record.repeats)
-
-
-def _resume(cfg, signal, model, optimizer, state, dist, runs_dir) -> None:
-    path = resolve_checkpoint(cfg.resume, runs_dir)
-    saved, rng = load_checkpoint(path, model, optimizer)
-    diffs = check_signal(saved["signal"], signal, force=cfg.force, where=str(path))
-    if diffs:
-        log.warning("train.signal_changed", checkpoint=str(path), differences=diffs)
-    state.step, state.tokens, state.samples = saved["step"], saved["tokens"], saved["samples"]
-    state.saved_step = state.step
-    state.epoch, state.resumed_from = saved.get("epoch", 0), str(path)
-    record = TrainedRecord.load(path)
-    if record is None:  # an older checkpoint: its weights hold samples nobody listed
-        log.warning("train.record_missing", checkpoint=str(path))
-        record = TrainedRecord(complete=False)
-    state.record = record
-    device = next(model.parameters()).device
-    if dist.rank < len(rng):
-        _set_rng_state(rng[dist.rank], device)
-    else:  # more ranks than when saved: a fresh, reproducible stream for the new rank
-        torch.manual_seed(cfg.seed + 1 + dist.rank + 1000 * state.step)
-        log.info("train.rng_reseeded", rank=dist.rank, saved_ranks=len(rng))
-    log.info("train.resumed", checkpoint=str(path), step=state.step, tokens=state.tokens,
-             record_samples=state.record.count(), record_complete=state.record.complete)
-
-
-def _checkpoint(cfg, signal, model, optimizer, state, dist, root, drafter_json, hooks, run_config) -> None:
-    device = next(model.parameters()).device
-    rng = dist.all_gather(_rng_state(device))  # collective: every rank takes part
-    if dist.rank == 0:
-        t0 = time.monotonic()
-        body = {"tokens": state.tokens, "samples": state.samples, "epoch": state.epoch,
-                "signal": signal.as_dict(), "world_size": dist.world_size, "config": run_config,
-                "scheduler": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
-                              "total_steps": cfg.total_steps}}
-        path = save_checkpoint(root, state.step, model, optimizer, state=body, rng=rng,
-                               drafter_config=drafter_json, keep=cfg.keep, record=state.record)
-        state.last_checkpoint = path
-        log.info("train.checkpoint", step=state.step, path=str(path), seconds=round(time.monotonic() - t0, 3))
-        if hooks.on_checkpoint is not None:
-            hooks.on_checkpoint(state.step, path)
-    state.saved_step = state.step
-    dist.barrier()  # nobody runs ahead of a checkpoint that may still fail
