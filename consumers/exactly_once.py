@@ -14,8 +14,8 @@ from dflash.protocol.logs import get_logger
 from .batch import Batch
 from .dist import Dist
 
-if TYPE_CHECKING:  # train.py imports this module
-    from .train import Hooks, TrainState
+if TYPE_CHECKING:
+    from .train_config import Hooks, TrainState
 
 log = get_logger()
 

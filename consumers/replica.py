@@ -15,8 +15,8 @@ from .checkpoint import Signal, SignalMismatch, signal_differences
 from .dist import Dist
 from .record import TrainedRecord
 
-if TYPE_CHECKING:  # train.py imports this module
-    from .train import TrainState
+if TYPE_CHECKING:
+    from .train_config import TrainState
 
 log = get_logger()
 

@@ -1,4 +1,5 @@
-"""The drafter training loop, top to bottom: config, setup, resume, one loop.
+"""The drafter training loop, top to bottom: setup, resume, one loop (its config, hooks,
+state and schedules are in train_config.py, and importable from here).
 
 The loop knows nothing about the network. It takes
   - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
@@ -13,10 +14,7 @@ Every rank runs this same loop; ranks agree each step on whether anyone still ha
 
 from __future__ import annotations
 
-import math
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -26,18 +24,20 @@ from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import fused
-from .checkpoint import Signal
 from .dist import Dist
 from .exactly_once import drop_held, gather_samples, record_samples
-from .loss import LossStats, default_gamma
+from .loss import LossStats
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
-from .record import TrainedRecord
 from .replica import replica_state, take_replica_state
 from .step import batch_loss
-from .target_heads import TargetHeads, tokenizer_mask_id
+from .target_heads import TargetHeads
 from . import train_checkpoint
+from .train_config import Hooks, TrainConfig, TrainState, default_target_layers, lr_at, noise_at, resolve_signal
+
+__all__ = ["Hooks", "TrainConfig", "TrainState", "default_target_layers", "lr_at", "noise_at", "resolve_signal",
+           "train", "START_WAIT_S"]
 
 log = get_logger()
 
@@ -45,137 +45,6 @@ log = get_logger()
 # the broker's --consumers N have joined, ranks wait this long for the rest before the
 # first step, as a fixed group does; afterwards a joiner never holds the others up.
 START_WAIT_S = 60.0
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    # training signal (recorded in every checkpoint; see checkpoint.Signal)
-    draft_layers: int = 5
-    target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
-    block_size: int = 16
-    anchors: int = 512
-    gamma: float | None = None  # None: default_gamma(block_size)
-    mask_token_id: int | None = None  # None: Qwen3's 151669 for Qwen3 vocabularies
-    # optimisation
-    lr: float = 6e-4
-    min_lr: float = 0.0
-    warmup: float = 0.04  # fraction of total_steps
-    total_steps: int | None = None  # schedule length; None: constant lr after no warmup
-    max_steps: int | None = None  # stop after this many steps (None: end of stream)
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    feature_noise: float = 0.0  # relative Gaussian noise on target features at step 0
-    noise_schedule: str = "linear"  # constant | linear | cosine decay to 0 at total_steps
-    seed: int = 0
-    # implementation
-    loss_chunk: int = 2048  # block positions per logits chunk
-    attn: str = "auto"  # auto (= sdpa) | sdpa | flex (block-sparse, compiled on GPU)
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
-    fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
-    # checkpoints and logs
-    save_every: int = 1000
-    keep: int = 3
-    resume: str | None = None  # checkpoint folder, run ID/folder, or "latest"
-    force: bool = False  # resume even if the training signal differs
-    log_position_every: int = 100
-    epoch_samples: int | None = None  # samples per epoch, for the epoch fraction and ETA
-    # Leave out sequences whose (epoch, sample) the weights already hold (the record):
-    # on with a broker, where a crash can make a sample again (exactly-once); off for local
-    # streams, which may repeat a batch on purpose
-    skip_held: bool = False
-
-
-@dataclass
-class Hooks:
-    on_step: Callable[[int, list[str]], None] | None = None
-    on_checkpoint: Callable[[int, Path], None] | None = None
-    queue: Callable[[], dict] | None = None
-    # The run's sample counts, {samples_total, samples_done, n_samples} (the broker's
-    # heartbeat): the logged epoch fraction and ETA come from them when present.
-    progress: Callable[[], dict] | None = None
-    stop: threading.Event | None = None
-    after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
-    # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
-    # or None, the record); live evaluation on a batch the weights have not trained on yet.
-    before_step: Callable[[int, torch.nn.Module, Batch | None, TrainedRecord], None] | None = None
-    # Updated in place after every step with the consumer's heartbeat keys (PROTOCOL.md
-    # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
-    # to read.
-    stats: dict | None = None
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens: int = 0  # target tokens trained on, all ranks
-    samples: int = 0
-    epoch: int = 0
-    resumed_from: str | None = None
-    saved_step: int = 0  # the newest checkpoint's step (every rank agrees: it decides a collective)
-    end_reason: str = ""
-    last_checkpoint: Path | None = None
-    model: torch.nn.Module | None = field(default=None, repr=False)  # the trained drafter
-    # (epoch, sample) -> times trained, all ranks, cumulative over resumes (record.py)
-    record: TrainedRecord = field(default_factory=TrainedRecord, repr=False)
-
-
-# ---------------------------------------------------------------- setup
-
-
-def default_target_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
-    """n layers evenly spaced from 1 to L-3 (DFLASH.md; Qwen3-8B: 1, 9, 17, 25, 33).
-
-    The producers' rule exactly (producers/target.py default_layer_ids), so both sides'
-    `auto` agree: small targets get the distinct layers rounding yields (6 layers ->
-    1, 2, 3), and below 4 layers the range is 0..L-2."""
-    start, end = (1, num_target_layers - 3) if num_target_layers >= 4 else (0, max(0, num_target_layers - 2))
-    if n == 1:
-        return ((start + end) // 2,)
-    return tuple(sorted({int(round(start + i * (end - start) / (n - 1))) for i in range(n)}))
-
-
-def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
-    """Fill the defaults that depend on the target. Raises ValueError on bad values."""
-    spec = heads.spec
-    layers = tuple(cfg.target_layers or default_target_layers(spec.num_hidden_layers))
-    if any(not 0 <= i < spec.num_hidden_layers - 1 for i in layers):
-        # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
-        raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
-    mask = cfg.mask_token_id
-    if mask is None:
-        mask = tokenizer_mask_id(heads.path)
-    if mask is None:
-        if spec.model_type.startswith("qwen3") and spec.vocab_size > 151669:
-            mask = 151669
-        else:
-            raise ValueError(f"--mask-token-id is required for a {spec.model_type} target (an unused vocab row)")
-    if not 0 <= mask < spec.vocab_size:
-        raise ValueError(f"mask token id {mask} outside the vocabulary (0..{spec.vocab_size - 1})")
-    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
-        raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
-    gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
-    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask, heads.identity)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup*total steps, then cosine down to min_lr (step is 1-based)."""
-    if not cfg.total_steps:
-        return cfg.lr
-    warm = max(1, math.ceil(cfg.warmup * cfg.total_steps))
-    if step <= warm:
-        return cfg.lr * step / warm
-    p = min(1.0, (step - warm) / max(1, cfg.total_steps - warm))
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * p)) * (cfg.lr - cfg.min_lr)
-
-
-def noise_at(step: int, cfg: TrainConfig) -> float:
-    if cfg.feature_noise <= 0:
-        return 0.0
-    if cfg.noise_schedule == "constant" or not cfg.total_steps:
-        return cfg.feature_noise
-    p = min(1.0, step / cfg.total_steps)
-    f = 1.0 - p if cfg.noise_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
-    return cfg.feature_noise * f
 
 
 # ---------------------------------------------------------------- the loop
@@ -196,152 +65,245 @@ def train(
 
     Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
     another drafter), ValueError (bad config)."""
-    dist = dist or Dist()
-    hooks = hooks or Hooks()
-    device = heads.embed.device
-    signal = resolve_signal(cfg, heads)
-    # auto = SDPA everywhere for now. On an H200 flex is 1.7x faster (MFU 26% -> 43%, 57%
-    # with --fuse; docs/BENCHMARKS.md) but was only run on fixed batch shapes there, and its
-    # first step compiles for ~1 min: opt-in until a real stream has run with it.
-    backend = "sdpa" if cfg.attn == "auto" else cfg.attn
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    loop = _StepLoop(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
+    loop.join_or_resume(runs_dir)
+    loop.announce()
+    return loop.run(batches)
 
-    fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and device.type == "cuda"))
 
-    # Model: fp32 master weights, same init on every rank, then rank 0's copy everywhere.
-    torch.manual_seed(cfg.seed)
-    mcfg = DrafterConfig.from_target(heads.spec, cfg.draft_layers, len(signal.target_layers))
-    model = DFlashDraft(mcfg).to(device)
-    dist.broadcast_params(model)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=device.type == "cuda")
-    splitter = StepSplitter(params, device, inject=OomInjection.from_env())
-    state = TrainState()
-    torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
-    # An elastic group (elastic.py) hands this state to a joining replica, and heals us
-    # with a healthier one's; the quorum compares steps to decide who heals. The first
-    # quorum comes before the resume: a consumer joining a live run is healed from a
-    # running one (the checkpoint it was told may be pruned by now, and is older anyway).
-    dist.register_state(lambda: replica_state(model, optimizer, state, signal),
-                        lambda got: take_replica_state(got, model, optimizer, state, signal, dist))
-    met = dist.elastic
-    if met:
-        dist.begin_step()
-    if cfg.resume and state.step == 0:  # not healed to a live step
-        train_checkpoint.resume(cfg, signal, model, optimizer, state, dist, runs_dir)
-        dist.set_step(state.step)
-    drafter_json = published_config(mcfg, heads.spec, block_size=signal.block_size,
-                                    mask_token_id=signal.mask_token_id, target_layer_ids=list(signal.target_layers))
-    # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
-    log.info("train.start", rank=getattr(dist, "arranged_rank", dist.rank), world_size=dist.world_size,
-             device=str(device), attn=backend,
-             bf16=bf16, params=sum(p.numel() for p in params), signal=signal.as_dict(), elastic=dist.elastic,
-             resumed_from=state.resumed_from, step=state.step, config=run_config)
+# What the ranks agreed a step is (_StepLoop.agree).
+_STEP, _SKIP, _END = "step", "skip", "end"
 
-    meter = Meter(signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
-    source: Iterator = iter(batches)
-    exhausted, started = False, time.monotonic()
-    held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
-    stepped_here = False  # this process took a step (the startup wait ends)
-    while True:
+
+class _StepLoop:
+    """One run's model, optimizer and loop state; `run` is the loop, one method a phase."""
+
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, dist: Dist, hooks: Hooks,
+                 ckpt_root: Path | None, run_config: dict | None):
+        self.cfg, self.heads, self.dist, self.hooks = cfg, heads, dist, hooks
+        self.ckpt_root, self.run_config = ckpt_root, run_config
+        self.device = device = heads.embed.device
+        self.signal = resolve_signal(cfg, heads)
+        # auto = SDPA everywhere for now. On an H200 flex is 1.7x faster (MFU 26% -> 43%, 57%
+        # with --fuse; docs/BENCHMARKS.md) but was only run on fixed batch shapes there, and its
+        # first step compiles for ~1 min: opt-in until a real stream has run with it.
+        self.backend = "sdpa" if cfg.attn == "auto" else cfg.attn
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and device.type == "cuda"))
+        self._build_model()
+        self.state = TrainState()
+        torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
+        self.quorum_begun = False  # the next step's quorum was begun already (elastic, before the resume)
+
+    def _build_model(self) -> None:
+        cfg, device = self.cfg, self.device
+        # Model: fp32 master weights, same init on every rank, then rank 0's copy everywhere.
+        torch.manual_seed(cfg.seed)
+        self.mcfg = DrafterConfig.from_target(self.heads.spec, cfg.draft_layers, len(self.signal.target_layers))
+        self.model = DFlashDraft(self.mcfg).to(device)
+        self.dist.broadcast_params(self.model)
+        self.params = list(self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           fused=device.type == "cuda")
+        self.splitter = StepSplitter(self.params, device, inject=OomInjection.from_env())
+
+    # ------------------------------------------------ before the first step
+
+    def join_or_resume(self, runs_dir: str | Path | None) -> None:
+        """Take the state to start from: a running replica's (elastic), else the checkpoint's."""
+        dist, state = self.dist, self.state
+        # An elastic group (elastic.py) hands this state to a joining replica, and heals us
+        # with a healthier one's; the quorum compares steps to decide who heals. The first
+        # quorum comes before the resume: a consumer joining a live run is healed from a
+        # running one (the checkpoint it was told may be pruned by now, and is older anyway).
+        dist.register_state(lambda: replica_state(self.model, self.optimizer, state, self.signal),
+                            lambda got: take_replica_state(got, self.model, self.optimizer, state, self.signal, dist))
+        self.quorum_begun = dist.elastic
+        if self.quorum_begun:
+            dist.begin_step()
+        if self.cfg.resume and state.step == 0:  # not healed to a live step
+            train_checkpoint.resume(self.cfg, self.signal, self.model, self.optimizer, state, dist, runs_dir)
+            dist.set_step(state.step)
+
+    def announce(self) -> None:
+        signal, dist, state = self.signal, self.dist, self.state
+        self.drafter_json = published_config(self.mcfg, self.heads.spec, block_size=signal.block_size,
+                                             mask_token_id=signal.mask_token_id,
+                                             target_layer_ids=list(signal.target_layers))
+        # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
+        log.info("train.start", rank=getattr(dist, "arranged_rank", dist.rank), world_size=dist.world_size,
+                 device=str(self.device), attn=self.backend,
+                 bf16=self.bf16, params=sum(p.numel() for p in self.params), signal=signal.as_dict(),
+                 elastic=dist.elastic, resumed_from=state.resumed_from, step=state.step, config=self.run_config)
+
+    # ------------------------------------------------ the loop
+
+    def run(self, batches: Iterable) -> TrainState:
+        cfg, state = self.cfg, self.state
+        self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
+        self.source: Iterator = iter(batches)
+        self.exhausted, self.started = False, time.monotonic()
+        self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
+        self.stepped_here = False  # this process took a step (the startup wait ends)
         # Stop before fetching: a fetched batch that is never trained is never acked.
-        if cfg.max_steps is not None and state.step >= cfg.max_steps:
-            state.end_reason = "max_steps"
-            break
-        want_stop = hooks.stop is not None and hooks.stop.is_set()
-        batch, bad, held = held, None, None
-        if batch is None and not exhausted and not want_stop:
+        while not self._at_max_steps():
+            batch, bad, want_stop = self.fetch()
+            self.begin_quorum()
+            if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
+                batch = drop_held(batch, state, self.hooks)
+            agreed = self.agree(batch, bad, want_stop)
+            if agreed == _END:
+                break
+            if agreed == _STEP:
+                self.step(batch)
+        return self.finish()
+
+    def _at_max_steps(self) -> bool:
+        if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
+            self.state.end_reason = "max_steps"
+            return True
+        return False
+
+    def _stop_asked(self) -> bool:
+        return self.hooks.stop is not None and self.hooks.stop.is_set()
+
+    def fetch(self) -> tuple[Batch | None, BatchMismatch | None, bool]:
+        """This rank's batch for the next step (a dropped step's first), checked against the
+        signal; the mismatch if it does not fit; whether a stop was asked."""
+        want_stop = self._stop_asked()
+        batch, bad, self.held = self.held, None, None
+        if batch is None and not self.exhausted and not want_stop:
             try:
-                batch = next(source)  # None: nothing arrived in time (the source waited)
+                batch = next(self.source)  # None: nothing arrived in time (the source waited)
             except StopIteration:
-                exhausted = True
+                self.exhausted = True
             # A stop asked while we waited (a signal, the broker's shutdown) counts now, so
             # the stream a shutdown ends is not taken for its natural end.
-            want_stop = hooks.stop is not None and hooks.stop.is_set()
+            want_stop = self._stop_asked()
         if batch is not None:
-            batch, bad = _prepare(batch, heads, signal)
-        if not met:  # elastic: the quorum; a replica behind the others is healed here
-            dist.begin_step()
-        met = False
-        if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
-            batch = drop_held(batch, state, hooks)
+            batch, bad = _prepare(batch, self.heads, self.signal)
+        return batch, bad, want_stop
+
+    def begin_quorum(self) -> None:
+        if not self.quorum_begun:  # elastic: the quorum; a replica behind the others is healed here
+            self.dist.begin_step()
+        self.quorum_begun = False
+
+    def agree(self, batch: Batch | None, bad: BatchMismatch | None, want_stop: bool) -> str:
+        """What this step is, the same on every rank: _STEP, _SKIP (wait or retry) or _END."""
+        dist, state, hooks = self.dist, self.state, self.hooks
         # Every rank takes part in every step (one small collective first): stop when one
         # rank was asked to or every rank's stream ended; a rank without a batch takes an
         # empty step while another has one; nobody steps while nobody has data. A bad
         # batch on any rank ends every rank, so none is left waiting in a collective.
-        starting = not stepped_here and time.monotonic() - started < START_WAIT_S
+        starting = not self.stepped_here and time.monotonic() - self.started < START_WAIT_S
         have, stops, ended, bads, n_starting = dist.all_sum(
-            [batch is not None, want_stop, exhausted, bad is not None, starting])
+            [batch is not None, want_stop, self.exhausted, bad is not None, starting])
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
-            held = _dropped(batch, state, dist, "quorum")
-            continue
+            self.held = _dropped(batch, state, dist, "quorum")
+            return _SKIP
         if bads > 0:
             raise bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
         if want_stop:
             log.warning("train.stopping", step=state.step, rank=dist.rank)
         if stops > 0 or ended == dist.world_size:
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
-            break
+            return _END
         if have == 0 or _short_at_start(dist, n_starting):
-            held = batch
+            self.held = batch
             if hooks.stats is not None:
                 hooks.stats["state"] = "waiting"
-            continue
+            return _SKIP
+        return _STEP
+
+    def step(self, batch: Batch | None) -> None:
+        """One optimizer step with every rank, or none if a collective of it fails (elastic)."""
+        dist, state, hooks = self.dist, self.state, self.hooks
         if batch is not None:
             state.epoch = batch.epoch
         if hooks.before_step is not None:
-            hooks.before_step(state.step, model, batch, state.record)
-
+            hooks.before_step(state.step, self.model, batch, state.record)
         step = state.step + 1
-        lr, noise = lr_at(step, cfg), noise_at(step, cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        stats = LossStats(pos_correct=[0] * (signal.block_size - 1), pos_valid=[0] * (signal.block_size - 1))
-        if batch is not None:  # split into micro-batches if memory runs out (oom.py)
-            stats = splitter.run(batch, _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise), step)
-        mine = local_figures(batch, stats)
-        total = dist.all_sum(mine)  # one small collective for every figure a step logs
+        lr, noise = lr_at(step, self.cfg), noise_at(step, self.cfg)
+        mine, total = self._gradients(batch, step, lr, noise)
         pairs = None
         if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
             pairs = gather_samples(dist, batch, int(named(total)["samples"]))
-            dist.sum_grads(params)
+            dist.sum_grads(self.params)
         if not dist.commit():  # elastic: a collective failed; dropped on every rank that saw it
-            held = _dropped(batch, state, dist, "step")
-            continue
-        stepped_here = True
+            self.held = _dropped(batch, state, dist, "step")
+            return
+        self.stepped_here = True
         record_samples(state, dist, pairs, step)
-        weight = named(total)["weight"]
+        grad_norm = self._apply(named(total)["weight"])
+        self._account(step, batch, total)
+        self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)
+        if self.ckpt_root is not None and self.cfg.save_every > 0 and step % self.cfg.save_every == 0:
+            self._save()
+
+    def _gradients(self, batch: Batch | None, step: int, lr: float, noise: float):
+        """This rank's gradients of `step` (summed, not yet averaged), and its figures with
+        every rank's sums."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = LossStats(pos_correct=[0] * (self.signal.block_size - 1), pos_valid=[0] * (self.signal.block_size - 1))
+        if batch is not None:  # split into micro-batches if memory runs out (oom.py)
+            stats = self.splitter.run(batch, _forward_backward(self.model, self.heads, self.signal, self.cfg,
+                                                               self.backend, self.bf16, step, noise), step)
+        mine = local_figures(batch, stats)
+        total = self.dist.all_sum(mine)  # one small collective for every figure a step logs
+        return mine, total
+
+    def _apply(self, weight: float) -> float:
+        """The optimizer step on the averaged gradients; the gradient norm (0 when skipped)."""
         grad_norm = 0.0
         if weight > 0:  # all ranks see the same weight: they all step or all skip
-            for p in params:
+            for p in self.params:
                 p.grad.div_(weight)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            optimizer.step()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+            self.optimizer.step()
+        return grad_norm
 
+    def _account(self, step: int, batch: Batch | None, total) -> None:
+        """Count the applied step, then ack its batch and run the after-step hook."""
+        state, hooks = self.state, self.hooks
         state.step = step
         state.tokens += int(named(total)["tokens"])
         state.samples += int(named(total)["samples"])
         if batch is not None and hooks.on_step is not None:
             hooks.on_step(step, [batch.batch_id])
         if hooks.after_step is not None:
-            hooks.after_step(step, model)
-        line = meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
-                              tokens_seen=state.tokens, epoch=state.epoch, queue=hooks.queue() if hooks.queue else {},
-                              progress=hooks.progress() if hooks.progress else None, rank=dist.rank,
-                              micro_batches=splitter.last_splits if batch is not None else 0, ooms=splitter.ooms)
+            hooks.after_step(step, self.model)
+
+    def _report(self, step: int, batch: Batch | None, total, mine, *, lr: float, noise: float,
+                grad_norm: float) -> None:
+        """The step's log line (metrics.Meter) and the heartbeat figures in `hooks.stats`."""
+        state, hooks, dist, splitter = self.state, self.hooks, self.dist, self.splitter
+        line = self.meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
+                                   tokens_seen=state.tokens, epoch=state.epoch,
+                                   queue=hooks.queue() if hooks.queue else {},
+                                   progress=hooks.progress() if hooks.progress else None, rank=dist.rank,
+                                   micro_batches=splitter.last_splits if batch is not None else 0, ooms=splitter.ooms)
         if hooks.stats is not None:
             hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
                                state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())
-        if ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
-            train_checkpoint.save(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
 
-    if ckpt_root is not None and state.step > state.saved_step:
-        train_checkpoint.save(cfg, signal, model, optimizer, state, dist, ckpt_root, drafter_json, hooks, run_config)
-    log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=dist.rank)
-    state.model = model
-    return state
+    def _save(self) -> None:
+        train_checkpoint.save(self.cfg, self.signal, self.model, self.optimizer, self.state, self.dist,
+                              self.ckpt_root, self.drafter_json, self.hooks, self.run_config)
+
+    def finish(self) -> TrainState:
+        """The last checkpoint (if steps came after the newest), the end line, the state."""
+        state = self.state
+        if self.ckpt_root is not None and state.step > state.saved_step:
+            self._save()
+        log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank)
+        state.model = self.model
+        return state
+
+
+# ---------------------------------------------------------------- helpers of a step
 
 
 def _step_failed(dist: Dist) -> bool:

@@ -18,8 +18,8 @@ from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoin
 from .dist import Dist
 from .record import TrainedRecord
 
-if TYPE_CHECKING:  # train.py imports this module
-    from .train import Hooks, TrainConfig, TrainState
+if TYPE_CHECKING:
+    from .train_config import Hooks, TrainConfig, TrainState
 
 log = get_logger()
 

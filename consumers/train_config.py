@@ -1,0 +1,152 @@
+"""What a training run is given and gives back: its config, hooks and state, and the
+values that follow from the config (the training signal, the lr and noise schedules).
+
+The loop itself is train.py, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .batch import Batch
+from .checkpoint import Signal
+from .loss import default_gamma
+from .record import TrainedRecord
+from .target_heads import TargetHeads, tokenizer_mask_id
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # training signal (recorded in every checkpoint; see checkpoint.Signal)
+    draft_layers: int = 5
+    target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
+    block_size: int = 16
+    anchors: int = 512
+    gamma: float | None = None  # None: default_gamma(block_size)
+    mask_token_id: int | None = None  # None: Qwen3's 151669 for Qwen3 vocabularies
+    # optimisation
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    warmup: float = 0.04  # fraction of total_steps
+    total_steps: int | None = None  # schedule length; None: constant lr after no warmup
+    max_steps: int | None = None  # stop after this many steps (None: end of stream)
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    feature_noise: float = 0.0  # relative Gaussian noise on target features at step 0
+    noise_schedule: str = "linear"  # constant | linear | cosine decay to 0 at total_steps
+    seed: int = 0
+    # implementation
+    loss_chunk: int = 2048  # block positions per logits chunk
+    attn: str = "auto"  # auto (= sdpa) | sdpa | flex (block-sparse, compiled on GPU)
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
+    # checkpoints and logs
+    save_every: int = 1000
+    keep: int = 3
+    resume: str | None = None  # checkpoint folder, run ID/folder, or "latest"
+    force: bool = False  # resume even if the training signal differs
+    log_position_every: int = 100
+    epoch_samples: int | None = None  # samples per epoch, for the epoch fraction and ETA
+    # Leave out sequences whose (epoch, sample) the weights already hold (the record):
+    # on with a broker, where a crash can make a sample again (exactly-once); off for local
+    # streams, which may repeat a batch on purpose
+    skip_held: bool = False
+
+
+@dataclass
+class Hooks:
+    on_step: Callable[[int, list[str]], None] | None = None
+    on_checkpoint: Callable[[int, Path], None] | None = None
+    queue: Callable[[], dict] | None = None
+    # The run's sample counts, {samples_total, samples_done, n_samples} (the broker's
+    # heartbeat): the logged epoch fraction and ETA come from them when present.
+    progress: Callable[[], dict] | None = None
+    stop: threading.Event | None = None
+    after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
+    # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
+    # or None, the record); live evaluation on a batch the weights have not trained on yet.
+    before_step: Callable[[int, torch.nn.Module, Batch | None, TrainedRecord], None] | None = None
+    # Updated in place after every step with the consumer's heartbeat keys (PROTOCOL.md
+    # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
+    # to read.
+    stats: dict | None = None
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0  # target tokens trained on, all ranks
+    samples: int = 0
+    epoch: int = 0
+    resumed_from: str | None = None
+    saved_step: int = 0  # the newest checkpoint's step (every rank agrees: it decides a collective)
+    end_reason: str = ""
+    last_checkpoint: Path | None = None
+    model: torch.nn.Module | None = field(default=None, repr=False)  # the trained drafter
+    # (epoch, sample) -> times trained, all ranks, cumulative over resumes (record.py)
+    record: TrainedRecord = field(default_factory=TrainedRecord, repr=False)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def default_target_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
+    """n layers evenly spaced from 1 to L-3 (DFLASH.md; Qwen3-8B: 1, 9, 17, 25, 33).
+
+    The producers' rule exactly (producers/target.py default_layer_ids), so both sides'
+    `auto` agree: small targets get the distinct layers rounding yields (6 layers ->
+    1, 2, 3), and below 4 layers the range is 0..L-2."""
+    start, end = (1, num_target_layers - 3) if num_target_layers >= 4 else (0, max(0, num_target_layers - 2))
+    if n == 1:
+        return ((start + end) // 2,)
+    return tuple(sorted({int(round(start + i * (end - start) / (n - 1))) for i in range(n)}))
+
+
+def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
+    """Fill the defaults that depend on the target. Raises ValueError on bad values."""
+    spec = heads.spec
+    layers = tuple(cfg.target_layers or default_target_layers(spec.num_hidden_layers))
+    if any(not 0 <= i < spec.num_hidden_layers - 1 for i in layers):
+        # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
+        raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
+    mask = cfg.mask_token_id
+    if mask is None:
+        mask = tokenizer_mask_id(heads.path)
+    if mask is None:
+        if spec.model_type.startswith("qwen3") and spec.vocab_size > 151669:
+            mask = 151669
+        else:
+            raise ValueError(f"--mask-token-id is required for a {spec.model_type} target (an unused vocab row)")
+    if not 0 <= mask < spec.vocab_size:
+        raise ValueError(f"mask token id {mask} outside the vocabulary (0..{spec.vocab_size - 1})")
+    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
+        raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
+    gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
+    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask, heads.identity)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup*total steps, then cosine down to min_lr (step is 1-based)."""
+    if not cfg.total_steps:
+        return cfg.lr
+    warm = max(1, math.ceil(cfg.warmup * cfg.total_steps))
+    if step <= warm:
+        return cfg.lr * step / warm
+    p = min(1.0, (step - warm) / max(1, cfg.total_steps - warm))
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * p)) * (cfg.lr - cfg.min_lr)
+
+
+def noise_at(step: int, cfg: TrainConfig) -> float:
+    if cfg.feature_noise <= 0:
+        return 0.0
+    if cfg.noise_schedule == "constant" or not cfg.total_steps:
+        return cfg.feature_noise
+    p = min(1.0, step / cfg.total_steps)
+    f = 1.0 - p if cfg.noise_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+    return cfg.feature_noise * f
