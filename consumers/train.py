@@ -106,6 +106,10 @@ class _StepLoop:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=device.type == "cuda")
         self.splitter = StepSplitter(self.params, device, inject=OomInjection.from_env())
+        signal = self.signal  # config.json of every checkpoint
+        self.drafter_json = published_config(self.mcfg, self.heads.spec, block_size=signal.block_size,
+                                             mask_token_id=signal.mask_token_id,
+                                             target_layer_ids=list(signal.target_layers))
 
     # ------------------------------------------------ before the first step
 
@@ -126,10 +130,8 @@ class _StepLoop:
             dist.set_step(state.step)
 
     def announce(self) -> None:
+        """The `train.start` line, once the state to start from is taken."""
         signal, dist, state = self.signal, self.dist, self.state
-        self.drafter_json = published_config(self.mcfg, self.heads.spec, block_size=signal.block_size,
-                                             mask_token_id=signal.mask_token_id,
-                                             target_layer_ids=list(signal.target_layers))
         # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
         log.info("train.start", rank=getattr(dist, "arranged_rank", dist.rank), world_size=dist.world_size,
                  device=str(self.device), attn=self.backend,
@@ -139,6 +141,9 @@ class _StepLoop:
     # ------------------------------------------------ the loop
 
     def run(self, batches: Iterable) -> TrainState:
+        """Step until the end. Each pass issues the same collectives in the same order on
+        every rank (quorum, agreement, then the step's own): gloo, NCCL and torchft match
+        collectives by order, so a phase skipped on one rank only would hang the others."""
         cfg, state = self.cfg, self.state
         self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
         self.source: Iterator = iter(batches)
