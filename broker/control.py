@@ -15,7 +15,7 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import CONTROL_TO_BROKER, PROTOCOL_VERSION
 
 from . import handshake
-from .replies import bad_message, log_bad, refuse
+from .replies import bad_message, refuse
 from .config import MAX_CREDIT
 from .leases import Lease
 from .peers import Peer

@@ -22,8 +22,10 @@ import torch
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
+from dflash.protocol.gpu import matmul_ceiling_tflops
+
 from .blocks import build_layout
-from .flops import matmul_ceiling_tflops, step_flops, step_shape
+from .flops import step_flops, step_shape
 from .model import DrafterConfig
 from .step import draft_states, make_layout
 from .synthetic import rule_batch, synthetic_stream

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .batch import Batch
 from .blocks import anchor_seed, sample_anchors
 from .model import DrafterConfig
@@ -56,18 +54,3 @@ def step_flops(cfg: DrafterConfig, vocab_size: int, shape: StepShape) -> int:
     head = 4 * D * vocab_size * shape.scored
     return fc + cfg.num_layers * per_layer + head
 
-
-def matmul_ceiling_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
-    """Measured bf16 matrix-product rate of `device` (the MFU denominator), TFLOP/s."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12

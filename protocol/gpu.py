@@ -111,3 +111,22 @@ def _by_visible_index(pynvml, index: int):
     if entry.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
     return pynvml.nvmlDeviceGetHandleByUUID(entry)
+
+
+def matmul_ceiling_tflops(device, n: int = 8192, reps: int = 10) -> float:
+    """Measured bf16 matrix-product rate of CUDA `device` (the MFU denominator of every
+    benchmark), TFLOP/s."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12

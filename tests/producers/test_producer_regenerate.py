@@ -66,7 +66,7 @@ def test_regenerated_turns_are_the_exact_ids_the_target_generated_and_cached(tin
     check_exact(new[0], reference, tokenizer, 2, NEW)
     check_exact(new[1], reference, tokenizer, 1, NEW)
     # Batched with left padding or alone, turn 0 of the same prompt is the same IDs.
-    (a0, b0), (a1, b1) = spans(new[0].loss_mask)[0], spans(new[1].loss_mask)[0]
+    (_, b0), (_, b1) = spans(new[0].loss_mask)[0], spans(new[1].loss_mask)[0]
     assert new[0].input_ids[:b0] == new[1].input_ids[:b1]
     # Template text between turns is the template's: turn 1's prompt ends with the user turn
     # and the assistant header exactly as the template renders them.

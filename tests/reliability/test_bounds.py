@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
 from reliability_helpers import rss_kib, wait_until
 from zmtp_raw import RawZmtp
 
