@@ -11,7 +11,8 @@ For each batch size, in the same run:
   direct   two processes, PUSH -> PULL, the producer's and consumer's socket options,
            codec.encode / codec.decode, copy=False both sides;
   broker   producer process (PeerLink) -> real `dflash-broker` process -> consumer process
-           (PeerLink: credit, ack per batch, commit at end of stream).
+           (PeerLink: credit, ack per batch, commit at end of stream); once per value of
+           --broker-io-threads (e.g. 1,2: the broker's ZeroMQ I/O threads, side by side).
 A batch is header + input_ids + loss_mask + hidden [T, 5*4096] bf16 frames, as producers
 send. CPU columns are seconds of CPU per GB moved, per process (every thread): on a
 machine with a core per process, 1 / (cpu s/GB) is the rate that process could reach.
@@ -66,9 +67,10 @@ def direct(mib: float, n: int, warm: int, a) -> dict:
     return {**r, "cores": {"send": cpu.busy(send.pid, r["t0"], r["t1"]), "recv": cpu.busy(recv.pid, r["t0"], r["t1"])}}
 
 
-def through_broker(mib: float, n: int, warm: int, a, runs: Path) -> dict:
+def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str = "") -> dict:
+    io = ["--io-threads", io_threads] if io_threads else []
     b = Broker(runs, 2, "--num-samples", str(n + warm), "--lease-size", "256", "--queue-bytes", a.queue_bytes,
-               "--heartbeat-s", "1", "--timeout-s", "60", *a.broker_arg)
+               "--heartbeat-s", "1", "--timeout-s", "60", *io, *a.broker_arg)
     cpu = CpuSampler().watch(b.proc.pid, threads=True)
     procs = []
     try:
@@ -118,9 +120,16 @@ def measure(mib: float, modes: list[str], a, runs: Path) -> dict:
         row.update(direct_gbs=d["gb_per_s"], direct_msgs=d["msgs_per_s"],
                    **{f"direct_{k}_cpu": per_gb(v, d["gb_per_s"]) for k, v in d["cores"].items()})
     if "broker" in modes:
-        r = through_broker(mib, n, warm, a, runs)
-        row.update(broker_gbs=r["gb_per_s"], broker_msgs=r["msgs_per_s"], busiest=r["broker_busiest_thread"],
-                   **{f"via_{k}_cpu": per_gb(v, r["gb_per_s"]) for k, v in r["cores"].items()})
+        for i, io in enumerate(a.broker_io_threads.split(",") if a.broker_io_threads else [""]):
+            r = through_broker(mib, n, warm, a, runs, io)
+            if i == 0:  # the first setting fills the main columns
+                row.update(broker_gbs=r["gb_per_s"], broker_msgs=r["msgs_per_s"], busiest=r["broker_busiest_thread"],
+                           **{f"via_{k}_cpu": per_gb(v, r["gb_per_s"]) for k, v in r["cores"].items()})
+            if io:
+                row.update({f"broker_io{io}_gbs": r["gb_per_s"],
+                            f"broker_io{io}_thread_cpu": per_gb(r["cores"]["broker_thread"], r["gb_per_s"])})
+                if "direct_gbs" in row:
+                    row[f"broker_io{io}_vs_direct"] = r["gb_per_s"] / row["direct_gbs"]
     if "direct_gbs" in row and "broker_gbs" in row:
         row["broker_vs_direct"] = row["broker_gbs"] / row["direct_gbs"]
     return row
@@ -149,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sndbuf", type=int, default=-1, help="SO_SNDBUF of the direct sender (-1: OS default)")
     ap.add_argument("--rcvbuf", type=int, default=-1, help="SO_RCVBUF of the direct receiver")
     ap.add_argument("--queue-bytes", default="1GiB", help="broker --queue-bytes")
+    ap.add_argument("--broker-io-threads", default="",
+                    help="comma-separated dflash-broker --io-threads values to compare (default: the broker's auto)")
     ap.add_argument("--broker-arg", action="append", default=[], help="extra dflash-broker argument (repeatable)")
     ap.add_argument("--malloc-reuse", action="store_true", help="spawn every process with common.MALLOC_REUSE")
     ap.add_argument("--label", default="", help="a note stored with the results (what was tuned)")
@@ -175,6 +186,14 @@ def main(argv=None) -> int:
                               ("via_producer_cpu", "producer"), ("via_broker_cpu", "broker"),
                               ("via_broker_thread_cpu", "broker busiest thread"), ("busiest", "(which)"),
                               ("via_consumer_cpu", "consumer")]))
+    if a.broker_io_threads:
+        cols = [("mib", "MiB"), ("direct_gbs", "direct GB/s")]
+        for io in a.broker_io_threads.split(","):
+            cols += [(f"broker_io{io}_gbs", f"broker {io} I/O GB/s"), (f"broker_io{io}_vs_direct", "/direct"),
+                     (f"broker_io{io}_thread_cpu", "busiest thread s/GB")]
+        print()
+        print("Broker by ZeroMQ I/O threads:")
+        print(table(doc["rows"], cols))
     write_json(a.out, doc)
     return 0
 

@@ -59,6 +59,10 @@ from .server import Broker
              "fixed torch.distributed group that ends when a rank is lost.")
 @option("--lighthouse-port", default=0, type=int,
         help="Port of the elastic consumers' torchft lighthouse (on --bind); 0 = any free port.")
+@option("--io-threads", default=0, type=int,
+        help="ZeroMQ I/O threads: with 2 or more, batches in (and control) use the first and the consumers' "
+             "pipes the others, so the relay's two copies run on two cores. 0 = auto: 2 where the broker may use "
+             "8 or more cores, else 1 (docs/BENCHMARKS.md, transport).")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
@@ -144,7 +148,8 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    log.info("broker.start", config=as_dict(cfg), endpoints=broker.endpoints, run_dir=str(run_dir))
+    log.info("broker.start", config=as_dict(cfg), endpoints=broker.endpoints, run_dir=str(run_dir),
+             io_threads=broker.io_threads)
     outcome, error = "crashed", None
     try:
         outcome = broker.serve()

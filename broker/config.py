@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -28,6 +29,12 @@ MAX_HELLO_CONFIG_BYTES = 64 * 1024
 # Small because one message can be ~1 GiB: the broker's memory is the byte-bounded
 # queue plus at most this many messages per producer.
 DATA_IN_RCVHWM = 2
+# The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
+# both saturates one core at ~2-4 GB/s (docs/BENCHMARKS.md). With two, data-in runs on
+# one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY). Auto picks two only
+# where cores are to spare: on a 2-core machine a second thread measured slower.
+AUTO_TWO_IO_CPUS = 8
+MAX_IO_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class BrokerConfig:
     drain_s: float = 120.0  # on SIGINT/SIGTERM: longest wait for peers' last commit and bye
     elastic: bool = True  # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
     lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
+    io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -87,8 +95,16 @@ class BrokerConfig:
                              "outside the other ports (0 = off)")
         if not 0 <= self.lighthouse_port < 65536:
             raise ValueError(f"--lighthouse-port {self.lighthouse_port}: use 1..65535 (0 = any free port)")
+        if not 0 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"--io-threads {self.io_threads}: use 1..{MAX_IO_THREADS} (0 = auto)")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
             raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
+
+    def io_thread_count(self) -> int:
+        """--io-threads, or auto: 2 where this process may use at least AUTO_TWO_IO_CPUS cores, else 1."""
+        if self.io_threads:
+            return self.io_threads
+        return 2 if len(os.sched_getaffinity(0)) >= AUTO_TWO_IO_CPUS else 1
 
     def host_to_advertise(self, hostname: str) -> str:
         """What peers should dial: --advertise-host, else a concrete --bind, else our name."""

@@ -164,7 +164,8 @@ def open_pipe(b) -> tuple[zmq.Socket, int] | None:
             continue
         try:
             sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
-                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve))
+                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve,
+                                               affinity=b.out_affinity))
         except zmq.ZMQError:
             continue  # another process holds it
         b.next_port = lo + (port + 1 - lo) % n

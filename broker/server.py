@@ -77,7 +77,8 @@ class Broker:
         self.metrics = None  # the --metrics-port HTTP endpoint (metrics.MetricsServer)
         self.lighthouse = None  # elastic consumers' torchft lighthouse (lighthouse.py)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
-        self.ctx = zmq.Context()
+        self.io_threads = cfg.io_thread_count()
+        self.ctx = zmq.Context(io_threads=self.io_threads)
         self.curve, self.auth = None, None
         try:
             # ZAP first: libzmq admits every client while no authenticator runs.
@@ -85,11 +86,12 @@ class Broker:
             self.control = make_socket(
                 self.ctx, zmq.ROUTER, tcp_endpoint(cfg.bind, cfg.port), bind=True,
                 opts=SocketOpts(sndhwm=CONTROL_SNDHWM, rcvhwm=CONTROL_RCVHWM, maxmsgsize=CONTROL_MAX_BYTES,
-                                curve=self.curve),
+                                curve=self.curve, affinity=self.in_affinity),
             )
             self.data_in = make_socket(
                 self.ctx, zmq.PULL, tcp_endpoint(cfg.bind, cfg.data_in_port), bind=True,
-                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes, curve=self.curve),
+                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes, curve=self.curve,
+                                affinity=self.in_affinity),
             )
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
@@ -98,6 +100,17 @@ class Broker:
         except Exception:
             self.close()
             raise
+
+    @property
+    def in_affinity(self) -> int:
+        """I/O thread mask of control and data-in: the first thread (0 = any, with one thread)."""
+        return 1 if self.io_threads > 1 else 0
+
+    @property
+    def out_affinity(self) -> int:
+        """I/O thread mask of the consumers' pipes: every thread but the first (0 = any).
+        Without a mask libzmq may put data in and out on one thread (seen in the experiment)."""
+        return ((1 << self.io_threads) - 1) & ~1 if self.io_threads > 1 else 0
 
     @property
     def endpoints(self) -> dict:

@@ -22,6 +22,7 @@ class SocketOpts:
     sndbuf: int = -1  # kernel socket buffer; -1 = OS default
     rcvbuf: int = -1
     immediate: bool = False  # queue only on completed connections
+    affinity: int = 0  # bitmask of the context's I/O threads its connections may use; 0 = any
     curve: CurveServer | CurveClient | None = None  # CurveZMQ keys (protocol/curve.py); None = plain
 
 
@@ -49,6 +50,8 @@ def make_socket(
             sock.setsockopt(zmq.RCVBUF, opts.rcvbuf)
         if opts.immediate:
             sock.setsockopt(zmq.IMMEDIATE, 1)
+        if opts.affinity:
+            sock.setsockopt(zmq.AFFINITY, opts.affinity)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         if opts.curve is not None:

@@ -3,6 +3,7 @@ relay's zero-copy send, and option parsing."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -197,9 +198,13 @@ def test_option_parsing_and_config_checks():
         with pytest.raises(ValueError):
             parse_bytes(bad)
     BrokerConfig().check()
-    for kw in ({"data_out_ports": (5550, 5560)}, {"timeout_s": 1.0}, {"epochs": 0}, {"instance": "a/b"}):
+    for kw in ({"data_out_ports": (5550, 5560)}, {"timeout_s": 1.0}, {"epochs": 0}, {"instance": "a/b"},
+               {"io_threads": -1}, {"io_threads": 17}):
         with pytest.raises(ValueError):
             BrokerConfig(**kw).check()
+    assert BrokerConfig(io_threads=3).io_thread_count() == 3
+    # auto: two I/O threads only where cores are to spare (one measured faster on 2 cores)
+    assert BrokerConfig().io_thread_count() == (2 if len(os.sched_getaffinity(0)) >= 8 else 1)
     assert BrokerConfig(bind="10.0.0.2").host_to_advertise("h") == "10.0.0.2"
     assert BrokerConfig().host_to_advertise("h") == "h"
 

@@ -14,6 +14,7 @@ import threading
 import time
 import tracemalloc
 
+import pytest
 import zmq
 from structlog.testing import capture_logs
 
@@ -29,10 +30,11 @@ MIB = 1 << 20
 SEQ, WIDTH = 1024, 32 * 1024  # hidden bf16 [1024, 32768] = 64 MiB
 
 
-def _broker(tmp_path) -> Broker:
+def _broker(tmp_path, io_threads: int = 1) -> Broker:
     port = free_port_block(4)
     cfg = BrokerConfig(bind="127.0.0.1", port=port, data_in_port=port + 1, data_out_ports=(port + 2, port + 3),
-                       runs_dir=str(tmp_path), timeout_s=30.0, drain_s=0.0)  # SIGTERM: no wait for peers
+                       runs_dir=str(tmp_path), timeout_s=30.0, drain_s=0.0,  # SIGTERM: no wait for peers
+                       io_threads=io_threads)
     run_id = new_run_id()
     run_dir = make_run_dir(run_id, tmp_path)
     b = Broker(cfg, run_id, run_dir, "127.0.0.1")
@@ -40,9 +42,10 @@ def _broker(tmp_path) -> Broker:
     return b
 
 
-def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path):
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
     with capture_logs():
-        b = _broker(tmp_path)
+        b = _broker(tmp_path, io_threads)
         loop = threading.Thread(target=b.serve, daemon=True)
         loop.start()
         try:
@@ -71,6 +74,9 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path):
             tracemalloc.stop()
             b.signal = "SIGTERM"  # acted on by the loop itself: it stops, then we read its state
             loop.join(10)
+            pipe = b.peers.by_id[cons.peer].pipe if cons.peer in b.peers.by_id else None
+            pipe_affinity = pipe.getsockopt(zmq.AFFINITY) if pipe is not None else None
+            in_affinity = b.data_in.getsockopt(zmq.AFFINITY)
             b.close()
         assert got is not None, "the batch never reached the consumer"
         relayed = b.peers.by_id[cons.peer].in_flight[f"{prod.peer}-1"].frames
@@ -81,3 +87,6 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path):
     assert all(isinstance(f, zmq.Frame) for f in relayed)  # what it sent is what it received
     assert relayed[3].buffer.nbytes == 64 * MIB
     assert peak < 4 * MIB, f"Python allocated a peak of {peak / MIB:.1f} MiB while relaying a 64 MiB batch"
+    # Two I/O threads: batches in on the first, the consumer's pipe on the second (the
+    # relay's two copies on two cores); one thread: no mask.
+    assert (in_affinity, pipe_affinity) == ((1, 2) if io_threads == 2 else (0, 0))
