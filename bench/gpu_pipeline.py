@@ -65,10 +65,10 @@ def _producer_args(target, data, gpu, budget, max_length, max_batch) -> list[str
             "--max-length", str(max_length), "--max-batch-size", str(max_batch), "--lease-size", "64"]
 
 
-def _consumer_args(target, gpu, attn) -> list[str]:
+def _consumer_args(target, gpu, attn, fuse) -> list[str]:
     device = [] if gpu < 0 else ["--gpu", str(gpu)]
-    return ["--target", target, *device, "--block-size", "16", "--anchors", "512",
-            "--draft-layers", "5", "--attn", attn, "--save-every", "0", "--log-position-every", "0"]
+    return ["--target", target, *device, "--block-size", "16", "--anchors", "512", "--draft-layers", "5",
+            "--attn", attn, "--fuse", fuse, "--save-every", "0", "--log-position-every", "0"]
 
 
 def _run_for(group: ProcessGroup, seconds: float) -> None:
@@ -110,20 +110,22 @@ def _pipeline(work: Path, prod: list[str], cons: list[str], seconds: float, env:
 @click.option("--max-length", default=3072)
 @click.option("--max-batch-size", default=64)
 @click.option("--attn", default="sdpa", type=click.Choice(["sdpa", "flex"]), help="Drafter attention.")
+@click.option("--fuse", default="off", type=click.Choice(["auto", "on", "off"]),
+              help="Drafter fused elementwise kernels (dflash-consume --fuse), alone and in the pipeline.")
 @click.option("--work", default="/tmp/dflash-gpu/pipeline", help="Folder for runs and process output.")
 @click.option("--parts", default="producer_alone,consumer_alone,pipeline",
               help="Which measurements (comma-separated).")
 @click.option("--limit", default=None, type=int, help="Rows for the producer alone (default: until --seconds).")
-def main(target, data, producer_gpu, consumer_gpu, seconds, token_budget, max_length, max_batch_size, attn, work,
-         parts, limit) -> None:
+def main(target, data, producer_gpu, consumer_gpu, seconds, token_budget, max_length, max_batch_size, attn, fuse,
+         work, parts, limit) -> None:
     """Pipeline tokens/s against min(producer alone, consumer alone)."""
     work = Path(work) / time.strftime("%H%M%S")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     prod = _producer_args(target, data, producer_gpu, token_budget, max_length, max_batch_size)
-    cons = _consumer_args(target, consumer_gpu, attn)
+    cons = _consumer_args(target, consumer_gpu, attn, fuse)
     seqs = token_budget // max_length
     result = {"producer_gpu": producer_gpu, "consumer_gpu": consumer_gpu, "token_budget": token_budget,
-              "drafter_attn": attn, "seconds": seconds}
+              "drafter_attn": attn, "drafter_fuse": fuse, "seconds": seconds}
     parts = set(parts.split(","))
     limit_args = ["--limit", str(limit)] if limit else []
     alone = [(name, argv) for name, argv in [
@@ -131,7 +133,8 @@ def main(target, data, producer_gpu, consumer_gpu, seconds, token_budget, max_le
                                      "--runs-dir", str(work / "p")]),
                  ("consumer_alone", [sys.executable, "-m", "dflash.consumers.bench", "--gpu", str(consumer_gpu),
                                      "--seqs", str(seqs), "--seq-len", str(max_length), "--steps", "12",
-                                     "--attn", attn, "--skip-check", "--block-size", "16", "--anchors", "512"])]
+                                     "--attn", attn, "--fuse", fuse, "--skip-check", "--block-size", "16",
+                                     "--anchors", "512"])]
              if name in parts]
     if alone:
         together = producer_gpu != consumer_gpu

@@ -50,6 +50,7 @@ def _train(work: Path, target: str, data: Path, args: dict, env: dict) -> tuple[
     group.start("producer", [command_path("dflash-produce"), "--broker", broker, "--runs-dir", runs, "--target", target,
                              "--data", str(data), *producer_device, "--regenerate",
                              "--max-new-tokens", str(args["max_new_tokens"]), "--regen-cache", str(work / "regen"),
+                             "--regen-batch-size", str(args["regen_batch_size"]),
                              "--token-budget", "8192", "--max-length", "1024", "--lease-size", "64"],
                 work / "producer.out", env)
     consumer_device = [] if args["consumer_gpu"] < 0 else ["--gpu", str(args["consumer_gpu"])]
@@ -97,6 +98,7 @@ def _eval(work: Path, target: str, ckpt: Path, prompts: Path, gpu: int, dtype: s
 @click.option("--train-rows", default=350)
 @click.option("--eval-rows", default=30)
 @click.option("--max-new-tokens", default=96, help="Regeneration and evaluation length.")
+@click.option("--regen-batch-size", default=64, help="Rows generated together (dflash-produce --regen-batch-size).")
 @click.option("--block-size", default=16)
 @click.option("--draft-layers", default=2)
 @click.option("--lr", default=3e-3)
