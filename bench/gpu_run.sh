@@ -10,9 +10,9 @@
 #   bash bench/gpu_run.sh part3   # tau/speedup of a drafter trained online on a small target
 #   bash bench/gpu_run.sh part4   # the drafter step with --fuse on (part34: 4 then 3)
 #   bash bench/gpu_run.sh part5   # GPU checks of the consumer's batch staging; pipeline with the
-#                                 # flex + fuse drafter (2 GPUs); drafter step on varying shapes
+#                                 # flex + fuse drafter on 2 GPUs, then both roles on one GPU
 #   bash bench/gpu_run.sh part6   # regeneration speed; tau of a drafter trained online (one GPU);
-#                                 # pipeline on one shared GPU; broker with 1 vs 2 I/O threads
+#                                 # drafter step on varying shapes; broker with 1 vs 2 I/O threads
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -105,10 +105,10 @@ part5() {
   stage e gpu_checks 120 python3 bench/gpu_checks.py --device cuda:$G0
   stage e pipeline_flex_fuse 330 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/long.jsonl" \
       --producer-gpu $G0 --consumer-gpu $G1 --token-budget 12288 --seconds 100 --attn flex --fuse on
-  local d="python3 -m dflash.consumers.bench --block-size 16 --anchors 512 --seq-len 3072 --steps 12 --skip-check --fuse on --vary"
-  stage e drafter_flex_fuse_vary 150 $d --gpu $G0 --seqs 4 --attn flex &
-  stage e drafter_sdpa_fuse_vary 150 $d --gpu $G1 --seqs 4 --attn sdpa
-  wait
+  # Both roles on GPU 0. Each alone was just measured (on a GPU of its own, same model):
+  # the bound is 1 / (1/P + 1/C) of those figures.
+  stage e pipeline_shared_gpu 200 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/long.jsonl" \
+      --producer-gpu $G0 --consumer-gpu $G0 --token-budget 12288 --seconds 100 --attn flex --fuse on --parts pipeline
 }
 
 part6() {  # three independent tracks at once: GPU1, GPU0, CPU
@@ -116,9 +116,9 @@ part6() {  # three independent tracks at once: GPU1, GPU0, CPU
    stage c regen_speed 150 python3 bench/gpu_regen.py --target "$T06" --gpu $G1 --batches 1,16,64 --new-tokens 64
    stage c tau 400 python3 bench/gpu_tau.py --target "$T06" --producer-gpu $G1 --consumer-gpu $G1 --epochs 60 \
        --train-timeout-s 200 --eval-rows 20 --max-new-tokens 64 --eval-dtype float32) &
-  ([ -f "$T8/config.json" ] && [ -f "$W/long.jsonl" ] || inputs
-   stage f pipeline_shared_gpu 420 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/long.jsonl" \
-       --producer-gpu $G0 --consumer-gpu $G0 --token-budget 12288 --seconds 90 --attn flex --fuse on) &
+  local d="python3 -m dflash.consumers.bench --gpu $G0 --block-size 16 --anchors 512 --seq-len 3072 --steps 12 --skip-check --fuse on --vary"
+  (stage d drafter_flex_fuse_vary 180 $d --seqs 4 --attn flex
+   stage d drafter_sdpa_fuse_vary 150 $d --seqs 4 --attn sdpa) &
   stage g transport_io 420 python3 bench/transport.py --sizes 16,64,256 --repeat 2 --broker-io-threads 1,2 \
       --out "$OUT/transport_io_threads.json"
   wait
