@@ -7,9 +7,9 @@ flex on a GPU, switched to sdpa for generation as `Regenerator` does). For each 
 prompts are the first user turns of the bundled sample chats (chat template applied, left
 padded), and three ways of decoding exactly `--new-tokens` tokens are timed:
 
-  generate    `model.generate` as `Regenerator._generate` calls it (greedy, sdpa);
-  loop        the same greedy decode as a bare loop over `model(...)` with a DynamicCache,
-              no logits processors or stopping criteria: what generate() adds is the gap;
+  generate    `model.generate` (greedy, sdpa), what `Regenerator` called before 2026-11-29;
+  loop        `producers.greedy.greedy_batch`, what it calls now: a bare loop over
+              `model(...)` with a KV cache, no logits processors or stopping criteria;
   forward     one decode step's forward alone, CUDA-synchronised: the model's own cost.
 
 One JSON line per (batch, way): ms per decode step and new tokens/s.
@@ -58,16 +58,17 @@ def _generate(model, ids, att, pad, n):
 
 
 def _loop(model, ids, att, n):
-    from transformers import DynamicCache
+    from dflash.protocol.hf_compat import cache_kwarg, new_cache
 
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
+    kw = {cache_kwarg(model): cache}
     pos = (att.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, **kw)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(n - 1):
         att = torch.cat([att, torch.ones_like(nxt)], dim=1)
         pos = pos[:, -1:] + 1
-        out = model(input_ids=nxt, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(input_ids=nxt, attention_mask=att, position_ids=pos, use_cache=True, **kw)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return cache, att, pos, nxt
 
@@ -81,7 +82,9 @@ def main(target, gpu, batches, new_tokens) -> None:
     """Time generation the way --regenerate runs it."""
     from transformers import AutoTokenizer
 
+    from dflash.producers.greedy import greedy_batch
     from dflash.producers.target import load_target, resolve_device
+    from dflash.protocol.hf_compat import cache_kwarg
 
     device = resolve_device(gpu if gpu >= 0 else None, "cpu" if gpu < 0 else None)
     t = load_target(target, device=device, full=True)
@@ -93,17 +96,21 @@ def main(target, gpu, batches, new_tokens) -> None:
     with t.lock, t.attention("sdpa"), torch.inference_mode():
         for b in sizes:
             ids, att = _left_pad(prompts[:b], pad, device)
+            rows = prompts[:b]
             _generate(t.model, ids, att, pad, 4)  # warm-up: kernels, allocator
+            greedy_batch(t.model, rows, pad_id=pad, stop_ids=set(), max_new_tokens=4, device=device)
             runs = {"generate": lambda: _generate(t.model, ids, att, pad, new_tokens),
-                    "loop": lambda: _loop(t.model, ids, att, new_tokens)}
+                    "loop": lambda: greedy_batch(t.model, rows, pad_id=pad, stop_ids=set(), max_new_tokens=new_tokens,
+                                                 device=device)}
             for way, fn in runs.items():
                 s = _timed(fn, device)
                 print(json.dumps({**base, "batch": b, "prompt_width": ids.shape[1], "way": way,
                                   "ms_per_step": round(1000 * s / new_tokens, 2),
                                   "new_tok_per_s": round(b * new_tokens / s)}), flush=True)
             cache, att2, pos, nxt = _loop(t.model, ids, att, 8)
+            kw = {cache_kwarg(t.model): cache}
             step = lambda: t.model(input_ids=nxt, attention_mask=torch.cat([att2, torch.ones_like(nxt)], 1),
-                                   position_ids=pos + 1, past_key_values=cache, use_cache=True)
+                                   position_ids=pos + 1, use_cache=True, **kw)
             s = min(_timed(step, device) for _ in range(5))  # the cache grows by one per call: harmless here
             print(json.dumps({**base, "batch": b, "way": "forward", "ms_per_step": round(1000 * s, 2)}), flush=True)
 

@@ -16,13 +16,14 @@ the accepted tokens after each verification.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash.protocol.hf_compat import cache_kwarg, new_cache
 
 from .blocks import build_layout
 from .export import Drafter
@@ -41,17 +42,6 @@ class Generation:
         return 1 + len(self.accept_lengths)  # prefill + one verification per cycle
 
 
-def _new_cache(model: nn.Module):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
-def _cache_arg(model: nn.Module) -> str:
-    # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns); 4.x knows only the old one.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _crop(cache, length: int) -> None:
     # crop(-n) removes n tokens in transformers 4.x and 5.x alike; crop(0) would empty a
     # 4.x cache, hence the guard.
@@ -66,7 +56,7 @@ def _target_step(model: nn.Module, ids: torch.Tensor, start: int, cache, layer_i
 
     Feature of layer i = hidden_states[i + 1]: the output of decoder layer i (DFLASH.md)."""
     pos = torch.arange(start, start + ids.numel(), device=ids.device)
-    out = model(input_ids=ids[None], position_ids=pos[None], use_cache=True, **{_cache_arg(model): cache},
+    out = model(input_ids=ids[None], position_ids=pos[None], use_cache=True, **{cache_kwarg(model): cache},
                 output_hidden_states=layer_ids is not None, logits_to_keep=1 if last_only else 0)
     feats = None
     if layer_ids is not None:
@@ -78,7 +68,7 @@ def _target_step(model: nn.Module, ids: torch.Tensor, start: int, cache, layer_i
 def greedy(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> Generation:
     """Target-only greedy decoding with a KV cache, one token per forward pass."""
     t0 = time.perf_counter()
-    cache = _new_cache(model)
+    cache = new_cache(model)
     logits, _ = _target_step(model, prompt, 0, cache, None, last_only=True)
     out = [int(logits[-1].argmax())]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
@@ -110,7 +100,7 @@ def speculative_greedy(model: nn.Module, drafter: Drafter, prompt: torch.Tensor,
     embed = model.get_input_embeddings().weight  # [V, D]
     lm_head = model.get_output_embeddings().weight  # [V, D]; the same tensor when tied
     layers = drafter.target_layer_ids
-    cache = _new_cache(model)
+    cache = new_cache(model)
     P = prompt.numel()
     logits, context = _target_step(model, prompt, 0, cache, layers, last_only=True)  # context [P, n*D]
     gen = Generation([int(logits[-1].argmax())], 0.0)

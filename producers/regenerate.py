@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dflash.protocol.logs import get_logger
 
 from .data import BadRow, Row
+from .greedy import greedy_batch
 from .target import Target
 
 log = get_logger()
@@ -225,26 +225,12 @@ class Regenerator:
     def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """Greedy continuation of every prompt: its new IDs up to and including the first
         stop token (or max_new_tokens of them)."""
-        width = max(len(p) for p in prompts)
-        # Left padding: every row's last prompt token sits at the same column for generate().
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.target.device)
-        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.target.device)
         # Generation runs with sdpa whatever packed capture uses: padded rows and a growing
         # KV cache are what sdpa is for, and flex attention under generate() failed to
         # compile on an H200 (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
-        with self.target.lock, self.target.attention("sdpa"), torch.inference_mode():
-            out = self.target.model.generate(
-                input_ids=ids, attention_mask=att, max_new_tokens=self.max_new_tokens, do_sample=False,
-                pad_token_id=self.pad_id, eos_token_id=sorted(self.stop_ids), temperature=None, top_p=None,
-                top_k=None,
-            )
-        return [_until_stop(row, self.stop_ids) for row in out[:, width:].tolist()]
-
-
-def _until_stop(tokens: list[int], stops: set[int]) -> list[int]:
-    """`tokens` up to and including the first stop token: generate() pads after it."""
-    end = next((i for i, t in enumerate(tokens) if t in stops), None)
-    return tokens if end is None else tokens[: end + 1]
+        with self.target.lock, self.target.attention("sdpa"):
+            return greedy_batch(self.target.model, prompts, pad_id=self.pad_id, stop_ids=self.stop_ids,
+                                max_new_tokens=self.max_new_tokens, device=self.target.device)
 
 
 def stop_ids(model, tokenizer) -> set[int]:

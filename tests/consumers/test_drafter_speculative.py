@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import Drafter, export_checkpoint
 from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-from dflash.consumers.speculative import Generation, _new_cache, _target_step, greedy, propose, speculative_greedy
+from dflash.consumers.speculative import Generation, _target_step, greedy, propose, speculative_greedy
+from dflash.protocol.hf_compat import new_cache
 from dflash.consumers.target_heads import TargetSpec
 from dflash.producers.target import load_target
 from dflash.tools.eval import Prompt, main, prompt_report, summarise
@@ -55,7 +56,7 @@ def test_proposals_equal_the_training_paths_block_predictions(setup):
     # The producer's capture (packed, hooks) and the eval's hidden_states[i + 1] are the same features.
     captured = target.capture(seq, torch.arange(seq.numel())).float()  # [L, n*D]
     with torch.no_grad():
-        _, feats = _target_step(m, seq, 0, _new_cache(m), target.layer_ids)
+        _, feats = _target_step(m, seq, 0, new_cache(m), target.layer_ids)
     torch.testing.assert_close(feats, captured)
     E, W = m.get_input_embeddings().weight, m.get_output_embeddings().weight
     for a in (prompt.numel(), prompt.numel() + 7, seq.numel() - B):

@@ -1,0 +1,21 @@
+"""The few transformers calls whose spelling differs across the versions we support
+(4.51 to 5.x), in one place for producers and consumers alike."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+
+def new_cache(model: nn.Module):
+    """An empty KV cache for `model` (DynamicCache: grows one token at a time)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward() argument that takes the KV cache: transformers 5.2x renamed
+    `past_key_values` to `cache` (the old name warns); 4.x knows only the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
