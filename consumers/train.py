@@ -84,10 +84,10 @@ class _StepLoop:
         self.ckpt_root, self.run_config = ckpt_root, run_config
         self.device = device = heads.embed.device
         self.signal = resolve_signal(cfg, heads)
-        # auto = SDPA everywhere for now. On an H200 flex is 1.7x faster (MFU 26% -> 43%, 57%
-        # with --fuse; docs/BENCHMARKS.md) but was only run on fixed batch shapes there, and its
-        # first step compiles for ~1 min: opt-in until a real stream has run with it.
-        self.backend = "sdpa" if cfg.attn == "auto" else cfg.attn
+        # auto = flex on GPU: on an H200, with a new batch shape every step, flex + --fuse ran at
+        # 56% MFU against 21% for SDPA (docs/BENCHMARKS.md); its first step compiles for ~1 min.
+        # On CPU, SDPA (flex is compiled for GPUs; on CPU it is slower and compiles long).
+        self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if device.type == "cuda" else "sdpa")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and device.type == "cuda"))
         self._build_model()

@@ -43,7 +43,7 @@ class TrainConfig:
     seed: int = 0
     # implementation
     loss_chunk: int = 2048  # block positions per logits chunk
-    attn: str = "auto"  # auto (= sdpa) | sdpa | flex (block-sparse, compiled on GPU)
+    attn: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex (block-sparse, compiled on GPU)
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
     # checkpoints and logs
