@@ -2,11 +2,13 @@
 
 Decoded tensors are read-only views of ZeroMQ frames (PROTOCOL.md): `from_message`
 converts them (fp8 is dequantised), so later in-place work never touches the frames.
+The training loop usually gets its batches already converted, and already on the GPU,
+from the stager (staging.py); a batch's tensors may live on any one device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,21 +38,40 @@ class Batch:
 
     @classmethod
     def from_message(cls, msg: Any, hidden_dtype: torch.dtype = torch.bfloat16) -> "Batch":
-        """From a `codec.Message` of type batch (already validated by the codec)."""
-        h, t = msg.header, msg.tensors
+        """From a `codec.Message` of type batch (already validated by the codec).
+        Raises TypeError for anything else (a batch source yielding the wrong thing)."""
+        h = getattr(msg, "header", None)
+        if not isinstance(h, dict) or h.get("type") != "batch":
+            raise TypeError(f"expected a batch message, a Batch or None from the batch source, got "
+                            f"{type(msg).__name__}" + (f" of type {h.get('type')!r}" if isinstance(h, dict) else ""))
+        t = msg.tensors
         hidden = hidden_from_batch(h, t, hidden_dtype)
         if hidden.data_ptr() == t["hidden"].data_ptr():
             hidden = hidden.clone()  # same dtype: still a view of the frame
+        return cls.from_header(h, t["input_ids"].clone(), t["loss_mask"].clone(), hidden)
+
+    @classmethod
+    def from_header(cls, h: dict, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                    hidden: torch.Tensor) -> "Batch":
+        """A batch message's header fields with tensors already converted (by the caller)."""
         return cls(
             batch_id=str(h["batch_id"]),
             samples=[int(s) for s in h["samples"]],
             seq_lens=[int(n) for n in h["seq_lens"]],
             layer_ids=[int(i) for i in h["layer_ids"]],
             epoch=int(h["epoch"]),
-            input_ids=t["input_ids"].clone(),
-            loss_mask=t["loss_mask"].clone(),
+            input_ids=input_ids,
+            loss_mask=loss_mask,
             hidden=hidden,
         )
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.input_ids, self.loss_mask, self.hidden
+
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with its tensors on `device` (this one if they are there already)."""
+        return replace(self, input_ids=self.input_ids.to(device), loss_mask=self.loss_mask.to(device),
+                       hidden=self.hidden.to(device))
 
     def select(self, keep: list[int]) -> "Batch":
         """The same batch (same batch_id) with only the sequences at indices `keep`."""
@@ -58,8 +79,12 @@ class Batch:
         for n in self.seq_lens:
             starts.append(starts[-1] + n)
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep] or [torch.zeros(0, dtype=torch.long)])
+
+        def pick(t: torch.Tensor) -> torch.Tensor:  # the index on the tensor's device (a staged batch: the GPU)
+            return t[rows.to(t.device)]
+
         return Batch(self.batch_id, [self.samples[i] for i in keep], [self.seq_lens[i] for i in keep],
-                     self.layer_ids, self.epoch, self.input_ids[rows], self.loss_mask[rows], self.hidden[rows])
+                     self.layer_ids, self.epoch, pick(self.input_ids), pick(self.loss_mask), pick(self.hidden))
 
     def check(self, layer_ids: list[int], hidden_size: int) -> None:
         """Raise BatchMismatch unless this batch carries `layer_ids` of width hidden_size."""

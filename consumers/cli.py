@@ -115,6 +115,11 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
         help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
              "faster steps, slower start; auto: on on GPU.")
+@option("--stage-batches/--no-stage-batches", envvar="DFLASH_STAGE_BATCHES", default=True,
+        help="Prepare the next batch on a thread while the step runs: on GPU it is copied straight from the "
+             "received message to the GPU (fp8 as fp8, dequantised there) on a stream of its own, off the step's "
+             "critical path; it holds one batch more in GPU memory. --no-stage-batches prepares each batch "
+             "between steps, on the CPU: for a step that barely fits in GPU memory.")
 @option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
 @option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
 @option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")

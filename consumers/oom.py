@@ -87,7 +87,7 @@ def micro_batches(batch: Batch, k: int) -> list[Batch]:
 
 def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
     """Sequences first..end-1 of `batch` (same batch_id and epoch)."""
-    rows = slice(cum[first], cum[end])
+    rows = slice(cum[first], cum[end])  # a slice: views on the batch's device (staged: the GPU)
     return Batch(batch.batch_id, batch.samples[first:end], batch.seq_lens[first:end], batch.layer_ids,
                  batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows])
 

@@ -5,6 +5,8 @@ The loop knows nothing about the network. It takes
   - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
     waiting for data, yields None for "nothing arrived in time" (this rank takes an empty
     step if another rank has a batch), and ends (StopIteration) at the end of the stream;
+    it is read one item ahead on a thread that converts the next batch and copies it to
+    the device while the current step runs (staging.py; `stage_batches` off: not);
   - `Hooks`: `on_step(step, batch_ids)` after the optimizer step that used those batches
     (the broker `ack`), `on_checkpoint(step, path)` on rank 0 once a checkpoint is durable
     (the broker `commit`), `queue()` for the queue figures to log, `progress()` for the
@@ -31,6 +33,7 @@ from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
 from .replica import replica_state, take_replica_state
+from .staging import BatchStager
 from .step import batch_loss
 from .target_heads import TargetHeads
 from . import train_checkpoint
@@ -146,10 +149,21 @@ class _StepLoop:
         collectives by order, so a phase skipped on one rank only would hang the others."""
         cfg, state = self.cfg, self.state
         self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
-        self.source: Iterator = iter(batches)
+        # The next batch is converted and copied to the device while this one trains.
+        stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
+        self.source: Iterator = stager if stager is not None else iter(batches)
         self.exhausted, self.started = False, time.monotonic()
         self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
         self.stepped_here = False  # this process took a step (the startup wait ends)
+        try:
+            self._loop()
+        finally:
+            if stager is not None:
+                stager.close()
+        return self.finish()
+
+    def _loop(self) -> None:
+        cfg, state = self.cfg, self.state
         # Stop before fetching: a fetched batch that is never trained is never acked.
         while not self._at_max_steps():
             batch, bad, want_stop = self.fetch()
@@ -161,7 +175,6 @@ class _StepLoop:
                 break
             if agreed == _STEP:
                 self.step(batch)
-        return self.finish()
 
     def _at_max_steps(self) -> bool:
         if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
@@ -340,7 +353,7 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
 
     A batch of other target layers (or width) is a misconfigured run, not a bad message:
     training on it would silently learn the wrong thing, so the caller stops every rank."""
-    if not isinstance(batch, Batch):
+    if not isinstance(batch, Batch):  # not staged (staging.py does this on its thread)
         batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
     try:
         batch.check(list(signal.target_layers), heads.spec.hidden_size)

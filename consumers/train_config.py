@@ -46,6 +46,9 @@ class TrainConfig:
     attn: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex (block-sparse, compiled on GPU)
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
+    # Prepare the next batch (convert it, copy it to the GPU) on a thread while the step
+    # runs (staging.py); off: in the training thread between steps, one batch less in memory
+    stage_batches: bool = True
     # checkpoints and logs
     save_every: int = 1000
     keep: int = 3

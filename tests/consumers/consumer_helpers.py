@@ -9,6 +9,9 @@ import torch
 from dflash.consumers.batch import Batch
 from dflash.consumers.synthetic import rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
 from dflash.consumers.target_heads import TargetSpec
+from dflash.protocol import codec
+from dflash.protocol.fp8 import ENCODING, encode_fp8
+from dflash.protocol.messages import header
 
 MASK_ID = 511  # an unused row of the tiny vocabulary
 
@@ -51,3 +54,19 @@ def random_batch(
         loss_mask=mask,
         hidden=torch.randn(T, len(layer_ids) * spec.hidden_size, generator=g),
     )
+
+
+def batch_message(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-abcd") -> codec.Message:
+    """`b` as a consumer receives it: encoded with the real codec (bf16, or fp8 with row
+    scales) and decoded again, so its tensors are read-only views of the frames."""
+    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
+                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
+    tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
+    if fp8:
+        q, scale = encode_fp8(b.hidden, len(b.layer_ids))
+        tensors.update(hidden=q, hidden_scale=scale)
+        fields["hidden_encoding"] = ENCODING
+    else:
+        tensors["hidden"] = b.hidden.to(torch.bfloat16)
+    frames = [bytes(f) for f in codec.encode(header("batch", run, **fields), tensors)]
+    return codec.decode(frames)

@@ -3,34 +3,17 @@
 import torch
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from consumer_helpers import MASK_ID, batch_message, random_batch
 from dflash.consumers.batch import Batch
 from dflash.consumers.train import Hooks, TrainConfig, train
-from dflash.protocol import codec
-from dflash.protocol.fp8 import ENCODING, encode_fp8
-from dflash.protocol.messages import header
 
 LAYERS = [1, 2]
-
-
-def _message(b: Batch, fp8: bool):
-    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
-                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
-    tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
-    if fp8:
-        q, scale = encode_fp8(b.hidden, len(b.layer_ids))
-        tensors.update(hidden=q, hidden_scale=scale)
-        fields["hidden_encoding"] = ENCODING
-    else:
-        tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    frames = [bytes(f) for f in codec.encode(header("batch", "20261129T000000Z-abcd", **fields), tensors)]
-    return codec.decode(frames)  # tensors are views of the (immutable) frames
 
 
 def test_decoded_messages_train_directly_and_fill_the_heartbeat_stats(heads):
     src = [random_batch(heads.spec, LAYERS, [20, 14], seed=i, batch_id=f"p1-{i}", sample_start=2 * i)
            for i in range(4)]
-    msgs = [_message(b, fp8=i % 2 == 1) for i, b in enumerate(src)]
+    msgs = [batch_message(b, fp8=i % 2 == 1) for i, b in enumerate(src)]
     first = Batch.from_message(msgs[0], torch.float32)
     first.hidden.add_(1.0)  # a copy: writable, and the frame is untouched
     assert torch.equal(msgs[0].tensors["hidden"].float(), src[0].hidden.to(torch.bfloat16).float())
