@@ -7,6 +7,7 @@ What the CLI and the broker link call:
   train.Hooks(on_step, on_checkpoint, queue, stop, after_step, before_step, stats)  (ack, commit, figures, stop, eval)
   live_eval.LiveEval(heads, signal, every, stats=, real=).before_step     (--eval-every; real_tau.RealTauSet)
   batch.Batch / Batch.from_message(msg)                                   (decoded `batch` messages)
+  staging.BatchStager(batches, device, dtype)                             (the next batch made ready on a thread)
   dist.Dist.init(...) / Dist.from_torchrun(device)                        (gloo on CPU, NCCL on GPU)
   checkpoint.resolve_checkpoint(ref, runs_dir), SignalMismatch
 """

@@ -147,7 +147,7 @@ class _StepLoop:
         """Step until the end. Each pass issues the same collectives in the same order on
         every rank (quorum, agreement, then the step's own): gloo, NCCL and torchft match
         collectives by order, so a phase skipped on one rank only would hang the others."""
-        cfg, state = self.cfg, self.state
+        cfg = self.cfg
         self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
         # The next batch is converted and copied to the device while this one trains.
         stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
@@ -164,7 +164,8 @@ class _StepLoop:
 
     def _loop(self) -> None:
         cfg, state = self.cfg, self.state
-        # Stop before fetching: a fetched batch that is never trained is never acked.
+        # Stop before fetching: a fetched batch that is never trained is never acked (nor is
+        # the one the stager read ahead: `bye` returns both to the broker's queue).
         while not self._at_max_steps():
             batch, bad, want_stop = self.fetch()
             self.begin_quorum()
