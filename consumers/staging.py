@@ -70,6 +70,8 @@ class BatchStager:
     """Iterator of ready `Batch`es (or None) over `source`, one item read ahead on a thread.
 
     The thread starts at the first `next()`, so nothing is read before the loop asks.
+    The source runs on that thread: it must not draw from torch's global RNG, which the
+    step draws from at the same time (the broker link and the synthetic stream do not).
     Call `close()` (or use it as a context manager) when done with it."""
 
     def __init__(self, source: Iterable, device: torch.device, hidden_dtype: torch.dtype = torch.bfloat16):
