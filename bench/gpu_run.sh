@@ -13,6 +13,8 @@
 #                                 # flex + fuse drafter on 2 GPUs, then both roles on one GPU
 #   bash bench/gpu_run.sh part6   # regeneration speed; tau of a drafter trained online (one GPU);
 #                                 # drafter step on varying shapes; broker with 1 vs 2 I/O threads
+#   bash bench/gpu_run.sh part7   # regeneration with the greedy loop and tau again; the shared-GPU
+#                                 # pipeline for longer; transport at 1 and 16 MiB
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -124,6 +126,19 @@ part6() {  # three independent tracks at once: GPU1, GPU0, CPU
   wait
 }
 
+part7() {  # after 0be9099 (greedy loop) and the stager: three tracks at once (GPU1, GPU0, CPU)
+  (stage c target06b 120 python3 bench/gpu_setup.py target --shape qwen3-0.6b --out "$T06"
+   stage c regen_speed_loop 120 python3 bench/gpu_regen.py --target "$T06" --gpu $G1 --batches 16,64 --new-tokens 64
+   stage c tau_fast_regen 420 python3 bench/gpu_tau.py --target "$T06" --producer-gpu $G1 --consumer-gpu $G1 \
+       --epochs 200 --train-timeout-s 220 --eval-rows 20 --max-new-tokens 64 --eval-dtype float32) &
+  ([ -f "$T8/config.json" ] && [ -f "$W/long.jsonl" ] || inputs
+   stage f pipeline_shared_gpu_long 330 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/long.jsonl" \
+       --producer-gpu $G0 --consumer-gpu $G0 --token-budget 12288 --seconds 220 --attn flex --fuse on --parts pipeline) &
+  stage g transport_small 300 python3 bench/transport.py --sizes 1,16 --repeat 2 --broker-io-threads 1,2 \
+      --out "$OUT/transport_io_threads_small.json"
+  wait
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -135,6 +150,7 @@ case $PART in
   part34) part4; part3 ;;
   part5) part5 ;;
   part6) part6 ;;
+  part7) part7 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)
