@@ -17,7 +17,9 @@ DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 
 def option(*decls: str, **kw) -> Callable:
     """click.option with the env var DFLASH_<NAME> shown in --help, and defaults shown."""
-    name = next(d for d in decls if d.startswith("--")).lstrip("-").replace("-", "_").upper()
+    # "--elastic/--no-elastic" is one declaration: the variable is named after its on-switch.
+    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
+    name = flag.lstrip("-").replace("-", "_").upper()
     kw.setdefault("envvar", f"DFLASH_{name}")
     kw.setdefault("show_envvar", True)
     kw.setdefault("show_default", True)

@@ -101,3 +101,25 @@ def test_machine_defaults_flags_choices_and_hidden_options_render():
     assert "- `OUT_DIR`: folder, required (described above)" in lines
     hidden_at = lines.index(next(line for line in lines if line.startswith("Hidden options")))
     assert lines.index(row["`--secret-knob`"]) > hidden_at > lines.index(row["`--plain`"])
+
+
+def test_every_env_var_is_a_name_a_shell_can_set():
+    """`--x/--no-x` flags once got `DFLASH_X/__NO_X`, which no shell can export."""
+    import re
+
+    bad = [(s.name, p.name, p.envvar) for s in clidoc.scripts() for p in s.command.params
+           if isinstance(p, click.Option) and isinstance(p.envvar, str)
+           and not re.fullmatch(r"DFLASH_[A-Z0-9_]+", p.envvar)]
+    assert not bad
+
+
+def test_an_on_off_flag_reads_its_env_var(monkeypatch):
+    @click.command()
+    @option("--elastic/--no-elastic", default=True, help="On or off.")
+    def cmd(elastic):
+        click.echo(f"elastic={elastic}")
+
+    from click.testing import CliRunner
+
+    assert CliRunner().invoke(cmd, [], env={"DFLASH_ELASTIC": "0"}).output.strip() == "elastic=False"
+    assert CliRunner().invoke(cmd, [], env={"DFLASH_ELASTIC": "1"}).output.strip() == "elastic=True"
