@@ -42,13 +42,11 @@ from dflash.consumers.batch import Batch
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.oom import micro_batches
 from dflash.consumers.staging import FP8_DECODE_ROWS, BatchStager
-from dflash.consumers.synthetic import rule_batch
+from dflash.consumers.synthetic import as_received, rule_batch
 from dflash.consumers.target_heads import load_target_heads
 from dflash.consumers.step import batch_loss
 from dflash.consumers.train import TrainConfig, resolve_signal, train
 from dflash.protocol import codec
-from dflash.protocol.fp8 import ENCODING, encode_fp8
-from dflash.protocol.messages import header
 
 LAYERS = [1, 3]
 CPU = torch.device("cpu")
@@ -59,16 +57,7 @@ CPU = torch.device("cpu")
 
 def message(b: Batch, fp8: bool) -> codec.Message:
     """`b` as a consumer receives it: encoded with the codec, decoded to frame views."""
-    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
-                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
-    tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
-    if fp8:
-        q, scale = encode_fp8(b.hidden, len(b.layer_ids))
-        tensors.update(hidden=q, hidden_scale=scale)
-        fields["hidden_encoding"] = ENCODING
-    else:
-        tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    return codec.decode([bytes(f) for f in codec.encode(header("batch", "gpu-checks", **fields), tensors)])
+    return as_received(b, fp8, "gpu-checks")
 
 
 def small_batch(spec, seed: int, n_seqs: int = 4, seq_len: int = 700) -> Batch:

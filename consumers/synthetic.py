@@ -54,3 +54,23 @@ def synthetic_stream(
         yield rule_batch(spec, layer_ids, seed=seed * 1_000_003 + first, n_seqs=n_seqs, seq_len=seq_len,
                          prompt=min(6, seq_len // 4), batch_id=f"synthetic-{rank}-{i}", sample_start=first,
                          dtype=dtype)
+
+
+def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"):
+    """`b` as a consumer receives it from the broker: encoded with the real codec (hidden in
+    bf16, or fp8 with per-row scales) and decoded again, so its tensors are read-only views
+    of the frames. For tests and benchmarks of the receiving side."""
+    from dflash.protocol import codec
+    from dflash.protocol.fp8 import ENCODING, encode_fp8
+    from dflash.protocol.messages import header
+
+    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
+                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
+    tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
+    if fp8:
+        q, scale = encode_fp8(b.hidden, len(b.layer_ids))
+        tensors.update(hidden=q, hidden_scale=scale)
+        fields["hidden_encoding"] = ENCODING
+    else:
+        tensors["hidden"] = b.hidden.to(torch.bfloat16)
+    return codec.decode([bytes(f) for f in codec.encode(header("batch", run, **fields), tensors)])

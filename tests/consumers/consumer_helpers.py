@@ -7,11 +7,9 @@ from pathlib import Path
 import torch
 
 from dflash.consumers.batch import Batch
-from dflash.consumers.synthetic import rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
+from dflash.consumers.synthetic import as_received, rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
 from dflash.consumers.target_heads import TargetSpec
 from dflash.protocol import codec
-from dflash.protocol.fp8 import ENCODING, encode_fp8
-from dflash.protocol.messages import header
 
 MASK_ID = 511  # an unused row of the tiny vocabulary
 
@@ -57,16 +55,5 @@ def random_batch(
 
 
 def batch_message(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-abcd") -> codec.Message:
-    """`b` as a consumer receives it: encoded with the real codec (bf16, or fp8 with row
-    scales) and decoded again, so its tensors are read-only views of the frames."""
-    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
-                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
-    tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
-    if fp8:
-        q, scale = encode_fp8(b.hidden, len(b.layer_ids))
-        tensors.update(hidden=q, hidden_scale=scale)
-        fields["hidden_encoding"] = ENCODING
-    else:
-        tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    frames = [bytes(f) for f in codec.encode(header("batch", run, **fields), tensors)]
-    return codec.decode(frames)
+    """`b` as a consumer receives it (consumers.synthetic.as_received): read-only frame views."""
+    return as_received(b, fp8, run)
