@@ -1,6 +1,7 @@
 """The whole pipeline, every role its own process on loopback: `dflash-broker --consumers 2
 --epochs 2`, two CPU producers running a tiny real target over the bundled chats, two
-CPU consumers training one drafter as two gloo ranks.
+CPU consumers training one drafter as two gloo ranks: elastic (torchft, the default for
+`--consumers 2`) and a fixed torch.distributed group (`--no-elastic`).
 
 Run once per module; each test checks one thing a user would notice: clean exits, every
 (epoch, sample) trained exactly once and committed, a final checkpoint that loads, logs
@@ -54,8 +55,8 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["elastic", "no-elastic"])
+def run(tmp_path_factory, request):
     """Run the pipeline to the end; returns (run folder, exit codes, wall seconds)."""
     from dflash.tools.tiny import tiny_target
 
@@ -76,7 +77,8 @@ def run(tmp_path_factory):
     procs = [_start("broker", "dflash.broker.cli", [
         "--bind", "127.0.0.1", "--port", str(base), "--data-in-port", str(base + 1),
         "--data-out-ports", f"{base + 2}-{base + 5}", "--runs-dir", runs, "--epochs", str(EPOCHS),
-        "--consumers", "2", "--heartbeat-s", "0.5", "--timeout-s", "30", "--lease-size", "8"], tmp, env)]
+        "--consumers", "2", f"--{request.param}", "--heartbeat-s", "0.5", "--timeout-s", "30", "--lease-size", "8"],
+        tmp, env)]
     for i in range(2):
         procs.append(_start(f"producer-{i}", "dflash.producers.cli", [
             "--broker", broker, "--runs-dir", runs, "--instance", f"p{i}", "--device", "cpu", "--target", target,
@@ -93,7 +95,7 @@ def run(tmp_path_factory):
         tails = {name: out.read_text()[-1500:] for name, _, out in procs if codes[name]}
         pytest.fail(f"exit codes {codes}; output of the failed: {tails}")
     (run_dir,) = [p for p in Path(runs).iterdir() if p.name != "latest"]
-    print(f"pipeline wall time {wall:.1f}s")
+    print(f"pipeline ({request.param}) wall time {wall:.1f}s")
     return run_dir, codes, wall
 
 
@@ -175,3 +177,18 @@ def test_loss_at_the_end_is_below_the_start(run):
     losses = [e["loss"] for e in _consumer_logs(run_dir)[0] if e["event"] == "train.step" and e["loss"] is not None]
     assert len(losses) >= 10
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+
+
+def test_the_consumers_formed_the_group_asked_for(run, request):
+    """--elastic (default): each consumer joins the broker's torchft lighthouse; --no-elastic:
+    a fixed torch.distributed group, and no lighthouse runs."""
+    run_dir = run[0]
+    elastic = request.node.callspec.params["run"] == "elastic"
+    logs = _consumer_logs(run_dir)
+    broker = [e["event"] for f in (run_dir / "logs").glob("broker-*.jsonl") for e in _events(f)]
+    assert sorted(logs) == [0, 1]
+    for ev in logs.values():
+        names = {e["event"] for e in ev}
+        assert ("consume.elastic_join" in names) == elastic and ("consume.dist_join" in names) == (not elastic)
+        assert next(e for e in ev if e["event"] == "train.start")["elastic"] == elastic
+    assert ("broker.lighthouse" in broker) == elastic
