@@ -104,7 +104,7 @@ class BrokerConfig:
         """--io-threads, or auto: 2 where this process may use at least AUTO_TWO_IO_CPUS cores, else 1."""
         if self.io_threads:
             return self.io_threads
-        return 2 if len(os.sched_getaffinity(0)) >= AUTO_TWO_IO_CPUS else 1
+        return 2 if usable_cpus() >= AUTO_TWO_IO_CPUS else 1
 
     def host_to_advertise(self, hostname: str) -> str:
         """What peers should dial: --advertise-host, else a concrete --bind, else our name."""
@@ -113,6 +113,14 @@ class BrokerConfig:
         if self.bind not in ("*", "0.0.0.0", "::", "[::]"):
             return self.bind
         return hostname
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset; the
+    machine's count where the OS has no such call)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
