@@ -3,7 +3,6 @@ relay's zero-copy send, and option parsing."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -125,7 +124,6 @@ def test_ledger_keeps_up_with_thousands_of_samples_per_second(tmp_path):
 def test_ledger_survives_a_broker_crash(tmp_path):
     # A child process writes, flushes, queues more, and dies without closing.
     code = f"""
-import os
 from dflash.broker.ledger import Ledger
 from dflash.broker.dispatch import QueuedBatch
 led = Ledger({str(tmp_path / 'l.sqlite')!r})
