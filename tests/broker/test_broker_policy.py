@@ -124,6 +124,7 @@ def test_ledger_keeps_up_with_thousands_of_samples_per_second(tmp_path):
 def test_ledger_survives_a_broker_crash(tmp_path):
     # A child process writes, flushes, queues more, and dies without closing.
     code = f"""
+import os
 from dflash.broker.ledger import Ledger
 from dflash.broker.dispatch import QueuedBatch
 led = Ledger({str(tmp_path / 'l.sqlite')!r})
