@@ -109,12 +109,12 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
 @option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
 @option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
-        help="Attention kernel; auto: flex on GPU, sdpa on CPU. flex: block-sparse, 2.6x faster steps than sdpa on "
+        help="Attention kernel; auto: flex on GPU (sdpa if no C compiler can build it), sdpa on CPU. flex: block-sparse, 2.6x faster steps than sdpa on "
              "an H200 with varying batch shapes (docs/BENCHMARKS.md), compiles ~1 min on the first step; sdpa: one "
              "masked call per sequence.")
 @option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
         help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
-             "faster steps, slower start; auto: on on GPU.")
+             "faster steps, slower start; auto: on on GPU (off if no C compiler can build the kernels).")
 @option("--stage-batches/--no-stage-batches", envvar="DFLASH_STAGE_BATCHES", default=True,
         help="Prepare the next batch on a thread while the step runs: on GPU it is copied straight from the "
              "received message to the GPU (fp8 as fp8, dequantised there) on a stream of its own, off the step's "

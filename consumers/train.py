@@ -16,6 +16,8 @@ Every rank runs this same loop; ranks agree each step on whether anyone still ha
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -87,12 +89,13 @@ class _StepLoop:
         self.ckpt_root, self.run_config = ckpt_root, run_config
         self.device = device = heads.embed.device
         self.signal = resolve_signal(cfg, heads)
-        # auto = flex on GPU: on an H200, with a new batch shape every step, flex + --fuse ran at
-        # 56% MFU against 21% for SDPA (docs/BENCHMARKS.md); its first step compiles for ~1 min.
-        # On CPU, SDPA (flex is compiled for GPUs; on CPU it is slower and compiles long).
-        self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+        # auto = flex and fused kernels on GPU: on an H200, with a new batch shape every step,
+        # flex + --fuse ran at 56% MFU against 21% for SDPA (docs/BENCHMARKS.md); the first step
+        # compiles for ~1 min. On CPU, or where nothing can be compiled: SDPA, eager.
+        compiled = auto_compiles(device)
+        self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if compiled else "sdpa")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-        fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and device.type == "cuda"))
+        fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and compiled))
         self._build_model()
         self.state = TrainState()
         torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
@@ -323,6 +326,21 @@ class _StepLoop:
 
 
 # ---------------------------------------------------------------- helpers of a step
+
+
+def auto_compiles(device: torch.device) -> bool:
+    """Whether `--attn auto` / `--fuse auto` take the compiled kernels: on a GPU where
+    torch.compile can build them. Triton builds a small C launcher with the host's C
+    compiler, so a GPU container without one would fail at the first step: there the
+    eager kernels are taken instead, with a warning."""
+    if device.type != "cuda":
+        return False
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        log.warning("train.compile_unavailable", device=str(device), attn="sdpa", fuse="off",
+                    hint="install a C compiler (e.g. gcc) for flex attention and fused kernels: ~2.6x faster "
+                         "steps on an H200 (docs/BENCHMARKS.md)")
+    return compiler is not None
 
 
 def _step_failed(dist: Dist) -> bool:
