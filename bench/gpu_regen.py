@@ -57,20 +57,15 @@ def _generate(model, ids, att, pad, n):
                           pad_token_id=pad, temperature=None, top_p=None, top_k=None)
 
 
-def _loop(model, ids, att, n):
+def _prefilled(model, ids, att):
+    """The prompts' KV cache (as the forward() keyword), positions and first greedy token:
+    the state one decode step starts from."""
     from dflash.protocol.hf_compat import cache_kwarg, new_cache
 
-    cache = new_cache(model)
-    kw = {cache_kwarg(model): cache}
+    kw = {cache_kwarg(model): new_cache(model)}
     pos = (att.cumsum(-1) - 1).clamp_min(0)
     out = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, **kw)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(n - 1):
-        att = torch.cat([att, torch.ones_like(nxt)], dim=1)
-        pos = pos[:, -1:] + 1
-        out = model(input_ids=nxt, attention_mask=att, position_ids=pos, use_cache=True, **kw)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    return cache, att, pos, nxt
+    return kw, pos[:, -1:], out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 @click.command()
@@ -84,7 +79,6 @@ def main(target, gpu, batches, new_tokens) -> None:
 
     from dflash.producers.greedy import greedy_batch
     from dflash.producers.target import load_target, resolve_device
-    from dflash.protocol.hf_compat import cache_kwarg
 
     device = resolve_device(gpu if gpu >= 0 else None, "cpu" if gpu < 0 else None)
     t = load_target(target, device=device, full=True)
@@ -107,9 +101,8 @@ def main(target, gpu, batches, new_tokens) -> None:
                 print(json.dumps({**base, "batch": b, "prompt_width": ids.shape[1], "way": way,
                                   "ms_per_step": round(1000 * s / new_tokens, 2),
                                   "new_tok_per_s": round(b * new_tokens / s)}), flush=True)
-            cache, att2, pos, nxt = _loop(t.model, ids, att, 8)
-            kw = {cache_kwarg(t.model): cache}
-            step = lambda: t.model(input_ids=nxt, attention_mask=torch.cat([att2, torch.ones_like(nxt)], 1),
+            kw, pos, nxt = _prefilled(t.model, ids, att)
+            step = lambda: t.model(input_ids=nxt, attention_mask=torch.cat([att, torch.ones_like(nxt)], 1),
                                    position_ids=pos + 1, use_cache=True, **kw)
             s = min(_timed(step, device) for _ in range(5))  # the cache grows by one per call: harmless here
             print(json.dumps({**base, "batch": b, "way": "forward", "ms_per_step": round(1000 * s, 2)}), flush=True)

@@ -92,7 +92,7 @@ class _StepLoop:
         # auto = flex and fused kernels on GPU: on an H200, with a new batch shape every step,
         # flex + --fuse ran at 56% MFU against 21% for SDPA (docs/BENCHMARKS.md); the first step
         # compiles for ~1 min. On CPU, or where nothing can be compiled: SDPA, eager.
-        compiled = auto_compiles(device)
+        compiled = "auto" in (cfg.attn, cfg.fuse) and auto_compiles(device)  # asked (and warned) only for auto
         self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if compiled else "sdpa")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and compiled))
