@@ -46,7 +46,7 @@ def handle(b, identity: bytes, frames: list) -> None:
         return refuse(b, identity, "run_mismatch", f"run {h['run']!r} is not the run this broker serves "
                       f"({b.run_id}); that run is over or served elsewhere: leave out --run to join this one", h)
     try:
-        msg = codec.decode(frames, allowed=CONTROL_TO_BROKER, run=b.run_id, peer=who)
+        msg = codec.decode(frames, allowed=CONTROL_TO_BROKER, run=b.run_id, peer=who, parsed=h)
     except ProtocolError as e:
         return bad_message(b, identity, who, e.reason)
     t, h = msg.type, msg.header

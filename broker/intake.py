@@ -41,7 +41,7 @@ def sender(frames: list) -> str:
 def handle(b, frames: list) -> None:
     """One message from data in. Never raises on bad input."""
     try:
-        msg = codec.decode(frames, allowed=DATA, run=b.run_id)
+        msg = codec.decode(frames, allowed=DATA, run=b.run_id, views=False)  # relayed, never read
         if msg.payload_bytes() > b.cfg.max_message_bytes:
             raise ProtocolError(f"{msg.payload_bytes()} tensor bytes, limit {b.cfg.max_message_bytes}")
         layers = b.facts.get("layer_ids")

@@ -67,11 +67,16 @@ _SQL = {
     ),
     "pending": "UPDATE samples SET state='pending', lease=NULL, producer=NULL, updated=? WHERE epoch=? AND sample=?",
     "skipped": "UPDATE samples SET state='skipped', reason=?, updated=? WHERE epoch=? AND sample=?",
+    # One statement for every write of a batch's row (arrival and each move after it), so
+    # a flush sends a run of them through one executemany.
     "batch": (
-        "INSERT OR REPLACE INTO batches(batch_id, producer, lease, epoch, n_samples, tokens, nbytes, state,"
-        " received, updated) VALUES(?,?,?,?,?,?,?, 'queued', ?, ?)"
+        "INSERT INTO batches(batch_id, producer, lease, epoch, n_samples, tokens, nbytes, state, consumer, step,"
+        " deliveries, received, updated) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(batch_id) DO UPDATE SET"
+        " producer=excluded.producer, lease=excluded.lease, epoch=excluded.epoch, n_samples=excluded.n_samples,"
+        " tokens=excluded.tokens, nbytes=excluded.nbytes, state=excluded.state, consumer=excluded.consumer,"
+        " step=excluded.step, deliveries=excluded.deliveries, received=COALESCE(excluded.received, received),"
+        " updated=excluded.updated"
     ),
-    "batch_state": "UPDATE batches SET state=?, consumer=?, step=?, deliveries=?, updated=? WHERE batch_id=?",
     "sample_state": (
         "UPDATE samples SET state=?, batch_id=?, consumer=?, step=?, updated=? WHERE epoch=? AND sample=?"
     ),
@@ -79,6 +84,11 @@ _SQL = {
     "peer_gone": "UPDATE peers SET gone=?, outcome=?, reason=? WHERE peer=?",
     "epoch": "INSERT OR IGNORE INTO epochs(epoch, seed, n_samples, started) VALUES(?,?,?,?)",
 }
+
+_TABLE = {"lease": "leases", "lease_close": "leases", "leased": "samples", "pending": "samples",
+          "skipped": "samples", "sample_state": "samples", "batch": "batches", "peer": "peers",
+          "peer_gone": "peers", "epoch": "epochs"}
+assert _TABLE.keys() == _SQL.keys()
 
 
 class Ledger:
@@ -149,7 +159,7 @@ class Ledger:
     def produced(self, b) -> None:
         """A batch (dispatch.QueuedBatch) arrived: its samples leased -> produced."""
         now = time.time()
-        self._op("batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, b.nbytes, now, now))
+        self._batch_row(b, "queued", None, None, now, received=now)
         self._samples(b, "produced", None, None, now)
         self._move("leased", "produced", len(b.samples))
 
@@ -228,9 +238,14 @@ class Ledger:
 
     def _batch(self, b, state: str, consumer: str | None, step: int | None) -> None:
         now = time.time()
-        self._op("batch_state", (state, consumer, step, b.deliveries, now, b.batch_id))
+        self._batch_row(b, state, consumer, step, now)
         sample_state = "produced" if state == "queued" else state
         self._samples(b, sample_state, consumer, step, now)
+
+    def _batch_row(self, b, state: str, consumer: str | None, step: int | None, now: float,
+                   received: float | None = None) -> None:
+        self._op("batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, b.nbytes, state,
+                           consumer, step, b.deliveries, received, now))
 
     def _samples(self, b, state: str, consumer: str | None, step: int | None, now: float) -> None:
         self._many("sample_state", ((state, b.batch_id, consumer, step, now, b.epoch, s) for s in b.samples))
@@ -260,6 +275,10 @@ class Ledger:
         if not self._ops:
             return
         ops, self._ops = self._ops, []
+        # Grouped by table, in order within each: every statement writes one table, so
+        # this is the same end state, in a few long executemany runs instead of one per
+        # transition (a batch's three moves interleave its batches and samples rows).
+        ops.sort(key=lambda op: _TABLE[op[0]])
         t0 = time.perf_counter()
         with self.db:
             self.db.execute("BEGIN")

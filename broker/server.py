@@ -37,6 +37,9 @@ log = get_logger()
 POLL_MS = 100  # longest the loop sleeps: timers (heartbeats, expiry) run at this grain
 BLOCKED_POLL_MS = 5  # a batch waits on a pipe that is not connected yet: look again soon
 DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot starve the other
+# Timers run at most this often. At thousands of small batches a second the loop turns
+# once per message, and the timer checks would cost as much as the message itself.
+TICK_S = 0.005
 
 
 class Broker:
@@ -183,6 +186,8 @@ class Broker:
             return False
 
     def tick(self, now: float) -> None:
+        if now - self.last_tick < TICK_S and self.signal is None:
+            return
         if self.signal is not None and self.draining is None and (self.stop_reason != "end_of_stream"
                                                                   or self.stopping is None or self.signals > 1):
             # (a first signal during end of stream changes nothing: the run is ending anyway)

@@ -190,13 +190,17 @@ def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, torch.dtype, tuple[
     return out
 
 
+# ZeroMQ frames are read-only, and receivers treat tensors as read-only (PROTOCOL.md), so
+# torch's "buffer is not writable" warning says nothing here. One targeted filter, set
+# once: `warnings.catch_warnings()` per view cost 5 us a tensor and is not thread-safe
+# (the consumer's I/O thread decodes while the training thread runs).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def _view(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if buf.nbytes == 0:  # torch.frombuffer refuses empty buffers
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # ZeroMQ frames are read-only; receivers treat tensors as read-only (PROTOCOL.md).
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 def decode(
@@ -205,22 +209,31 @@ def decode(
     allowed: frozenset[str] | None = None,
     run: str | None = None,
     peer: str | None = None,
+    views: bool = True,
+    parsed: dict | None = None,
 ) -> Message:
-    """Validate and decode a multipart message. Raises ProtocolError (with `peer`)."""
+    """Validate and decode a multipart message. Raises ProtocolError (with `peer`).
+
+    `views=False` validates exactly as much (header, every frame's size against its spec,
+    the batch rules) but makes no tensor views: the broker relays frames it never reads,
+    and three views cost more than the rest of the checks together. `parsed` is frame 0
+    already parsed by `unpack_header` (the broker's control socket reads it first)."""
     try:
         if not frames:
             raise ProtocolError("empty message")
-        h = unpack_header(frames[0])
+        h = unpack_header(frames[0]) if parsed is None else parsed
         check_header(h, allowed=allowed, run=run)
         specs = _tensor_specs(h, len(frames) - 1)
-        tensors = {}
+        tensors, shapes = {}, {}
         for (name, dtype, shape, nbytes), f in zip(specs, frames[1:]):
             buf = _frame_buffer(f)
             if buf.nbytes != nbytes:
                 raise ProtocolError(f"tensor {name!r}: frame has {buf.nbytes} bytes, shape says {nbytes}")
-            tensors[name] = _view(buf, dtype, shape)
+            shapes[name] = (dtype, shape)
+            if views:
+                tensors[name] = _view(buf, dtype, shape)
         if h["type"] == "batch":
-            check_batch(h, tensors)
+            check_batch(h, shapes)
         return Message(h, tensors, list(frames))
     except ProtocolError as e:
         e.peer = e.peer or peer
@@ -237,19 +250,20 @@ def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
-def check_batch(h: dict, t: Mapping[str, torch.Tensor]) -> None:
-    """A batch's tensors agree with each other and with its header (PROTOCOL.md "batch")."""
+def check_batch(h: dict, t: Mapping[str, "torch.Tensor | tuple[torch.dtype, tuple[int, ...]]"]) -> None:
+    """A batch's tensors agree with each other and with its header (PROTOCOL.md "batch").
+    `t` maps a name to its tensor, or to its (dtype, shape) as the header declares it."""
     for name in ("input_ids", "loss_mask", "hidden"):
         if name not in t:
             raise ProtocolError(f"batch: missing tensor {name!r}")
-    ids, mask, hid = t["input_ids"], t["loss_mask"], t["hidden"]
-    if ids.dtype != torch.int32 or ids.dim() != 1:
-        raise ProtocolError(f"batch: input_ids must be int32 [T], got {ids.dtype} {list(ids.shape)}")
-    T = ids.shape[0]
-    if mask.dtype != torch.uint8 or tuple(mask.shape) != (T,):
-        raise ProtocolError(f"batch: loss_mask must be uint8 [{T}], got {mask.dtype} {list(mask.shape)}")
-    if hid.dtype not in HIDDEN_DTYPES or hid.dim() != 2 or hid.shape[0] != T:
-        raise ProtocolError(f"batch: hidden must be [{T}, n_layers*H] float, got {hid.dtype} {list(hid.shape)}")
+    (ids_t, ids), (mask_t, mask), (hid_t, hid) = (_dtype_shape(t[n]) for n in ("input_ids", "loss_mask", "hidden"))
+    if ids_t != torch.int32 or len(ids) != 1:
+        raise ProtocolError(f"batch: input_ids must be int32 [T], got {ids_t} {list(ids)}")
+    T = ids[0]
+    if mask_t != torch.uint8 or tuple(mask) != (T,):
+        raise ProtocolError(f"batch: loss_mask must be uint8 [{T}], got {mask_t} {list(mask)}")
+    if hid_t not in HIDDEN_DTYPES or len(hid) != 2 or hid[0] != T:
+        raise ProtocolError(f"batch: hidden must be [{T}, n_layers*H] float, got {hid_t} {list(hid)}")
     seq_lens, samples, layers = h["seq_lens"], h["samples"], h["layer_ids"]
     if not all(isinstance(x, int) and x > 0 for x in seq_lens) or sum(seq_lens) != T:
         raise ProtocolError(f"batch: seq_lens must be positive ints summing to T={T}")
@@ -257,9 +271,14 @@ def check_batch(h: dict, t: Mapping[str, torch.Tensor]) -> None:
         raise ProtocolError("batch: samples and seq_lens differ in length or samples are not ints")
     if not layers or not all(isinstance(x, int) and x >= 0 for x in layers):
         raise ProtocolError("batch: layer_ids must be a non-empty list of non-negative ints")
-    if hid.shape[1] % len(layers):
-        raise ProtocolError(f"batch: hidden width {hid.shape[1]} not a multiple of {len(layers)} layers")
-    if hid.dtype == torch.float8_e4m3fn:
+    if hid[1] % len(layers):
+        raise ProtocolError(f"batch: hidden width {hid[1]} not a multiple of {len(layers)} layers")
+    if hid_t == torch.float8_e4m3fn:
         sc = t.get("hidden_scale")
-        if sc is None or sc.dtype != torch.float32 or tuple(sc.shape) != (T, len(layers)):
+        sc_t, sc_shape = _dtype_shape(sc) if sc is not None else (None, None)
+        if sc_t != torch.float32 or tuple(sc_shape) != (T, len(layers)):
             raise ProtocolError(f"batch: fp8 hidden needs float32 hidden_scale [{T}, {len(layers)}]")
+
+
+def _dtype_shape(x) -> tuple[torch.dtype, tuple[int, ...]]:
+    return (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x
