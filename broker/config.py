@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
@@ -121,20 +122,6 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tib": 1024**4}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'4GiB', '512MB', '1048576' -> bytes. Raises ValueError."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 4GiB, 512MB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_port_range(text: str) -> tuple[int, int]:

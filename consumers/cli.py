@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import torch
 
-from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
+from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option, size_option
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from, curve_options
@@ -66,6 +66,7 @@ class ConsumerConfig:
     eval_prompts: str | None = None  # JSON Lines prompts for real tau (loads the whole target)
     eval_max_new_tokens: int = 64
     eval_limit: int | None = 8
+    inbox_bytes: int = 256 << 20  # received batches waiting, in bytes (protocol/credit.py)
 
 
 def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
@@ -115,6 +116,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
         help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
              "faster steps, slower start; auto: on on GPU (off if no C compiler can build the kernels).")
+@option("--inbox-bytes", default="256MiB", callback=size_option,
+        help="Most bytes of received batches waiting in this consumer: always room for 2 batches, and for up to "
+             "16 while they are small, so the round trip to the broker does not set the rate.")
 @option("--stage-batches/--no-stage-batches", envvar="DFLASH_STAGE_BATCHES", default=True,
         help="Prepare the next batch on a thread while the step runs: on GPU it is copied straight from the "
              "received message to the GPU (fp8 as fp8, dequantised there) on a stream of its own, off the step's "
@@ -235,7 +239,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     own = bool(cfg.dist_init) or "RANK" in os.environ  # ranks arranged outside the broker
     dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
     link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
-                    curve=client_from(cfg.curve_keys, cfg.curve_name),
+                    curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
                     config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
                     stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
     plugs, dist, reason = None, None, "failed"

@@ -6,6 +6,7 @@ Each role keeps one frozen config dataclass; the click command only maps options
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import tomllib
 from typing import Any, Callable
@@ -13,6 +14,29 @@ from typing import Any, Callable
 import click
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MB', '1048576' -> bytes. Raises ValueError."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 4GiB, 512MB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def size_option(_ctx, param, value: str | int | None) -> int | None:
+    """click callback: a size option ('256MiB') as bytes, or a usage error naming the option."""
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param=param) from None
 
 
 def option(*decls: str, **kw) -> Callable:

@@ -6,7 +6,7 @@ capture loop talks to it through bounded queues:
 
 - producers: `request_lease()`, `push_batch()` (blocks while the outbox is full: that is
   the backpressure from the broker), `lease_done()`;
-- consumers: `next_batch()` (credit is granted for every free slot of the inbox),
+- consumers: `next_batch()` (credit is granted for free room in the inbox: credit.py),
   `ack()`, `commit()`, and `stopped` once the broker signals end of stream.
 
 Failures surface as exceptions on the next call: `BrokerUnreachable` (no handshake),
@@ -29,12 +29,15 @@ from . import codec
 from .errors import BrokerUnreachable, DFlashError, ProtocolError, Rejected, RunMismatch
 from .logs import bind_run, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, header
+from .credit import CreditWindow
 from .curve import CurveClient
 from .sockets import SocketOpts, make_socket
+from .threads import name_this_thread
 
 log = get_logger()
 
 CONTROL_MAX_BYTES = (1 << 20) + 4096
+MAX_AUTO_CREDIT = 16  # the deepest inbox small batches get (credit.py); the broker caps at max_credit
 
 
 class BrokerLost(DFlashError):
@@ -55,6 +58,7 @@ class PeerLink:
         connect_timeout_s: float = 30.0,
         outbox_batches: int = 2,
         inbox_batches: int = 2,
+        inbox_bytes: int | None = None,
         stats: Callable[[], dict] | None = None,
         max_message_bytes: int = 1 << 30,
         curve: CurveClient | None = None,
@@ -76,7 +80,9 @@ class PeerLink:
         self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
         self._inbox: queue.Queue = queue.Queue()  # bounded by the credit we grant
-        self._inbox_capacity = max(1, inbox_batches)
+        # Sized once the welcome says the broker's max_credit (start); None for producers.
+        self._inbox_bounds = (inbox_batches, inbox_bytes)
+        self._credit: CreditWindow | None = None
         self._grants: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = threading.Event()
@@ -110,9 +116,11 @@ class PeerLink:
         path = bind_run(self.run_id, self.runs_dir)
         log.info("link.welcome", broker=self.broker, peer=self.peer_id, log_file=str(path),
                  run_config=self.welcome.get("run_config"))
+        if self.role == "consumer":  # the I/O thread grants the first credit on its first turn
+            most = min(MAX_AUTO_CREDIT, int(self.welcome.get("max_credit") or MAX_AUTO_CREDIT))
+            self._credit = CreditWindow(self._inbox_bounds[0], self._inbox_bounds[1], max_batches=most)
+            self._wake()  # so the I/O thread's first poll returns at once and grants it
         self._data = self._open_data_socket()
-        if self.role == "consumer":
-            self._control_out.put(header("credit", self.run_id, credit=self._inbox_capacity))
         self._thread = threading.Thread(target=self._io_loop, name=f"dflash-io-{self.role}", daemon=True)
         self._thread.start()
         return self.welcome
@@ -145,7 +153,7 @@ class PeerLink:
             return make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
                                opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve))
         return make_socket(self._ctx, zmq.PULL, self.welcome["data_out"], bind=False,
-                           opts=SocketOpts(rcvhwm=self._inbox_capacity + 1,
+                           opts=SocketOpts(rcvhwm=self._credit.max_batches + 1,
                                            maxmsgsize=self.max_message_bytes, curve=self.curve))
 
     def close(self, reason: str = "done", flush_timeout_s: float = 60.0) -> None:
@@ -233,7 +241,7 @@ class PeerLink:
             self._check()
             try:
                 msg = self._inbox.get(timeout=0.05)
-                self.send_control("credit", credit=1)  # the slot it used is free again
+                self._wake()  # a slot is free again: the I/O thread may grant credit for it
                 return msg
             except queue.Empty:
                 if self.stopped.is_set() and self._inbox.empty():
@@ -253,6 +261,7 @@ class PeerLink:
     # ------------------------------------------------------------ I/O thread
 
     def _io_loop(self) -> None:
+        name_this_thread(f"dflash-io-{self.role[:4]}")
         hb = float(self.welcome["heartbeat_s"])
         timeout = float(self.welcome["timeout_s"])
         last_rx = last_tx = time.monotonic()
@@ -276,8 +285,10 @@ class PeerLink:
                         self._on_control(codec.recv(self._ctl, allowed=CONTROL_FROM_BROKER,
                                                     run=self.run_id, peer="broker"))
                     last_rx = now
-                if self.role == "consumer" and self._data in events:
-                    self._drain_data()
+                if self.role == "consumer":
+                    if self._data in events:
+                        self._drain_data()
+                    self._grant_credit()
                 self._flush_control()
                 if self.role == "producer":
                     self._flush_batches()
@@ -310,10 +321,16 @@ class PeerLink:
     def _drain_data(self) -> None:
         while self._data.poll(0):
             frames = self._data.recv_multipart(copy=False)
+            self._credit.arrived(sum(len(f) for f in frames))
             try:
                 self._inbox.put(codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker"))
             except ProtocolError as e:
                 log.error("link.bad_message", reason=e.reason, peer="broker")
+
+    def _grant_credit(self) -> None:
+        n = self._credit.to_grant(self._inbox.qsize())
+        if n:
+            codec.send(self._ctl, header("credit", self.run_id, credit=n))
 
     def _flush_control(self) -> None:
         while True:

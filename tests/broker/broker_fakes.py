@@ -129,11 +129,11 @@ class FakeProducer(FakePeer):
     role = "producer"
 
     def __init__(self, broker, instance, *, n_samples: int = 64, per_batch: int = 2, want: int = 8,
-                 delay_s: float = 0.0, fingerprint: str = "fp", **kw):
+                 delay_s: float = 0.0, fingerprint: str = "fp", width: int = 8, **kw):
         cfg = {"target": "fake", "layer_ids": [1, 2], "hidden_size": 4,
                "dataset": {"n_samples": n_samples, "fingerprint": fingerprint}}
         super().__init__(broker, instance, config=kw.pop("config", cfg), **kw)
-        self.per_batch, self.want, self.delay_s = per_batch, want, delay_s
+        self.per_batch, self.want, self.delay_s, self.width = per_batch, want, delay_s, width
         self.data = self.ctx.socket(zmq.PUSH)
         self.data.setsockopt(zmq.SNDHWM, 2)
         self.data.setsockopt(zmq.LINGER, 2000)
@@ -166,7 +166,8 @@ class FakeProducer(FakePeer):
             for i in range(0, len(s), self.per_batch):
                 self.seq += 1
                 bid = f"{self.peer}-{self.seq}"
-                self.push(batch_frames(self.run, self.peer, bid, g["lease"], g["epoch"], s[i:i + self.per_batch]))
+                self.push(batch_frames(self.run, self.peer, bid, g["lease"], g["epoch"], s[i:i + self.per_batch],
+                                       width=self.width))
                 self.sent.append(bid)
                 self._sleep(self.delay_s)
             self.send("done", lease=g["lease"], skipped=[])

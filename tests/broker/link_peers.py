@@ -3,6 +3,7 @@
 
     python tests/broker/link_peers.py producer BROKER RUNS_DIR N_SAMPLES
     python tests/broker/link_peers.py consumer BROKER RUNS_DIR
+    python tests/broker/link_peers.py hold BROKER RUNS_DIR N_SAMPLES INBOX_BYTES
 
 Exit 0 after a clean end of stream; the consumer prints one JSON line with what it got.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -60,10 +62,40 @@ def consume(broker: str, runs_dir: str) -> None:
     print(json.dumps({"samples": sorted(s for s, _ in got), "all_ok": all(ok for _, ok in got)}))
 
 
+def hold(broker: str, runs_dir: str, n: int, inbox_bytes: int) -> None:
+    """A consumer with `inbox_bytes` that takes nothing until told: prints {"held": K} once
+    its inbox stopped growing (1 s), waits for a line on stdin, then takes and acks all
+    `n` batches and prints {"samples": [...]}."""
+    link = PeerLink(broker, "consumer", "link-hold", runs_dir=runs_dir, inbox_bytes=inbox_bytes)
+    link.start()
+    last, since = -1, time.monotonic()
+    while link.prefetched() == 0 or time.monotonic() - since < 1.0:
+        if link.prefetched() != last:
+            last, since = link.prefetched(), time.monotonic()
+        time.sleep(0.02)
+    print(json.dumps({"held": link.prefetched()}), flush=True)
+    sys.stdin.readline()
+    got = []
+    while len(got) < n:
+        msg = link.next_batch(timeout_s=10)
+        if msg is None:
+            break
+        got.append(msg.header["samples"][0])
+        link.ack([msg.header["batch_id"]], len(got))
+    link.commit(len(got), "ckpt")
+    link.close("done")
+    print(json.dumps({"samples": sorted(got)}), flush=True)
+
+
 if __name__ == "__main__":
     role, broker, runs_dir = sys.argv[1:4]
-    setup_logging(role, f"link-{role[:4]}")
+    setup_logging(role, f"link-{role[:4]}", stream=sys.stderr)
     try:
-        produce(broker, runs_dir, int(sys.argv[4])) if role == "producer" else consume(broker, runs_dir)
+        if role == "producer":
+            produce(broker, runs_dir, int(sys.argv[4]))
+        elif role == "hold":
+            hold(broker, runs_dir, int(sys.argv[4]), int(sys.argv[5]))
+        else:
+            consume(broker, runs_dir)
     finally:
         close_logging()
