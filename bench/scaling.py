@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import common
+from dflash.protocol.config import parse_bytes
 from common import RESULTS, Broker, CpuSampler, batch_tensors, machine, payload_bytes, result, spawn, table, \
     write_json
 
@@ -38,7 +39,7 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
     try:
         base = ["--broker", b.control, "--runs-dir", str(runs)]
         cons = [spawn([sys.executable, PEERS, "consume", *base, "--instance", f"c{i}", "--warm", str(warm),
-                       "--credit", str(a.credit), "--times"]) for i in range(n_cons)]
+                       "--credit", str(a.credit), "--inbox-bytes", str(parse_bytes(a.inbox_bytes)), "--times"]) for i in range(n_cons)]
         prods = [spawn([sys.executable, PEERS, "produce", *base, "--instance", f"p{i}", "--mib", str(mib),
                         "--n-samples", str(n)]) for i in range(n_prod)]
         procs = cons + prods
@@ -83,7 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="1x1,2x2,4x4", help="PRODUCERSxCONSUMERS, comma-separated")
     ap.add_argument("--mib", type=float, default=16, help="batch size (MiB)")
     ap.add_argument("--gb", type=float, default=2.0, help="bytes to move per layout (GB)")
-    ap.add_argument("--credit", type=int, default=2, help="each consumer's credit")
+    ap.add_argument("--credit", type=int, default=2, help="each consumer's inbox floor in batches")
+    ap.add_argument("--inbox-bytes", default="256MiB",
+                    help="each consumer's inbox bound in bytes, as dflash-consume --inbox-bytes (0: --credit batches)")
     ap.add_argument("--queue-bytes", default="1GiB", help="broker --queue-bytes")
     ap.add_argument("--malloc-reuse", action="store_true", help="spawn every process with common.MALLOC_REUSE")
     ap.add_argument("--out", type=Path, default=RESULTS / "scaling.json")

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import common
+from dflash.protocol.config import parse_bytes
 from common import RESULTS, Broker, CpuSampler, batch_tensors, free_port_block, machine, payload_bytes, result, \
     spawn, table, write_json
 
@@ -75,10 +76,11 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str
     procs = []
     try:
         common = ["--broker", b.control, "--runs-dir", str(runs), "--io-threads", str(a.io_threads)]
-        cons = spawn([sys.executable, PEERS, "consume", *common, "--warm", str(warm), "--credit", str(a.credit)])
+        cons = spawn([sys.executable, PEERS, "consume", *common, "--warm", str(warm), "--credit", str(a.credit),
+                      "--inbox-bytes", str(parse_bytes(a.inbox_bytes))])
         prod = spawn([sys.executable, PEERS, "produce", *common, "--mib", str(mib), "--n-samples", str(n + warm)])
         procs = [cons, prod]
-        cpu.watch(cons.pid, prod.pid)
+        cpu.watch(cons.pid, prod.pid, threads=True)
         try:
             c, p = result(cons, 600), result(prod, 600)
             rc = b.wait()
@@ -95,10 +97,12 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str
     if rc != 0 or c["received"] != n + warm:
         raise RuntimeError(f"broker exited {rc}, consumer got {c['received']} of {n + warm} batches")
     window = (c["t0"], c["t1"])
-    top = cpu.busiest_thread(b.proc.pid, *window)
-    return {**c, "broker_busiest_thread": top and top[0],
+    top = {k: cpu.busiest_thread(pid, *window) for k, pid in (("broker", b.proc.pid), ("producer", prod.pid),
+                                                              ("consumer", cons.pid))}
+    return {**c, **{f"{k}_busiest_thread": t and t[0] for k, t in top.items()},
             "cores": {"producer": cpu.busy(prod.pid, *window), "broker": cpu.busy(b.proc.pid, *window),
-                      "broker_thread": top and top[1], "consumer": cpu.busy(cons.pid, *window)}}
+                      "consumer": cpu.busy(cons.pid, *window),
+                      **{f"{k}_thread": t and t[1] for k, t in top.items()}}}
 
 
 def per_gb(cores: float | None, gbps: float) -> float | None:
@@ -124,6 +128,7 @@ def measure(mib: float, modes: list[str], a, runs: Path) -> dict:
             r = through_broker(mib, n, warm, a, runs, io)
             if i == 0:  # the first setting fills the main columns
                 row.update(broker_gbs=r["gb_per_s"], broker_msgs=r["msgs_per_s"], busiest=r["broker_busiest_thread"],
+                           busiest_producer=r["producer_busiest_thread"], busiest_consumer=r["consumer_busiest_thread"],
                            **{f"via_{k}_cpu": per_gb(v, r["gb_per_s"]) for k, v in r["cores"].items()})
             if io:
                 row.update({f"broker_io{io}_gbs": r["gb_per_s"],
@@ -152,7 +157,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gb", type=float, default=1.5, help="bytes to move per size and mode (GB)")
     ap.add_argument("--modes", default="memcpy,direct,broker")
     ap.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows medians")
-    ap.add_argument("--credit", type=int, default=2, help="consumer credit (PeerLink inbox); direct rcvhwm = credit+1")
+    ap.add_argument("--credit", type=int, default=2,
+                    help="consumer inbox floor in batches (PeerLink inbox_batches); direct rcvhwm = credit+1")
+    ap.add_argument("--inbox-bytes", default="256MiB",
+                    help="consumer inbox bound in bytes, as dflash-consume --inbox-bytes (0: exactly --credit batches)")
     ap.add_argument("--io-threads", type=int, default=1, help="ZeroMQ I/O threads of the peers")
     ap.add_argument("--sndhwm", type=int, default=1, help="direct sender's SNDHWM (PeerLink's producer: 1)")
     ap.add_argument("--sndbuf", type=int, default=-1, help="SO_SNDBUF of the direct sender (-1: OS default)")
@@ -185,7 +193,9 @@ def main(argv=None) -> int:
     print(table(doc["rows"], [("mib", "MiB"), ("direct_send_cpu", "direct send"), ("direct_recv_cpu", "direct recv"),
                               ("via_producer_cpu", "producer"), ("via_broker_cpu", "broker"),
                               ("via_broker_thread_cpu", "broker busiest thread"), ("busiest", "(which)"),
-                              ("via_consumer_cpu", "consumer")]))
+                              ("via_consumer_cpu", "consumer"), ("via_consumer_thread_cpu", "consumer busiest thread"),
+                              ("busiest_consumer", "(which)"), ("via_producer_thread_cpu", "producer busiest thread"),
+                              ("busiest_producer", "(which)")]))
     if a.broker_io_threads:
         cols = [("mib", "MiB"), ("direct_gbs", "direct GB/s")]
         for io in a.broker_io_threads.split(","):

@@ -98,7 +98,8 @@ def consume(a) -> dict:
     from dflash.protocol.peer import PeerLink
 
     zmq.Context.instance(io_threads=a.io_threads)
-    link = PeerLink(a.broker, "consumer", a.instance, runs_dir=a.runs_dir, inbox_batches=a.credit)
+    link = PeerLink(a.broker, "consumer", a.instance, runs_dir=a.runs_dir, inbox_batches=a.credit,
+                    inbox_bytes=a.inbox_bytes or None)
     link.start()
     times, sizes, step = [], [], 0
     while True:
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lease", type=int, default=256)
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--times", action="store_true", help="consume: report every receipt time")
-    ap.add_argument("--credit", type=int, default=2, help="consumer inbox = credit granted")
+    ap.add_argument("--credit", type=int, default=2, help="consumer inbox: at least this many batches")
+    ap.add_argument("--inbox-bytes", type=int, default=0, help="consumer inbox bound in bytes (0: --credit batches)")
     ap.add_argument("--io-threads", type=int, default=1)
     ap.add_argument("--sndhwm", type=int, default=1, help="PeerLink's producer PUSH uses 1")
     ap.add_argument("--rcvhwm", type=int, default=3, help="PeerLink's consumer PULL uses credit + 1")

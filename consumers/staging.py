@@ -42,6 +42,7 @@ import torch
 
 from dflash.protocol.fp8 import ENCODING, decode_fp8
 from dflash.protocol.logs import get_logger
+from dflash.protocol.threads import name_this_thread
 
 from .batch import Batch
 
@@ -148,6 +149,7 @@ class BatchStager:
     # ------------------------------------------------ the stager thread
 
     def _run(self) -> None:
+        name_this_thread("dflash-stager")
         while self._wait_for_room():
             try:
                 item = next(self._source)

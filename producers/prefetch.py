@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dflash.protocol.threads import name_this_thread
+
 from .packing import PackedBatch
 
 
@@ -85,6 +87,7 @@ class Prefetcher:
         return False
 
     def _loop(self) -> None:
+        name_this_thread("dflash-prefetch")
         try:
             while not self._stop.is_set():
                 self.state = "waiting_lease"
