@@ -15,6 +15,8 @@
 #                                 # drafter step on varying shapes; broker with 1 vs 2 I/O threads
 #   bash bench/gpu_run.sh part7   # regeneration with the greedy loop and tau again; the shared-GPU
 #                                 # pipeline for longer; transport at 1 and 16 MiB
+#   bash bench/gpu_run.sh part8   # CPU only: transport before (BASELINE_TAR, a `git archive` of an
+#                                 # earlier commit) and after, 1 and 16 MiB; then 64 and 256 MiB
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -139,6 +141,22 @@ part7() {  # after 0be9099 (greedy loop) and the stager: three tracks at once (G
   wait
 }
 
+part8() {  # the transport before and after a change, on this host's cores (no GPU used)
+  local base=/tmp/dflash-baseline
+  if [ -n "${BASELINE_TAR:-}" ]; then
+    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
+    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+      && stage h transport_before 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_before.json")
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
+  fi
+  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  stage h transport_after 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_after.json"
+  stage h transport_after_fixed_credit 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --inbox-bytes 0 \
+      --out "$OUT/transport_after_fixed_credit.json"
+  stage h transport_after_large 300 python3 bench/transport.py --sizes 64,256 --repeat 2 \
+      --out "$OUT/transport_after_large.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -151,6 +169,7 @@ case $PART in
   part5) part5 ;;
   part6) part6 ;;
   part7) part7 ;;
+  part8) part8 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

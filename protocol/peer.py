@@ -319,8 +319,11 @@ class PeerLink:
             raise Rejected(h["reason"], h["code"])
 
     def _drain_data(self) -> None:
-        while self._data.poll(0):
-            frames = self._data.recv_multipart(copy=False)
+        while True:
+            try:
+                frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             self._credit.arrived(sum(len(f) for f in frames))
             try:
                 self._inbox.put(codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker"))
