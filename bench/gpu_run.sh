@@ -17,6 +17,8 @@
 #                                 # pipeline for longer; transport at 1 and 16 MiB
 #   bash bench/gpu_run.sh part8   # CPU only: transport before (BASELINE_TAR, a `git archive` of an
 #                                 # earlier commit) and after, 1 and 16 MiB; then 64 and 256 MiB
+#   bash bench/gpu_run.sh part9   # CPU only: transport with senders sending new memory every message
+#                                 # (--fresh-batches) and one buffer over and over, 1 and 16 MiB
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -157,6 +159,12 @@ part8() {  # the transport before and after a change, on this host's cores (no G
       --out "$OUT/transport_after_large.json"
 }
 
+part9() {
+  stage i transport_fresh 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --fresh-batches \
+      --out "$OUT/transport_fresh.json"
+  stage i transport_same 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_same.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -170,6 +178,7 @@ case $PART in
   part6) part6 ;;
   part7) part7 ;;
   part8) part8 ;;
+  part9) part9 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

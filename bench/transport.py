@@ -59,7 +59,7 @@ def direct(mib: float, n: int, warm: int, a) -> dict:
     recv = spawn([sys.executable, PEERS, "direct-recv", "--port", str(port), "--n", str(n), "--warm", str(warm),
                   "--rcvhwm", str(a.credit + 1), *knobs])
     send = spawn([sys.executable, PEERS, "direct-send", "--port", str(port), "--n", str(n), "--warm", str(warm),
-                  "--mib", str(mib), "--sndhwm", str(a.sndhwm), *knobs])
+                  "--mib", str(mib), "--sndhwm", str(a.sndhwm), *knobs, *fresh(a)])
     cpu = CpuSampler().watch(send.pid, recv.pid)
     try:
         r, _ = result(recv, 300), result(send, 300)
@@ -78,7 +78,8 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str
         common = ["--broker", b.control, "--runs-dir", str(runs), "--io-threads", str(a.io_threads)]
         cons = spawn([sys.executable, PEERS, "consume", *common, "--warm", str(warm), "--credit", str(a.credit),
                       "--inbox-bytes", str(parse_bytes(a.inbox_bytes))])
-        prod = spawn([sys.executable, PEERS, "produce", *common, "--mib", str(mib), "--n-samples", str(n + warm)])
+        prod = spawn([sys.executable, PEERS, "produce", *common, "--mib", str(mib), "--n-samples", str(n + warm),
+                      *fresh(a)])
         procs = [cons, prod]
         cpu.watch(cons.pid, prod.pid, threads=True)
         try:
@@ -103,6 +104,10 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str
             "cores": {"producer": cpu.busy(prod.pid, *window), "broker": cpu.busy(b.proc.pid, *window),
                       "consumer": cpu.busy(cons.pid, *window),
                       **{f"{k}_thread": t and t[1] for k, t in top.items()}}}
+
+
+def fresh(a) -> list[str]:
+    return ["--fresh"] if a.fresh_batches else []
 
 
 def per_gb(cores: float | None, gbps: float) -> float | None:
@@ -169,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--broker-io-threads", default="",
                     help="comma-separated dflash-broker --io-threads values to compare (default: the broker's auto)")
     ap.add_argument("--broker-arg", action="append", default=[], help="extra dflash-broker argument (repeatable)")
+    ap.add_argument("--fresh-batches", action="store_true",
+                    help="senders copy the batch into new memory for every message, as a producer's batches are "
+                         "(default: one buffer sent over and over, from the sender's cache)")
     ap.add_argument("--malloc-reuse", action="store_true", help="spawn every process with common.MALLOC_REUSE")
     ap.add_argument("--label", default="", help="a note stored with the results (what was tuned)")
     ap.add_argument("--out", type=Path, default=RESULTS / "transport.json")

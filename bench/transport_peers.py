@@ -38,6 +38,13 @@ def _fields(i: int, T: int) -> dict:
     return dict(lease=0, epoch=0, samples=[i], seq_lens=[T], layer_ids=LAYER_IDS)
 
 
+def _batch(t: dict, fresh: bool) -> dict:
+    """The batch to send: `t` itself, or (--fresh) a new copy written just now, as a
+    producer's batch is: new memory each time, written by another core than the one that
+    sends it. Sending one buffer over and over sends it from the sender's cache."""
+    return {k: v.clone() for k, v in t.items()} if fresh else t
+
+
 def direct_recv(a) -> dict:
     ctx = zmq.Context(io_threads=a.io_threads)
     sock = make_socket(ctx, zmq.PULL, f"tcp://127.0.0.1:{a.port}", bind=True,
@@ -62,7 +69,7 @@ def direct_send(a) -> dict:
     T = t["input_ids"].numel()
     for i in range(a.n + a.warm):
         h = header("batch", "bench", batch_id=f"p1-{i}", producer="p1", **_fields(i, T))
-        codec.send(sock, h, t)
+        codec.send(sock, h, _batch(t, a.fresh))
     sock.close()  # linger -1: returns once everything is on the wire
     ctx.term()
     return {"payload_bytes": payload_bytes(t)}
@@ -87,7 +94,7 @@ def produce(a) -> dict:
             time.sleep(g.get("retry_ms", 100) / 1000)
             continue
         for s in g["samples"]:
-            link.push_batch({**_fields(s, T), "lease": g["lease"], "epoch": g["epoch"]}, t)
+            link.push_batch({**_fields(s, T), "lease": g["lease"], "epoch": g["epoch"]}, _batch(t, a.fresh))
             sent += 1
         link.lease_done(g["lease"], [])
     link.close("done")
@@ -134,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lease", type=int, default=256)
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--times", action="store_true", help="consume: report every receipt time")
+    ap.add_argument("--fresh", action="store_true", help="senders: a new copy of the batch for every message")
     ap.add_argument("--credit", type=int, default=2, help="consumer inbox: at least this many batches")
     ap.add_argument("--inbox-bytes", type=int, default=0, help="consumer inbox bound in bytes (0: --credit batches)")
     ap.add_argument("--io-threads", type=int, default=1)

@@ -38,14 +38,19 @@ class CreditWindow:
             fits = self.max_bytes // max(self._sizes)
             self.window = min(self.max_batches, max(self.min_batches, fits))
 
+    def would_grant(self, held: int) -> bool:
+        """Whether `to_grant(held)` would grant now (reads only: safe from another thread,
+        where the answer may be a turn stale; the owner checks again after every event)."""
+        return self.window - self.outstanding - held >= max(1, self.window // 4)
+
     def to_grant(self, held: int) -> int:
         """Credit to send now, with `held` batches received and not yet taken out.
 
         0 until a quarter window is free. Credit given cannot be taken back: after the
         window shrank (bigger batches), what was promised may still come, and nothing more
         is granted until what is held and promised fits the window again."""
-        free = self.window - self.outstanding - held
-        if free < max(1, self.window // 4):
+        if not self.would_grant(held):
             return 0
+        free = self.window - self.outstanding - held
         self.outstanding += free
         return free

@@ -241,7 +241,8 @@ class PeerLink:
             self._check()
             try:
                 msg = self._inbox.get(timeout=0.05)
-                self._wake()  # a slot is free again: the I/O thread may grant credit for it
+                if self._credit.would_grant(self._inbox.qsize()):
+                    self._wake()  # room for a lump of credit: the I/O thread grants it now
                 return msg
             except queue.Empty:
                 if self.stopped.is_set() and self._inbox.empty():
