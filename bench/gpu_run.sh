@@ -19,6 +19,8 @@
 #                                 # earlier commit) and after, 1 and 16 MiB; then 64 and 256 MiB
 #   bash bench/gpu_run.sh part9   # CPU only: transport with senders sending new memory every message
 #                                 # (--fresh-batches) and one buffer over and over, 1 and 16 MiB
+#   bash bench/gpu_run.sh part10  # CPU only: 16 MiB through the broker, one knob at a time
+#   bash bench/gpu_run.sh part11  # CPU only: transport at 1, 16, 64, 256 MiB as the code now stands
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -165,6 +167,22 @@ part9() {
   stage i transport_same 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_same.json"
 }
 
+part10() {  # what sets the 16 MiB rate through the broker: one knob at a time; then --fresh-batches
+  local t="python3 bench/transport.py --sizes 16 --repeat 2"
+  stage j t16_default 200 $t --out "$OUT/t16_default.json"
+  stage j t16_peer_io2 200 $t --io-threads 2 --out "$OUT/t16_peer_io2.json"
+  stage j t16_malloc_reuse 200 $t --malloc-reuse --out "$OUT/t16_malloc_reuse.json"
+  stage j t16_credit4 200 $t --credit 4 --out "$OUT/t16_credit4.json"
+  stage j t16_broker_io3 200 $t --broker-io-threads 3 --out "$OUT/t16_broker_io3.json"
+  stage j transport_fresh 300 python3 bench/transport.py --sizes 1,16 --repeat 2 --fresh-batches \
+      --out "$OUT/transport_fresh.json"
+}
+
+part11() {  # the transport as it now stands (peers' links with 2 I/O threads, consumer malloc reuse)
+  stage k transport_small 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_small.json"
+  stage k transport_large 300 python3 bench/transport.py --sizes 64,256 --repeat 2 --out "$OUT/transport_large.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -179,6 +197,8 @@ case $PART in
   part7) part7 ;;
   part8) part8 ;;
   part9) part9 ;;
+  part10) part10 ;;
+  part11) part11 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                     help="consumer inbox floor in batches (PeerLink inbox_batches); direct rcvhwm = credit+1")
     ap.add_argument("--inbox-bytes", default="256MiB",
                     help="consumer inbox bound in bytes, as dflash-consume --inbox-bytes (0: exactly --credit batches)")
-    ap.add_argument("--io-threads", type=int, default=1, help="ZeroMQ I/O threads of the peers")
+    ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads of the peers (0: PeerLink's auto)")
     ap.add_argument("--sndhwm", type=int, default=1, help="direct sender's SNDHWM (PeerLink's producer: 1)")
     ap.add_argument("--sndbuf", type=int, default=-1, help="SO_SNDBUF of the direct sender (-1: OS default)")
     ap.add_argument("--rcvbuf", type=int, default=-1, help="SO_RCVBUF of the direct receiver")

@@ -22,7 +22,8 @@ import zmq
 from common import HIDDEN, LAYER_IDS, batch_tensors, payload_bytes
 from dflash.protocol import codec
 from dflash.protocol.messages import header
-from dflash.protocol.sockets import SocketOpts, make_socket
+from dflash.protocol.alloc import reuse_freed_memory
+from dflash.protocol.sockets import SocketOpts, auto_io_threads, make_socket
 
 
 def _rate(times: list[float], sizes: list[int], warm: int) -> dict:
@@ -46,7 +47,8 @@ def _batch(t: dict, fresh: bool) -> dict:
 
 
 def direct_recv(a) -> dict:
-    ctx = zmq.Context(io_threads=a.io_threads)
+    reuse_freed_memory()  # as a consumer does (dflash-consume), before any ZeroMQ thread
+    ctx = zmq.Context(io_threads=a.io_threads or auto_io_threads())
     sock = make_socket(ctx, zmq.PULL, f"tcp://127.0.0.1:{a.port}", bind=True,
                        opts=SocketOpts(rcvhwm=a.rcvhwm, rcvbuf=a.rcvbuf, maxmsgsize=1 << 30))
     times, sizes = [], []
@@ -62,7 +64,7 @@ def direct_recv(a) -> dict:
 
 
 def direct_send(a) -> dict:
-    ctx = zmq.Context(io_threads=a.io_threads)
+    ctx = zmq.Context(io_threads=a.io_threads or auto_io_threads())
     sock = make_socket(ctx, zmq.PUSH, f"tcp://127.0.0.1:{a.port}", bind=False,
                        opts=SocketOpts(sndhwm=a.sndhwm, sndbuf=a.sndbuf, linger_ms=-1))
     t = batch_tensors(a.mib)
@@ -78,12 +80,11 @@ def direct_send(a) -> dict:
 def produce(a) -> dict:
     from dflash.protocol.peer import PeerLink
 
-    zmq.Context.instance(io_threads=a.io_threads)  # PeerLink takes the process's shared context
     t = batch_tensors(a.mib)
     T = t["input_ids"].numel()
     cfg = {"target": "bench", "layer_ids": LAYER_IDS, "hidden_size": HIDDEN,
            "dataset": {"n_samples": a.n_samples, "fingerprint": "bench"}}
-    link = PeerLink(a.broker, "producer", a.instance, config=cfg, runs_dir=a.runs_dir)
+    link = PeerLink(a.broker, "producer", a.instance, config=cfg, runs_dir=a.runs_dir, io_threads=a.io_threads)
     link.start()
     sent = 0
     while not link.stopped.is_set():
@@ -104,9 +105,9 @@ def produce(a) -> dict:
 def consume(a) -> dict:
     from dflash.protocol.peer import PeerLink
 
-    zmq.Context.instance(io_threads=a.io_threads)
+    reuse_freed_memory()  # as dflash-consume does, before any ZeroMQ thread
     link = PeerLink(a.broker, "consumer", a.instance, runs_dir=a.runs_dir, inbox_batches=a.credit,
-                    inbox_bytes=a.inbox_bytes or None)
+                    inbox_bytes=a.inbox_bytes or None, io_threads=a.io_threads)
     link.start()
     times, sizes, step = [], [], 0
     while True:
@@ -144,12 +145,15 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="senders: a new copy of the batch for every message")
     ap.add_argument("--credit", type=int, default=2, help="consumer inbox: at least this many batches")
     ap.add_argument("--inbox-bytes", type=int, default=0, help="consumer inbox bound in bytes (0: --credit batches)")
-    ap.add_argument("--io-threads", type=int, default=1)
+    ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads (0: PeerLink's auto)")
     ap.add_argument("--sndhwm", type=int, default=1, help="PeerLink's producer PUSH uses 1")
     ap.add_argument("--rcvhwm", type=int, default=3, help="PeerLink's consumer PULL uses credit + 1")
     ap.add_argument("--sndbuf", type=int, default=-1)
     ap.add_argument("--rcvbuf", type=int, default=-1)
     a = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # --fresh copies on one core: a pool of spinning workers measured 20 CPU s/GB
     from dflash.protocol.logs import setup_logging
 
     setup_logging(a.role, a.instance, level="warning", stream=sys.stderr)  # stdout: the result only

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+from dflash.protocol.sockets import AUTO_TWO_IO_CPUS, auto_io_threads, usable_cpus  # noqa: F401  (re-exported)
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
 # batches the broker keeps for one consumer: both bound what the broker holds in memory
@@ -32,9 +32,8 @@ MAX_HELLO_CONFIG_BYTES = 64 * 1024
 DATA_IN_RCVHWM = 2
 # The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
 # both saturates one core at ~2-4 GB/s (docs/BENCHMARKS.md). With two, data-in runs on
-# one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY). Auto picks two only
-# where cores are to spare: on a 2-core machine a second thread measured slower.
-AUTO_TWO_IO_CPUS = 8
+# one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY); auto as
+# protocol.sockets.auto_io_threads.
 MAX_IO_THREADS = 16
 
 
@@ -103,9 +102,7 @@ class BrokerConfig:
 
     def io_thread_count(self) -> int:
         """--io-threads, or auto: 2 where this process may use at least AUTO_TWO_IO_CPUS cores, else 1."""
-        if self.io_threads:
-            return self.io_threads
-        return 2 if usable_cpus() >= AUTO_TWO_IO_CPUS else 1
+        return self.io_threads or auto_io_threads()
 
     def host_to_advertise(self, hostname: str) -> str:
         """What peers should dial: --advertise-host, else a concrete --bind, else our name."""
@@ -114,14 +111,6 @@ class BrokerConfig:
         if self.bind not in ("*", "0.0.0.0", "::", "[::]"):
             return self.bind
         return hostname
-
-
-def usable_cpus() -> int:
-    """Cores this process may run on (its affinity mask, e.g. a container's cpuset; the
-    machine's count where the OS has no such call)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def parse_port_range(text: str) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import zmq
 from dflash.protocol import codec
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
-from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
+from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, other_threads, tcp_endpoint
 
 from . import control, intake, lighthouse, resume, security
 from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
@@ -107,13 +107,13 @@ class Broker:
     @property
     def in_affinity(self) -> int:
         """I/O thread mask of control and data-in: the first thread (0 = any, with one thread)."""
-        return 1 if self.io_threads > 1 else 0
+        return first_thread(self.io_threads)
 
     @property
     def out_affinity(self) -> int:
         """I/O thread mask of the consumers' pipes: every thread but the first (0 = any).
         Without a mask libzmq may put data in and out on one thread (seen in the experiment)."""
-        return ((1 << self.io_threads) - 1) & ~1 if self.io_threads > 1 else 0
+        return other_threads(self.io_threads)
 
     @property
     def endpoints(self) -> dict:

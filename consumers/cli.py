@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import torch
 
+from dflash.protocol.alloc import reuse_freed_memory
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option, size_option
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
@@ -164,6 +165,7 @@ def main(**o) -> None:
 def run(cfg: ConsumerConfig) -> None:
     """Set up and train; exits non-zero with a one-line reason on bad input (2) or when
     the broker is unreachable, refuses us or is lost (1)."""
+    reuse_freed_memory()  # before ZeroMQ starts its I/O threads: each received batch reuses freed memory
     setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":

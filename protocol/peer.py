@@ -31,7 +31,7 @@ from .logs import bind_run, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, header
 from .credit import CreditWindow
 from .curve import CurveClient
-from .sockets import SocketOpts, make_socket
+from .sockets import SocketOpts, auto_io_threads, first_thread, make_socket, other_threads
 from .threads import name_this_thread
 
 log = get_logger()
@@ -62,6 +62,7 @@ class PeerLink:
         stats: Callable[[], dict] | None = None,
         max_message_bytes: int = 1 << 30,
         curve: CurveClient | None = None,
+        io_threads: int = 0,
     ):
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be producer or consumer, not {role!r}")
@@ -76,7 +77,10 @@ class PeerLink:
         self.stopped = threading.Event()
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
-        self._ctx = zmq.Context.instance()
+        # ZeroMQ I/O threads of this link's own context (0 = auto: 2 where cores are to spare):
+        # with two, the data connection has one to itself, control traffic the other.
+        self._io_threads = io_threads or auto_io_threads()
+        self._ctx: zmq.Context | None = None  # made in start(), ended in close()
         self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
         self._inbox: queue.Queue = queue.Queue()  # bounded by the credit we grant
@@ -105,12 +109,15 @@ class PeerLink:
         """Handshake, then start the I/O thread. Returns the welcome header.
 
         Raises BrokerUnreachable, Rejected (RunMismatch for another run's ID)."""
+        self._ctx = zmq.Context(io_threads=self._io_threads)
         ctl = make_socket(self._ctx, zmq.DEALER, self.broker, bind=False,
-                          opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES, curve=self.curve))
+                          opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES, curve=self.curve,
+                                          affinity=first_thread(self._io_threads)))
         try:
             self.welcome = self._handshake(ctl)
         except Exception:
             ctl.close(linger=0)
+            self._ctx.term()
             raise
         self._ctl = ctl
         path = bind_run(self.run_id, self.runs_dir)
@@ -151,10 +158,11 @@ class PeerLink:
             # A tiny send HWM: memory stays bounded and backpressure reaches the producer
             # as soon as the broker stops reading.
             return make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
-                               opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve))
+                               opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
+                                               affinity=other_threads(self._io_threads)))
         return make_socket(self._ctx, zmq.PULL, self.welcome["data_out"], bind=False,
-                           opts=SocketOpts(rcvhwm=self._credit.max_batches + 1,
-                                           maxmsgsize=self.max_message_bytes, curve=self.curve))
+                           opts=SocketOpts(rcvhwm=self._credit.max_batches + 1, maxmsgsize=self.max_message_bytes,
+                                           curve=self.curve, affinity=other_threads(self._io_threads)))
 
     def close(self, reason: str = "done", flush_timeout_s: float = 60.0) -> None:
         """Flush queued batches (producers), say `bye`, stop the I/O thread, close sockets."""
@@ -175,13 +183,15 @@ class PeerLink:
         self._thread = None
         # Producers: deliver what ZeroMQ still holds before saying bye, so the broker does
         # not return leases whose batches are merely in transit.
-        self._data.close(linger=int(flush_timeout_s * 1000) if self.role == "producer" else 0)
+        # (after a failure nothing waits: the broker is gone or refused us, and term would wait)
+        self._data.close(linger=int(flush_timeout_s * 1000) if self.role == "producer" and self.error is None else 0)
         if self.error is None:
             try:
                 codec.send(self._ctl, header("bye", self.run_id, reason=reason), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        self._ctl.close(linger=1000)
+        self._ctl.close(linger=1000 if self.error is None else 0)
+        self._ctx.term()  # returns once the bye (and a producer's last batches) left, or linger ran out
         os.close(self._wake_r)
         os.close(self._wake_w)
         log.info("link.closed", reason=reason)

@@ -4,6 +4,7 @@ ZeroMQ applies most of them only to pipes created afterwards."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,36 @@ import zmq
 
 if TYPE_CHECKING:
     from .curve import CurveClient, CurveServer
+
+
+# One ZeroMQ I/O thread moves every byte of a process's connections on one core. Two let a
+# data connection have a thread of its own (ZMQ_AFFINITY), away from control traffic:
+# the broker's relay (docs/BENCHMARKS.md) and the peers' links. Auto picks two only where
+# cores are to spare: on a 2-core machine a second thread measured slower.
+AUTO_TWO_IO_CPUS = 8
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset; the
+    machine's count where the OS has no such call)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def auto_io_threads() -> int:
+    """2 where this process may use at least AUTO_TWO_IO_CPUS cores, else 1."""
+    return 2 if usable_cpus() >= AUTO_TWO_IO_CPUS else 1
+
+
+def first_thread(io_threads: int) -> int:
+    """ZMQ_AFFINITY mask of the first I/O thread (0 = any, with one thread)."""
+    return 1 if io_threads > 1 else 0
+
+
+def other_threads(io_threads: int) -> int:
+    """ZMQ_AFFINITY mask of every I/O thread but the first (0 = any, with one thread)."""
+    return ((1 << io_threads) - 1) & ~1 if io_threads > 1 else 0
 
 
 @dataclass(frozen=True)
