@@ -21,6 +21,7 @@
 #                                 # (--fresh-batches) and one buffer over and over, 1 and 16 MiB
 #   bash bench/gpu_run.sh part10  # CPU only: 16 MiB through the broker, one knob at a time
 #   bash bench/gpu_run.sh part11  # CPU only: transport at 1, 16, 64, 256 MiB as the code now stands
+#   bash bench/gpu_run.sh part12  # CPU only: 1 and 16 MiB with a 64 MiB broker queue; with --fresh-batches
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -183,6 +184,13 @@ part11() {  # the transport as it now stands (peers' links with 2 I/O threads, c
   stage k transport_large 300 python3 bench/transport.py --sizes 64,256 --repeat 2 --out "$OUT/transport_large.json"
 }
 
+part12() {  # does a small broker queue (its buffers recycled while still in cache) change 1/16 MiB?
+  stage l transport_queue64 300 python3 bench/transport.py --sizes 1,16 --repeat 2 --queue-bytes 64MiB \
+      --out "$OUT/transport_queue64.json"
+  stage l transport_fresh 300 python3 bench/transport.py --sizes 1,16 --repeat 2 --fresh-batches \
+      --out "$OUT/transport_fresh.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -199,6 +207,7 @@ case $PART in
   part9) part9 ;;
   part10) part10 ;;
   part11) part11 ;;
+  part12) part12 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)
