@@ -22,6 +22,7 @@
 #   bash bench/gpu_run.sh part10  # CPU only: 16 MiB through the broker, one knob at a time
 #   bash bench/gpu_run.sh part11  # CPU only: transport at 1, 16, 64, 256 MiB as the code now stands
 #   bash bench/gpu_run.sh part12  # CPU only: 1 and 16 MiB with a 64 MiB broker queue; with --fresh-batches
+#   bash bench/gpu_run.sh part13  # CPU only: bench/scaling.py 1x1, 2x2, 4x4, 5x3 at 16 and 64 MiB
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -191,6 +192,11 @@ part12() {  # does a small broker queue (its buffers recycled while still in cac
       --out "$OUT/transport_fresh.json"
 }
 
+part13() {  # several producers and consumers through one broker on this host's cores
+  stage m scaling_16 200 python3 bench/scaling.py --layouts 1x1,2x2,4x4,5x3 --mib 16 --gb 4 --out "$OUT/scaling_16.json"
+  stage m scaling_64 200 python3 bench/scaling.py --layouts 1x1,2x2,4x4,5x3 --mib 64 --gb 6 --out "$OUT/scaling_64.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -208,6 +214,7 @@ case $PART in
   part10) part10 ;;
   part11) part11 ;;
   part12) part12 ;;
+  part13) part13 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

@@ -33,7 +33,7 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
     n = int(max(8 * n_cons, gb * 1e9 / nbytes))
     warm = 2
     b = Broker(runs, n_cons + 1, "--num-samples", str(n), "--lease-size", "16", "--queue-bytes", a.queue_bytes,
-               "--heartbeat-s", "1", "--timeout-s", "60")
+               "--heartbeat-s", "1", "--timeout-s", "60", *a.broker_arg)
     cpu = CpuSampler().watch(b.proc.pid, threads=True)
     procs = []
     try:
@@ -70,7 +70,10 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
     gbps = inside * nbytes / (t1 - t0) / 1e9
     busy = lambda ps: sum(cpu.busy(p.pid, t0, t1) or 0.0 for p in ps)  # noqa: E731
     top = cpu.busiest_thread(b.proc.pid, t0, t1)
-    return {"layout": f"{n_prod}x{n_cons}", "producers": n_prod, "consumers": n_cons, "mib": mib, "batches": n,
+    threads: dict[str, float] = {}  # cores per thread name (summed: every Python thread is "python")
+    for k in (k for k in cpu.samples if len(k) == 2 and k[0] == b.proc.pid):
+        threads[cpu.names[k]] = threads.get(cpu.names[k], 0.0) + (cpu.busy(b.proc.pid, t0, t1, k[1]) or 0.0)
+    return {"broker_threads": {k: round(v, 3) for k, v in threads.items() if v > 0.01},"layout": f"{n_prod}x{n_cons}", "producers": n_prod, "consumers": n_cons, "mib": mib, "batches": n,
             "window_s": t1 - t0, "gb_per_s": gbps, "msgs_per_s": gbps * 1e9 / nbytes,
             "per_consumer": [len(c["times"]) for c in got],
             "producer_cores": busy(prods), "consumer_cores": busy(cons),
@@ -88,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inbox-bytes", default="256MiB",
                     help="each consumer's inbox bound in bytes, as dflash-consume --inbox-bytes (0: --credit batches)")
     ap.add_argument("--queue-bytes", default="1GiB", help="broker --queue-bytes")
+    ap.add_argument("--broker-arg", action="append", default=[], help="extra dflash-broker argument (repeatable)")
     ap.add_argument("--malloc-reuse", action="store_true", help="spawn every process with common.MALLOC_REUSE")
     ap.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     a = ap.parse_args(argv)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
-from dflash.protocol.sockets import AUTO_TWO_IO_CPUS, auto_io_threads, usable_cpus  # noqa: F401  (re-exported)
+from dflash.protocol.sockets import AUTO_TWO_IO_CPUS, usable_cpus
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
 # batches the broker keeps for one consumer: both bound what the broker holds in memory
@@ -32,9 +32,20 @@ MAX_HELLO_CONFIG_BYTES = 64 * 1024
 DATA_IN_RCVHWM = 2
 # The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
 # both saturates one core at ~2-4 GB/s (docs/BENCHMARKS.md). With two, data-in runs on
-# one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY); auto as
-# protocol.sockets.auto_io_threads.
+# one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY). One consumer's
+# batches travel on one connection, so one thread; with several consumers their pipes
+# spread over the threads after the first, up to MAX_AUTO_OUT_THREADS of them, one per 8
+# usable cores (a thread never idle-spins: an unused one costs nothing).
 MAX_IO_THREADS = 16
+MAX_AUTO_OUT_THREADS = 4
+
+
+def auto_broker_io_threads(cpus: int) -> int:
+    """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread measured slower), else the
+    first thread plus one per 8 cores for the consumers' pipes (at most MAX_AUTO_OUT_THREADS)."""
+    if cpus < AUTO_TWO_IO_CPUS:
+        return 1
+    return 1 + min(MAX_AUTO_OUT_THREADS, cpus // 8)
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,8 @@ class BrokerConfig:
             raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
 
     def io_thread_count(self) -> int:
-        """--io-threads, or auto: 2 where this process may use at least AUTO_TWO_IO_CPUS cores, else 1."""
-        return self.io_threads or auto_io_threads()
+        """--io-threads, or auto (auto_broker_io_threads of the cores this process may use)."""
+        return self.io_threads or auto_broker_io_threads(usable_cpus())
 
     def host_to_advertise(self, hostname: str) -> str:
         """What peers should dial: --advertise-host, else a concrete --bind, else our name."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import zmq
 
-from dflash.broker.config import BrokerConfig, parse_bytes, parse_port_range, usable_cpus
+from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
 from dflash.broker.dispatch import BatchQueue, QueuedBatch, dispatch
 from dflash.broker.leases import LeasePool, StaleBatch, epoch_order
 from dflash.broker.ledger import Ledger
@@ -202,8 +202,9 @@ def test_option_parsing_and_config_checks():
         with pytest.raises(ValueError):
             BrokerConfig(**kw).check()
     assert BrokerConfig(io_threads=3).io_thread_count() == 3
-    # auto: two I/O threads only where cores are to spare (one measured faster on 2 cores)
-    assert BrokerConfig().io_thread_count() == (2 if usable_cpus() >= 8 else 1)
+    # auto: more I/O threads only where cores are to spare (one measured faster on 2 cores)
+    assert [auto_broker_io_threads(n) for n in (1, 2, 7, 8, 15, 16, 24, 32, 128)] == [1, 1, 1, 2, 2, 3, 4, 5, 5]
+    assert BrokerConfig().io_thread_count() == auto_broker_io_threads(usable_cpus())
     assert BrokerConfig(bind="10.0.0.2").host_to_advertise("h") == "10.0.0.2"
     assert BrokerConfig().host_to_advertise("h") == "h"
 
