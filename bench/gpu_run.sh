@@ -22,7 +22,7 @@
 #   bash bench/gpu_run.sh part10  # CPU only: 16 MiB through the broker, one knob at a time
 #   bash bench/gpu_run.sh part11  # CPU only: transport at 1, 16, 64, 256 MiB as the code now stands
 #   bash bench/gpu_run.sh part12  # CPU only: 1 and 16 MiB with a 64 MiB broker queue; with --fresh-batches
-#   bash bench/gpu_run.sh part13  # CPU only: bench/scaling.py 1x1, 2x2, 4x4, 5x3 at 16 and 64 MiB
+#   bash bench/gpu_run.sh part13  # CPU only: bench/scaling.py 1x1, 2x2, 5x3 at 64 MiB; 2x2, 5x3 at 16 MiB
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -193,8 +193,8 @@ part12() {  # does a small broker queue (its buffers recycled while still in cac
 }
 
 part13() {  # several producers and consumers through one broker on this host's cores
-  stage m scaling_16 200 python3 bench/scaling.py --layouts 1x1,2x2,4x4,5x3 --mib 16 --gb 4 --out "$OUT/scaling_16.json"
-  stage m scaling_64 200 python3 bench/scaling.py --layouts 1x1,2x2,4x4,5x3 --mib 64 --gb 6 --out "$OUT/scaling_64.json"
+  stage m scaling_64 150 python3 bench/scaling.py --layouts 1x1,2x2,5x3 --mib 64 --gb 16 --out "$OUT/scaling_64.json"
+  stage m scaling_16 100 python3 bench/scaling.py --layouts 2x2,5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
 }
 
 case $PART in

@@ -42,7 +42,7 @@ def _broker(tmp_path, io_threads: int = 1) -> Broker:
     return b
 
 
-@pytest.mark.parametrize("io_threads", [1, 2])
+@pytest.mark.parametrize("io_threads", [1, 2, 4])
 def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
     with capture_logs():
         b = _broker(tmp_path, io_threads)
@@ -77,6 +77,7 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
             pipe = b.peers.by_id[cons.peer].pipe if cons.peer in b.peers.by_id else None
             pipe_affinity = pipe.getsockopt(zmq.AFFINITY) if pipe is not None else None
             in_affinity = b.data_in.getsockopt(zmq.AFFINITY)
+            control_affinity = b.control.getsockopt(zmq.AFFINITY)
             b.close()
         assert got is not None, "the batch never reached the consumer"
         relayed = b.peers.by_id[cons.peer].in_flight[f"{prod.peer}-1"].frames
@@ -88,5 +89,7 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
     assert relayed[3].buffer.nbytes == 64 * MIB
     assert peak < 4 * MIB, f"Python allocated a peak of {peak / MIB:.1f} MiB while relaying a 64 MiB batch"
     # Two I/O threads: batches in on the first, the consumer's pipe on the second (the
-    # relay's two copies on two cores); one thread: no mask.
-    assert (in_affinity, pipe_affinity) == ((1, 2) if io_threads == 2 else (0, 0))
+    # relay's two copies on two cores); four: batches in on the first two, pipes on the
+    # other two, control on the first; one thread: no mask.
+    want = {1: (0, 0, 0), 2: (1, 1, 0b10), 4: (1, 0b0011, 0b1100)}[io_threads]
+    assert (control_affinity, in_affinity, pipe_affinity) == want
