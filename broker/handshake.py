@@ -165,12 +165,24 @@ def open_pipe(b) -> tuple[zmq.Socket, int] | None:
         try:
             sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
                                opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve,
-                                               affinity=b.out_affinity))
+                                               affinity=pipe_thread(b)))
         except zmq.ZMQError:
             continue  # another process holds it
         b.next_port = lo + (port + 1 - lo) % n
         return sock, port
     return None
+
+
+def pipe_thread(b) -> int:
+    """The I/O thread (as an affinity mask) for a new consumer's pipe: of the broker's pipe
+    threads, the one fewest live consumers use. One thread per pipe, chosen here: given the
+    whole mask, libzmq counted each pipe's idle listener as load and put every connection
+    on one thread (bench/scaling.py 5x3 with --io-threads 5)."""
+    threads = [1 << i for i in range(b.io_threads) if b.out_affinity >> i & 1]
+    if not threads:
+        return 0
+    in_use = [c.pipe.getsockopt(zmq.AFFINITY) for c in b.peers.live("consumer") if c.pipe is not None]
+    return min(threads, key=in_use.count)
 
 
 def _brief(config: dict) -> dict:

@@ -104,28 +104,31 @@ class Broker:
             self.close()
             raise
 
-    @property
-    def in_threads(self) -> int:
-        """How many of the I/O threads (the first ones) carry producers' batches: half of
-        them, at least one. With five producers on one thread, that thread was the limit
-        (0.98 of a core at 6.9 GB/s, bench/scaling.py 5x3 on 32 cores)."""
-        return max(1, self.io_threads // 2)
+    # I/O threads by role (ZMQ_AFFINITY masks; 0 = any, with one thread). libzmq puts a new
+    # connection on the least loaded thread of its socket's mask, counting every socket
+    # there, so control (a connection per peer) shares a thread with data only where there
+    # are two: then control and batches in on the first, the consumers' pipes on the second.
+    # From three up control has the first alone, batches in the next (n-1)//2, pipes the
+    # rest. With five producers on one thread, that thread was the limit (0.98 of a core at
+    # 6.9 GB/s, bench/scaling.py 5x3 on 32 cores).
 
     @property
     def control_affinity(self) -> int:
-        """I/O thread mask of the control socket: the first thread (0 = any, with one thread)."""
         return first_thread(self.io_threads)
 
     @property
     def in_affinity(self) -> int:
-        """I/O thread mask of data-in: the first `in_threads` (0 = any, with one thread)."""
-        return (1 << self.in_threads) - 1 if self.io_threads > 1 else 0
+        n = self.io_threads
+        if n < 3:
+            return first_thread(n)
+        return ((1 << (1 + (n - 1) // 2)) - 1) & ~1
 
     @property
     def out_affinity(self) -> int:
-        """I/O thread mask of the consumers' pipes: the threads after data-in's (0 = any).
-        Without a mask libzmq may put data in and out on one thread (seen in the experiment)."""
-        return ((1 << self.io_threads) - 1) & ~self.in_affinity if self.io_threads > 1 else 0
+        n = self.io_threads
+        if n < 2:
+            return 0
+        return ((1 << n) - 1) & ~self.in_affinity & ~self.control_affinity
 
     @property
     def endpoints(self) -> dict:

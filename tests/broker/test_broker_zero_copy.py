@@ -30,9 +30,9 @@ MIB = 1 << 20
 SEQ, WIDTH = 1024, 32 * 1024  # hidden bf16 [1024, 32768] = 64 MiB
 
 
-def _broker(tmp_path, io_threads: int = 1) -> Broker:
-    port = free_port_block(4)
-    cfg = BrokerConfig(bind="127.0.0.1", port=port, data_in_port=port + 1, data_out_ports=(port + 2, port + 3),
+def _broker(tmp_path, io_threads: int = 1, pipes: int = 2) -> Broker:
+    port = free_port_block(2 + pipes)
+    cfg = BrokerConfig(bind="127.0.0.1", port=port, data_in_port=port + 1, data_out_ports=(port + 2, port + 1 + pipes),
                        runs_dir=str(tmp_path), timeout_s=30.0, drain_s=0.0,  # SIGTERM: no wait for peers
                        io_threads=io_threads)
     run_id = new_run_id()
@@ -42,7 +42,7 @@ def _broker(tmp_path, io_threads: int = 1) -> Broker:
     return b
 
 
-@pytest.mark.parametrize("io_threads", [1, 2, 4])
+@pytest.mark.parametrize("io_threads", [1, 2, 5])
 def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
     with capture_logs():
         b = _broker(tmp_path, io_threads)
@@ -88,8 +88,30 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
     assert all(isinstance(f, zmq.Frame) for f in relayed)  # what it sent is what it received
     assert relayed[3].buffer.nbytes == 64 * MIB
     assert peak < 4 * MIB, f"Python allocated a peak of {peak / MIB:.1f} MiB while relaying a 64 MiB batch"
-    # Two I/O threads: batches in on the first, the consumer's pipe on the second (the
-    # relay's two copies on two cores); four: batches in on the first two, pipes on the
-    # other two, control on the first; one thread: no mask.
-    want = {1: (0, 0, 0), 2: (1, 1, 0b10), 4: (1, 0b0011, 0b1100)}[io_threads]
+    # Two I/O threads: control and batches in on the first, the consumer's pipe on the
+    # second (the relay's two copies on two cores); five: control on the first, batches in
+    # on the next two, each pipe on one of the last two (the first consumer: the fourth
+    # thread); one thread: no mask.
+    want = {1: (0, 0, 0), 2: (1, 1, 0b10), 5: (1, 0b00110, 0b01000)}[io_threads]
     assert (control_affinity, in_affinity, pipe_affinity) == want
+
+
+def test_consumer_pipes_take_the_pipe_threads_in_turn(tmp_path):
+    """Five I/O threads: the consumers' pipes go to the fourth and fifth in turn (libzmq,
+    left to choose within the mask, put every connection on one of them)."""
+    with capture_logs():
+        b = _broker(tmp_path, io_threads=5, pipes=3)
+        loop = threading.Thread(target=b.serve, daemon=True)
+        loop.start()
+        consumers = []
+        try:
+            ctl = f"tcp://127.0.0.1:{b.cfg.port}"
+            consumers = [FakeConsumer(ctl, f"pt-{i}") for i in range(3)]
+        finally:
+            b.signal = "SIGTERM"
+            loop.join(10)
+            masks = [b.peers.by_id[c.peer].pipe.getsockopt(zmq.AFFINITY) for c in consumers]
+            b.close()
+            for c in consumers:
+                c.close()
+    assert masks == [0b01000, 0b10000, 0b01000]
