@@ -60,9 +60,10 @@ from .server import Broker
 @option("--lighthouse-port", default=0, type=int,
         help="Port of the elastic consumers' torchft lighthouse (on --bind); 0 = any free port.")
 @option("--io-threads", default=0, type=int,
-        help="ZeroMQ I/O threads: with 2 or more, batches in (and control) use the first and the consumers' "
-             "pipes the others, so the relay's two copies run on two cores (one consumer's pipe on one thread). "
-             "0 = auto: 1 below 8 usable cores, else 1 + one per 8 cores, at most 5 (docs/BENCHMARKS.md, transport).")
+        help="ZeroMQ I/O threads. 2: control and batches in on the first, consumers' pipes on the second, so "
+             "the relay's two copies run on two cores; 3 or more: control alone on the first, batches in on the "
+             "next (n-1)//2, each consumer's pipe on one of the rest. 0 = auto: 1 below 8 usable cores, else "
+             "1 + one per 8 cores, at most 5 (docs/BENCHMARKS.md, transport).")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
