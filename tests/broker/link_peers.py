@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+import zmq
 
 from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.peer import PeerLink
@@ -63,17 +64,19 @@ def consume(broker: str, runs_dir: str) -> None:
 
 
 def hold(broker: str, runs_dir: str, n: int, inbox_bytes: int) -> None:
-    """A consumer with `inbox_bytes` that takes nothing until told: prints {"held": K} once
+    """A consumer with `inbox_bytes` (and 2 I/O threads) that takes nothing until told:
+    prints {"held": K, "io_threads": [control mask, data mask]} once
     its inbox stopped growing (1 s), waits for a line on stdin, then takes and acks all
     `n` batches and prints {"samples": [...]}."""
-    link = PeerLink(broker, "consumer", "link-hold", runs_dir=runs_dir, inbox_bytes=inbox_bytes)
+    link = PeerLink(broker, "consumer", "link-hold", runs_dir=runs_dir, inbox_bytes=inbox_bytes, io_threads=2)
     link.start()
     last, since = -1, time.monotonic()
     while link.prefetched() == 0 or time.monotonic() - since < 1.0:
         if link.prefetched() != last:
             last, since = link.prefetched(), time.monotonic()
         time.sleep(0.02)
-    print(json.dumps({"held": link.prefetched()}), flush=True)
+    io = [link._ctl.getsockopt(zmq.AFFINITY), link._data.getsockopt(zmq.AFFINITY)]  # ZeroMQ I/O thread masks
+    print(json.dumps({"held": link.prefetched(), "io_threads": io}), flush=True)
     sys.stdin.readline()
     got = []
     while len(got) < n:

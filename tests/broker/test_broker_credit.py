@@ -33,7 +33,8 @@ def test_inbox_depth_follows_batch_size_and_is_never_exceeded(start_broker, tmp_
         held = json.loads(cons.stdout.readline() or "{}")
         st = b.ask()
         c = next(p for p in st["peers"] if p["role"] == "consumer")
-        assert held == {"held": depth}, (tmp_path / "hold.stderr").read_text()[-2000:]
+        assert held.get("held") == depth, (tmp_path / "hold.stderr").read_text()[-2000:]
+        assert held["io_threads"] == [1, 2]  # control on the link's first I/O thread, batches on the second
         assert (c["in_flight"], c["credit"]) == (depth, 0)
         assert st["queue"]["batches"] == N - depth  # everything else waits at the broker
         cons.stdin.write("go\n")
