@@ -26,11 +26,11 @@ from typing import Any, Callable
 import zmq
 
 from . import codec
+from .credit import CreditWindow
+from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, ProtocolError, Rejected, RunMismatch
 from .logs import bind_run, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, header
-from .credit import CreditWindow
-from .curve import CurveClient
 from .sockets import SocketOpts, auto_io_threads, first_thread, make_socket, other_threads
 from .threads import name_this_thread
 
