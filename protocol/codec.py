@@ -250,13 +250,13 @@ def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
-def check_batch(h: dict, t: Mapping[str, "torch.Tensor | tuple[torch.dtype, tuple[int, ...]]"]) -> None:
+def check_batch(h: dict, t: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
     """A batch's tensors agree with each other and with its header (PROTOCOL.md "batch").
-    `t` maps a name to its tensor, or to its (dtype, shape) as the header declares it."""
+    `t` maps each tensor's name to its (dtype, shape) as the header declares them."""
     for name in ("input_ids", "loss_mask", "hidden"):
         if name not in t:
             raise ProtocolError(f"batch: missing tensor {name!r}")
-    (ids_t, ids), (mask_t, mask), (hid_t, hid) = (_dtype_shape(t[n]) for n in ("input_ids", "loss_mask", "hidden"))
+    (ids_t, ids), (mask_t, mask), (hid_t, hid) = (t[n] for n in ("input_ids", "loss_mask", "hidden"))
     if ids_t != torch.int32 or len(ids) != 1:
         raise ProtocolError(f"batch: input_ids must be int32 [T], got {ids_t} {list(ids)}")
     T = ids[0]
@@ -274,11 +274,7 @@ def check_batch(h: dict, t: Mapping[str, "torch.Tensor | tuple[torch.dtype, tupl
     if hid[1] % len(layers):
         raise ProtocolError(f"batch: hidden width {hid[1]} not a multiple of {len(layers)} layers")
     if hid_t == torch.float8_e4m3fn:
-        sc = t.get("hidden_scale")
-        sc_t, sc_shape = _dtype_shape(sc) if sc is not None else (None, None)
-        if sc_t != torch.float32 or tuple(sc_shape) != (T, len(layers)):
+        sc_t, sc_shape = t.get("hidden_scale", (None, None))
+        if sc_t != torch.float32 or sc_shape != (T, len(layers)):
             raise ProtocolError(f"batch: fp8 hidden needs float32 hidden_scale [{T}, {len(layers)}]")
 
-
-def _dtype_shape(x) -> tuple[torch.dtype, tuple[int, ...]]:
-    return (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x
