@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from dflash.protocol import codec
+from dflash.protocol.errors import ProtocolError
 from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8, hidden_from_batch
 
 
@@ -29,3 +31,17 @@ def test_fp8_batch_travels_through_codec_and_halves_bytes():
     out = hidden_from_batch(msg.header, msg.tensors, torch.float32)
     assert torch.allclose(out, hidden.float(), rtol=0.07, atol=1e-2)
     assert q.numel() * 1 + s.numel() * 4 < 0.55 * hidden.numel() * 2
+
+
+@pytest.mark.parametrize("views", [True, False])  # False: the broker's check, without tensor views
+def test_an_fp8_batch_without_its_row_scales_is_refused(views):
+    T, n, H = 8, 2, 16
+    q, s = encode_fp8(torch.randn(T, n * H).to(torch.bfloat16), n)
+    h = {"v": 1, "type": "batch", "run": "20261129T000000Z-abcd", "batch_id": "p1-0", "producer": "p1",
+         "lease": 0, "epoch": 0, "samples": [0], "seq_lens": [T], "layer_ids": [1, 2], "hidden_encoding": ENCODING}
+    base = {"input_ids": torch.zeros(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8), "hidden": q}
+    for scale in (None, s[:, :1].contiguous(), s.to(torch.float16)):  # missing, wrong shape, wrong dtype
+        tensors = base if scale is None else {**base, "hidden_scale": scale}
+        with pytest.raises(ProtocolError, match="hidden_scale"):
+            codec.decode(codec.encode(h, tensors), views=views)
+    assert codec.decode(codec.encode(h, {**base, "hidden_scale": s}), views=views).header["batch_id"] == "p1-0"
