@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 import common
-from dflash.protocol.config import parse_bytes
 from common import RESULTS, Broker, CpuSampler, batch_tensors, machine, payload_bytes, result, spawn, table, \
     write_json
+from dflash.protocol.config import parse_bytes
 
 PEERS = str(Path(__file__).resolve().parent / "transport_peers.py")
 
@@ -39,7 +39,8 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
     try:
         base = ["--broker", b.control, "--runs-dir", str(runs)]
         cons = [spawn([sys.executable, PEERS, "consume", *base, "--instance", f"c{i}", "--warm", str(warm),
-                       "--credit", str(a.credit), "--inbox-bytes", str(parse_bytes(a.inbox_bytes)), "--times"]) for i in range(n_cons)]
+                       "--credit", str(a.credit), "--inbox-bytes", str(a.inbox_bytes), "--times"])
+                for i in range(n_cons)]
         prods = [spawn([sys.executable, PEERS, "produce", *base, "--instance", f"p{i}", "--mib", str(mib),
                         "--n-samples", str(n)]) for i in range(n_prod)]
         procs = cons + prods
@@ -73,7 +74,8 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
     threads: dict[str, float] = {}  # cores per thread name (summed: every Python thread is "python")
     for k in (k for k in cpu.samples if len(k) == 2 and k[0] == b.proc.pid):
         threads[cpu.names[k]] = threads.get(cpu.names[k], 0.0) + (cpu.busy(b.proc.pid, t0, t1, k[1]) or 0.0)
-    return {"broker_threads": {k: round(v, 3) for k, v in threads.items() if v > 0.01},"layout": f"{n_prod}x{n_cons}", "producers": n_prod, "consumers": n_cons, "mib": mib, "batches": n,
+    return {"layout": f"{n_prod}x{n_cons}", "producers": n_prod, "consumers": n_cons, "mib": mib, "batches": n,
+            "broker_threads": {k: round(v, 3) for k, v in threads.items() if v > 0.01},
             "window_s": t1 - t0, "gb_per_s": gbps, "msgs_per_s": gbps * 1e9 / nbytes,
             "per_consumer": [len(c["times"]) for c in got],
             "producer_cores": busy(prods), "consumer_cores": busy(cons),
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=float, default=16, help="batch size (MiB)")
     ap.add_argument("--gb", type=float, default=2.0, help="bytes to move per layout (GB)")
     ap.add_argument("--credit", type=int, default=2, help="each consumer's inbox floor in batches")
-    ap.add_argument("--inbox-bytes", default="256MiB",
+    ap.add_argument("--inbox-bytes", type=parse_bytes, default="256MiB",
                     help="each consumer's inbox bound in bytes, as dflash-consume --inbox-bytes (0: --credit batches)")
     ap.add_argument("--queue-bytes", default="1GiB", help="broker --queue-bytes")
     ap.add_argument("--broker-arg", action="append", default=[], help="extra dflash-broker argument (repeatable)")

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import common
-from dflash.protocol.config import parse_bytes
 from common import RESULTS, Broker, CpuSampler, batch_tensors, free_port_block, machine, payload_bytes, result, \
     spawn, table, write_json
+from dflash.protocol.config import parse_bytes
 
 PEERS = str(Path(__file__).resolve().parent / "transport_peers.py")
 
@@ -77,7 +77,7 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str
     try:
         common = ["--broker", b.control, "--runs-dir", str(runs), "--io-threads", str(a.io_threads)]
         cons = spawn([sys.executable, PEERS, "consume", *common, "--warm", str(warm), "--credit", str(a.credit),
-                      "--inbox-bytes", str(parse_bytes(a.inbox_bytes))])
+                      "--inbox-bytes", str(a.inbox_bytes)])
         prod = spawn([sys.executable, PEERS, "produce", *common, "--mib", str(mib), "--n-samples", str(n + warm),
                       *fresh(a)])
         procs = [cons, prod]
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows medians")
     ap.add_argument("--credit", type=int, default=2,
                     help="consumer inbox floor in batches (PeerLink inbox_batches); direct rcvhwm = credit+1")
-    ap.add_argument("--inbox-bytes", default="256MiB",
+    ap.add_argument("--inbox-bytes", type=parse_bytes, default="256MiB",
                     help="consumer inbox bound in bytes, as dflash-consume --inbox-bytes (0: exactly --credit batches)")
     ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads of the peers (0: PeerLink's auto)")
     ap.add_argument("--sndhwm", type=int, default=1, help="direct sender's SNDHWM (PeerLink's producer: 1)")
