@@ -91,6 +91,40 @@ _TABLE = {"lease": "leases", "lease_close": "leases", "leased": "samples", "pend
 assert _TABLE.keys() == _SQL.keys()
 
 
+# Column positions in the rows of _SQL["batch"] and _SQL["sample_state"].
+_BATCH_ID, _RECEIVED = 0, 11
+_SAMPLE_KEY = slice(5, 7)  # (epoch, sample)
+
+
+def _coalesce(ops: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """`ops` without the writes a later write of the same row makes void, in order.
+
+    A batch row is written whole at each move (arrival, delivery, ack) and a sample's
+    state row too, so within one flush only a row's last write decides what is stored:
+    at thousands of batches a second most batches arrive, go out and are acked between
+    two flushes, and their six writes become two. The one column a batch write leaves
+    alone, `received` (NULL keeps the stored value), is carried into the write kept."""
+    last, received = {}, {}
+    for i, (key, row) in enumerate(ops):
+        if key == "batch":
+            last["b", row[_BATCH_ID]] = i
+            if row[_RECEIVED] is not None:
+                received[row[_BATCH_ID]] = row[_RECEIVED]
+        elif key == "sample_state":
+            last["s", row[_SAMPLE_KEY]] = i
+    out = []
+    for i, (key, row) in enumerate(ops):
+        if key == "batch":
+            if last["b", row[_BATCH_ID]] != i:
+                continue
+            if row[_RECEIVED] is None and row[_BATCH_ID] in received:
+                row = (*row[:_RECEIVED], received[row[_BATCH_ID]], *row[_RECEIVED + 1:])
+        elif key == "sample_state" and last["s", row[_SAMPLE_KEY]] != i:
+            continue
+        out.append((key, row))
+    return out
+
+
 class Ledger:
     """Queued, batched writes of sample transitions, plus in-memory counts per state."""
 
@@ -274,7 +308,7 @@ class Ledger:
         self._last_flush = time.monotonic()
         if not self._ops:
             return
-        ops, self._ops = self._ops, []
+        ops, self._ops = _coalesce(self._ops), []
         # Grouped by table, in order within each: every statement writes one table, so
         # this is the same end state, in a few long executemany runs instead of one per
         # transition (a batch's three moves interleave its batches and samples rows).
