@@ -64,6 +64,10 @@ from .server import Broker
              "the relay's two copies run on two cores; 3 or more: control alone on the first, batches in on the "
              "next (n-1)//2, each consumer's pipe on one of the rest. 0 = auto: 1 below 8 usable cores, else "
              "1 + one per 8 cores, at most 5 (docs/BENCHMARKS.md, transport).")
+@option("--data-streams", default=0, type=int,
+        help="TCP connections that carry each consumer's batches, each with a data-out port of its own and, "
+             "while there are enough, its own I/O thread: batches take them in turn. 0 = auto: one per I/O "
+             "thread the consumers' pipes have (see --io-threads), at most 2 (docs/BENCHMARKS.md, transport).")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
@@ -150,7 +154,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     log.info("broker.start", config=as_dict(cfg), endpoints=broker.endpoints, run_dir=str(run_dir),
-             io_threads=broker.io_threads)
+             io_threads=broker.io_threads, data_streams=broker.streams)
     outcome, error = "crashed", None
     try:
         outcome = broker.serve()

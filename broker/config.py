@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
-from dflash.protocol.sockets import AUTO_TWO_IO_CPUS, usable_cpus
+from dflash.protocol.sockets import AUTO_DATA_STREAMS, AUTO_TWO_IO_CPUS, usable_cpus
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
 # batches the broker keeps for one consumer: both bound what the broker holds in memory
@@ -37,6 +37,7 @@ DATA_IN_RCVHWM = 2
 # spread over the threads after the first, up to MAX_AUTO_OUT_THREADS of them, one per 8
 # usable cores (a thread never idle-spins: an unused one costs nothing).
 MAX_IO_THREADS = 16
+MAX_DATA_STREAMS = 8
 MAX_AUTO_OUT_THREADS = 4
 
 
@@ -76,6 +77,7 @@ class BrokerConfig:
     elastic: bool = True  # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
     lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
     io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
+    data_streams: int = 0  # TCP connections per consumer for its batches; 0 = auto (stream_count)
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -108,12 +110,23 @@ class BrokerConfig:
             raise ValueError(f"--lighthouse-port {self.lighthouse_port}: use 1..65535 (0 = any free port)")
         if not 0 <= self.io_threads <= MAX_IO_THREADS:
             raise ValueError(f"--io-threads {self.io_threads}: use 1..{MAX_IO_THREADS} (0 = auto)")
+        if not 0 <= self.data_streams <= MAX_DATA_STREAMS:
+            raise ValueError(f"--data-streams {self.data_streams}: use 1..{MAX_DATA_STREAMS} (0 = auto)")
+        if self.data_streams > hi - lo + 1:
+            raise ValueError(f"--data-streams {self.data_streams} needs that many ports per consumer; "
+                             f"--data-out-ports {lo}-{hi} has {hi - lo + 1}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
             raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
 
     def io_thread_count(self) -> int:
         """--io-threads, or auto (auto_broker_io_threads of the cores this process may use)."""
         return self.io_threads or auto_broker_io_threads(usable_cpus())
+
+    def stream_count(self, pipe_threads: int) -> int:
+        """--data-streams, or auto: one per I/O thread the consumers' pipes have, at most
+        AUTO_DATA_STREAMS (one stream where they share a single thread: a second would only
+        take turns on it)."""
+        return self.data_streams or max(1, min(AUTO_DATA_STREAMS, pipe_threads))
 
     def host_to_advertise(self, hostname: str) -> str:
         """What peers should dial: --advertise-host, else a concrete --bind, else our name."""

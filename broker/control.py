@@ -180,9 +180,7 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
         for qb in back:
             b.ledger.requeued(qb)
         b.queue.requeue(back)  # returned batches are the oldest: they go first
-        if p.pipe is not None:
-            p.pipe.close(linger=0)
-            p.pipe = None
+        p.close_pipes()
         held = {"in_flight": len(back), "batch_ids": [x.batch_id for x in back[:16]], "credit": p.credit,
                 "delivered": p.delivered, "acked": p.acked, "rank": p.rank}
     else:

@@ -59,21 +59,24 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
             if rank is None:
                 return refuse(b, identity, "full", f"all {b.cfg.consumers} ranks (--consumers) are held by live "
                               "consumers", h)
-        opened = open_pipe(b)
+        opened = open_pipes(b)
         if opened is None:
             lo, hi = b.cfg.data_out_ports
-            return refuse(b, identity, "full", f"no free data-out port in {lo}-{hi} (--data-out-ports)", h)
-        pipe, port = opened
+            return refuse(b, identity, "full", f"not {b.streams} free data-out port(s) in {lo}-{hi} "
+                          f"(--data-out-ports; {b.streams} per consumer, --data-streams)", h)
+        pipes, ports = opened
     p = b.peers.add(role, identity, h)
     if role == "producer":
         set_facts(b, facts, p.id)
     else:
-        p.pipe, p.port, p.rank = pipe, port, rank
-        p.data_out = tcp_endpoint(b.advertise, port)
+        p.pipes, p.ports, p.rank = pipes, ports, rank
+        p.data_streams = [tcp_endpoint(b.advertise, port) for port in ports]
+        p.data_out = p.data_streams[0]
         if rank == 0:
             b.dist = dist_endpoint(config.get("dist_addr"))
     b.ledger.peer_joined(p)
-    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out, config=_brief(config),
+    log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out,
+             data_streams=p.data_streams or None, config=_brief(config),
              curve_key=key)
     welcome(b, p)
     if b.stopping is not None:  # joined after end of stream (or during a shutdown): nothing left to do
@@ -94,6 +97,7 @@ def welcome(b, p: Peer) -> None:
         fields["data_in"] = b.endpoints["data_in"]
     else:
         fields["data_out"] = p.data_out
+        fields["data_streams"] = p.data_streams
         if b.cfg.consumers:
             run_config.update(rank=p.rank, world_size=b.cfg.consumers, dist=b.dist)
             if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
@@ -148,40 +152,47 @@ def set_facts(b, facts: dict, peer_id: str) -> None:
     log.info("broker.run_facts", peer=peer_id, **facts)
 
 
-def open_pipe(b) -> tuple[zmq.Socket, int] | None:
-    """Bind a PUSH for a new consumer on the next free port of the range, or None.
+def open_pipes(b) -> tuple[list[zmq.Socket], list[int]] | None:
+    """Bind a new consumer's data streams: one PUSH each on the next free ports of the
+    range (b.streams of them), or None (nothing left bound) if there are not enough.
 
     Ports rotate through the range rather than reusing the lowest: a consumer declared
-    lost but still running reconnects to its old port, and must not find someone
+    lost but still running reconnects to its old ports, and must not find someone
     else's batches there.
     """
     lo, hi = b.cfg.data_out_ports
     n = hi - lo + 1
-    used = {c.port for c in b.peers.live("consumer")}
+    used = {port for c in b.peers.live("consumer") for port in c.ports}
+    in_use = [sock.getsockopt(zmq.AFFINITY) for c in b.peers.live("consumer") for sock in c.pipes]
+    socks, ports = [], []
     for i in range(n):
+        if len(socks) == b.streams:
+            break
         port = lo + (b.next_port - lo + i) % n
         if port in used:
             continue
+        thread = pipe_thread(b.pipe_threads, in_use)
         try:
             sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
-                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve,
-                                               affinity=pipe_thread(b)))
+                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve, affinity=thread))
         except zmq.ZMQError:
             continue  # another process holds it
-        b.next_port = lo + (port + 1 - lo) % n
-        return sock, port
-    return None
+        socks.append(sock)
+        ports.append(port)
+        in_use.append(thread)
+    if len(socks) < b.streams:
+        for sock in socks:
+            sock.close(linger=0)
+        return None
+    b.next_port = lo + (ports[-1] + 1 - lo) % n
+    return socks, ports
 
 
-def pipe_thread(b) -> int:
-    """The I/O thread (as an affinity mask) for a new consumer's pipe: of the broker's pipe
-    threads, the one fewest live consumers use. One thread per pipe, chosen here: given the
+def pipe_thread(threads: list[int], in_use: list[int]) -> int:
+    """The I/O thread (an affinity mask) for a new data stream: of the broker's pipe
+    threads, the one fewest open streams use. One thread per stream, chosen here: given the
     whole mask, libzmq counted each pipe's idle listener as load and put every connection
     on one thread (bench/scaling.py 5x3 with --io-threads 5)."""
-    threads = [1 << i for i in range(b.io_threads) if b.out_affinity >> i & 1]
-    if not threads:
-        return 0
-    in_use = [c.pipe.getsockopt(zmq.AFFINITY) for c in b.peers.live("consumer") if c.pipe is not None]
     return min(threads, key=in_use.count)
 
 

@@ -42,8 +42,9 @@ def handle(b, frames: list) -> None:
     """One message from data in. Never raises on bad input."""
     try:
         msg = codec.decode(frames, allowed=DATA, run=b.run_id, views=False)  # relayed, never read
-        if msg.payload_bytes() > b.cfg.max_message_bytes:
-            raise ProtocolError(f"{msg.payload_bytes()} tensor bytes, limit {b.cfg.max_message_bytes}")
+        payload = msg.payload_bytes()
+        if payload > b.cfg.max_message_bytes:
+            raise ProtocolError(f"{payload} tensor bytes, limit {b.cfg.max_message_bytes}")
         layers = b.facts.get("layer_ids")
         if layers is not None and msg.header["layer_ids"] != layers:
             raise ProtocolError(f"layer_ids {msg.header['layer_ids']} are not this run's {layers}")
@@ -63,7 +64,7 @@ def handle(b, frames: list) -> None:
     # The header counts too: unknown fields are allowed, so a header may be up to 1 MiB
     # for a few bytes of tensors, and the queue's byte bound must see what it holds.
     qb = QueuedBatch(h["batch_id"], p.id, h["lease"], h["epoch"], list(h["samples"]), int(sum(h["seq_lens"])),
-                     msg.payload_bytes() + len(frames[0]), frames)
+                     payload + len(frames[0]), frames)
     b.queue.push(qb)
     b.batch_ids.add(qb.batch_id)
     b.ledger.produced(qb)

@@ -46,9 +46,11 @@ class Peer:
     credit: int = 0
     last_served: int = 0
     in_flight: OrderedDict[str, QueuedBatch] = field(default_factory=OrderedDict)
-    pipe: zmq.Socket | None = field(default=None, repr=False)
-    data_out: str | None = None
-    port: int | None = None
+    pipes: list[zmq.Socket] = field(default_factory=list, repr=False)  # one PUSH per data stream
+    ports: list[int] = field(default_factory=list)
+    data_out: str | None = None  # the first stream's endpoint
+    data_streams: list[str] = field(default_factory=list)  # every stream's endpoint
+    next_stream: int = 0  # the stream the next batch tries first
     rank: int | None = None
     waiting_since: float | None = None  # credit > 0 and nothing to send it
     wait_share: TimeShare = field(default_factory=TimeShare)  # how much of the last 10 s it waited
@@ -65,6 +67,12 @@ class Peer:
     @property
     def live(self) -> bool:
         return self.state == "live"
+
+    def close_pipes(self) -> None:
+        """Close a consumer's data-out sockets (nothing queued in them is waited for)."""
+        for sock in self.pipes:
+            sock.close(linger=0)
+        self.pipes = []
 
     def describe(self) -> dict[str, Any]:
         """Identity fields for log lines; `peer_*` so they never shadow our own."""

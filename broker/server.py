@@ -18,7 +18,7 @@ import zmq
 from dflash.protocol import codec
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
-from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, tcp_endpoint
+from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, recv_frames, send_frames, tcp_endpoint
 
 from . import control, intake, lighthouse, resume, security
 from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
@@ -82,6 +82,7 @@ class Broker:
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.io_threads = cfg.io_thread_count()
         self.ctx = zmq.Context(io_threads=self.io_threads)
+        self.streams = cfg.stream_count(len(self.pipe_threads))  # data connections per consumer
         self.curve, self.auth = None, None
         try:
             # ZAP first: libzmq admits every client while no authenticator runs.
@@ -131,6 +132,11 @@ class Broker:
         return ((1 << n) - 1) & ~self.in_affinity & ~self.control_affinity
 
     @property
+    def pipe_threads(self) -> list[int]:
+        """The consumers' pipe threads, one affinity mask each ([0] = any, with one thread)."""
+        return [1 << i for i in range(self.io_threads) if self.out_affinity >> i & 1] or [0]
+
+    @property
     def endpoints(self) -> dict:
         eps = {"control": tcp_endpoint(self.advertise, self.cfg.port),
                "data_in": tcp_endpoint(self.advertise, self.cfg.data_in_port)}
@@ -164,7 +170,7 @@ class Broker:
             if while_room and not self.queue.has_room():
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -193,12 +199,18 @@ class Broker:
         self.full_share.update(not self.queue.has_room(), now)
 
     def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
-        try:
-            # The very frames that came in, tensor buffers untouched (copy=False).
-            c.pipe.send_multipart(b.frames, flags=zmq.NOBLOCK, copy=False)
+        """Send on the consumer's next data stream that takes it (streams in turn)."""
+        n = len(c.pipes)
+        for i in range(n):
+            s = (c.next_stream + i) % n
+            try:
+                # The very frames that came in, tensor buffers untouched (copy=False).
+                send_frames(c.pipes[s], b.frames, zmq.NOBLOCK)
+            except zmq.Again:  # not connected (yet), or full: try the next stream
+                continue
+            c.next_stream = s + 1
             return True
-        except zmq.Again:  # pipe not connected yet, or full: the batch stays queued
-            return False
+        return False  # no stream took it: the batch stays queued
 
     def tick(self, now: float) -> None:
         if now - self.last_tick < TICK_S and self.signal is None:
@@ -237,7 +249,7 @@ class Broker:
         h.update(fields)
         frames = [identity, *codec.encode(h)]
         try:
-            self.control.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.control, frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             ok, suppressed = self.log_limit.allow(f"send:{identity.hex()}")
             if ok:
@@ -292,8 +304,7 @@ class Broker:
     def close(self) -> None:
         """Release sockets and the ledger. Safe on a half-built broker."""
         for p in list(self.peers.live()):
-            if p.pipe is not None:
-                p.pipe.close(linger=0)
+            p.close_pipes()
         if getattr(self, "control", None) is not None:
             self.control.close(linger=1000)  # let the last stop/replies out
         if getattr(self, "data_in", None) is not None:

@@ -99,7 +99,7 @@ def peer_row(b, p, now: float) -> dict:
     else:
         row.update(rank=p.rank, credit=p.credit, in_flight=len(p.in_flight),
                    in_flight_bytes=sum(x.nbytes for x in p.in_flight.values()), delivered=p.delivered,
-                   acked=p.acked, data_out=p.data_out,
+                   acked=p.acked, data_out=p.data_out, data_streams=p.data_streams,
                    waiting_s=None if p.waiting_since is None else round(now - p.waiting_since, 3),
                    wait_frac=round(p.wait_share.share(now), 3), eval=_eval(p.stats.get("eval")))
     return row

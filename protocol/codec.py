@@ -30,6 +30,7 @@ from .messages import (
     PROTOCOL_VERSION,
     SCHEMAS,
 )
+from .sockets import recv_frames, send_frames
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is LE
     raise ImportError("dflash wire format is little-endian; big-endian hosts unsupported")
@@ -99,15 +100,18 @@ def encode(header: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> l
 
 def send(sock, header: dict, tensors: Mapping[str, torch.Tensor] | None = None, flags: int = 0):
     """Send one message; large frames go without a copy (pyzmq copies small ones itself)."""
-    return sock.send_multipart(encode(header, tensors), flags=flags, copy=False)
+    send_frames(sock, encode(header, tensors), flags)
 
 
 # ---------------------------------------------------------------- decode
 
 
 def _frame_len(f) -> int:
-    if hasattr(f, "buffer"):  # zmq.Frame
-        return f.buffer.nbytes
+    """Bytes in a frame: a zmq.Frame or bytes (len), or a buffer (its nbytes)."""
+    if isinstance(f, memoryview):
+        return f.nbytes
+    if isinstance(f, bytes) or hasattr(f, "more"):  # zmq.Frame: len is its size, no view made
+        return len(f)
     return memoryview(f).nbytes
 
 
@@ -226,12 +230,12 @@ def decode(
         specs = _tensor_specs(h, len(frames) - 1)
         tensors, shapes = {}, {}
         for (name, dtype, shape, nbytes), f in zip(specs, frames[1:]):
-            buf = _frame_buffer(f)
-            if buf.nbytes != nbytes:
-                raise ProtocolError(f"tensor {name!r}: frame has {buf.nbytes} bytes, shape says {nbytes}")
+            size = _frame_len(f)
+            if size != nbytes:
+                raise ProtocolError(f"tensor {name!r}: frame has {size} bytes, shape says {nbytes}")
             shapes[name] = (dtype, shape)
             if views:
-                tensors[name] = _view(buf, dtype, shape)
+                tensors[name] = _view(_frame_buffer(f), dtype, shape)
         if h["type"] == "batch":
             check_batch(h, shapes)
         return Message(h, tensors, list(frames))
@@ -242,7 +246,7 @@ def decode(
 
 def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
     """Receive and decode one message without copying its frames."""
-    return decode(sock.recv_multipart(flags=flags, copy=False), allowed=allowed, run=run, peer=peer)
+    return decode(recv_frames(sock, flags), allowed=allowed, run=run, peer=peer)
 
 
 # ---------------------------------------------------------------- batch rules

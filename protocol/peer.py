@@ -31,7 +31,8 @@ from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, ProtocolError, Rejected, RunMismatch
 from .logs import bind_run, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, header
-from .sockets import SocketOpts, auto_io_threads, first_thread, make_socket, other_threads
+from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
+                      other_threads, recv_frames, send_frames)
 from .threads import name_this_thread
 
 log = get_logger()
@@ -77,9 +78,10 @@ class PeerLink:
         self.stopped = threading.Event()
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
-        # ZeroMQ I/O threads of this link's own context (0 = auto: 2 where cores are to spare):
-        # with two, the data connection has one to itself, control traffic the other.
-        self._io_threads = io_threads or auto_io_threads()
+        # ZeroMQ I/O threads of this link's own context (0 = auto, where cores are to spare:
+        # control on one, and one per data connection: a producer's one, a consumer's
+        # AUTO_DATA_STREAMS, the most a broker opens by itself).
+        self._io_threads = io_threads or auto_io_threads(AUTO_DATA_STREAMS if role == "consumer" else 1)
         self._ctx: zmq.Context | None = None  # made in start(), ended in close()
         self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
@@ -127,7 +129,9 @@ class PeerLink:
             most = min(MAX_AUTO_CREDIT, int(self.welcome.get("max_credit") or MAX_AUTO_CREDIT))
             self._credit = CreditWindow(self._inbox_bounds[0], self._inbox_bounds[1], max_batches=most)
             self._wake()  # so the I/O thread's first poll returns at once and grants it
-        self._data = self._open_data_socket()
+        self._streams = self._open_data_sockets()
+        self._data = self._streams[0]
+        self.stream_batches = [0] * len(self._streams)  # batches received on each data stream
         self._thread = threading.Thread(target=self._io_loop, name=f"dflash-io-{self.role}", daemon=True)
         self._thread.start()
         return self.welcome
@@ -153,16 +157,28 @@ class PeerLink:
             raise ProtocolError(f"expected welcome, got {msg.type}", peer="broker")
         return msg.header
 
-    def _open_data_socket(self):
+    def _open_data_sockets(self) -> list:
         if self.role == "producer":
             # A tiny send HWM: memory stays bounded and backpressure reaches the producer
             # as soon as the broker stops reading.
-            return make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
-                               opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
-                                               affinity=other_threads(self._io_threads)))
-        return make_socket(self._ctx, zmq.PULL, self.welcome["data_out"], bind=False,
-                           opts=SocketOpts(rcvhwm=self._credit.max_batches + 1, maxmsgsize=self.max_message_bytes,
-                                           curve=self.curve, affinity=other_threads(self._io_threads)))
+            return [make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
+                                opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
+                                                affinity=other_threads(self._io_threads)))]
+        # One PULL per data stream the broker opened for us (PROTOCOL.md 4.1), each on an
+        # I/O thread of its own while there are threads; a broker that names none has one.
+        endpoints = self.welcome.get("data_streams") or [self.welcome["data_out"]]
+        socks = []
+        try:
+            for i, endpoint in enumerate(endpoints):
+                socks.append(make_socket(
+                    self._ctx, zmq.PULL, endpoint, bind=False,
+                    opts=SocketOpts(rcvhwm=self._credit.max_batches + 1, maxmsgsize=self.max_message_bytes,
+                                    curve=self.curve, affinity=nth_other_thread(self._io_threads, i))))
+        except Exception:
+            for sock in socks:
+                sock.close(linger=0)
+            raise
+        return socks
 
     def close(self, reason: str = "done", flush_timeout_s: float = 60.0) -> None:
         """Flush queued batches (producers), say `bye`, stop the I/O thread, close sockets."""
@@ -184,7 +200,9 @@ class PeerLink:
         # Producers: deliver what ZeroMQ still holds before saying bye, so the broker does
         # not return leases whose batches are merely in transit.
         # (after a failure nothing waits: the broker is gone or refused us, and term would wait)
-        self._data.close(linger=int(flush_timeout_s * 1000) if self.role == "producer" and self.error is None else 0)
+        linger = int(flush_timeout_s * 1000) if self.role == "producer" and self.error is None else 0
+        for sock in self._streams:
+            sock.close(linger=linger)
         if self.error is None:
             try:
                 codec.send(self._ctl, header("bye", self.run_id, reason=reason), flags=zmq.NOBLOCK)
@@ -280,7 +298,8 @@ class PeerLink:
         poller.register(self._ctl, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         if self.role == "consumer":
-            poller.register(self._data, zmq.POLLIN)
+            for sock in self._streams:
+                poller.register(sock, zmq.POLLIN)
         try:
             while not self._closing.is_set():
                 if self.role == "producer":
@@ -297,8 +316,9 @@ class PeerLink:
                                                     run=self.run_id, peer="broker"))
                     last_rx = now
                 if self.role == "consumer":
-                    if self._data in events:
-                        self._drain_data()
+                    for i, sock in enumerate(self._streams):
+                        if sock in events:
+                            self._drain_data(i)
                     self._grant_credit()
                 self._flush_control()
                 if self.role == "producer":
@@ -329,12 +349,14 @@ class PeerLink:
             log.error("link.rejected", reason=h["reason"], code=h["code"])
             raise Rejected(h["reason"], h["code"])
 
-    def _drain_data(self) -> None:
+    def _drain_data(self, stream: int) -> None:
+        sock = self._streams[stream]
         while True:
             try:
-                frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.stream_batches[stream] += 1
             self._credit.arrived(sum(len(f) for f in frames))
             try:
                 self._inbox.put(codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker"))
@@ -362,7 +384,7 @@ class PeerLink:
                 except queue.Empty:
                     return
             try:
-                self._data.send_multipart(self._pending_batch, copy=False, flags=zmq.NOBLOCK)
+                send_frames(self._data, self._pending_batch, zmq.NOBLOCK)
             except zmq.Again:
                 return  # the broker is not reading: keep it, heartbeats go on meanwhile
             self._pending_batch = None

@@ -2,7 +2,7 @@
 (tiny tensors, no model), run as processes by test_broker_peerlink.py:
 
     python tests/broker/link_peers.py producer BROKER RUNS_DIR N_SAMPLES
-    python tests/broker/link_peers.py consumer BROKER RUNS_DIR
+    python tests/broker/link_peers.py consumer BROKER RUNS_DIR [IO_THREADS]
     python tests/broker/link_peers.py hold BROKER RUNS_DIR N_SAMPLES INBOX_BYTES
 
 Exit 0 after a clean end of stream; the consumer prints one JSON line with what it got.
@@ -43,8 +43,8 @@ def produce(broker: str, runs_dir: str, n: int) -> None:
     link.close("done")
 
 
-def consume(broker: str, runs_dir: str) -> None:
-    link = PeerLink(broker, "consumer", "link-cons", runs_dir=runs_dir)
+def consume(broker: str, runs_dir: str, io_threads: int = 0) -> None:
+    link = PeerLink(broker, "consumer", "link-cons", runs_dir=runs_dir, io_threads=io_threads)
     link.start()
     got, step = [], 0
     while True:
@@ -59,8 +59,10 @@ def consume(broker: str, runs_dir: str) -> None:
         step += 1
         link.ack([msg.header["batch_id"]], step)
     link.commit(step, f"ckpt/step-{step}")
+    masks = [sock.getsockopt(zmq.AFFINITY) for sock in link._streams]  # each data stream's I/O thread
     link.close("done")
-    print(json.dumps({"samples": sorted(s for s, _ in got), "all_ok": all(ok for _, ok in got)}))
+    print(json.dumps({"samples": sorted(s for s, _ in got), "all_ok": all(ok for _, ok in got),
+                      "streams": link.stream_batches, "masks": masks}))
 
 
 def hold(broker: str, runs_dir: str, n: int, inbox_bytes: int) -> None:
@@ -99,6 +101,6 @@ if __name__ == "__main__":
         elif role == "hold":
             hold(broker, runs_dir, int(sys.argv[4]), int(sys.argv[5]))
         else:
-            consume(broker, runs_dir)
+            consume(broker, runs_dir, int(sys.argv[4]) if len(sys.argv) > 4 else 0)
     finally:
         close_logging()

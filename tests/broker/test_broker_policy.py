@@ -162,13 +162,32 @@ def test_rate_meter_and_rate_limit():
 
 
 class RecordingSocket:
-    """Stands in for a consumer's PUSH: records what send_multipart got."""
+    """Stands in for a consumer's PUSH: records each frame sent; a `full` one refuses
+    every send as a full (or unconnected) PUSH does with NOBLOCK."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, full: bool = False):
+        self.calls, self.full = [], full
 
-    def send_multipart(self, frames, flags=0, copy=True):
-        self.calls.append((frames, flags, copy))
+    def send(self, frame, flags=0, copy=True):
+        if self.full:
+            raise zmq.Again()
+        self.calls.append((frame, flags, copy))
+
+    def messages(self) -> list[list]:
+        """The frames of each whole message sent (SNDMORE joins frames into one)."""
+        out, cur = [], []
+        for frame, flags, _ in self.calls:
+            cur.append(frame)
+            if not flags & zmq.SNDMORE:
+                out.append(cur)
+                cur = []
+        return out
+
+
+@dataclass(eq=False)
+class StreamConsumer(FakeConsumer):
+    pipes: list = field(default_factory=list)
+    next_stream: int = 0
 
 
 def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
@@ -180,14 +199,31 @@ def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
     push.connect(f"tcp://127.0.0.1:{port}")
     push.send_multipart([b"h", b"x" * (1 << 20)])
     frames = pull.recv_multipart(copy=False)
-    sock, c = RecordingSocket(), FakeConsumer("c")
-    c.pipe = sock
+    sock = RecordingSocket()
+    c = StreamConsumer("c", pipes=[sock])
     assert Broker._send_batch(None, c, QueuedBatch("p1-1", "p1", 1, 0, [0], 4, 1 << 20, frames))
-    sent, flags, copy = sock.calls[0]
-    assert sent is frames and all(isinstance(f, zmq.Frame) for f in sent)  # the zmq frames themselves
-    assert copy is False and flags & zmq.NOBLOCK
+    assert [f for f, _, _ in sock.calls] == frames and all(a is b for a, b in zip((f for f, _, _ in sock.calls), frames))
+    assert all(isinstance(f, zmq.Frame) for f, _, _ in sock.calls)  # the zmq frames themselves
+    assert all(copy is False and flags & zmq.NOBLOCK for _, flags, copy in sock.calls)
+    assert [bool(flags & zmq.SNDMORE) for _, flags, _ in sock.calls] == [True, False]  # one message
     pull.close()
     push.close()
+
+
+def test_batches_take_a_consumers_data_streams_in_turn_and_skip_one_that_refuses():
+    from dflash.broker.server import Broker
+
+    s0, s1 = RecordingSocket(), RecordingSocket()
+    c = StreamConsumer("c", pipes=[s0, s1])
+    batches = [QueuedBatch(f"p1-{i}", "p1", 1, 0, [i], 4, 8, [f"h{i}".encode(), b"t" * 8]) for i in range(6)]
+    for b in batches[:4]:
+        assert Broker._send_batch(None, c, b)
+    assert [m[0] for m in s0.messages()] == [b"h0", b"h2"] and [m[0] for m in s1.messages()] == [b"h1", b"h3"]
+    s0.full = True  # not connected, or full: the other stream takes the batch
+    assert Broker._send_batch(None, c, batches[4]) and s1.messages()[-1][0] == b"h4"
+    s1.full = True
+    assert not Broker._send_batch(None, c, batches[5])  # no stream took it: it stays queued
+    assert sum(len(s.messages()) for s in (s0, s1)) == 5
 
 
 def test_option_parsing_and_config_checks():
@@ -198,10 +234,14 @@ def test_option_parsing_and_config_checks():
             parse_bytes(bad)
     BrokerConfig().check()
     for kw in ({"data_out_ports": (5550, 5560)}, {"timeout_s": 1.0}, {"epochs": 0}, {"instance": "a/b"},
-               {"io_threads": -1}, {"io_threads": 17}):
+               {"io_threads": -1}, {"io_threads": 17}, {"data_streams": -1}, {"data_streams": 9},
+               {"data_streams": 2, "data_out_ports": (5557, 5557)}):
         with pytest.raises(ValueError):
             BrokerConfig(**kw).check()
     assert BrokerConfig(io_threads=3).io_thread_count() == 3
+    # data streams: one per pipe thread, at most 2 by default; asked for, as many as asked
+    assert [BrokerConfig().stream_count(n) for n in (1, 2, 3)] == [1, 2, 2]
+    assert BrokerConfig(data_streams=3).stream_count(1) == 3
     # auto: more I/O threads only where cores are to spare (one measured faster on 2 cores)
     assert [auto_broker_io_threads(n) for n in (1, 2, 7, 8, 15, 16, 24, 32, 128)] == [1, 1, 1, 2, 2, 3, 4, 5, 5]
     assert BrokerConfig().io_thread_count() == auto_broker_io_threads(usable_cpus())

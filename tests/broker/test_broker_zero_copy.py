@@ -30,11 +30,11 @@ MIB = 1 << 20
 SEQ, WIDTH = 1024, 32 * 1024  # hidden bf16 [1024, 32768] = 64 MiB
 
 
-def _broker(tmp_path, io_threads: int = 1, pipes: int = 2) -> Broker:
+def _broker(tmp_path, io_threads: int = 1, pipes: int = 2, data_streams: int = 0) -> Broker:
     port = free_port_block(2 + pipes)
     cfg = BrokerConfig(bind="127.0.0.1", port=port, data_in_port=port + 1, data_out_ports=(port + 2, port + 1 + pipes),
                        runs_dir=str(tmp_path), timeout_s=30.0, drain_s=0.0,  # SIGTERM: no wait for peers
-                       io_threads=io_threads)
+                       io_threads=io_threads, data_streams=data_streams)
     run_id = new_run_id()
     run_dir = make_run_dir(run_id, tmp_path)
     b = Broker(cfg, run_id, run_dir, "127.0.0.1")
@@ -74,8 +74,8 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
             tracemalloc.stop()
             b.signal = "SIGTERM"  # acted on by the loop itself: it stops, then we read its state
             loop.join(10)
-            pipe = b.peers.by_id[cons.peer].pipe if cons.peer in b.peers.by_id else None
-            pipe_affinity = pipe.getsockopt(zmq.AFFINITY) if pipe is not None else None
+            pipes = b.peers.by_id[cons.peer].pipes if cons.peer in b.peers.by_id else []
+            pipe_affinity = [pipe.getsockopt(zmq.AFFINITY) for pipe in pipes]
             in_affinity = b.data_in.getsockopt(zmq.AFFINITY)
             control_affinity = b.control.getsockopt(zmq.AFFINITY)
             b.close()
@@ -90,17 +90,20 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
     assert peak < 4 * MIB, f"Python allocated a peak of {peak / MIB:.1f} MiB while relaying a 64 MiB batch"
     # Two I/O threads: control and batches in on the first, the consumer's pipe on the
     # second (the relay's two copies on two cores); five: control on the first, batches in
-    # on the next two, each pipe on one of the last two (the first consumer: the fourth
-    # thread); one thread: no mask.
-    want = {1: (0, 0, 0), 2: (1, 1, 0b10), 5: (1, 0b00110, 0b01000)}[io_threads]
+    # on the next two, the consumer's two data streams one on each of the last two (this
+    # fake consumer connects to the first only: every batch takes that one); one thread:
+    # no mask.
+    want = {1: (0, 0, [0]), 2: (1, 1, [0b10]), 5: (1, 0b00110, [0b01000, 0b10000])}[io_threads]
     assert (control_affinity, in_affinity, pipe_affinity) == want
 
 
-def test_consumer_pipes_take_the_pipe_threads_in_turn(tmp_path):
-    """Five I/O threads: the consumers' pipes go to the fourth and fifth in turn (libzmq,
-    left to choose within the mask, put every connection on one of them)."""
+@pytest.mark.parametrize("data_streams", [1, 0])
+def test_consumer_pipes_take_the_pipe_threads_in_turn(tmp_path, data_streams):
+    """Five I/O threads: the consumers' data streams go to the fourth and fifth in turn
+    (libzmq, left to choose within the mask, put every connection on one of them). One
+    stream each: consumer by consumer; auto (two each): one stream on each thread."""
     with capture_logs():
-        b = _broker(tmp_path, io_threads=5, pipes=3)
+        b = _broker(tmp_path, io_threads=5, pipes=6, data_streams=data_streams)
         loop = threading.Thread(target=b.serve, daemon=True)
         loop.start()
         consumers = []
@@ -110,8 +113,9 @@ def test_consumer_pipes_take_the_pipe_threads_in_turn(tmp_path):
         finally:
             b.signal = "SIGTERM"
             loop.join(10)
-            masks = [b.peers.by_id[c.peer].pipe.getsockopt(zmq.AFFINITY) for c in consumers]
+            masks = [[p.getsockopt(zmq.AFFINITY) for p in b.peers.by_id[c.peer].pipes] for c in consumers]
             b.close()
             for c in consumers:
                 c.close()
-    assert masks == [0b01000, 0b10000, 0b01000]
+    t4, t5 = 0b01000, 0b10000
+    assert masks == ([[t4], [t5], [t4]] if data_streams == 1 else [[t4, t5]] * 3)

@@ -116,3 +116,21 @@ def test_decode_refuses_another_runs_message():
     frames = codec.encode(header("ack", "run-a", batch_ids=[], step=1))
     with pytest.raises(ProtocolError, match="not this run"):
         codec.decode(frames, run="run-b")
+
+
+def test_frames_helpers_send_and_receive_whole_messages_without_copy(pair):
+    """sockets.send_frames / recv_frames (what every relay uses instead of pyzmq's
+    *_multipart): parts stay together and in order, large ones arrive as zmq.Frames
+    sharing ZeroMQ's memory, and NOBLOCK on an empty socket raises zmq.Again."""
+    from dflash.protocol.sockets import recv_frames, send_frames
+
+    push, pull = pair
+    big = np.arange(1 << 20, dtype=np.uint8)
+    send_frames(push, [b"one"], zmq.NOBLOCK)
+    send_frames(push, [b"a", memoryview(big), zmq.Frame(b"c")])
+    assert [f.bytes for f in recv_frames(pull)] == [b"one"]
+    got = recv_frames(pull)
+    assert [len(f) for f in got] == [1, 1 << 20, 1] and all(isinstance(f, zmq.Frame) for f in got)
+    assert (got[0].bytes, got[2].bytes) == (b"a", b"c") and got[1].buffer == memoryview(big)
+    with pytest.raises(zmq.Again):
+        recv_frames(pull, zmq.NOBLOCK)
