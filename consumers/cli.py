@@ -35,8 +35,8 @@ from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, broker_batches, hello_config, offer_dist_addr, resume_point,
-                   run_layers)
+from .link import (BrokerHooks, arranged_dist, broker_batches, hello_config, nothing_left_to_train, offer_dist_addr,
+                   resume_point, run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
@@ -261,12 +261,15 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit
-            state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
-                          ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
-                          run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
+            try:
+                state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
+                              ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
+                              run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
+            except FileNotFoundError as e:
+                state = nothing_left_to_train(link, e)
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
-        if live and state.end_reason != "stop":  # the finished drafter's real tau, while the broker still listens
+        if live and state.end_reason != "stop" and state.model is not None:  # the finished drafter's real tau
             live.final(state.step, state.model)
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason

@@ -32,6 +32,7 @@ from .checkpoint import Signal, resolve_checkpoint
 from .dist import Dist
 from .elastic import ElasticDist, replica_name
 from .train import Hooks, TrainConfig
+from .train_config import TrainState
 
 log = get_logger()
 
@@ -128,6 +129,16 @@ def resume_point(ref: str | None, run_config: dict, runs_dir) -> str | None:
                                     f"from {want or 'no checkpoint'}; leave out --resume (the broker says where)")
     log.info("consume.resume_point", checkpoint=str(want) if want else None, parent_run=run_config.get("parent_run"))
     return str(want) if want else None
+
+
+def nothing_left_to_train(link, error: FileNotFoundError) -> TrainState:
+    """A consumer that joined as the run ended: the checkpoint its welcome named was pruned
+    (rank 0 kept checkpointing) before it loaded it, and the stream is over, so there is
+    nothing to train and no state to load. Anything else re-raises `error`."""
+    if not (link.stopped.is_set() and link.stop_reason == "end_of_stream"):
+        raise error
+    log.warning("consume.nothing_to_train", reason=str(error)[:300])
+    return TrainState(end_reason="end_of_stream")
 
 
 def arranged_dist(run_config: dict, device: torch.device, instance: str = "",

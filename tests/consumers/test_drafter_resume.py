@@ -82,3 +82,27 @@ def test_resume_with_another_block_size_is_refused_unless_forced(heads, tmp_path
         state = train(replace(CFG, block_size=8, resume=ck, force=True), heads, _batches(heads.spec, 3, 5))
     assert state.step == 5
     assert any(e["event"] == "train.signal_changed" for e in logs)
+
+
+def test_a_joiner_whose_checkpoint_was_pruned_after_the_stream_ended_trains_nothing(tmp_path):
+    """The chaos run's late joiner: welcomed with the newest commit's checkpoint, which rank
+    0 pruned before the joiner loaded it, while the broker already said end of stream.
+    Nothing is left to train, so it ends cleanly; before the end, the same error stands."""
+    import threading
+    from types import SimpleNamespace
+
+    from dflash.consumers.link import nothing_left_to_train
+
+    gone = tmp_path / "runs" / "r" / "checkpoints" / "step-140"
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_checkpoint(str(gone), tmp_path / "runs")
+    ended = SimpleNamespace(stopped=threading.Event(), stop_reason="end_of_stream")
+    ended.stopped.set()
+    with capture_logs() as logs:
+        state = nothing_left_to_train(ended, err.value)
+    assert (state.step, state.end_reason, state.model) == (0, "end_of_stream", None)
+    assert [e["event"] for e in logs] == ["consume.nothing_to_train"]
+    running = SimpleNamespace(stopped=threading.Event(), stop_reason=None)
+    for link in (running, SimpleNamespace(stopped=ended.stopped, stop_reason="shutdown")):
+        with pytest.raises(FileNotFoundError):
+            nothing_left_to_train(link, err.value)
