@@ -125,12 +125,14 @@ class CpuSampler:
 
     def busiest_thread(self, pid: int, t0: float, t1: float) -> tuple[str, float] | None:
         """(name, cores) of the thread of `pid` that was busiest between t0 and t1."""
+        top = self.busiest_threads(pid, t0, t1, 1)
+        return top[0] if top else None
+
+    def busiest_threads(self, pid: int, t0: float, t1: float, n: int = 4) -> list[tuple[str, float]]:
+        """The `n` busiest threads of `pid` between t0 and t1, busiest first: (name, cores)."""
         found = [(self.busy(pid, t0, t1, k[1]) or 0.0, self.names[k]) for k in self.samples if len(k) == 2
                  and k[0] == pid]
-        if not found:
-            return None
-        cores, name = max(found)
-        return name, cores
+        return [(name, round(cores, 3)) for cores, name in sorted(found, reverse=True)[:n]]
 
 
 

@@ -23,6 +23,9 @@
 #   bash bench/gpu_run.sh part11  # CPU only: transport at 1, 16, 64, 256 MiB as the code now stands
 #   bash bench/gpu_run.sh part12  # CPU only: 1 and 16 MiB with a 64 MiB broker queue; with --fresh-batches
 #   bash bench/gpu_run.sh part13  # CPU only: bench/scaling.py 1x1, 2x2, 5x3 at 64 MiB; 2x2, 5x3 at 16 MiB
+#   bash bench/gpu_run.sh part14  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after; after
+#                                 # with one data stream per consumer; after with --fresh-batches
+#   bash bench/gpu_run.sh part15  # CPU only: transport at 64 and 256 MiB; part13's scaling again
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -197,6 +200,28 @@ part13() {  # several producers and consumers through one broker on this host's 
   stage m scaling_16 100 python3 bench/scaling.py --layouts 2x2,5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
 }
 
+part14() {  # the relay's hot path and data streams: before and after on the same machine
+  if [ -n "${BASELINE_TAR:-}" ]; then
+    local base=/tmp/dflash-baseline
+    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
+    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+      && stage n transport_before 240 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_before.json")
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
+  fi
+  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  stage n transport_after 240 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_after.json"
+  stage n transport_after_1stream 240 python3 bench/transport.py --sizes 1,16 --repeat 3 \
+      --broker-arg=--data-streams --broker-arg=1 --out "$OUT/transport_after_1stream.json"
+  stage n transport_after_fresh 200 python3 bench/transport.py --sizes 1,16 --repeat 2 --fresh-batches \
+      --out "$OUT/transport_after_fresh.json"
+}
+
+part15() {  # large batches, and several producers and consumers, as the code now stands
+  stage o transport_large 240 python3 bench/transport.py --sizes 64,256 --repeat 2 --out "$OUT/transport_large.json"
+  stage o scaling_64 150 python3 bench/scaling.py --layouts 1x1,2x2,5x3 --mib 64 --gb 16 --out "$OUT/scaling_64.json"
+  stage o scaling_16 100 python3 bench/scaling.py --layouts 2x2,5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -215,6 +240,8 @@ case $PART in
   part11) part11 ;;
   part12) part12 ;;
   part13) part13 ;;
+  part14) part14 ;;
+  part15) part15 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

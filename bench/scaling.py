@@ -24,6 +24,7 @@ import common
 from common import RESULTS, Broker, CpuSampler, batch_tensors, machine, payload_bytes, result, spawn, table, \
     write_json
 from dflash.protocol.config import parse_bytes
+from dflash.protocol.sockets import AUTO_DATA_STREAMS
 
 PEERS = str(Path(__file__).resolve().parent / "transport_peers.py")
 
@@ -32,7 +33,7 @@ def run_layout(n_prod: int, n_cons: int, mib: float, gb: float, a, runs: Path) -
     nbytes = payload_bytes(batch_tensors(mib))
     n = int(max(8 * n_cons, gb * 1e9 / nbytes))
     warm = 2
-    b = Broker(runs, n_cons + 1, "--num-samples", str(n), "--lease-size", "16", "--queue-bytes", a.queue_bytes,
+    b = Broker(runs, n_cons * AUTO_DATA_STREAMS + 1, "--num-samples", str(n), "--lease-size", "16", "--queue-bytes", a.queue_bytes,
                "--heartbeat-s", "1", "--timeout-s", "60", *a.broker_arg)
     cpu = CpuSampler().watch(b.proc.pid, threads=True)
     procs = []

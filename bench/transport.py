@@ -33,6 +33,7 @@ import common
 from common import RESULTS, Broker, CpuSampler, batch_tensors, free_port_block, machine, payload_bytes, result, \
     spawn, table, write_json
 from dflash.protocol.config import parse_bytes
+from dflash.protocol.sockets import AUTO_DATA_STREAMS
 
 PEERS = str(Path(__file__).resolve().parent / "transport_peers.py")
 
@@ -70,7 +71,7 @@ def direct(mib: float, n: int, warm: int, a) -> dict:
 
 def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str = "") -> dict:
     io = ["--io-threads", io_threads] if io_threads else []
-    b = Broker(runs, 2, "--num-samples", str(n + warm), "--lease-size", "256", "--queue-bytes", a.queue_bytes,
+    b = Broker(runs, AUTO_DATA_STREAMS, "--num-samples", str(n + warm), "--lease-size", "256", "--queue-bytes", a.queue_bytes,
                "--heartbeat-s", "1", "--timeout-s", "60", *io, *a.broker_arg)
     cpu = CpuSampler().watch(b.proc.pid, threads=True)
     procs = []
@@ -100,7 +101,9 @@ def through_broker(mib: float, n: int, warm: int, a, runs: Path, io_threads: str
     window = (c["t0"], c["t1"])
     top = {k: cpu.busiest_thread(pid, *window) for k, pid in (("broker", b.proc.pid), ("producer", prod.pid),
                                                               ("consumer", cons.pid))}
-    return {**c, **{f"{k}_busiest_thread": t and t[0] for k, t in top.items()},
+    threads = {f"{k}_threads": cpu.busiest_threads(pid, *window) for k, pid in (
+        ("broker", b.proc.pid), ("producer", prod.pid), ("consumer", cons.pid))}  # JSON only: where the time went
+    return {**c, **threads, **{f"{k}_busiest_thread": t and t[0] for k, t in top.items()},
             "cores": {"producer": cpu.busy(prod.pid, *window), "broker": cpu.busy(b.proc.pid, *window),
                       "consumer": cpu.busy(cons.pid, *window),
                       **{f"{k}_thread": t and t[1] for k, t in top.items()}}}
@@ -132,6 +135,7 @@ def measure(mib: float, modes: list[str], a, runs: Path) -> dict:
         for i, io in enumerate(a.broker_io_threads.split(",") if a.broker_io_threads else [""]):
             r = through_broker(mib, n, warm, a, runs, io)
             if i == 0:  # the first setting fills the main columns
+                row.update({k: r[k] for k in ("broker_threads", "producer_threads", "consumer_threads")})
                 row.update(broker_gbs=r["gb_per_s"], broker_msgs=r["msgs_per_s"], busiest=r["broker_busiest_thread"],
                            busiest_producer=r["producer_busiest_thread"], busiest_consumer=r["consumer_busiest_thread"],
                            **{f"via_{k}_cpu": per_gb(v, r["gb_per_s"]) for k, v in r["cores"].items()})
