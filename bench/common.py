@@ -147,6 +147,16 @@ def command_path(name: str) -> str:
 
 
 BROKER_CMD = [sys.executable, "-m", "dflash.broker.cli"]  # what `dflash-broker` runs
+# DFLASH_BENCH_PROFILE=DIR: the broker runs under cProfile and the bench peers profile
+# their link's I/O thread and main thread (bench/profile_top.py prints where time went).
+# Profiling slows Python ~2x: for the split of time, never for the rates.
+PROFILE_DIR = os.environ.get("DFLASH_BENCH_PROFILE")
+
+
+def broker_cmd(port: int) -> list[str]:
+    if not PROFILE_DIR:
+        return BROKER_CMD
+    return [sys.executable, "-m", "cProfile", "-o", f"{PROFILE_DIR}/broker-{port}.prof", "-m", "dflash.broker.cli"]
 
 
 class Broker:
@@ -155,7 +165,7 @@ class Broker:
     def __init__(self, runs_dir: Path, n_out: int, *args: str):
         self.port = free_port_block(2 + n_out)
         self.control = f"tcp://127.0.0.1:{self.port}"
-        cmd = [*BROKER_CMD, "--bind", "127.0.0.1", "--port", str(self.port),
+        cmd = [*broker_cmd(self.port), "--bind", "127.0.0.1", "--port", str(self.port),
                "--data-in-port", str(self.port + 1), "--data-out-ports", f"{self.port + 2}-{self.port + 1 + n_out}",
                "--runs-dir", str(runs_dir), "--progress-s", "3600", "--log-level", "warning", *args]
         runs_dir.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,33 @@ def consume(a) -> dict:
     return out
 
 
+def profiled(role: str):
+    """With DFLASH_BENCH_PROFILE=DIR: cProfile this process's main thread and its link's
+    I/O thread, each to DIR/<role>-<pid>-<thread>.prof at exit (bench/profile_top.py)."""
+    import atexit
+    import cProfile
+    import os
+
+    from dflash.protocol.peer import PeerLink
+
+    where = os.environ.get("DFLASH_BENCH_PROFILE")
+    if not where:
+        return
+    io_loop = PeerLink._io_loop
+
+    def io_loop_profiled(self):
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(io_loop, self)
+        finally:
+            prof.dump_stats(f"{where}/{role}-{os.getpid()}-io.prof")
+
+    PeerLink._io_loop = io_loop_profiled
+    main_prof = cProfile.Profile()
+    main_prof.enable()
+    atexit.register(lambda: (main_prof.disable(), main_prof.dump_stats(f"{where}/{role}-{os.getpid()}-main.prof")))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=["direct-recv", "direct-send", "produce", "consume"])
@@ -157,6 +184,7 @@ def main(argv=None) -> int:
     from dflash.protocol.logs import setup_logging
 
     setup_logging(a.role, a.instance, level="warning", stream=sys.stderr)  # stdout: the result only
+    profiled(a.role)
     fn = {"direct-recv": direct_recv, "direct-send": direct_send, "produce": produce, "consume": consume}[a.role]
     print("RESULT " + json.dumps(fn(a)), flush=True)
     return 0

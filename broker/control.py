@@ -24,6 +24,7 @@ from .status import build_status, sanitize_stats
 log = get_logger()
 
 ROLE_TYPES = {"producer": {"lease", "done"}, "consumer": {"credit", "ack", "commit"}}
+ROLE_ONLY = ROLE_TYPES["producer"] | ROLE_TYPES["consumer"]  # messages one role alone may send
 RETRY_MS = 500  # "nothing to lease now, ask again in" (grant.retry_ms)
 
 
@@ -57,7 +58,7 @@ def handle(b, identity: bytes, frames: list) -> None:
     if peer is None:
         return refuse(b, identity, "unknown_peer", "this connection has no live session (never said hello, "
                       "or was declared lost): say hello again to rejoin with a new peer ID", h)
-    if t in ROLE_TYPES["producer"] | ROLE_TYPES["consumer"] and t not in ROLE_TYPES[peer.role]:
+    if t in ROLE_ONLY and t not in ROLE_TYPES[peer.role]:
         return bad_message(b, identity, who, f"{t!r} is not accepted from a {peer.role}")
     HANDLERS[t](b, peer, h)
 

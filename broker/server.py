@@ -18,7 +18,7 @@ import zmq
 from dflash.protocol import codec
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
-from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, recv_frames, send_frames, tcp_endpoint
+from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 
 from . import control, intake, lighthouse, resume, security
 from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
@@ -177,12 +177,15 @@ class Broker:
                 handle(frames)
             except Exception:  # a bug on one message must not end the run
                 log.exception("broker.internal_error", socket="control" if sock is self.control else "data_in")
+            if not readable(sock):  # cheaper than the zmq.Again a last recv would raise
+                return
 
     def dispatch(self) -> None:
         if self.draining is not None:  # stopping consumers train nothing more: keep batches here
             self.blocked = False
             return
-        sent = dispatch(self.queue, self.peers.live("consumer"), self._send_batch)
+        consumers = self.peers.live("consumer")
+        sent = dispatch(self.queue, consumers, self._send_batch) if self.queue else ()
         now = time.monotonic()
         for c, b in sent:
             self.ledger.delivered(b, c.id)
@@ -191,8 +194,8 @@ class Broker:
             c.rate_tokens.add(b.tokens, now)
             self.rate_out.add(1, now)
         # Batches left while a consumer wants one: its pipe refused (not connected yet).
-        self.blocked = bool(self.queue) and any(wants_batch(c) for c in self.peers.live("consumer"))
-        for c in self.peers.live("consumer"):  # how long a consumer has had credit and no batch
+        self.blocked = bool(self.queue) and any(wants_batch(c) for c in consumers)
+        for c in consumers:  # how long a consumer has had credit and no batch
             hungry = c.credit > 0 and not self.queue
             c.waiting_since = (c.waiting_since or now) if hungry else None
             c.wait_share.update(hungry, now)

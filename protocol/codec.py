@@ -11,7 +11,6 @@ receiver gets either a well-formed `Message` or a `ProtocolError` naming the rea
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -49,6 +48,9 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# wire name -> (torch dtype, bytes per element): one lookup per tensor on the hot path
+_DTYPE_SIZES = {k: (v, v.itemsize) for k, v in DTYPES.items()}
+_MAX_DIM = 2**40
 
 
 @dataclass
@@ -139,6 +141,9 @@ def unpack_header(raw) -> dict:
     return h
 
 
+_MISSING = object()
+
+
 def check_header(h: dict, *, allowed: frozenset[str] | None = None, run: str | None = None) -> None:
     """Validate version, type, required fields and run ID of a parsed header."""
     v = h.get("v")
@@ -150,10 +155,10 @@ def check_header(h: dict, *, allowed: frozenset[str] | None = None, run: str | N
     if allowed is not None and t not in allowed:
         raise ProtocolError(f"message type {t!r} not accepted on this socket")
     for name, types in SCHEMAS[t].items():
-        if name not in h:
+        val = h.get(name, _MISSING)
+        if val is _MISSING:
             raise ProtocolError(f"{t}: missing field {name!r}")
-        val = h[name]
-        if not isinstance(val, types) or (isinstance(val, bool) and bool not in types):
+        if not isinstance(val, types) or (val.__class__ is bool and bool not in types):
             raise ProtocolError(f"{t}: field {name!r} has type {type(val).__name__}")
     if t not in PRE_HANDSHAKE:
         if not isinstance(h.get("run"), str):
@@ -178,20 +183,31 @@ def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, torch.dtype, tuple[
         if not isinstance(name, str) or name in names:
             raise ProtocolError(f"tensor spec {i}: bad or duplicate name {name!r}")
         names.add(name)
-        if dtype not in DTYPES:
+        torch_dtype, itemsize = _DTYPE_SIZES.get(dtype, (None, 0)) if isinstance(dtype, str) else (None, 0)
+        if torch_dtype is None:
             raise ProtocolError(f"tensor {name!r}: dtype {dtype!r} not on the whitelist")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
-        ):
+        nbytes = _shape_elements(shape)
+        if nbytes < 0:
             raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        nbytes *= itemsize
         total += nbytes
         if total > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"tensors declare {total} bytes, limit {MAX_MESSAGE_BYTES}")
-        out.append((name, DTYPES[dtype], tuple(shape), nbytes))
+        out.append((name, torch_dtype, tuple(shape), nbytes))
     return out
+
+
+def _shape_elements(shape) -> int:
+    """Elements of a valid shape (a list of at most MAX_NDIM ints in 0..2**40), else -1.
+    (`d.__class__ is int`: msgpack gives plain ints; a bool is not a dimension.)"""
+    if shape.__class__ is not list or len(shape) > MAX_NDIM:
+        return -1
+    n = 1
+    for d in shape:
+        if d.__class__ is not int or not 0 <= d < _MAX_DIM:
+            return -1
+        n *= d
+    return n
 
 
 # ZeroMQ frames are read-only, and receivers treat tensors as read-only (PROTOCOL.md), so

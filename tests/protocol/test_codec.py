@@ -134,3 +134,4 @@ def test_frames_helpers_send_and_receive_whole_messages_without_copy(pair):
     assert (got[0].bytes, got[2].bytes) == (b"a", b"c") and got[1].buffer == memoryview(big)
     with pytest.raises(zmq.Again):
         recv_frames(pull, zmq.NOBLOCK)
+
