@@ -91,38 +91,7 @@ _TABLE = {"lease": "leases", "lease_close": "leases", "leased": "samples", "pend
 assert _TABLE.keys() == _SQL.keys()
 
 
-# Column positions in the rows of _SQL["batch"] and _SQL["sample_state"].
-_BATCH_ID, _RECEIVED = 0, 11
-_SAMPLE_KEY = slice(5, 7)  # (epoch, sample)
-
-
-def _coalesce(ops: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
-    """`ops` without the writes a later write of the same row makes void, in order.
-
-    A batch row is written whole at each move (arrival, delivery, ack) and a sample's
-    state row too, so within one flush only a row's last write decides what is stored:
-    at thousands of batches a second most batches arrive, go out and are acked between
-    two flushes, and their six writes become two. The one column a batch write leaves
-    alone, `received` (NULL keeps the stored value), is carried into the write kept."""
-    last, received = {}, {}
-    for i, (key, row) in enumerate(ops):
-        if key == "batch":
-            last["b", row[_BATCH_ID]] = i
-            if row[_RECEIVED] is not None:
-                received[row[_BATCH_ID]] = row[_RECEIVED]
-        elif key == "sample_state":
-            last["s", row[_SAMPLE_KEY]] = i
-    out = []
-    for i, (key, row) in enumerate(ops):
-        if key == "batch":
-            if last["b", row[_BATCH_ID]] != i:
-                continue
-            if row[_RECEIVED] is None and row[_BATCH_ID] in received:
-                row = (*row[:_RECEIVED], received[row[_BATCH_ID]], *row[_RECEIVED + 1:])
-        elif key == "sample_state" and last["s", row[_SAMPLE_KEY]] != i:
-            continue
-        out.append((key, row))
-    return out
+_RECEIVED = 11  # the column of a _SQL["batch"] row a later write leaves alone when NULL
 
 
 class Ledger:
@@ -135,7 +104,13 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
-        self._ops: list[tuple[str, tuple]] = []
+        self._ops: list[tuple[str, tuple]] = []  # in order: leases, peers, samples leased/pending/skipped
+        # A batch row and a sample's state row are written whole at each move (arrival,
+        # delivery, ack), so only the last write before a flush counts: kept by key, at
+        # thousands of batches a second a batch's six writes become two. (A sample's state
+        # moves only after its lease row, so writing these after `_ops` keeps the order.)
+        self._batches: dict[str, tuple] = {}
+        self._states: dict[tuple[int, int], tuple] = {}
         self._last_flush = time.monotonic()
         self.counts: Counter[str] = Counter()
         self.flush_seconds = 0.0  # total time spent writing, for the status map
@@ -278,11 +253,15 @@ class Ledger:
 
     def _batch_row(self, b, state: str, consumer: str | None, step: int | None, now: float,
                    received: float | None = None) -> None:
-        self._op("batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, b.nbytes, state,
-                           consumer, step, b.deliveries, received, now))
+        if received is None and b.batch_id in self._batches:  # NULL keeps the stored value: carry it
+            received = self._batches[b.batch_id][_RECEIVED]
+        self._batches[b.batch_id] = (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, b.nbytes,
+                                     state, consumer, step, b.deliveries, received, now)
 
     def _samples(self, b, state: str, consumer: str | None, step: int | None, now: float) -> None:
-        self._many("sample_state", ((state, b.batch_id, consumer, step, now, b.epoch, s) for s in b.samples))
+        for s in b.samples:
+            self._states[b.epoch, s] = (state, b.batch_id, consumer, step, now, b.epoch, s)
+        self._maybe_full()
 
     def _move(self, old: str, new: str, n: int) -> None:
         self.counts[old] -= n
@@ -290,29 +269,34 @@ class Ledger:
 
     def _op(self, key: str, row: tuple) -> None:
         self._ops.append((key, row))
-        if len(self._ops) >= self.max_ops:
-            self.flush()
+        self._maybe_full()
 
     def _many(self, key: str, rows: Iterable[tuple]) -> None:
         for r in rows:
             self._ops.append((key, r))
-        if len(self._ops) >= self.max_ops:
+        self._maybe_full()
+
+    def _maybe_full(self) -> None:
+        if len(self._ops) + len(self._batches) + len(self._states) >= self.max_ops:
             self.flush()
 
     def maybe_flush(self, now: float | None = None) -> None:
-        if self._ops and (now or time.monotonic()) - self._last_flush >= self.flush_s:
+        if (self._ops or self._batches or self._states) and (now or time.monotonic()) - self._last_flush >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         """Write every queued transition in one transaction, in order."""
         self._last_flush = time.monotonic()
-        if not self._ops:
+        if not (self._ops or self._batches or self._states):
             return
-        ops, self._ops = _coalesce(self._ops), []
+        ops, self._ops = self._ops, []
         # Grouped by table, in order within each: every statement writes one table, so
         # this is the same end state, in a few long executemany runs instead of one per
-        # transition (a batch's three moves interleave its batches and samples rows).
+        # transition.
         ops.sort(key=lambda op: _TABLE[op[0]])
+        ops += [("batch", r) for r in self._batches.values()]
+        ops += [("sample_state", r) for r in self._states.values()]
+        self._batches, self._states = {}, {}
         t0 = time.perf_counter()
         with self.db:
             self.db.execute("BEGIN")

@@ -1,10 +1,11 @@
-"""The ledger's flush drops writes a later write of the same row makes void (ledger._coalesce):
-the stored rows must be exactly what writing every transition gives."""
+"""The ledger queues writes and keeps only a row's last write before a flush: the stored
+rows must be exactly what writing every transition as it happens gives."""
 
 from __future__ import annotations
 
 import random
 import sqlite3
+import time as time_module
 
 import pytest
 
@@ -13,14 +14,20 @@ from dflash.broker.dispatch import QueuedBatch
 from dflash.broker.ledger import Ledger
 
 
-def _transitions(led: Ledger, seed: int) -> None:
+def _transitions(led: Ledger, seed: int, flush_each: bool = False) -> None:
     """A random run's worth of moves: leases, arrivals, deliveries, losses and acks, in
-    the orders a broker makes them (a batch is delivered after it arrived, and so on)."""
+    the orders a broker makes them (a batch is delivered after it arrived, and so on).
+    `flush_each`: every move written at once, as if nothing were queued."""
     rng = random.Random(seed)
+    if flush_each:
+        for name in ("leased", "epoch_started", "produced", "delivered", "requeued", "trained", "released",
+                     "skipped"):
+            move = getattr(led, name)
+            setattr(led, name, lambda *a, _move=move: (_move(*a), led.flush()))
     led.leased(1, 0, "p1", list(range(40)))
     led.epoch_started(0, 7, 40)
     queued, out, n = [], [], 0
-    for s in range(40):
+    for s in range(38):  # 38 arrive; 38 is skipped and 39 given back (never made)
         b = QueuedBatch(f"p1-{s}", "p1", 1, 0, [s], 5, 100, [])
         led.produced(b)
         queued.append(b)
@@ -36,8 +43,8 @@ def _transitions(led: Ledger, seed: int) -> None:
         while out and rng.random() < 0.5:
             n += 1
             led.trained(out.pop(0), "c1", n)
-    led.released(0, [39])  # a lease given back after all
     led.skipped(0, [(38, "too long")])
+    led.released(0, [39])  # its producer was lost
 
 
 def _dump(path) -> dict:
@@ -48,22 +55,36 @@ def _dump(path) -> dict:
         db.close()
 
 
+class Clock:
+    """time.time() for the ledger: 1, 2, 3, ... so two runs write the same timestamps."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def time(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    monotonic = staticmethod(time_module.monotonic)
+    perf_counter = staticmethod(time_module.perf_counter)
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_coalesced_flush_stores_exactly_what_every_write_would(tmp_path, monkeypatch, seed):
-    led = Ledger(tmp_path / "coalesced.sqlite")
-    _transitions(led, seed)
-    ops = list(led._ops)
-    kept = ledger_mod._coalesce(ops)
-    led.flush()
-    led.close()
+def test_one_flush_stores_exactly_what_a_flush_after_every_write_would(tmp_path, monkeypatch, seed):
+    """The ledger keeps only a batch row's and a sample state's last write before a flush;
+    the rows stored must be those of writing every transition as it happens."""
+    monkeypatch.setattr(ledger_mod, "time", Clock())
+    every = Ledger(tmp_path / "every.sqlite")
+    _transitions(every, seed, flush_each=True)
+    every.close()
 
-    monkeypatch.setattr(ledger_mod, "_coalesce", lambda ops: ops)  # every write, as before
-    full = Ledger(tmp_path / "full.sqlite")
-    full._ops = ops  # the very same rows, timestamps included
-    full.flush()
-    full.close()
+    monkeypatch.setattr(ledger_mod, "time", Clock())
+    once = Ledger(tmp_path / "once.sqlite")
+    _transitions(once, seed)
+    queued = len(once._ops) + len(once._batches) + len(once._states)
+    once.close()
 
-    assert _dump(tmp_path / "coalesced.sqlite") == _dump(tmp_path / "full.sqlite")
-    assert len(kept) < len(ops)  # it did drop writes
-    batches = _dump(tmp_path / "full.sqlite")["batches"]
-    assert all(row[11] is not None for row in batches)  # every batch keeps when it was received
+    assert _dump(tmp_path / "once.sqlite") == _dump(tmp_path / "every.sqlite")
+    assert queued < 40 * 6  # it did drop writes: a batch makes 2 rows, not 6 (3 moves x (batch + sample))
+    batches = _dump(tmp_path / "once.sqlite")["batches"]
+    assert len(batches) == 38 and all(row[11] is not None for row in batches)  # each keeps when it was received
