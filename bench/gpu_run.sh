@@ -26,6 +26,8 @@
 #   bash bench/gpu_run.sh part14  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after; after
 #                                 # with one data stream per consumer; after with --fresh-batches
 #   bash bench/gpu_run.sh part15  # CPU only: transport at 64 and 256 MiB; part13's scaling again
+#   bash bench/gpu_run.sh part16  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after, 4 GB
+#                                 # per run; after with --fresh-batches; a profiled 1 MiB run
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -222,6 +224,27 @@ part15() {  # large batches, and several producers and consumers, as the code no
   stage o scaling_16 100 python3 bench/scaling.py --layouts 2x2,5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
 }
 
+part16() {  # the relay after session 5's second round, against BASELINE_TAR, longer runs
+  local long=(--sizes 1,16 --gb 4 --max-messages 20000)
+  if [ -n "${BASELINE_TAR:-}" ]; then
+    local base=/tmp/dflash-baseline
+    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
+    # (its transport.py caps a size at 3,000 batches: 3 GB at 1 MiB, where this tree's moves 4)
+    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+      && stage p transport_before 200 python3 bench/transport.py --sizes 1,16 --gb 4 --repeat 4 \
+         --out "$OUT/transport_before.json")
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
+  fi
+  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  stage p transport_after 200 python3 bench/transport.py "${long[@]}" --repeat 4 --out "$OUT/transport_after.json"
+  stage p transport_after_fresh 160 python3 bench/transport.py "${long[@]}" --repeat 3 --fresh-batches \
+      --out "$OUT/transport_after_fresh.json"
+  mkdir -p "$W/prof" && rm -f "$W/prof"/*.prof
+  stage p transport_profiled 60 env DFLASH_BENCH_PROFILE="$W/prof" python3 bench/transport.py --sizes 1 --gb 2 \
+      --modes broker --out "$OUT/transport_profiled.json"
+  python3 bench/profile_top.py "$W/prof" --batches 2100 --top 12 > "$OUT/profile_top.txt" 2>&1
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -242,6 +265,7 @@ case $PART in
   part13) part13 ;;
   part14) part14 ;;
   part15) part15 ;;
+  part16) part16 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

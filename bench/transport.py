@@ -121,7 +121,7 @@ def per_gb(cores: float | None, gbps: float) -> float | None:
 def measure(mib: float, modes: list[str], a, runs: Path) -> dict:
     """One run of every mode at one batch size (interleaved, so load changes hit all modes)."""
     nbytes = payload_bytes(batch_tensors(mib))
-    n = int(min(3000, max(8, a.gb * 1e9 / nbytes)))
+    n = int(min(a.max_messages, max(8, a.gb * 1e9 / nbytes)))
     warm = max(2, n // 10)
     row = {"mib": mib, "bytes": nbytes, "messages": n, "loadavg": os.getloadavg()[0]}
     if "memcpy" in modes:
@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1,16,64,256", help="batch sizes in MiB")
     ap.add_argument("--gb", type=float, default=1.5, help="bytes to move per size and mode (GB)")
+    ap.add_argument("--max-messages", type=int, default=3000,
+                    help="most batches per size and mode (small sizes reach it before --gb)")
     ap.add_argument("--modes", default="memcpy,direct,broker")
     ap.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows medians")
     ap.add_argument("--credit", type=int, default=2,
