@@ -12,7 +12,10 @@ therefore says what the whole chain has committed; the runs' `samples` tables ar
 disjoint in their committed rows (that is the exactly-once check).
 
 Writes are queued and flushed in one transaction every `flush_s` or `max_ops` rows, so the
-broker keeps up with thousands of samples per second; a `commit` flushes at once. WAL
+broker keeps up with thousands of samples per second; a `commit` flushes at once. A flush is
+written by a thread of its own (`dflash-ledger`), in order, while the loop goes on: SQLite
+lets go of the GIL while it writes, and a 10 ms flush in the loop stalled every producer
+and consumer of the broker (their buffers hold ~1 ms of small batches). WAL
 with synchronous=NORMAL survives a crash of the broker process: what was flushed is
 there; what was not flushed (at most `flush_s` of transitions) is at worst made again.
 A commit's transaction is written with synchronous=FULL (fsync): the checkpoint it
@@ -24,7 +27,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
@@ -104,6 +108,9 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        # Every use of `db` from here on runs on this one thread, in the order submitted.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-ledger")
+        self._writes: deque[Future] = deque()  # flushes handed over, not yet seen done
         self._ops: list[tuple[str, tuple]] = []  # in order: leases, peers, samples leased/pending/skipped
         # A batch row and a sample's state row are written whole at each move (arrival,
         # delivery, ack), so only the last write before a flush counts: kept by key, at
@@ -122,20 +129,25 @@ class Ledger:
 
     def set_meta(self, **items) -> None:
         rows = [(k, json.dumps(v)) for k, v in items.items()]
-        self.db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES(?,?)", rows)
+        self._now(self.db.executemany, "INSERT OR REPLACE INTO meta(key, value) VALUES(?,?)", rows)
 
     def meta(self) -> dict:
-        return {k: json.loads(v) for k, v in self.db.execute("SELECT key, value FROM meta")}
+        rows = self._now(lambda: self.db.execute("SELECT key, value FROM meta").fetchall())
+        return {k: json.loads(v) for k, v in rows}
 
     def inherit(self, rows: Iterable[tuple[int, int, str, int | None]], **meta) -> int:
         """Record (epoch, sample, run, step) committed by earlier runs, and `meta`, in ONE
         transaction: a ledger with a parent but without its inherited rows would make
         those samples again if it were resumed in turn. Returns the rows written."""
-        with self.db:
-            self.db.execute("BEGIN")
-            n = self.db.executemany("INSERT INTO inherited VALUES(?,?,?,?)", rows).rowcount
-            self.db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES(?,?)",
-                                [(k, json.dumps(v)) for k, v in meta.items()])
+        def write() -> int:
+            with self.db:
+                self.db.execute("BEGIN")
+                n = self.db.executemany("INSERT INTO inherited VALUES(?,?,?,?)", rows).rowcount
+                self.db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES(?,?)",
+                                    [(k, json.dumps(v)) for k, v in meta.items()])
+            return n
+
+        n = self._now(write)
         self.counts["inherited"] += n
         return n
 
@@ -186,14 +198,9 @@ class Ledger:
         self._move("delivered", "trained", len(b.samples))
 
     def committed(self, step: int, checkpoint: str, peer: str) -> int:
-        """Every sample trained at a step <= `step` -> committed. Written at once."""
-        self.flush()
-        now = time.time()
-        self.db.execute("PRAGMA synchronous=FULL")
-        try:
-            n = self._commit_rows(step, checkpoint, peer, now)
-        finally:
-            self.db.execute("PRAGMA synchronous=NORMAL")  # the rest may be made again
+        """Every sample trained at a step <= `step` -> committed. Written at once (after
+        every queued transition: the `trained` rows it moves)."""
+        n = self._now(self._durably, self._commit_rows, step, checkpoint, peer, time.time())
         self._move("trained", "committed", n)
         if self.last_commit is None or step >= self.last_commit[0]:
             self.last_commit = (step, checkpoint)
@@ -207,10 +214,9 @@ class Ledger:
         after rank 0's commit of N; the checkpoint of N holds those samples all the same.
         Left `trained`, a crash before the next commit would make them again: trained
         twice. Written at once and fsync'd, like a commit."""
-        self.flush()  # the `trained` rows these update
         now = time.time()
-        self.db.execute("PRAGMA synchronous=FULL")
-        try:
+
+        def write() -> int:
             with self.db:
                 self.db.execute("BEGIN")
                 n = 0
@@ -220,10 +226,19 @@ class Ledger:
                                              [(now, b.epoch, s) for s in b.samples]).rowcount
                 self.db.executemany("UPDATE batches SET state='committed', updated=? WHERE batch_id=? "
                                     "AND state='trained'", [(now, b.batch_id) for b in batches])
-        finally:
-            self.db.execute("PRAGMA synchronous=NORMAL")
+            return n
+
+        n = self._now(self._durably, write)  # after the queued `trained` rows these update
         self._move("trained", "committed", n)
         return n
+
+    def _durably(self, write, *args):
+        """`write(*args)` in a transaction that is fsync'd (synchronous=FULL): a commit."""
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            return write(*args)
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")  # the rest may be made again
 
     def _commit_rows(self, step: int, checkpoint: str, peer: str, now: float) -> int:
         with self.db:
@@ -285,8 +300,11 @@ class Ledger:
             self.flush()
 
     def flush(self) -> None:
-        """Write every queued transition in one transaction, in order."""
+        """Hand every queued transition to the writer thread: one transaction, in order.
+        Returns at once; an error of an earlier write is raised here."""
         self._last_flush = time.monotonic()
+        while self._writes and self._writes[0].done():
+            self._writes.popleft().result()  # raises what the write raised (disk full, ...)
         if not (self._ops or self._batches or self._states):
             return
         ops, self._ops = self._ops, []
@@ -297,6 +315,20 @@ class Ledger:
         ops += [("batch", r) for r in self._batches.values()]
         ops += [("sample_state", r) for r in self._states.values()]
         self._batches, self._states = {}, {}
+        self._writes.append(self._writer.submit(self._write, ops))
+
+    def sync(self) -> None:
+        """flush(), then wait until everything queued is written."""
+        self.flush()
+        while self._writes:
+            self._writes.popleft().result()
+
+    def _now(self, fn, *args):
+        """fn(*args) on the writer thread, after every queued transition; its result."""
+        self.sync()
+        return self._writer.submit(fn, *args).result()
+
+    def _write(self, ops: list[tuple[str, tuple]]) -> None:
         t0 = time.perf_counter()
         with self.db:
             self.db.execute("BEGIN")
@@ -311,7 +343,7 @@ class Ledger:
 
     def close(self) -> None:
         try:
-            self.flush()
-            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._now(self.db.execute, "PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
-            self.db.close()
+            self._writer.submit(self.db.close).result()
+            self._writer.shutdown()

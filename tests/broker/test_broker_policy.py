@@ -133,7 +133,7 @@ b = QueuedBatch('p1-1', 'p1', 1, 0, [1, 2, 3], 12, 100, [])
 led.produced(b); led.delivered(b, 'c1'); led.trained(b, 'c1', 5)
 led.committed(5, 'step-5', 'c1')
 led.leased(2, 0, 'p1', [4])
-led.flush()
+led.sync()  # flushed and written (flush alone hands the write to the ledger's thread)
 led.leased(3, 0, 'p1', [5])  # queued, never flushed
 os._exit(9)
 """
