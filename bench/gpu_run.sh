@@ -28,6 +28,8 @@
 #   bash bench/gpu_run.sh part15  # CPU only: transport at 64 and 256 MiB; part13's scaling again
 #   bash bench/gpu_run.sh part16  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after, 4 GB
 #                                 # per run; after with --fresh-batches; a profiled 1 MiB run
+#   bash bench/gpu_run.sh part17  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after (the
+#                                 # ledger's own thread); 64 and 256 MiB; scaling 5x3 at 64 MiB, 2x2 and 5x3 at 16
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -245,6 +247,23 @@ part16() {  # the relay after session 5's second round, against BASELINE_TAR, lo
   python3 bench/profile_top.py "$W/prof" --batches 2100 --top 12 > "$OUT/profile_top.txt" 2>&1
 }
 
+part17() {  # session 5's final state: small batches before/after, large batches, several peers
+  local long=(--sizes 1,16 --gb 4 --max-messages 20000)
+  if [ -n "${BASELINE_TAR:-}" ]; then
+    local base=/tmp/dflash-baseline
+    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
+    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+      && stage q transport_before 150 python3 bench/transport.py --sizes 1,16 --gb 4 --repeat 3 \
+         --out "$OUT/transport_before.json")
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
+  fi
+  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  stage q transport_after 180 python3 bench/transport.py "${long[@]}" --repeat 4 --out "$OUT/transport_after.json"
+  stage q transport_large 150 python3 bench/transport.py --sizes 64,256 --repeat 2 --out "$OUT/transport_large.json"
+  stage q scaling_64 100 python3 bench/scaling.py --layouts 5x3 --mib 64 --gb 16 --out "$OUT/scaling_64.json"
+  stage q scaling_16 100 python3 bench/scaling.py --layouts 2x2,5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -266,6 +285,7 @@ case $PART in
   part14) part14 ;;
   part15) part15 ;;
   part16) part16 ;;
+  part17) part17 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

@@ -29,7 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args(argv)
     for path in sorted(a.dir.glob("*.prof")):
-        st = pstats.Stats(str(path))
+        try:
+            st = pstats.Stats(str(path))
+        except (TypeError, EOFError, ValueError) as e:  # a process killed while writing its profile
+            print(f"== {path.name}: unreadable ({e})")
+            continue
         rows = sorted(((k, v) for k, v in st.stats.items() if not idle(k[2])),  # v: cc, nc, tottime, cumtime, callers
                       key=lambda kv: kv[1][2], reverse=True)
         total = sum(v[2] for _, v in rows)

@@ -32,6 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
+from dflash.protocol.threads import name_this_thread
+
 SCHEMA_VERSION = 2  # 2: `inherited` (resume)
 
 SCHEMA = """
@@ -109,7 +111,8 @@ class Ledger:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
         # Every use of `db` from here on runs on this one thread, in the order submitted.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-ledger")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-ledger",
+                                          initializer=name_this_thread, initargs=("dflash-ledger",))
         self._writes: deque[Future] = deque()  # flushes handed over, not yet seen done
         self._ops: list[tuple[str, tuple]] = []  # in order: leases, peers, samples leased/pending/skipped
         # A batch row and a sample's state row are written whole at each move (arrival,
