@@ -28,6 +28,8 @@
 #   bash bench/gpu_run.sh part15  # CPU only: transport at 64 and 256 MiB; part13's scaling again
 #   bash bench/gpu_run.sh part16  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after, 4 GB
 #                                 # per run; after with --fresh-batches; a profiled 1 MiB run
+#   bash bench/gpu_run.sh part18  # CPU only: transport at 1 and 16 MiB with producers on two data streams too;
+#                                 # with --fresh-batches; scaling 5x3 at 16 MiB
 #   bash bench/gpu_run.sh part17  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after (the
 #                                 # ledger's own thread); 64 and 256 MiB; scaling 5x3 at 64 MiB, 2x2 and 5x3 at 16
 #
@@ -264,6 +266,14 @@ part17() {  # session 5's final state: small batches before/after, large batches
   stage q scaling_16 100 python3 bench/scaling.py --layouts 2x2,5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
 }
 
+part18() {  # producers' batches in on two connections as well
+  local long=(--sizes 1,16 --gb 4 --max-messages 20000)
+  stage r transport_after 180 python3 bench/transport.py "${long[@]}" --repeat 4 --out "$OUT/transport_after.json"
+  stage r transport_after_fresh 120 python3 bench/transport.py "${long[@]}" --repeat 2 --fresh-batches \
+      --out "$OUT/transport_after_fresh.json"
+  stage r scaling_16 60 python3 bench/scaling.py --layouts 5x3 --mib 16 --gb 16 --out "$OUT/scaling_16.json"
+}
+
 case $PART in
   part1)
     if [ "$NGPU" -gt 1 ]; then (inputs; part1_capture) & part1_drafter; wait; else inputs; part1_capture; part1_drafter; fi ;;
@@ -286,6 +296,7 @@ case $PART in
   part15) part15 ;;
   part16) part16 ;;
   part17) part17 ;;
+  part18) part18 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 tar czf "$OUT/logs_$PART.tgz" -C "$W" logs $(cd "$W" && ls -d pipeline/*/*.out tau/*/*.out tau/*/*.json 2>/dev/null)

@@ -65,9 +65,10 @@ from .server import Broker
              "next (n-1)//2, each consumer's pipe on one of the rest. 0 = auto: 1 below 8 usable cores, else "
              "1 + one per 8 cores, at most 5 (docs/BENCHMARKS.md, transport).")
 @option("--data-streams", default=0, type=int,
-        help="TCP connections that carry each consumer's batches, each with a data-out port of its own and, "
-             "while there are enough, its own I/O thread: batches take them in turn. 0 = auto: one per I/O "
-             "thread the consumers' pipes have (see --io-threads), at most 2 (docs/BENCHMARKS.md, transport).")
+        help="TCP connections that carry each peer's batches, each on its own I/O thread while there are "
+             "enough: a consumer's each with a data-out port of its own, a producer's all to --data-in-port; "
+             "batches take them in turn. 0 = auto: one per I/O thread the broker has for that direction (see "
+             "--io-threads), at most 2 (docs/BENCHMARKS.md, transport).")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
@@ -154,7 +155,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     log.info("broker.start", config=as_dict(cfg), endpoints=broker.endpoints, run_dir=str(run_dir),
-             io_threads=broker.io_threads, data_streams=broker.streams)
+             io_threads=broker.io_threads, data_streams=broker.streams, producer_streams=broker.producer_streams)
     outcome, error = "crashed", None
     try:
         outcome = broker.serve()

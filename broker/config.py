@@ -28,7 +28,7 @@ CONTROL_SNDHWM = 1000
 MAX_HELLO_CONFIG_BYTES = 64 * 1024
 # Messages a producer's pipe may hold inside the broker's ZeroMQ before TCP pushes back.
 # Small because one message can be ~1 GiB: the broker's memory is the byte-bounded
-# queue plus at most this many messages per producer.
+# queue plus at most this many messages per producer connection (--data-streams of them).
 DATA_IN_RCVHWM = 2
 # The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
 # both saturates one core at ~2-4 GB/s (docs/BENCHMARKS.md). With two, data-in runs on

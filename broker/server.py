@@ -83,6 +83,7 @@ class Broker:
         self.io_threads = cfg.io_thread_count()
         self.ctx = zmq.Context(io_threads=self.io_threads)
         self.streams = cfg.stream_count(len(self.pipe_threads))  # data connections per consumer
+        self.producer_streams = cfg.stream_count(bin(self.in_affinity).count("1"))  # and per producer
         self.curve, self.auth = None, None
         try:
             # ZAP first: libzmq admits every client while no authenticator runs.

@@ -79,9 +79,9 @@ class PeerLink:
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
         # ZeroMQ I/O threads of this link's own context (0 = auto, where cores are to spare:
-        # control on one, and one per data connection: a producer's one, a consumer's
-        # AUTO_DATA_STREAMS, the most a broker opens by itself).
-        self._io_threads = io_threads or auto_io_threads(AUTO_DATA_STREAMS if role == "consumer" else 1)
+        # control on one, and one per data connection, AUTO_DATA_STREAMS: the most a broker
+        # opens by itself).
+        self._io_threads = io_threads or auto_io_threads(AUTO_DATA_STREAMS)
         self._ctx: zmq.Context | None = None  # made in start(), ended in close()
         self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
@@ -160,10 +160,16 @@ class PeerLink:
     def _open_data_sockets(self) -> list:
         if self.role == "producer":
             # A tiny send HWM: memory stays bounded and backpressure reaches the producer
-            # as soon as the broker stops reading.
-            return [make_socket(self._ctx, zmq.PUSH, self.welcome["data_in"], bind=False,
-                                opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
-                                                affinity=other_threads(self._io_threads)))]
+            # as soon as the broker stops reading. One PUSH, connected once per data stream
+            # the broker asks for (the same endpoint again: a TCP connection each, which
+            # libzmq puts on the least busy I/O thread of the mask); batches take them in turn.
+            endpoints = self.welcome.get("data_streams") or [self.welcome["data_in"]]
+            sock = make_socket(self._ctx, zmq.PUSH, endpoints[0], bind=False,
+                               opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
+                                               affinity=other_threads(self._io_threads)))
+            for endpoint in endpoints[1:]:
+                sock.connect(endpoint)
+            return [sock]
         # One PULL per data stream the broker opened for us (PROTOCOL.md 4.1), each on an
         # I/O thread of its own while there are threads; a broker that names none has one.
         endpoints = self.welcome.get("data_streams") or [self.welcome["data_out"]]

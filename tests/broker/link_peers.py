@@ -40,7 +40,9 @@ def produce(broker: str, runs_dir: str, n: int) -> None:
             link.push_batch({"lease": g["lease"], "epoch": g["epoch"], "samples": [s], "seq_lens": [SEQ],
                              "layer_ids": [0, 1]}, tensors)
         link.lease_done(g["lease"], [])
+    streams = len(link.welcome.get("data_streams") or [])
     link.close("done")
+    print(json.dumps({"producer_streams": streams}), flush=True)
 
 
 def consume(broker: str, runs_dir: str, io_threads: int = 0) -> None:

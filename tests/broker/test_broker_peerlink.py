@@ -36,7 +36,7 @@ def test_peerlink_producer_and_consumer_run_to_end_of_stream(start_broker):
     assert logs == ["broker-main.jsonl", "consumer-link-cons.jsonl", "producer-link-prod.jsonl"]
 
 
-def _run_pair(b, n: int, consumer_io_threads: int) -> dict:
+def _run_pair(b, n: int, consumer_io_threads: int) -> tuple[dict, dict]:
     script = str(HERE / "link_peers.py")
     procs = [subprocess.Popen([sys.executable, script, "producer", b.control, str(b.runs_dir), str(n)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
@@ -50,18 +50,21 @@ def _run_pair(b, n: int, consumer_io_threads: int) -> dict:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], [err[-800:] for _, err in outs]
     assert b.proc.wait(15) == 0
-    return json.loads([line for line in outs[1][0].splitlines() if '"all_ok"' in line][-1])
+    consumer = json.loads([line for line in outs[1][0].splitlines() if '"all_ok"' in line][-1])
+    producer = json.loads([line for line in outs[0][0].splitlines() if '"producer_streams"' in line][-1])
+    return consumer, producer
 
 
 def test_a_consumers_batches_take_its_data_streams_each_on_its_own_io_thread(start_broker):
-    """A broker with five I/O threads opens two data streams per consumer (auto), one on
-    each of its pipe threads; the consumer's link connects one PULL to each, on I/O threads
-    2 and 3 of its own. Both streams carry batches, every sample arrives once and intact,
+    """A broker with five I/O threads opens two data streams per consumer and per producer
+    (auto); a consumer's, one on each of its pipe threads; the consumer's link connects one
+    PULL to each, on I/O threads 2 and 3 of its own. Both streams carry batches, every sample arrives once and intact,
     and the ledger commits them all. With --data-streams 1: one stream, as before."""
     n = 120
     b = start_broker("--lease-size", "8", "--io-threads", "5")
-    result = _run_pair(b, n, consumer_io_threads=3)
+    result, producer = _run_pair(b, n, consumer_io_threads=3)
     assert (result["samples"], result["all_ok"]) == (list(range(n)), True)
+    assert producer["producer_streams"] == 2  # its batches in on two connections (two I/O threads) too
     assert len(result["streams"]) == 2 and sum(result["streams"]) == n and min(result["streams"]) > 0, result
     assert result["masks"] == [0b010, 0b100]
     cons = [e for e in b.events("broker.peer_joined") if e["peer_role"] == "consumer"]
@@ -72,5 +75,6 @@ def test_a_consumers_batches_take_its_data_streams_each_on_its_own_io_thread(sta
 
 def test_one_data_stream_when_asked(start_broker):
     b = start_broker("--lease-size", "8", "--io-threads", "5", "--data-streams", "1")
-    result = _run_pair(b, 24, consumer_io_threads=3)
+    result, producer = _run_pair(b, 24, consumer_io_threads=3)
     assert (result["samples"], result["streams"], result["masks"]) == (list(range(24)), [24], [0b010])
+    assert producer["producer_streams"] == 1
