@@ -32,7 +32,8 @@ from .server import Broker
 @option("--port", default=5555, type=int, help="Control port: the one address peers and dflash-status dial.")
 @option("--data-in-port", default=5556, type=int, help="Port producers push batches to (announced in welcome).")
 @option("--data-out-ports", default="5557-5620",
-        help="Port range for the per-consumer data pipes, one port per live consumer (open it in firewalls).")
+        help="Port range for the per-consumer data pipes, one port per data stream of each live consumer "
+             "(--data-streams; open it in firewalls).")
 @option("--advertise-host", default=None,
         help="Host name or IP peers should dial for data in/out; default: --bind if concrete, else this host's name.")
 @runs_dir_option()
