@@ -28,10 +28,10 @@
 #   bash bench/gpu_run.sh part15  # CPU only: transport at 64 and 256 MiB; part13's scaling again
 #   bash bench/gpu_run.sh part16  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after, 4 GB
 #                                 # per run; after with --fresh-batches; a profiled 1 MiB run
-#   bash bench/gpu_run.sh part18  # CPU only: transport at 1 and 16 MiB with producers on two data streams too;
-#                                 # with --fresh-batches; scaling 5x3 at 16 MiB
 #   bash bench/gpu_run.sh part17  # CPU only: transport at 1 and 16 MiB before (BASELINE_TAR) and after (the
 #                                 # ledger's own thread); 64 and 256 MiB; scaling 5x3 at 64 MiB, 2x2 and 5x3 at 16
+#   bash bench/gpu_run.sh part18  # CPU only: transport at 1 and 16 MiB with producers on two data streams too;
+#                                 # with --fresh-batches; scaling 5x3 at 16 MiB
 #
 # Results: $OUT/results_<track>.jsonl (one JSON object per line, each with "stage"), the
 # stage logs in $OUT/logs_<part>.tgz. Inputs are built in $DFLASH_GPU_WORK (kept between
@@ -156,15 +156,23 @@ part7() {  # after 0be9099 (greedy loop) and the stager: three tracks at once (G
   wait
 }
 
-part8() {  # the transport before and after a change, on this host's cores (no GPU used)
-  local base=/tmp/dflash-baseline
+# before TRACK LIMIT ARGS...: with BASELINE_TAR (a `git archive` of an earlier commit), run that
+# commit's bench/transport.py ARGS into $OUT/transport_before.json on its own code, then put
+# this tree back; without, nothing. Same machine, back to back: the before/after of a change.
+before() {
+  local track=$1 limit=$2; shift 2
   if [ -n "${BASELINE_TAR:-}" ]; then
+    local base=/tmp/dflash-baseline
     rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
     (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
-      && stage h transport_before 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_before.json")
+      && stage "$track" transport_before "$limit" python3 bench/transport.py "$@" --out "$OUT/transport_before.json")
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
   fi
   python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+}
+
+part8() {  # the transport before and after a change, on this host's cores (no GPU used)
+  before h 300 --sizes 1,16 --repeat 3
   stage h transport_after 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_after.json"
   stage h transport_after_fixed_credit 300 python3 bench/transport.py --sizes 1,16 --repeat 3 --inbox-bytes 0 \
       --out "$OUT/transport_after_fixed_credit.json"
@@ -207,14 +215,7 @@ part13() {  # several producers and consumers through one broker on this host's 
 }
 
 part14() {  # the relay's hot path and data streams: before and after on the same machine
-  if [ -n "${BASELINE_TAR:-}" ]; then
-    local base=/tmp/dflash-baseline
-    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
-    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
-      && stage n transport_before 240 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_before.json")
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
-  fi
-  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  before n 240 --sizes 1,16 --repeat 3
   stage n transport_after 240 python3 bench/transport.py --sizes 1,16 --repeat 3 --out "$OUT/transport_after.json"
   stage n transport_after_1stream 240 python3 bench/transport.py --sizes 1,16 --repeat 3 \
       --broker-arg=--data-streams --broker-arg=1 --out "$OUT/transport_after_1stream.json"
@@ -230,16 +231,8 @@ part15() {  # large batches, and several producers and consumers, as the code no
 
 part16() {  # the relay after session 5's second round, against BASELINE_TAR, longer runs
   local long=(--sizes 1,16 --gb 4 --max-messages 20000)
-  if [ -n "${BASELINE_TAR:-}" ]; then
-    local base=/tmp/dflash-baseline
-    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
-    # (its transport.py caps a size at 3,000 batches: 3 GB at 1 MiB, where this tree's moves 4)
-    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
-      && stage p transport_before 200 python3 bench/transport.py --sizes 1,16 --gb 4 --repeat 4 \
-         --out "$OUT/transport_before.json")
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
-  fi
-  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  # (the baseline's transport.py caps a size at 3,000 batches: 3 GB at 1 MiB, where this tree's moves 4)
+  before p 200 --sizes 1,16 --gb 4 --repeat 4
   stage p transport_after 200 python3 bench/transport.py "${long[@]}" --repeat 4 --out "$OUT/transport_after.json"
   stage p transport_after_fresh 160 python3 bench/transport.py "${long[@]}" --repeat 3 --fresh-batches \
       --out "$OUT/transport_after_fresh.json"
@@ -251,15 +244,7 @@ part16() {  # the relay after session 5's second round, against BASELINE_TAR, lo
 
 part17() {  # session 5's final state: small batches before/after, large batches, several peers
   local long=(--sizes 1,16 --gb 4 --max-messages 20000)
-  if [ -n "${BASELINE_TAR:-}" ]; then
-    local base=/tmp/dflash-baseline
-    rm -rf "$base" && mkdir -p "$base" && tar xf "$BASELINE_TAR" -C "$base"
-    (cd "$base" && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
-      && stage q transport_before 150 python3 bench/transport.py --sizes 1,16 --gb 4 --repeat 3 \
-         --out "$OUT/transport_before.json")
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .  # this tree again
-  fi
-  python3 -c 'import dflash.broker as b; print("dflash from", b.__file__)'
+  before q 150 --sizes 1,16 --gb 4 --repeat 3
   stage q transport_after 180 python3 bench/transport.py "${long[@]}" --repeat 4 --out "$OUT/transport_after.json"
   stage q transport_large 150 python3 bench/transport.py --sizes 64,256 --repeat 2 --out "$OUT/transport_large.json"
   stage q scaling_64 100 python3 bench/scaling.py --layouts 5x3 --mib 64 --gb 16 --out "$OUT/scaling_64.json"

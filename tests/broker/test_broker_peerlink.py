@@ -13,30 +13,8 @@ from broker_harness import HERE
 N_SAMPLES = 24
 
 
-def test_peerlink_producer_and_consumer_run_to_end_of_stream(start_broker):
-    b = start_broker("--lease-size", "8")
-    script = str(HERE / "link_peers.py")
-    procs = [subprocess.Popen([sys.executable, script, "producer", b.control, str(b.runs_dir), str(N_SAMPLES)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-             subprocess.Popen([sys.executable, script, "consumer", b.control, str(b.runs_dir)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [err[-800:] for _, err in outs]
-    assert b.proc.wait(15) == 0
-    result = json.loads([line for line in outs[1][0].splitlines() if '"all_ok"' in line][-1])
-    assert (result["samples"], result["all_ok"]) == (list(range(N_SAMPLES)), True)
-    db = sqlite3.connect(b.run_dir / "ledger.sqlite")
-    assert db.execute("SELECT COUNT(*) FROM samples WHERE state='committed'").fetchone()[0] == N_SAMPLES
-    logs = sorted(p.name for p in (b.run_dir / "logs").glob("*.jsonl"))
-    assert logs == ["broker-main.jsonl", "consumer-link-cons.jsonl", "producer-link-prod.jsonl"]
-
-
-def _run_pair(b, n: int, consumer_io_threads: int) -> tuple[dict, dict]:
+def _run_pair(b, n: int, consumer_io_threads: int = 0) -> tuple[dict, dict]:
+    """A link_peers.py producer of `n` samples and consumer, to the end; their result lines."""
     script = str(HERE / "link_peers.py")
     procs = [subprocess.Popen([sys.executable, script, "producer", b.control, str(b.runs_dir), str(n)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
@@ -55,11 +33,21 @@ def _run_pair(b, n: int, consumer_io_threads: int) -> tuple[dict, dict]:
     return consumer, producer
 
 
+def test_peerlink_producer_and_consumer_run_to_end_of_stream(start_broker):
+    b = start_broker("--lease-size", "8")
+    result, _ = _run_pair(b, N_SAMPLES)
+    assert (result["samples"], result["all_ok"]) == (list(range(N_SAMPLES)), True)
+    db = sqlite3.connect(b.run_dir / "ledger.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM samples WHERE state='committed'").fetchone()[0] == N_SAMPLES
+    logs = sorted(p.name for p in (b.run_dir / "logs").glob("*.jsonl"))
+    assert logs == ["broker-main.jsonl", "consumer-link-cons.jsonl", "producer-link-prod.jsonl"]
+
+
 def test_a_consumers_batches_take_its_data_streams_each_on_its_own_io_thread(start_broker):
     """A broker with five I/O threads opens two data streams per consumer and per producer
     (auto); a consumer's, one on each of its pipe threads; the consumer's link connects one
-    PULL to each, on I/O threads 2 and 3 of its own. Both streams carry batches, every sample arrives once and intact,
-    and the ledger commits them all. With --data-streams 1: one stream, as before."""
+    PULL to each, on I/O threads 2 and 3 of its own. Both streams carry batches, every
+    sample arrives once and intact, and the ledger commits them all. With --data-streams 1: one stream, as before."""
     n = 120
     b = start_broker("--lease-size", "8", "--io-threads", "5")
     result, producer = _run_pair(b, n, consumer_io_threads=3)
