@@ -276,22 +276,19 @@ class PeerLink:
             try:
                 frames = self._inbox.get(timeout=0.05)
             except queue.Empty:
-                frames = None
-            if frames is not None:
-                if self._credit.would_grant(self._inbox.qsize()):
-                    self._wake()  # room for a lump of credit: the I/O thread grants it now
-                # Decoded here, in the caller's thread, not on the I/O thread: at thousands
-                # of small batches a second that thread was a relay's busiest (0.84 core).
-                try:
-                    return codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker")
-                except ProtocolError as e:
-                    log.error("link.bad_message", reason=e.reason, peer="broker")
-                    continue
-            else:
                 if self.stopped.is_set() and self._inbox.empty():
                     return None
                 if deadline is not None and time.monotonic() > deadline:
                     return None
+                continue
+            if self._credit.would_grant(self._inbox.qsize()):
+                self._wake()  # room for a lump of credit: the I/O thread grants it now
+            # Decoded here, in the caller's thread, not on the I/O thread: at thousands of
+            # small batches a second that thread was a relay's busiest (0.84 core).
+            try:
+                return codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker")
+            except ProtocolError as e:
+                log.error("link.bad_message", reason=e.reason, peer="broker")
 
     def ack(self, batch_ids: list[str], step: int) -> None:
         self.send_control("ack", batch_ids=list(batch_ids), step=int(step))
