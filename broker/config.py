@@ -77,7 +77,7 @@ class BrokerConfig:
     elastic: bool = True  # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
     lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
     io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
-    data_streams: int = 0  # TCP connections per consumer for its batches; 0 = auto (stream_count)
+    data_streams: int = 0  # TCP connections per peer for its batches; 0 = auto (stream_count)
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -122,11 +122,11 @@ class BrokerConfig:
         """--io-threads, or auto (auto_broker_io_threads of the cores this process may use)."""
         return self.io_threads or auto_broker_io_threads(usable_cpus())
 
-    def stream_count(self, pipe_threads: int) -> int:
-        """--data-streams, or auto: one per I/O thread the consumers' pipes have, at most
-        AUTO_DATA_STREAMS (one stream where they share a single thread: a second would only
-        take turns on it)."""
-        return self.data_streams or max(1, min(AUTO_DATA_STREAMS, pipe_threads))
+    def stream_count(self, threads: int) -> int:
+        """--data-streams, or auto: one per I/O thread the broker has for that direction
+        (batches in, or the consumers' pipes), at most AUTO_DATA_STREAMS; one where there is
+        a single thread (a second stream would only take turns on it)."""
+        return self.data_streams or max(1, min(AUTO_DATA_STREAMS, threads))
 
     def host_to_advertise(self, hostname: str) -> str:
         """What peers should dial: --advertise-host, else a concrete --bind, else our name."""

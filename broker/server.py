@@ -82,8 +82,9 @@ class Broker:
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.io_threads = cfg.io_thread_count()
         self.ctx = zmq.Context(io_threads=self.io_threads)
-        self.streams = cfg.stream_count(len(self.pipe_threads))  # data connections per consumer
-        self.producer_streams = cfg.stream_count(bin(self.in_affinity).count("1"))  # and per producer
+        # Data connections per consumer and per producer: one per I/O thread of that direction.
+        self.streams = cfg.stream_count(bin(self.out_affinity).count("1"))
+        self.producer_streams = cfg.stream_count(bin(self.in_affinity).count("1"))
         self.curve, self.auth = None, None
         try:
             # ZAP first: libzmq admits every client while no authenticator runs.
