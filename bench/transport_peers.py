@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from common import HIDDEN, LAYER_IDS, batch_tensors, payload_bytes
+from common import HIDDEN, LAYER_IDS, PROFILE_DIR, batch_tensors, payload_bytes
 from dflash.protocol import codec
 from dflash.protocol.messages import header
 from dflash.protocol.alloc import reuse_freed_memory
@@ -138,7 +138,7 @@ def profiled(role: str):
 
     from dflash.protocol.peer import PeerLink
 
-    where = os.environ.get("DFLASH_BENCH_PROFILE")
+    where = PROFILE_DIR
     if not where:
         return
     io_loop = PeerLink._io_loop
