@@ -136,6 +136,22 @@ def _fingerprint(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor) -
     return {"model_type": spec.model_type, "config_sha256": shape, "heads_sha256": h.hexdigest()[:16]}
 
 
+IDENTITY_KEYS = ("model_type", "config_sha256", "heads_sha256")
+
+
+def same_target(a: dict | None, b: dict | None) -> bool:
+    """Whether two target identities (`_fingerprint`) name the same target."""
+    return isinstance(a, dict) and isinstance(b, dict) and all(a.get(k) == b.get(k) for k in IDENTITY_KEYS)
+
+
+def describe_target(identity: dict | None) -> str:
+    """A target identity for an error message: 'qwen3 (config 1a2b..., heads 3c4d...)'."""
+    if not isinstance(identity, dict):
+        return repr(identity)
+    return (f"{identity.get('model_type')} (config {str(identity.get('config_sha256'))[:12]}, "
+            f"heads {str(identity.get('heads_sha256'))[:12]})")
+
+
 def tokenizer_mask_id(path: str | Path, token: str = MASK_TOKEN) -> int | None:
     """The ID of the tokenizer's own `<|mask|>` token, if the target folder's tokenizer.json
     declares one (targets prepared for DFlash reserve it), else None. Reads that JSON only."""
