@@ -13,6 +13,7 @@ import zmq
 
 from dflash.protocol.logs import get_logger
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
+from dflash.protocol.target_id import describe_target, same_target
 
 from . import runinfo
 from .config import MAX_CREDIT, MAX_HELLO_CONFIG_BYTES
@@ -22,6 +23,8 @@ from .replies import refuse
 log = get_logger()
 
 FACT_KEYS = ("target", "layer_ids", "hidden_size")
+# Facts a producer states that are kept once known (checked by target_mismatch, not by value here).
+KEPT_KEYS = ("target_id",)
 
 
 def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
@@ -49,6 +52,9 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     if role == "consumer" and b.job_lost is not None and b.stopping is None:
         return refuse(b, identity, "job_lost", job_lost_reason(b), h)
     facts, pipe, port, rank = None, None, None, None
+    wrong_target = target_mismatch(b, role, config)
+    if wrong_target is not None:
+        return refuse(b, identity, "config_mismatch", wrong_target, h)
     if role == "producer":
         facts = producer_facts(b.facts, config)
         if isinstance(facts, str):
@@ -116,6 +122,37 @@ def job_lost_reason(b) -> str:
             f"dflash-broker --resume {b.run_id}")
 
 
+def target_mismatch(b, role: str, config: dict) -> str | None:
+    """Why this peer's target is not the run's, or None. The run's `target_id` is fixed by
+    its first producer; before one came, a producer is checked against the live
+    consumers' targets (a consumer states its own in `config.signal.target`)."""
+    if role == "producer":
+        mine = config.get("target_id")
+        if b.facts.get("target_id") is not None:
+            theirs, whose = b.facts["target_id"], "this run's target (its first producer's)"
+        else:
+            other = next((c for c in b.peers.live("consumer")
+                          if _consumer_target(c.config) is not None and mine is not None
+                          and not same_target(_consumer_target(c.config), mine)), None)
+            if other is None:
+                return None
+            theirs, whose = _consumer_target(other.config), f"live consumer {other.id}'s target"
+    else:
+        mine, theirs = _consumer_target(config), b.facts.get("target_id")
+        whose = "this run's target (its producers')"
+        if theirs is None or mine is None:
+            return None
+    if same_target(mine, theirs):
+        return None
+    return (f"this {role}'s --target is {describe_target(mine)}, {whose} is {describe_target(theirs)}: every "
+            "producer and consumer of a run must load the same target model")
+
+
+def _consumer_target(config: dict):
+    signal = config.get("signal")
+    return signal.get("target") if isinstance(signal, dict) else None
+
+
 def producer_facts(facts: dict, config: dict) -> dict | str:
     """The run's facts with this producer's added, or why it does not fit the run."""
     ds = config.get("dataset") if isinstance(config.get("dataset"), dict) else {}
@@ -134,7 +171,7 @@ def producer_facts(facts: dict, config: dict) -> dict | str:
         if facts.get(k) is not None and config.get(k) != facts[k]:
             return f"{k} {config.get(k)!r} differs from this run's {facts[k]!r}"
     new = dict(facts)
-    for k in FACT_KEYS:
+    for k in FACT_KEYS + KEPT_KEYS:
         if new.get(k) is None and config.get(k) is not None:
             new[k] = config[k]
     if known is None:

@@ -35,8 +35,8 @@ from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, broker_batches, hello_config, nothing_left_to_train, offer_dist_addr,
-                   resume_point, run_layers)
+from .link import (BrokerHooks, arranged_dist, broker_batches, check_run_target, hello_config, nothing_left_to_train,
+                   offer_dist_addr, resume_point, run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
@@ -248,6 +248,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
         run_config = link.welcome.get("run_config") or {}
+        check_run_target(run_config, heads.identity)
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
         tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir), skip_held=True)
         with collective_failures_named():

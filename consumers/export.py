@@ -231,12 +231,15 @@ def drafter_target(folder: str | os.PathLike) -> dict | None:
 def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike) -> dict | None:
     """Refuse (ExportError naming both) a drafter trained for another target than the one
     at `target_dir`. Returns the recorded identity (None: nothing recorded, not checked)."""
-    from .target_heads import describe_target, load_target_heads, same_target
+    from .target_heads import TargetLoadError, describe_target, identity_of, same_target
 
     want = drafter_target(drafter_dir)
     if want is None:
         return None
-    have = load_target_heads(target_dir).identity
+    try:
+        have = identity_of(target_dir)
+    except TargetLoadError as e:
+        raise ExportError(f"--target {target_dir}: cannot check it is the drafter's target ({e})") from None
     if not same_target(want, have):
         raise ExportError(f"drafter {drafter_dir} was trained for target {describe_target(want)}, but --target "
                           f"{target_dir} is {describe_target(have)}: evaluate it with the target it was trained for")

@@ -25,7 +25,7 @@ MANIFEST_FORMAT = "dflash-manifest-v1"
 _CHUNK = 8 << 20
 
 
-class CheckpointDamaged(DFlashError):
+class CheckpointDamaged(DFlashError, ValueError):
     """A checkpoint or drafter file does not hold what was written (hash, size, parse, NaN)."""
 
 

@@ -111,6 +111,18 @@ def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainCo
     return tcfg
 
 
+def check_run_target(run_config: dict, identity: dict) -> None:
+    """Raise RunConfigMismatch (naming both) when the run's target (`target_id`, stated by
+    its producers) is not the one this consumer loaded. The broker refuses such a hello
+    already; this covers a broker that does not check."""
+    from dflash.protocol.target_id import describe_target, same_target
+
+    theirs = run_config.get("target_id")
+    if theirs is not None and not same_target(theirs, identity):
+        raise RunConfigMismatch(f"this run's target is {describe_target(theirs)}, --target here is "
+                                f"{describe_target(identity)}: consumers must load the producers' target")
+
+
 def resume_point(ref: str | None, run_config: dict, runs_dir) -> str | None:
     """The checkpoint folder to start from, or None to start fresh.
 

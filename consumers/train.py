@@ -379,7 +379,7 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
     if not isinstance(batch, Batch):  # not staged (staging.py does this on its thread)
         batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
     try:
-        batch.check(list(signal.target_layers), heads.spec.hidden_size)
+        batch.check(list(signal.target_layers), heads.spec.hidden_size, heads.spec.vocab_size)
     except BatchMismatch as e:
         log.error("train.batch_mismatch", batch_id=batch.batch_id, error=str(e), layer_ids=batch.layer_ids,
                   target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))
