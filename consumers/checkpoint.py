@@ -137,11 +137,12 @@ def save_checkpoint(
         shutil.rmtree(old)
     os.replace(tmp, final)
     _fsync_dir(root)
-    # The one just written is never pruned, even where the folder holds higher steps
-    # (another lineage's): pruning by step number alone deleted it.
-    for _, p in step_dirs(root)[:-keep] if keep > 0 else []:
-        if p != final:
-            shutil.rmtree(p, ignore_errors=True)
+    # The one just written is kept, plus the keep-1 highest others: where the folder holds
+    # higher steps (a consumer restarted from an earlier point), pruning by step number
+    # alone deleted the checkpoint it had just written.
+    others = [p for _, p in step_dirs(root) if p != final]
+    for p in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
     return final
 
 
