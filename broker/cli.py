@@ -166,10 +166,19 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     finally:
         samples = dict(broker.ledger.counts)
         broker.close()
-        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal)
-        log.info("broker.exit", outcome=outcome, exit_code=0 if error is None else 1)
+        why = getattr(broker, "outcome_why", None)
+        code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
+        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal,
+                       **({"reason": why} if why else {}))
+        log.info("broker.exit", outcome=outcome, exit_code=code)
         close_logging()
-    return 0 if error is None else 1
+    if outcome == "nothing_to_train":
+        click.echo(f"error: nothing to train in run {run_id}: {why}", err=True)
+    return code
+
+
+# A run that reached end of stream without training anything: not a success (issue 19).
+EXIT_NOTHING_TO_TRAIN = 3
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dflash.protocol.errors import ProtocolError
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import CONTROL_TO_BROKER, PROTOCOL_VERSION
 
-from . import handshake
+from . import handshake, runinfo
 from .replies import bad_message, refuse
 from .config import MAX_CREDIT
 from .leases import Lease
@@ -231,5 +231,6 @@ def check_end_of_stream(b) -> None:
                 b.send(p.identity, "stop", reason="end_of_stream")
     elif not any(pid in b.peers.by_id for pid in b.stopping):
         b.ledger.flush()
-        log.info("broker.stop", reason="end_of_stream", outcome="completed")
-        b.outcome = "completed"
+        outcome, b.outcome_why = runinfo.end_of_stream_outcome(b)  # `nothing_to_train` when it trained nothing
+        log.info("broker.stop", reason="end_of_stream", outcome=outcome)
+        b.outcome = outcome
