@@ -45,6 +45,8 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     if len(b.peers.by_id) >= b.cfg.max_peers:  # every session costs memory: a flood of hellos must not
         return refuse(b, identity, "full", f"{b.cfg.max_peers} live peers already (--max-peers)", h)
     other = b.peers.instance_taken(role, instance)
+    if other is not None and same_process(other, h, key):
+        return reconnected(b, other, identity)
     if other is not None:
         return refuse(b, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
@@ -72,6 +74,7 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
                           f"(--data-out-ports; {b.streams} per consumer, --data-streams)", h)
         pipes, ports = opened
     p = b.peers.add(role, identity, h)
+    p.curve_key = key
     if role == "producer":
         set_facts(b, facts, p.id)
     else:
@@ -87,6 +90,31 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     welcome(b, p)
     if b.stopping is not None:  # joined after end of stream (or during a shutdown): nothing left to do
         b.stopping.add(p.id)
+        b.send(p.identity, "stop", reason=b.stop_reason)
+
+
+def same_process(p: Peer, h: dict, key: str | None) -> bool:
+    """Whether a hello comes from the very process of live session `p`, on a new
+    connection: same role and instance, host and pid, and the same Curve key. A DEALER
+    that reconnects (ZeroMQ closed its connection, e.g. for a frame over the control limit)
+    gets a new ROUTER identity unless it set one, and its old connection is gone: a pid
+    lives on one host once, so that session cannot be answering anyone else."""
+    return (h.get("host") == p.host and h.get("pid") == p.pid and isinstance(h.get("pid"), int)
+            and getattr(p, "curve_key", None) == key)
+
+
+def reconnected(b, p: Peer, identity: bytes) -> None:
+    """Move session `p` to its new connection (same peer ID, leases, credit, pipes) and
+    welcome it again; logged as broker.peer_reconnected."""
+    old = p.identity
+    b.peers.by_identity.pop(old, None)
+    p.identity = identity
+    b.peers.by_identity[identity] = p
+    log.warning("broker.peer_reconnected", **p.describe(), old_identity=old.hex()[:64], identity=identity.hex()[:64],
+                hint="its control connection was closed and reopened (a network reset, or a frame over the "
+                     "control limit)")
+    welcome(b, p)
+    if b.stopping is not None and p.id in b.stopping:
         b.send(p.identity, "stop", reason=b.stop_reason)
 
 
