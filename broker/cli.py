@@ -98,8 +98,11 @@ def main(**opts) -> None:
     """
     parent = None
     try:
-        opts["queue_bytes"] = parse_bytes(opts["queue_bytes"])
-        opts["max_message_bytes"] = parse_bytes(opts["max_message_bytes"])
+        for name in ("queue_bytes", "max_message_bytes"):  # named: the value may come from env or --config
+            try:
+                opts[name] = parse_bytes(opts[name])
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_{name.upper()}, or --config): {e}") from None
         opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
         cfg = BrokerConfig(**opts)
         if cfg.curve_keys:
