@@ -98,8 +98,11 @@ def main(**opts) -> None:
     """
     parent = None
     try:
-        opts["queue_bytes"] = parse_bytes(opts["queue_bytes"])
-        opts["max_message_bytes"] = parse_bytes(opts["max_message_bytes"])
+        for name in ("queue_bytes", "max_message_bytes"):  # named: the value may come from env or --config
+            try:
+                opts[name] = parse_bytes(opts[name])
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_{name.upper()}, or --config): {e}") from None
         opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
         cfg = BrokerConfig(**opts)
         if cfg.curve_keys:
@@ -166,10 +169,19 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     finally:
         samples = dict(broker.ledger.counts)
         broker.close()
-        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal)
-        log.info("broker.exit", outcome=outcome, exit_code=0 if error is None else 1)
+        why = getattr(broker, "outcome_why", None)
+        code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
+        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal,
+                       **({"reason": why} if why else {}))
+        log.info("broker.exit", outcome=outcome, exit_code=code)
         close_logging()
-    return 0 if error is None else 1
+    if outcome == "nothing_to_train":
+        click.echo(f"error: nothing to train in run {run_id}: {why}", err=True)
+    return code
+
+
+# A run that reached end of stream without training anything: not a success (issue 19).
+EXIT_NOTHING_TO_TRAIN = 3
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ from dflash.protocol.errors import ProtocolError
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import CONTROL_TO_BROKER, PROTOCOL_VERSION
 
-from . import handshake
+from . import handshake, runinfo
 from .replies import bad_message, refuse
-from .config import MAX_CREDIT
+from .config import CONTROL_MAX_BYTES, MAX_CREDIT
 from .leases import Lease
 from .peers import Peer
 from .status import build_status, sanitize_stats
@@ -49,7 +49,7 @@ def handle(b, identity: bytes, frames: list) -> None:
     try:
         msg = codec.decode(frames, allowed=CONTROL_TO_BROKER, run=b.run_id, peer=who, parsed=h)
     except ProtocolError as e:
-        return bad_message(b, identity, who, e.reason)
+        return bad_message(b, identity, who, e.reason, h)
     t, h = msg.type, msg.header
     if t == "status":
         return b.send(identity, "status_reply", status=build_status(b))
@@ -57,9 +57,11 @@ def handle(b, identity: bytes, frames: list) -> None:
         return handshake.hello(b, identity, h, key=curve.key_name(frames[0]))
     if peer is None:
         return refuse(b, identity, "unknown_peer", "this connection has no live session (never said hello, "
-                      "or was declared lost): say hello again to rejoin with a new peer ID", h)
+                      "was declared lost, or its connection was closed and reopened: ZeroMQ closes a connection "
+                      f"that sends a frame over the control limit of {CONTROL_MAX_BYTES} bytes): say hello "
+                      "again to rejoin", h)
     if t in ROLE_ONLY and t not in ROLE_TYPES[peer.role]:
-        return bad_message(b, identity, who, f"{t!r} is not accepted from a {peer.role}")
+        return bad_message(b, identity, who, f"{t!r} is not accepted from a {peer.role}", h)
     HANDLERS[t](b, peer, h)
 
 
@@ -117,7 +119,7 @@ def lease_incomplete(b, lease: Lease) -> None:
 
 def on_credit(b, p: Peer, h: dict) -> None:
     if h["credit"] < 0:
-        return bad_message(b, p.identity, p.id, f"credit {h['credit']} is negative")
+        return bad_message(b, p.identity, p.id, f"credit {h['credit']} is negative", h)
     p.credit = min(MAX_CREDIT, p.credit + h["credit"])
 
 
@@ -231,5 +233,6 @@ def check_end_of_stream(b) -> None:
                 b.send(p.identity, "stop", reason="end_of_stream")
     elif not any(pid in b.peers.by_id for pid in b.stopping):
         b.ledger.flush()
-        log.info("broker.stop", reason="end_of_stream", outcome="completed")
-        b.outcome = "completed"
+        outcome, b.outcome_why = runinfo.end_of_stream_outcome(b)  # `nothing_to_train` when it trained nothing
+        log.info("broker.stop", reason="end_of_stream", outcome=outcome)
+        b.outcome = outcome

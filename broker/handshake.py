@@ -13,6 +13,7 @@ import zmq
 
 from dflash.protocol.logs import get_logger
 from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
+from dflash.protocol.target_id import describe_target, same_target
 
 from . import runinfo
 from .config import MAX_CREDIT, MAX_HELLO_CONFIG_BYTES
@@ -22,6 +23,8 @@ from .replies import refuse
 log = get_logger()
 
 FACT_KEYS = ("target", "layer_ids", "hidden_size")
+# Facts a producer states that are kept once known (checked by target_mismatch, not by value here).
+KEPT_KEYS = ("target_id",)
 
 
 def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
@@ -42,6 +45,8 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     if len(b.peers.by_id) >= b.cfg.max_peers:  # every session costs memory: a flood of hellos must not
         return refuse(b, identity, "full", f"{b.cfg.max_peers} live peers already (--max-peers)", h)
     other = b.peers.instance_taken(role, instance)
+    if other is not None and same_process(other, h, key):
+        return reconnected(b, other, identity)
     if other is not None:
         return refuse(b, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
@@ -49,6 +54,9 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     if role == "consumer" and b.job_lost is not None and b.stopping is None:
         return refuse(b, identity, "job_lost", job_lost_reason(b), h)
     facts, pipe, port, rank = None, None, None, None
+    wrong_target = target_mismatch(b, role, config)
+    if wrong_target is not None:
+        return refuse(b, identity, "config_mismatch", wrong_target, h)
     if role == "producer":
         facts = producer_facts(b.facts, config)
         if isinstance(facts, str):
@@ -66,6 +74,7 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
                           f"(--data-out-ports; {b.streams} per consumer, --data-streams)", h)
         pipes, ports = opened
     p = b.peers.add(role, identity, h)
+    p.curve_key = key
     if role == "producer":
         set_facts(b, facts, p.id)
     else:
@@ -81,6 +90,31 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     welcome(b, p)
     if b.stopping is not None:  # joined after end of stream (or during a shutdown): nothing left to do
         b.stopping.add(p.id)
+        b.send(p.identity, "stop", reason=b.stop_reason)
+
+
+def same_process(p: Peer, h: dict, key: str | None) -> bool:
+    """Whether a hello comes from the very process of live session `p`, on a new
+    connection: same role and instance, host and pid, and the same Curve key. A DEALER
+    that reconnects (ZeroMQ closed its connection, e.g. for a frame over the control limit)
+    gets a new ROUTER identity unless it set one, and its old connection is gone: a pid
+    lives on one host once, so that session cannot be answering anyone else."""
+    return (h.get("host") == p.host and h.get("pid") == p.pid and isinstance(h.get("pid"), int)
+            and getattr(p, "curve_key", None) == key)
+
+
+def reconnected(b, p: Peer, identity: bytes) -> None:
+    """Move session `p` to its new connection (same peer ID, leases, credit, pipes) and
+    welcome it again; logged as broker.peer_reconnected."""
+    old = p.identity
+    b.peers.by_identity.pop(old, None)
+    p.identity = identity
+    b.peers.by_identity[identity] = p
+    log.warning("broker.peer_reconnected", **p.describe(), old_identity=old.hex()[:64], identity=identity.hex()[:64],
+                hint="its control connection was closed and reopened (a network reset, or a frame over the "
+                     "control limit)")
+    welcome(b, p)
+    if b.stopping is not None and p.id in b.stopping:
         b.send(p.identity, "stop", reason=b.stop_reason)
 
 
@@ -116,6 +150,37 @@ def job_lost_reason(b) -> str:
             f"dflash-broker --resume {b.run_id}")
 
 
+def target_mismatch(b, role: str, config: dict) -> str | None:
+    """Why this peer's target is not the run's, or None. The run's `target_id` is fixed by
+    its first producer; before one came, a producer is checked against the live
+    consumers' targets (a consumer states its own in `config.signal.target`)."""
+    if role == "producer":
+        mine = config.get("target_id")
+        if b.facts.get("target_id") is not None:
+            theirs, whose = b.facts["target_id"], "this run's target (its first producer's)"
+        else:
+            other = next((c for c in b.peers.live("consumer")
+                          if _consumer_target(c.config) is not None and mine is not None
+                          and not same_target(_consumer_target(c.config), mine)), None)
+            if other is None:
+                return None
+            theirs, whose = _consumer_target(other.config), f"live consumer {other.id}'s target"
+    else:
+        mine, theirs = _consumer_target(config), b.facts.get("target_id")
+        whose = "this run's target (its producers')"
+        if theirs is None or mine is None:
+            return None
+    if same_target(mine, theirs):
+        return None
+    return (f"this {role}'s --target is {describe_target(mine)}, {whose} is {describe_target(theirs)}: every "
+            "producer and consumer of a run must load the same target model")
+
+
+def _consumer_target(config: dict):
+    signal = config.get("signal")
+    return signal.get("target") if isinstance(signal, dict) else None
+
+
 def producer_facts(facts: dict, config: dict) -> dict | str:
     """The run's facts with this producer's added, or why it does not fit the run."""
     ds = config.get("dataset") if isinstance(config.get("dataset"), dict) else {}
@@ -134,7 +199,7 @@ def producer_facts(facts: dict, config: dict) -> dict | str:
         if facts.get(k) is not None and config.get(k) != facts[k]:
             return f"{k} {config.get(k)!r} differs from this run's {facts[k]!r}"
     new = dict(facts)
-    for k in FACT_KEYS:
+    for k in FACT_KEYS + KEPT_KEYS:
         if new.get(k) is None and config.get(k) is not None:
             new[k] = config[k]
     if known is None:

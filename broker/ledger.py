@@ -258,6 +258,17 @@ class Ledger:
     def peer_joined(self, p) -> None:
         self._op("peer", (p.id, p.role, p.instance, p.host, p.pid, p.gpu, time.time()))
 
+    def skip_reasons(self) -> dict[str, int]:
+        """Skipped samples of this run by reason (the part before its first ':'), once
+        flushed: what a run that trained nothing tells its operator."""
+        rows = self._now(lambda: self.db.execute(
+            "SELECT reason, COUNT(*) FROM samples WHERE state='skipped' GROUP BY reason").fetchall())
+        out: dict[str, int] = {}
+        for reason, n in rows:
+            key = str(reason or "unknown").split(":", 1)[0].strip()[:64]
+            out[key] = out.get(key, 0) + n
+        return out
+
     def peer_gone(self, peer_id: str, outcome: str, reason: str) -> None:
         self._op("peer_gone", (time.time(), outcome, reason, peer_id))
 

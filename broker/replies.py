@@ -59,8 +59,24 @@ class LogGate:
             self._suppressed.clear()
 
 
+# Header fields a reject echoes in `answers`, so a peer knows which of its messages was refused.
+ECHO_FIELDS = ("type", "step", "lease", "want", "credit", "checkpoint")
+
+
+def answers(h: dict | None) -> dict | None:
+    """What a reject answers: the refused message's type and identifying fields (clipped),
+    the first batch IDs of an ack; None if its header did not parse."""
+    if not isinstance(h, dict) or "type" not in h:
+        return None
+    out = {k: clip(h[k], 64) for k in ECHO_FIELDS if k in h}
+    if isinstance(h.get("batch_ids"), list):
+        out["batch_ids"] = [clip(x, 64) for x in h["batch_ids"][:4]]
+        out["n_batch_ids"] = len(h["batch_ids"])
+    return out
+
+
 def refuse(b, identity: bytes, code: str, reason: str, h: dict | None = None) -> None:
-    """Answer `reject {code, reason}` and log broker.peer_rejected."""
+    """Answer `reject {code, reason, answers}` and log broker.peer_rejected."""
     key = identity.hex()[:64]
     reason = clip(reason, MAX_REASON)
     ok, suppressed = b.log_limit.allow(f"reject:{key}")
@@ -70,14 +86,18 @@ def refuse(b, identity: bytes, code: str, reason: str, h: dict | None = None) ->
                     peer_role=clip(h.get("role")), peer_instance=clip(h.get("instance")),
                     peer_host=clip(h.get("host")), peer_pid=clip(h.get("pid")), suppressed=suppressed)
     if b.reply_limit.allow(key)[0]:
-        b.send(identity, "reject", reason=reason, code=code)
+        echo = answers(h)
+        b.send(identity, "reject", reason=reason, code=code, **({"answers": echo} if echo else {}))
 
 
-def bad_message(b, identity: bytes, who: str, reason: str) -> None:
-    """A control message failed validation: log it, answer `reject {code: bad_message}`."""
+def bad_message(b, identity: bytes, who: str, reason: str, h: dict | None = None) -> None:
+    """A control message failed validation: log it, answer `reject {code: bad_message}`
+    (with `answers` when its header parsed)."""
     log_bad(b, "control", who, reason)
     if b.reply_limit.allow(identity.hex())[0]:
-        b.send(identity, "reject", reason=f"bad message: {reason}", code="bad_message")
+        echo = answers(h)
+        b.send(identity, "reject", reason=f"bad message: {reason}", code="bad_message",
+               **({"answers": echo} if echo else {}))
 
 
 def log_bad(b, socket: str, who: str, reason: str) -> None:

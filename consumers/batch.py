@@ -86,8 +86,9 @@ class Batch:
         return Batch(self.batch_id, [self.samples[i] for i in keep], [self.seq_lens[i] for i in keep],
                      self.layer_ids, self.epoch, pick(self.input_ids), pick(self.loss_mask), pick(self.hidden))
 
-    def check(self, layer_ids: list[int], hidden_size: int) -> None:
-        """Raise BatchMismatch unless this batch carries `layer_ids` of width hidden_size."""
+    def check(self, layer_ids: list[int], hidden_size: int, vocab_size: int | None = None) -> None:
+        """Raise BatchMismatch unless this batch carries `layer_ids` of width hidden_size
+        and (given `vocab_size`) only token IDs in 0..vocab_size-1."""
         if self.layer_ids != list(layer_ids):
             raise BatchMismatch(
                 f"batch {self.batch_id} carries target layers {self.layer_ids}, the drafter trains on {list(layer_ids)}"
@@ -99,3 +100,11 @@ class Batch:
             )
         if sum(self.seq_lens) != self.tokens or len(self.samples) != len(self.seq_lens):
             raise BatchMismatch(f"batch {self.batch_id}: seq_lens/samples disagree with {self.tokens} tokens")
+        if vocab_size is not None and self.tokens:
+            # The wire allows any int32: an ID past the vocabulary would crash the embedding
+            # lookup (IndexError) or, on a GPU, fault the device, far from its cause.
+            lo, hi = (int(x) for x in torch.aminmax(self.input_ids))
+            if lo < 0 or hi >= vocab_size:
+                raise BatchMismatch(f"batch {self.batch_id} (producer {self.batch_id.rsplit('-', 1)[0]}) holds token "
+                                    f"IDs {lo}..{hi}, outside this target's vocabulary 0..{vocab_size - 1}: its "
+                                    "producer tokenises for another target, or the batch is corrupt")

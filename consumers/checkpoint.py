@@ -9,6 +9,9 @@ A checkpoint folder holds
   state.json         step, tokens/samples seen, schedule, training signal, run config
   trained.safetensors  (epoch, sample) -> times the weights were trained on it, all ranks,
                      cumulative over resumes (record.py documents the format)
+  manifest.json      sha256 and size of every other file, written last: resume, export and
+                     eval check it first, so a damaged file is refused naming it
+                     (integrity.py); weights and optimizer state must also be finite
 The training signal decides what the drafter learns; resuming with another one is
 refused (naming the fields) unless forced. Packing settings are not part of it.
 """
@@ -24,11 +27,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import is_run_id, runs_root, write_json_atomic
+
+from .integrity import CheckpointDamaged, check_finite, load_weights, verify_checkpoint, write_manifest
+
+__all__ = ["CheckpointDamaged", "Signal", "SignalMismatch", "check_finite", "check_signal", "load_checkpoint",
+           "load_weights", "read_state", "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs",
+           "verify_checkpoint"]
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -120,6 +129,7 @@ def save_checkpoint(
     write_json_atomic(tmp / "state.json", {**state, "step": step, "saved_at": time.time()})
     if record is not None:  # in the same folder as the weights: renamed into place with them
         record.save(tmp)
+    write_manifest(tmp)  # last: it hashes every file above
     _fsync_files(tmp)
     if final.exists():  # re-saving a step (rare: a restarted run) replaces it whole
         old = root / f".old-step-{step}-{os.getpid()}"
@@ -127,7 +137,11 @@ def save_checkpoint(
         shutil.rmtree(old)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for _, p in step_dirs(root)[:-keep] if keep > 0 else []:
+    # The one just written is kept, plus the keep-1 highest others: where the folder holds
+    # higher steps (a consumer restarted from an earlier point), pruning by step number
+    # alone deleted the checkpoint it had just written.
+    others = [p for _, p in step_dirs(root) if p != final]
+    for p in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
     return final
 
@@ -161,10 +175,26 @@ def read_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
-    """Load weights and optimizer state in place; return (state.json dict, per-rank RNG list)."""
-    weights = load_file(path / "model.safetensors")
+    """Load weights and optimizer state in place; return (state.json dict, per-rank RNG list).
+
+    Raises CheckpointDamaged naming the file: a content hash that does not match, a file
+    that does not parse (truncated), non-finite weights or optimizer state."""
+    verify_checkpoint(path)
+    weights = load_weights(path / "model.safetensors")
     model.load_state_dict(weights, strict=True)
     device = next(model.parameters()).device
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=True)["rng"]
+    opt = _torch_load(path / "optimizer.pt", device)
+    check_finite(opt.get("state", {}), path / "optimizer.pt")
+    optimizer.load_state_dict(opt)
+    rng = _torch_load(path / "rng.pt", "cpu")["rng"]
     return read_state(path), rng
+
+
+def _torch_load(file: Path, device) -> dict:
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"{file} is missing: the checkpoint is incomplete") from None
+    except Exception as e:  # a truncated or overwritten pickle fails in many ways
+        raise CheckpointDamaged(f"{file} cannot be read ({type(e).__name__}: {str(e)[:200]}): the file is "
+                                "damaged; resume from an earlier checkpoint") from None

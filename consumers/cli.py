@@ -35,8 +35,8 @@ from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, broker_batches, hello_config, nothing_left_to_train, offer_dist_addr,
-                   resume_point, run_layers)
+from .link import (BrokerHooks, arranged_dist, broker_batches, check_run_target, hello_config, nothing_left_to_train,
+                   offer_dist_addr, resume_point, run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
@@ -248,8 +248,10 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
         run_config = link.welcome.get("run_config") or {}
+        check_run_target(run_config, heads.identity)
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
-        tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir), skip_held=True)
+        tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id),
+                       skip_held=True)
         with collective_failures_named():
             dist = (_own_dist(cfg, device) if own else arranged_dist(run_config, device, cfg.instance, cfg.broker)
                     ) or Dist(device=device)
@@ -323,6 +325,12 @@ def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
     run_id = cfg.run_id or new_run_id()
     if dist.enabled and not cfg.run_id:
         run_id = dist.broadcast_str(run_id)
+    if cfg.run_id and (run_folder(run_id, cfg.runs_dir) / "run.json").exists():
+        # Another run's folder (a broker's, an earlier local one): writing into it mixed two
+        # runs' logs and checkpoints and overwrote its run.json (its resume then failed).
+        raise DFlashError(f"--run-id {run_id}: that run exists ({run_folder(run_id, cfg.runs_dir)}); a local run "
+                          "writes only into a new run folder: leave out --run-id, or give a new ID "
+                          "(to continue a run, --resume it)")
     run_dir = make_run_dir(run_id, cfg.runs_dir)
     bind_run(run_id, cfg.runs_dir)
     if dist.rank == 0:
@@ -331,7 +339,7 @@ def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
             "run_id": run_id, "role": "consumer", "config": _json_config(cfg), "versions": versions(),
             "hosts": [hostname()], "parent_run": parent, "resumed_from": tcfg.resume, "pid": os.getpid(),
         })
-        point_latest(run_id, cfg.runs_dir)
+        point_latest(run_id, cfg.runs_dir, local=True)
     return run_dir
 
 

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import click
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash.protocol.config import fail, option, runs_dir_option
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import write_json_atomic
 
 from .checkpoint import resolve_checkpoint
+from .integrity import CheckpointDamaged, load_weights, read_manifest, verify_checkpoint, write_manifest
 from .model import DFlashDraft, DrafterConfig
 
 
@@ -155,10 +156,11 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         raise ExportError(f"{src} has no config.json + model.safetensors (not a drafter checkpoint)")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty (pass --force to replace it)")
+    verify_checkpoint(src)  # a damaged file is refused here, naming it, before anything is written
     ckpt_cfg = json.loads((src / "config.json").read_text())
     cfg = export_config(ckpt_cfg, **dict(zip(("bos_token_id", "eos_token_id"), _target_token_ids(target))))
     model = DFlashDraft(drafter_config(cfg))
-    weights = load_file(src / "model.safetensors")
+    weights = load_weights(src / "model.safetensors")
     _check_names(weights, model)
     # bf16 as published; contiguous copies because safetensors refuses views.
     weights = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())}
@@ -170,6 +172,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     try:
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", cfg)
+        # Not in the published layout's files: hashes of the two, and the target the drafter
+        # was trained for, which dflash-eval checks against the target it is given.
+        write_manifest(tmp, {"target": drafter_target(src), "source": str(src.resolve())})
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -195,9 +200,10 @@ def load_exported(path: str | os.PathLike, *, device: str | torch.device = "cpu"
 
     Raises ExportError (unsupported or inconsistent folder), FileNotFoundError."""
     folder = Path(path)
+    verify_checkpoint(folder)  # ours carry manifest.json; a published drafter has none
     cfg = json.loads((folder / "config.json").read_text())
     model = DFlashDraft(drafter_config(cfg))
-    weights = load_file(folder / "model.safetensors")
+    weights = load_weights(folder / "model.safetensors")
     weights = {k.removeprefix("model."): v for k, v in weights.items()}  # some trainers save a prefix
     _check_names(weights, model)
     model.load_state_dict(weights, strict=True)
@@ -208,6 +214,36 @@ def load_exported(path: str | os.PathLike, *, device: str | torch.device = "cpu"
     block = dc.get("block_size", cfg.get("block_size", 16))
     return Drafter(model, int(block), int(dc["mask_token_id"]), [int(i) for i in dc["target_layer_ids"]],
                    int(cfg.get("num_target_layers") or 0), cfg)
+
+
+def drafter_target(folder: str | os.PathLike) -> dict | None:
+    """The target identity a drafter folder records (target_heads `identity`): a training
+    checkpoint's state.json signal, or an export's manifest.json; None if it records none
+    (a drafter published by others)."""
+    folder = Path(folder)
+    state = folder / "state.json"
+    if state.is_file():
+        return (json.loads(state.read_text()).get("signal") or {}).get("target")
+    manifest = read_manifest(folder)
+    return manifest.get("target") if manifest else None
+
+
+def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike) -> dict | None:
+    """Refuse (ExportError naming both) a drafter trained for another target than the one
+    at `target_dir`. Returns the recorded identity (None: nothing recorded, not checked)."""
+    from .target_heads import TargetLoadError, describe_target, identity_of, same_target
+
+    want = drafter_target(drafter_dir)
+    if want is None:
+        return None
+    try:
+        have = identity_of(target_dir)
+    except TargetLoadError as e:
+        raise ExportError(f"--target {target_dir}: cannot check it is the drafter's target ({e})") from None
+    if not same_target(want, have):
+        raise ExportError(f"drafter {drafter_dir} was trained for target {describe_target(want)}, but --target "
+                          f"{target_dir} is {describe_target(have)}: evaluate it with the target it was trained for")
+    return want
 
 
 # ---------------------------------------------------------------- CLI
@@ -228,7 +264,7 @@ def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force
         out = export_checkpoint(src, out_dir, target=target, overwrite=force)
     except KeyError as e:
         fail(f"{checkpoint}: config.json lacks {e}")
-    except (ExportError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (ExportError, CheckpointDamaged, FileNotFoundError, json.JSONDecodeError) as e:
         fail(str(e))
     cfg = json.loads((out / "config.json").read_text())
     click.echo(f"exported {src} -> {out} (block_size {cfg['block_size']}, "

@@ -27,6 +27,7 @@ import torch
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.gpu import gpu_figures
 from dflash.protocol.logs import get_logger
+from dflash.protocol.run import is_run_id
 
 from .checkpoint import Signal, resolve_checkpoint
 from .dist import Dist
@@ -111,15 +112,34 @@ def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainCo
     return tcfg
 
 
-def resume_point(ref: str | None, run_config: dict, runs_dir) -> str | None:
+def check_run_target(run_config: dict, identity: dict) -> None:
+    """Raise RunConfigMismatch (naming both) when the run's target (`target_id`, stated by
+    its producers) is not the one this consumer loaded. The broker refuses such a hello
+    already; this covers a broker that does not check."""
+    from dflash.protocol.target_id import describe_target, same_target
+
+    theirs = run_config.get("target_id")
+    if theirs is not None and not same_target(theirs, identity):
+        raise RunConfigMismatch(f"this run's target is {describe_target(theirs)}, --target here is "
+                                f"{describe_target(identity)}: consumers must load the producers' target")
+
+
+def resume_point(ref: str | None, run_config: dict, runs_dir, run_id: str | None = None) -> str | None:
     """The checkpoint folder to start from, or None to start fresh.
 
     A resumed broker run names it (`resumed_from`: the newest commit of its chain,
     PROTOCOL.md 8): a newer checkpoint on disk holds samples the run makes again, so
-    `latest` (or no --resume) means that one. Outside a resumed run, --resume as given.
-    Raises RunConfigMismatch for an explicit other checkpoint, FileNotFoundError."""
+    `latest` (or no --resume) means that one. Outside a resumed run, --resume as given,
+    but (given this broker run's `run_id`) only a checkpoint of this run: see
+    `fresh_run_resume`. Raises RunConfigMismatch for an explicit other checkpoint,
+    FileNotFoundError."""
     if "resumed_from" not in run_config:
-        return str(resolve_checkpoint(ref, runs_dir)) if ref else None
+        if not ref:
+            return None
+        path = resolve_checkpoint(ref, runs_dir)
+        if run_id is not None:
+            fresh_run_resume(ref, path, run_id)
+        return str(path)
     named = run_config["resumed_from"]
     want = resolve_checkpoint(named["checkpoint"], runs_dir).resolve() if named else None
     if ref not in (None, "latest"):
@@ -129,6 +149,24 @@ def resume_point(ref: str | None, run_config: dict, runs_dir) -> str | None:
                                     f"from {want or 'no checkpoint'}; leave out --resume (the broker says where)")
     log.info("consume.resume_point", checkpoint=str(want) if want else None, parent_run=run_config.get("parent_run"))
     return str(want) if want else None
+
+
+def fresh_run_resume(ref: str, path: Path, run_id: str) -> None:
+    """Refuse a checkpoint of another run (or of no run) in a broker run that neither
+    continues a run nor has committed: its ledger never saw what that checkpoint trained,
+    so it makes those samples again, and the checkpoint's record holds them: every one
+    would be skipped as held (`train.skip_held`) and acked, and the run would end
+    "every sample trained" with nothing trained. Continuing a run is the broker's call
+    (`dflash-broker --resume`), which names the checkpoint to every consumer."""
+    owner = path.parent.parent.name if path.parent.name == "checkpoints" else None
+    if owner == run_id:
+        return  # ours: written before its commit reached the broker (RELIABILITY.md 4)
+    where = f"checkpoint of run {owner}" if owner and is_run_id(owner) else "checkpoint outside any run folder"
+    hint = f"dflash-broker --resume {owner}" if owner and is_run_id(owner) else "dflash-broker --resume RUN"
+    raise RunConfigMismatch(f"--resume {ref} is {path}, a {where}, but this broker run {run_id} is a fresh run "
+                            f"with its own ledger: that checkpoint's samples would all be skipped as already "
+                            f"trained. To continue that run, stop this broker and start {hint} (consumers "
+                            "then need no --resume); to train this run from scratch, leave out --resume")
 
 
 def nothing_left_to_train(link, error: FileNotFoundError) -> TrainState:

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from dflash.protocol.errors import DFlashError
+from dflash.protocol.target_id import describe_target, same_target  # noqa: F401  (re-exported)
 
 # Where checkpoints keep the two tensors: plain causal LMs first, then multimodal
 # wrappers (Qwen3.5/3.6-style `model.language_model.*`) and GPT-style names.
@@ -134,6 +135,34 @@ def _fingerprint(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor) -
     for t in (embed, lm_head):
         h.update(t[:16].detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
     return {"model_type": spec.model_type, "config_sha256": shape, "heads_sha256": h.hexdigest()[:16]}
+
+
+def identity_of(path: str | Path) -> dict:
+    """The `identity` load_target_heads gives for the target at `path`, reading only its
+    config and the 16 rows of each head the fingerprint hashes (a producer holds the whole
+    model but may have dropped its LM head; this is what it states in hello). Raises
+    TargetLoadError as load_target_heads does."""
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise TargetLoadError(f"no config.json in {folder} (expected a Hugging Face model folder)")
+    spec = TargetSpec.from_config(json.loads(cfg_file.read_text()))
+    where = _tensor_locations(folder)
+    embed_name = _find(EMBED_NAMES, where, "embed_tokens.weight")
+    if embed_name is None:
+        raise TargetLoadError(f"no embedding tensor in {folder} (looked for {', '.join(EMBED_NAMES)})")
+    head_name = None if spec.tie_word_embeddings else _find(HEAD_NAMES, where, "lm_head.weight")
+    if head_name is None and not spec.tie_word_embeddings:
+        raise TargetLoadError(f"no lm_head.weight in {folder} and tie_word_embeddings is false")
+
+    def rows(name: str) -> torch.Tensor:
+        if not where[name].is_file():
+            raise TargetLoadError(f"{name} should be in {where[name].name}, which is missing")
+        with safe_open(where[name], framework="pt", device="cpu") as sf:
+            return sf.get_slice(name)[:16]
+
+    embed = rows(embed_name)
+    return _fingerprint(spec, embed, embed if head_name is None else rows(head_name))
 
 
 def tokenizer_mask_id(path: str | Path, token: str = MASK_TOKEN) -> int | None:

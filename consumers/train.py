@@ -27,7 +27,7 @@ import torch
 from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
-from . import fused
+from . import finite, fused
 from .dist import Dist
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
@@ -257,7 +257,7 @@ class _StepLoop:
             return
         self.stepped_here = True
         record_samples(state, dist, pairs, step)
-        grad_norm = self._apply(named(total)["weight"])
+        grad_norm = self._apply(named(total), step, batch)
         self._account(step, batch, total)
         self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)
         if self.ckpt_root is not None and self.cfg.save_every > 0 and step % self.cfg.save_every == 0:
@@ -277,13 +277,17 @@ class _StepLoop:
         total = self.dist.all_sum(mine)  # one small collective for every figure a step logs
         return mine, total
 
-    def _apply(self, weight: float) -> float:
-        """The optimizer step on the averaged gradients; the gradient norm (0 when skipped)."""
-        grad_norm = 0.0
+    def _apply(self, figures: dict, step: int, batch: Batch | None) -> float:
+        """The optimizer step on the averaged gradients; the gradient norm (0 when skipped).
+        A non-finite loss or gradient norm raises NonFiniteStep first (finite.py says why)."""
+        grad_norm, weight = 0.0, figures["weight"]
+        batch_id = batch.batch_id if batch is not None else None
+        finite.check_step(step, figures["loss_sum"], None, batch_id, self.dist.rank)
         if weight > 0:  # all ranks see the same weight: they all step or all skip
             for p in self.params:
                 p.grad.div_(weight)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+            finite.check_step(step, figures["loss_sum"], grad_norm, batch_id, self.dist.rank)
             self.optimizer.step()
         return grad_norm
 
@@ -375,7 +379,7 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
     if not isinstance(batch, Batch):  # not staged (staging.py does this on its thread)
         batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
     try:
-        batch.check(list(signal.target_layers), heads.spec.hidden_size)
+        batch.check(list(signal.target_layers), heads.spec.hidden_size, heads.spec.vocab_size)
     except BatchMismatch as e:
         log.error("train.batch_mismatch", batch_id=batch.batch_id, error=str(e), layer_ids=batch.layer_ids,
                   target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))

@@ -29,6 +29,7 @@ class Components:
     dataset: DataSource
     encoder: ChatEncoder
     regenerator: Regenerator | None = None
+    target_id: dict | None = None  # consumers.target_heads identity: the run's fact every role checks
 
 
 def load_components(cfg: ProducerConfig) -> Components:
@@ -53,7 +54,19 @@ def load_components(cfg: ProducerConfig) -> Components:
         log.info("produce.regen_cache", path=str(cache.path), key=key, rows_cached=len(cache))
         regenerator = Regenerator(target, tokenizer, cache, max_new_tokens=cfg.max_new_tokens,
                                   batch_size=cfg.regen_batch_size, template_kwargs=cfg.template_kwargs())
-    return Components(target, tokenizer, dataset, encoder, regenerator)
+    return Components(target, tokenizer, dataset, encoder, regenerator, target_identity(cfg.target))
+
+
+def target_identity(path: str) -> dict | None:
+    """The target's identity as consumers compute it (config and heads hashes), or None
+    where the folder does not hold them in safetensors (then the broker cannot check it)."""
+    from dflash.consumers.target_heads import TargetLoadError, identity_of
+
+    try:
+        return identity_of(path)
+    except (TargetLoadError, OSError) as e:
+        log.warning("produce.target_unidentified", target=path, error=str(e)[:300])
+        return None
 
 
 def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
@@ -76,6 +89,7 @@ def hello_config(c: Components, cfg: ProducerConfig) -> dict:
     """What the broker checks against the run (PROTOCOL.md 4.1 `hello.config`)."""
     return {
         "target": cfg.target, "layer_ids": c.target.layer_ids, "hidden_size": c.target.hidden_size,
+        "target_id": c.target_id,
         "dataset": {"n_samples": len(c.dataset), "fingerprint": c.dataset.fingerprint},
         "encodings": [cfg.hidden_encoding], "dtype": c.target.info.dtype,
         "model_type": c.target.info.model_type, "num_layers": c.target.num_layers,

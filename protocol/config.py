@@ -65,8 +65,30 @@ def _load_toml(ctx: click.Context, _param, path: str | None):
     unknown = sorted(set(flat) - known)
     if unknown:
         raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}")
+    params = {p.name: p for p in ctx.command.params}
+    for key, value in flat.items():
+        _check_toml_value(path, key, value, params[key], ctx)
     ctx.default_map = {**(ctx.default_map or {}), **flat}
     return path
+
+
+def _check_toml_value(path: str, key: str, value, param: click.Parameter, ctx: click.Context) -> None:
+    """Refuse a TOML value its option cannot take, naming the file and key. Left to click,
+    the error blamed the option's env var, which nobody had set; and a float given for an
+    integer option was truncated without a word."""
+    where = f"{path}: {key} = {value!r}"
+    if isinstance(param.type, click.types.IntParamType) and isinstance(value, (float, bool)):
+        raise click.BadParameter(f"{where} is not an integer (write it without a decimal point)")
+    if isinstance(value, (dict, list)) and not param.multiple:
+        raise click.BadParameter(f"{where} is a TOML {type(value).__name__}; --{key.replace('_', '-')} takes one value")
+    try:
+        param.type.convert(value, param, ctx)
+        if param.callback is size_option and value is not None:
+            parse_bytes(value)
+    except click.BadParameter as e:
+        raise click.BadParameter(f"{where}: {e.message}") from None
+    except (ValueError, TypeError) as e:
+        raise click.BadParameter(f"{where}: {e}") from None
 
 
 def config_option() -> Callable:
@@ -80,10 +102,23 @@ def config_option() -> Callable:
     )
 
 
+def _broker_endpoint(_ctx, param, value: str | None) -> str | None:
+    """click callback: --broker must be a ZeroMQ tcp:// endpoint (http:// gave a ZMQError traceback)."""
+    if value is None:
+        return value
+    scheme = value.split("://", 1)[0] if "://" in value else None
+    if scheme != "tcp" or not value[len("tcp://"):].strip("/"):
+        raise click.BadParameter(f"{value!r} is not a broker control endpoint: expected tcp://HOST[:PORT] "
+                                 "(the address dflash-broker binds with --port, e.g. tcp://10.0.0.5:5555)",
+                                 param=param)
+    return value
+
+
 def broker_option() -> Callable:
     return option(
         "--broker",
         default=DEFAULT_BROKER,
+        callback=_broker_endpoint,
         help="The broker's control endpoint tcp://HOST[:PORT] (port 5555 if omitted).",
     )
 

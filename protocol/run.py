@@ -46,12 +46,32 @@ def make_run_dir(run_id: str, runs_dir=None) -> Path:
     return d
 
 
-def point_latest(run_id: str, runs_dir=None) -> None:
-    """Atomically make `runs/latest` a relative symlink to this run's folder."""
+def point_latest(run_id: str, runs_dir=None, *, local: bool = False) -> bool:
+    """Make `runs/latest` a relative symlink to this run's folder, atomically, if that moves
+    it forward: never to an older run ID than the one it names (a run resumed or re-opened
+    later must not turn `dflash-status`, `dflash-logs` and `--resume latest` back to it).
+    `local` (a brokerless consumer run) moves it only off another local run or nothing:
+    `latest` is the broker's run where there is one. Returns whether it moved."""
     root = runs_root(runs_dir)
+    link = root / "latest"
+    current = os.readlink(link) if link.is_symlink() else None
+    if current is not None and is_run_id(current) and (root / current).is_dir():
+        if current.split("-")[0] > run_id.split("-")[0]:  # started in a later second: newer (same second: ours)
+            return False
+        if local and is_broker_run(root / current):
+            return False
     tmp = root / f".latest-{os.getpid()}-{secrets.token_hex(2)}"
     os.symlink(run_id, tmp)
-    os.replace(tmp, root / "latest")
+    os.replace(tmp, link)
+    return True
+
+
+def is_broker_run(folder: Path) -> bool:
+    """Whether a run folder is a broker's (its run.json has the broker's section)."""
+    try:
+        return "broker" in json.loads((folder / "run.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def resolve_run(ref: str | None, runs_dir=None) -> Path:

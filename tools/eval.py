@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import torch
 
-from dflash.consumers.export import Drafter, ExportError, load_exported
+from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, greedy, speculative_greedy
 from dflash.protocol.config import fail, option
 
@@ -183,6 +183,7 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     tokenizer = AutoTokenizer.from_pretrained(target)
     drafter = load_exported(drafter_dir, device=device, dtype=torch_dtype)
     check_pair(model, drafter)
+    check_drafter_target(drafter_dir, target)  # trained for this very target (its heads hash)
     return model, tokenizer, drafter
 
 

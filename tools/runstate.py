@@ -8,6 +8,8 @@ Verdicts:
   FINISHED      run.json outcome `completed` (or a brokerless consumer run logged `train.end`)
   STOPPED       run.json outcome `interrupted` (SIGINT/SIGTERM; resumable)
   DIED          outcome `crashed`/`failed`, or no end recorded and nothing alive
+  NOTHING_TRAINED  outcome `nothing_to_train`: end of stream without one sample trained (the
+                reason says why: an empty dataset, every sample skipped)
   UNRESPONSIVE  no end recorded, the broker does not answer, its pid on this host exists
   RUNNING       a brokerless consumer run with no end recorded whose process is alive here
 """
@@ -27,7 +29,8 @@ from .runlogs import log_files
 
 TAIL_BYTES = 4 << 20  # the end of each log file read for the last step and last sign of life
 ERROR_NEEDLE = b'"level": "error"'
-ENDED = {"completed": "FINISHED", "interrupted": "STOPPED", "crashed": "DIED", "failed": "DIED"}
+ENDED = {"completed": "FINISHED", "interrupted": "STOPPED", "crashed": "DIED", "failed": "DIED",
+         "nothing_to_train": "NOTHING_TRAINED"}
 
 
 def _age_s(iso: str | None) -> float | None:
@@ -176,11 +179,19 @@ def _ask_brokers(out: dict, ask, named: str | None, recorded: str | None) -> dic
     return None
 
 
+def _skipped(info: dict) -> str:
+    """' (N skipped)' when a completed run's samples record skipped ones, else ''."""
+    n = (info.get("samples") or {}).get("skipped") if isinstance(info.get("samples"), dict) else None
+    return f" ({n} skipped by their producers)" if n else ""
+
+
 def _verdict(info: dict, logs: dict, br: dict) -> dict:
     outcome = info.get("outcome")
     if outcome in ENDED:
-        why = {"completed": "end of stream: every sample trained", "interrupted": f"stopped by {info.get('signal')}",
-               "crashed": f"the broker crashed: {info.get('error')}", "failed": f"failed to start: {info.get('error')}"}
+        why = {"completed": "end of stream: every sample trained" + _skipped(info),
+               "interrupted": f"stopped by {info.get('signal')}",
+               "crashed": f"the broker crashed: {info.get('error')}", "failed": f"failed to start: {info.get('error')}",
+               "nothing_to_train": f"end of stream with nothing trained: {info.get('reason')}"}
         return {"verdict": ENDED[outcome], "at": info.get("ended_at"), "why": why[outcome]}
     if br:  # a broker run with no end recorded
         if br.get("host") == hostname() and pid_alive(br.get("pid")):

@@ -59,13 +59,13 @@ class FakePeer:
     role = "?"
 
     def __init__(self, broker: str, instance: str, *, run: str | None = None, config: dict | None = None,
-                 log=None, connect_timeout_s: float = 10.0, gpu: int | None = None):
+                 log=None, connect_timeout_s: float = 10.0, gpu: int | None = None, pid: int | None = None):
         self.ctx = zmq.Context.instance()
         self.instance, self.log = instance, log or (lambda event, **kw: None)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 500)
         self.ctl.connect(broker)
-        hello = {"role": self.role, "instance": instance, "host": socket.gethostname(), "pid": os.getpid(),
+        hello = {"role": self.role, "instance": instance, "host": socket.gethostname(), "pid": pid or os.getpid(),
                  "gpu": gpu, "config": config or {}}
         if run is not None:
             hello["run"] = run

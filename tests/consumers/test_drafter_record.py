@@ -75,6 +75,7 @@ def test_resuming_a_checkpoint_without_a_record_marks_the_record_incomplete(head
     with capture_logs():
         train(CFG, heads, _batches(heads.spec, 0, 3), ckpt_root=ckpt_a)
     (ckpt_a / "step-3" / FILE).unlink()  # as written before records existed
+    (ckpt_a / "step-3" / "manifest.json").unlink()  # (and before manifests, which list the record)
     ckpt_b = make_run_dir(new_run_id(1_700_000_100), tmp_path) / "checkpoints"
     with capture_logs() as logs:
         st = train(replace(CFG, resume=str(ckpt_a / "step-3")), heads, _batches(heads.spec, 3, 4), ckpt_root=ckpt_b)

@@ -54,7 +54,7 @@ def test_checkpoint_folder_holds_everything_and_keeps_the_last_n(heads, tmp_path
               _batches(heads.spec, 0, 20), ckpt_root=root)
     assert sorted(p.name for p in root.iterdir()) == ["step-10", "step-12"]  # 5 pruned, final 12 written
     ck = root / "step-12"
-    assert sorted(p.name for p in ck.iterdir()) == ["config.json", "model.safetensors", "optimizer.pt",
+    assert sorted(p.name for p in ck.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "optimizer.pt",
                                                      "rng.pt", "state.json", "trained.safetensors"]
     state = json.loads((ck / "state.json").read_text())
     assert state["step"] == 12 and state["tokens"] > 0
