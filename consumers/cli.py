@@ -97,7 +97,8 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--anchors", default=512, type=click.IntRange(1), help="Anchors sampled per sequence (at most the valid ones).")
 @option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
 @option("--mask-token-id", default=None, type=int,
-        help="Vocabulary row used as MASK (default: the tokenizer's <|mask|> token if any, else 151669 for Qwen3).")
+        help="Vocabulary row used as MASK; default: chosen for the target (its mask token, else the first row past "
+        "the tokenizer, else a reserved or unused special token: docs/TRAINING.md), never pad/eos/bos/unk.")
 @option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
 @option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
 @option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of --total-steps.")

@@ -31,6 +31,7 @@ from . import fused
 from .dist import Dist
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
+from .mask_token import mask_in_batch
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
@@ -100,6 +101,7 @@ class _StepLoop:
         self.state = TrainState()
         torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
         self.quorum_begun = False  # the next step's quorum was begun already (elastic, before the resume)
+        self.mask_warned = False  # a batch held the MASK token (warned once)
 
     def _build_model(self) -> None:
         cfg, device = self.cfg, self.device
@@ -204,6 +206,8 @@ class _StepLoop:
             want_stop = self._stop_asked()
         if batch is not None:
             batch, bad = _prepare(batch, self.heads, self.signal)
+        if batch is not None and not self.mask_warned:
+            self.mask_warned = _mask_in_data(batch, self.signal, self.state.step + 1, self.dist.rank)
         return batch, bad, want_stop
 
     def begin_quorum(self) -> None:
@@ -381,6 +385,17 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
                   target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))
         return None, e
     return batch, None
+
+
+def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
+    """Warn (once: returns True) when a batch contains the MASK token: the drafter cannot
+    tell that context token from a position to draft (mask_token.py)."""
+    hits = mask_in_batch(batch.input_ids, signal.mask_token_id)
+    if hits:
+        log.warning("train.mask_in_data", step=step, rank=rank, batch_id=batch.batch_id,
+                    mask_token_id=signal.mask_token_id, tokens=hits, rule=(signal.mask_choice or {}).get("rule"),
+                    hint="choose another --mask-token-id: a row the data never contains")
+    return bool(hits)
 
 
 def _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise) -> Callable[[Batch], LossStats]:

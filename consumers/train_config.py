@@ -18,7 +18,8 @@ from .batch import Batch
 from .checkpoint import Signal
 from .loss import default_gamma
 from .record import TrainedRecord
-from .target_heads import TargetHeads, tokenizer_mask_id
+from .mask_token import mask_choice
+from .target_heads import TargetHeads
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class TrainConfig:
     block_size: int = 16
     anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
-    mask_token_id: int | None = None  # None: Qwen3's 151669 for Qwen3 vocabularies
+    mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
     # optimisation
     lr: float = 6e-4
     min_lr: float = 0.0
@@ -118,20 +119,12 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
     if any(not 0 <= i < spec.num_hidden_layers - 1 for i in layers):
         # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
         raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
-    mask = cfg.mask_token_id
-    if mask is None:
-        mask = tokenizer_mask_id(heads.path)
-    if mask is None:
-        if spec.model_type.startswith("qwen3") and spec.vocab_size > 151669:
-            mask = 151669
-        else:
-            raise ValueError(f"--mask-token-id is required for a {spec.model_type} target (an unused vocab row)")
-    if not 0 <= mask < spec.vocab_size:
-        raise ValueError(f"mask token id {mask} outside the vocabulary (0..{spec.vocab_size - 1})")
+    mask = mask_choice(heads, cfg.mask_token_id)  # logged once per target (train.mask_token)
     if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
         raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
-    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask, heads.identity)
+    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask.token_id, heads.identity,
+                  mask_choice=mask.as_dict())
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
