@@ -101,14 +101,19 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
         "the tokenizer, else a reserved or unused special token: docs/TRAINING.md), never pad/eos/bos/unk.")
 @option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
 @option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
-@option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of --total-steps.")
-@option("--total-steps", default=None, type=click.IntRange(1), help="Length of the lr/noise schedules; omitted: constant lr.")
+@option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of the planned samples (or of --total-steps).")
+@option("--total-samples", default=None, type=click.IntRange(1),
+        help="Samples the lr/noise schedules run over (warmup, then cosine to --min-lr at the last one); default: "
+        "the broker's epochs x samples (less skipped ones), else a resumed checkpoint's plan, else the local "
+        "stream's size; none known: constant lr, with a warning (docs/TRAINING.md).")
+@option("--total-steps", default=None, type=click.IntRange(1),
+        help="Schedule by optimizer steps instead of samples: the lr/noise schedules' length in steps.")
 @option("--max-steps", default=None, type=click.IntRange(0), help="Stop after this many steps (default: end of stream).")
 @option("--grad-clip", default=1.0, type=float, help="Clip the global gradient norm to this value.")
 @option("--weight-decay", default=0.0, type=float, help="AdamW weight decay.")
 @option("--feature-noise", default=0.0, type=click.FloatRange(0), help="Gaussian noise on target features, relative to each layer's RMS.")
 @option("--noise-schedule", default="linear", type=click.Choice(["constant", "linear", "cosine"]),
-        help="How --feature-noise decays to 0 over --total-steps.")
+        help="How --feature-noise decays to 0 over the planned samples (or --total-steps).")
 @option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
 @option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
 @option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
@@ -228,8 +233,10 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
                               n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
                               seed=tcfg.seed, dtype=heads.embed.dtype)
     live = _live_eval(cfg, heads, signal_, dist.rank, None)
+    stream = cfg.synthetic_batches * cfg.synthetic_seqs * dist.world_size  # every rank's synthetic samples
     state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
-                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step))
+                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
+                                                            stream_samples=stream))
     if live and state.end_reason != "stop":
         live.final(state.step, state.model)
     return state
