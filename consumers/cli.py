@@ -81,8 +81,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 
 @click.command(context_settings={"max_content_width": 100})
 @config_option()
-@option("--target", required=True, type=click.Path(exists=True, file_okay=False),
-        help="Target model folder (Hugging Face layout); only config, embed_tokens and lm_head are read.")
+@option("--target", required=True, type=click.Path(exists=True),
+        help="Target model folder (Hugging Face layout) or .gguf file; only config, tokenizer, embed_tokens and "
+        "lm_head are read.")
 @option("--gpu", type=int, default=None, help="CUDA device index; omitted: train on CPU (float32).")
 @broker_option()
 @runs_dir_option()

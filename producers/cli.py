@@ -34,7 +34,8 @@ log = get_logger()
 @config_option()
 @broker_option()
 @runs_dir_option()
-@option("--target", required=True, help="Target model: a local folder or a Hugging Face hub ID.")
+@option("--target", required=True, help="Target model: a local folder, a Hugging Face hub ID, or a .gguf file "
+        "(de-quantised to --dtype by transformers; needs the gguf extra).")
 @option("--data", required=True, help="Dataset: .jsonl (messages / conversations / text rows), "
         ".parquet, or a HF datasets folder (save_to_disk).")
 @option("--gpu", type=int, default=None, help="GPU index to run the target on (default: GPU 0 if any, else CPU).")

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from dflash.protocol import targets
 from dflash.protocol.logs import get_logger
 
 log = get_logger()
@@ -247,12 +248,11 @@ def load_target(
     full: bool = False,
     trust_remote_code: bool = False,
 ) -> Target:
-    """Load a local folder or hub ID as a frozen, eval-mode target on `device`.
+    """Load a local folder, hub ID or .gguf file (protocol/targets.py) as a frozen,
+    eval-mode target on `device`.
 
     Raises TargetError (bad layers, dtype, device), and whatever transformers raises for an
     unreadable checkpoint (OSError, ValueError)."""
-    from transformers import AutoModelForCausalLM
-
     device = device or resolve_device(None, None)
     torch_dtype = resolve_dtype(dtype, device)
     attn = resolve_attn(attn_impl, device)
@@ -260,8 +260,8 @@ def load_target(
     kw: dict = {}
     if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = {"": str(device)}  # straight to the GPU, no full CPU copy
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code, **kw)
+    model = targets.load_causal_lm(name, dtype=torch_dtype, attn_implementation=attn,
+                                   trust_remote_code=trust_remote_code, **kw)
     model.to(device).eval().requires_grad_(False)
     num_layers = model.config.get_text_config().num_hidden_layers
     target = Target(model, name, parse_layer_ids(layer_spec, num_layers), full=full)
