@@ -50,6 +50,8 @@ class Signal:
     target: dict  # target identity (target_heads._fingerprint)
     # Why this MASK row (mask_token.MaskChoice.as_dict): recorded, not compared (the ID is)
     mask_choice: dict | None = None
+    # --distill-weight: the share of the target's soft labels in the loss (0: hard labels only)
+    distill: float = 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -100,6 +100,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--mask-token-id", default=None, type=int,
         help="Vocabulary row used as MASK; default: chosen for the target (its mask token, else the first row past "
         "the tokenizer, else a reserved or unused special token: docs/TRAINING.md), never pad/eos/bos/unk.")
+@option("--distill-weight", default=0.0, type=click.FloatRange(0, 1),
+        help="Knowledge distillation: loss = (1 - a) x CE(labels) + a x KL(target || drafter), the target's "
+        "next-token distribution from its final hidden state (producers need --final-hidden); 0: hard labels only.")
 @option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
 @option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
 @option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of the planned samples (or of --total-steps).")

@@ -404,6 +404,9 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
         batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
     try:
         batch.check(list(signal.target_layers), heads.spec.hidden_size)
+        if signal.distill > 0 and batch.final_hidden is None:
+            raise BatchMismatch(f"batch {batch.batch_id} has no final_hidden, which --distill-weight needs: start "
+                                "the producers with --final-hidden")
     except BatchMismatch as e:
         log.error("train.batch_mismatch", batch_id=batch.batch_id, error=str(e), layer_ids=batch.layer_ids,
                   target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))

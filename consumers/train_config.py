@@ -31,6 +31,7 @@ class TrainConfig:
     anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
     mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
+    distill_weight: float = 0.0  # a: loss = (1 - a) CE + a KL(target || drafter); needs final_hidden batches
     # optimisation
     lr: float = 6e-4
     min_lr: float = 0.0
@@ -133,8 +134,10 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
     if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
         raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
+    if not 0.0 <= cfg.distill_weight <= 1.0:
+        raise ValueError(f"--distill-weight {cfg.distill_weight} must lie in 0..1")
     return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask.token_id, heads.identity,
-                  mask_choice=mask.as_dict())
+                  mask_choice=mask.as_dict(), distill=float(cfg.distill_weight))
 
 
 @dataclass(frozen=True)

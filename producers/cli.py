@@ -63,6 +63,9 @@ log = get_logger()
         "e.g. '{\"enable_thinking\": false}'.")
 @option("--hidden-encoding", default="raw", type=click.Choice(["raw", "fp8_e4m3_rowscale"]),
         help="Wire encoding of hidden states: raw (model dtype) or fp8 with per-row scales (half of bf16).")
+@option("--final-hidden", is_flag=True, default=False, help="Also send each token's last hidden state after the "
+        "final norm (the LM head's input, H values per token): consumers with --distill-weight compute the "
+        "target's next-token distribution from it (docs/TRAINING.md \"Distillation\").")
 @option("--check-packing/--no-check-packing", envvar="DFLASH_CHECK_PACKING", default=True, help="At start, verify that packed sequences "
         "do not attend to each other on this model (a few tiny forward passes).")
 @option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
