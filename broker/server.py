@@ -272,8 +272,8 @@ class Broker:
         # Run progress, so consumers can log the epoch fraction and an ETA from what
         # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.
         s = samples(self)
-        stats.update(samples_total=s["total"], samples_done=s["done"], n_samples=s["n_samples"],
-                     epoch=s["epoch"], epochs=s["epochs"])
+        stats.update(samples_total=s["total"], samples_done=s["done"], samples_skipped=s["skipped"],
+                     n_samples=s["n_samples"], epoch=s["epoch"], epochs=s["epochs"])
         for p in self.peers.live():
             self.send(p.identity, "heartbeat", stats=stats)
 

@@ -31,6 +31,9 @@ class Batch:
     input_ids: torch.Tensor  # int32 [T]
     loss_mask: torch.Tensor  # uint8 [T], 1 on response tokens
     hidden: torch.Tensor  # [T, n_layers*H], bf16 (float32 allowed on CPU)
+    # [T, H]: the target's last hidden state after its final norm (the LM head's input),
+    # sent when producers run with --final-hidden; the soft labels of --distill-weight
+    final_hidden: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -48,11 +51,13 @@ class Batch:
         hidden = hidden_from_batch(h, t, hidden_dtype)
         if hidden.data_ptr() == t["hidden"].data_ptr():
             hidden = hidden.clone()  # same dtype: still a view of the frame
-        return cls.from_header(h, t["input_ids"].clone(), t["loss_mask"].clone(), hidden)
+        final = t.get("final_hidden")
+        final = None if final is None else final.to(hidden_dtype, copy=True)
+        return cls.from_header(h, t["input_ids"].clone(), t["loss_mask"].clone(), hidden, final)
 
     @classmethod
     def from_header(cls, h: dict, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                    hidden: torch.Tensor) -> "Batch":
+                    hidden: torch.Tensor, final_hidden: torch.Tensor | None = None) -> "Batch":
         """A batch message's header fields with tensors already converted (by the caller)."""
         return cls(
             batch_id=str(h["batch_id"]),
@@ -63,6 +68,7 @@ class Batch:
             input_ids=input_ids,
             loss_mask=loss_mask,
             hidden=hidden,
+            final_hidden=final_hidden,
         )
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +77,8 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         """The same batch with its tensors on `device` (this one if they are there already)."""
         return replace(self, input_ids=self.input_ids.to(device), loss_mask=self.loss_mask.to(device),
-                       hidden=self.hidden.to(device))
+                       hidden=self.hidden.to(device),
+                       final_hidden=None if self.final_hidden is None else self.final_hidden.to(device))
 
     def select(self, keep: list[int]) -> "Batch":
         """The same batch (same batch_id) with only the sequences at indices `keep`."""
@@ -84,7 +91,8 @@ class Batch:
             return t[rows.to(t.device)]
 
         return Batch(self.batch_id, [self.samples[i] for i in keep], [self.seq_lens[i] for i in keep],
-                     self.layer_ids, self.epoch, pick(self.input_ids), pick(self.loss_mask), pick(self.hidden))
+                     self.layer_ids, self.epoch, pick(self.input_ids), pick(self.loss_mask), pick(self.hidden),
+                     None if self.final_hidden is None else pick(self.final_hidden))
 
     def check(self, layer_ids: list[int], hidden_size: int, vocab_size: int | None = None) -> None:
         """Raise BatchMismatch unless this batch carries `layer_ids` of width hidden_size

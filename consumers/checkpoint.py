@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -57,6 +57,10 @@ class Signal:
     draft_layers: int
     mask_token_id: int
     target: dict  # target identity (target_heads._fingerprint)
+    # Why this MASK row (mask_token.MaskChoice.as_dict): recorded, not compared (the ID is)
+    mask_choice: dict | None = None
+    # --distill-weight: the share of the target's soft labels in the loss (0: hard labels only)
+    distill: float = 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -64,10 +68,23 @@ class Signal:
         return d
 
 
+# Fields that explain the signal without being part of it: never a mismatch.
+NOT_COMPARED = frozenset({"mask_choice"})
+
+
 def signal_differences(saved: dict, current: Signal) -> list[str]:
-    """'field: saved -> current' for every field that differs."""
+    """'field: saved -> current' for every field that differs (a field a checkpoint
+    predates counts as its default: a checkpoint saved before it existed trained with it)."""
     now = current.as_dict()
-    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    defaults = {f.name: f.default for f in fields(Signal)}
+    out = []
+    for k in now:
+        if k in NOT_COMPARED:
+            continue
+        was = saved.get(k, defaults.get(k)) if k in defaults and defaults[k] is not MISSING else saved.get(k)
+        if was != now[k]:
+            out.append(f"{k}: {was!r} -> {now[k]!r}")
+    return out
 
 
 def check_signal(saved: dict, current: Signal, *, force: bool, where: str) -> list[str]:

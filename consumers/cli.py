@@ -81,8 +81,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 
 @click.command(context_settings={"max_content_width": 100})
 @config_option()
-@option("--target", required=True, type=click.Path(exists=True, file_okay=False),
-        help="Target model folder (Hugging Face layout); only config, embed_tokens and lm_head are read.")
+@option("--target", required=True, type=click.Path(exists=True),
+        help="Target model folder (Hugging Face layout) or .gguf file; only config, tokenizer, embed_tokens and "
+        "lm_head are read.")
 @option("--gpu", type=int, default=None, help="CUDA device index; omitted: train on CPU (float32).")
 @broker_option()
 @runs_dir_option()
@@ -97,17 +98,26 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--anchors", default=512, type=click.IntRange(1), help="Anchors sampled per sequence (at most the valid ones).")
 @option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
 @option("--mask-token-id", default=None, type=int,
-        help="Vocabulary row used as MASK (default: the tokenizer's <|mask|> token if any, else 151669 for Qwen3).")
+        help="Vocabulary row used as MASK; default: chosen for the target (its mask token, else the first row past "
+        "the tokenizer, else a reserved or unused special token: docs/TRAINING.md), never pad/eos/bos/unk.")
+@option("--distill-weight", default=0.0, type=click.FloatRange(0, 1),
+        help="Knowledge distillation: loss = (1 - a) x CE(labels) + a x KL(target || drafter), the target's "
+        "next-token distribution from its final hidden state (producers need --final-hidden); 0: hard labels only.")
 @option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
 @option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
-@option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of --total-steps.")
-@option("--total-steps", default=None, type=click.IntRange(1), help="Length of the lr/noise schedules; omitted: constant lr.")
+@option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of the planned samples (or of --total-steps).")
+@option("--total-samples", default=None, type=click.IntRange(1),
+        help="Samples the lr/noise schedules run over (warmup, then cosine to --min-lr at the last one); default: "
+        "the broker's epochs x samples (less skipped ones), else a resumed checkpoint's plan, else the local "
+        "stream's size; none known: constant lr, with a warning (docs/TRAINING.md).")
+@option("--total-steps", default=None, type=click.IntRange(1),
+        help="Schedule by optimizer steps instead of samples: the lr/noise schedules' length in steps.")
 @option("--max-steps", default=None, type=click.IntRange(0), help="Stop after this many steps (default: end of stream).")
 @option("--grad-clip", default=1.0, type=float, help="Clip the global gradient norm to this value.")
 @option("--weight-decay", default=0.0, type=float, help="AdamW weight decay.")
 @option("--feature-noise", default=0.0, type=click.FloatRange(0), help="Gaussian noise on target features, relative to each layer's RMS.")
 @option("--noise-schedule", default="linear", type=click.Choice(["constant", "linear", "cosine"]),
-        help="How --feature-noise decays to 0 over --total-steps.")
+        help="How --feature-noise decays to 0 over the planned samples (or --total-steps).")
 @option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
 @option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
 @option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
@@ -227,8 +237,10 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
                               n_seqs=cfg.synthetic_seqs, seq_len=cfg.synthetic_seq_len, rank=dist.rank,
                               seed=tcfg.seed, dtype=heads.embed.dtype)
     live = _live_eval(cfg, heads, signal_, dist.rank, None)
+    stream = cfg.synthetic_batches * cfg.synthetic_seqs * dist.world_size  # every rank's synthetic samples
     state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
-                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step))
+                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
+                                                            stream_samples=stream))
     if live and state.end_reason != "stop":
         live.final(state.step, state.model)
     return state

@@ -24,6 +24,7 @@ import click
 import torch
 from safetensors.torch import save_file
 
+from dflash.protocol import targets
 from dflash.protocol.config import fail, option, runs_dir_option
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import write_json_atomic
@@ -53,10 +54,14 @@ class Drafter:
 
 
 def _target_token_ids(target: str | os.PathLike | None) -> tuple[int | None, int | None]:
-    """bos/eos IDs from the target's config.json (informational in the drafter's config)."""
+    """bos/eos IDs from the target's config.json, or a .gguf file's metadata
+    (informational in the drafter's config)."""
     if target is None:
         return None, None
-    cfg = json.loads((Path(target) / "config.json").read_text())
+    if targets.gguf_path(target) is not None:
+        cfg = targets.load_config(target).to_dict()
+    else:
+        cfg = json.loads((Path(target) / "config.json").read_text())
     cfg = {**cfg, **cfg.get("text_config", {})}
     return cfg.get("bos_token_id"), cfg.get("eos_token_id")
 
@@ -252,8 +257,8 @@ def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.Pa
 @click.command(context_settings={"max_content_width": 100})
 @click.argument("checkpoint")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@option("--target", default=None, type=click.Path(exists=True, file_okay=False),
-        help="Target model folder, to copy its bos/eos token IDs into config.json (else null).")
+@option("--target", default=None, type=click.Path(exists=True),
+        help="Target model folder or .gguf file, to copy its bos/eos token IDs into config.json (else null).")
 @runs_dir_option()
 @option("--force", is_flag=True, default=False, help="Replace OUT_DIR if it is not empty.")
 def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force: bool) -> None:

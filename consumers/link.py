@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -51,6 +52,8 @@ ELASTIC_CONNECT_TIMEOUT_S = 20.0
 # collective. Short enough that a starved rank delays a peer's step little; long enough
 # that ranks with nothing to do meet about twice a second rather than spinning.
 BATCH_WAIT_S = 0.5
+# How many broker heartbeat intervals the first step waits for the run's planned samples.
+PLAN_WAIT_BEATS = 3
 
 
 class RunConfigMismatch(DFlashError):
@@ -231,7 +234,8 @@ class BrokerHooks:
         self.stats: dict = {"state": "starting", "rank": rank}
         self.last_commit: tuple[int, str, bool] | None = None  # step, path, sent after stop
         self.hooks = Hooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, queue=self.queue,
-                           progress=self.progress, stop=stop, stats=self.stats)
+                           progress=self.progress, plan=self.plan, stop=stop, stats=self.stats)
+        self.plan_waited = False
 
     def on_step(self, step: int, batch_ids: list[str]) -> None:
         self.link.ack(batch_ids, step)
@@ -259,6 +263,24 @@ class BrokerHooks:
 
     def progress(self) -> dict:
         return self.link.broker_stats
+
+    def plan(self) -> int | None:
+        """The samples this run plans to train: the broker's samples_total (epochs x
+        samples) less those skipped (bad rows: never trained), from its heartbeat.
+
+        A batch exists only once a producer fixed the dataset size, and the broker's next
+        heartbeat carries it: the first call (the first step) waits for that heartbeat
+        (a few heartbeat intervals at most) rather than start the run without a plan."""
+        stats = self.link.broker_stats
+        if stats.get("samples_total") is None and not self.plan_waited:
+            self.plan_waited = True
+            beat = float((getattr(self.link, "welcome", None) or {}).get("heartbeat_s") or 1.0)
+            deadline = time.monotonic() + PLAN_WAIT_BEATS * beat
+            while stats.get("samples_total") is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                stats = self.link.broker_stats
+        total = stats.get("samples_total")
+        return None if total is None else max(0, int(total) - int(stats.get("samples_skipped") or 0))
 
     def heartbeat(self) -> dict:
         """Heartbeat stats (PROTOCOL.md 4.2). Runs on the link's I/O thread: a C-level

@@ -58,6 +58,56 @@ class ChunkedCE(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None
 
 
+def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, alpha: float,
+                  need_grad: bool):
+    """One chunk of sum_i w_i * ((1 - a) CE(z_i, y_i) + a KL(p_target,i || p_draft,i)), its
+    argmax predictions and d loss / d logits. Since both terms' gradients are softmax(z)
+    minus a target, the gradient is softmax(z) - ((1 - a) onehot(y) + a p_target)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)  # at least fp32 for softmax sums
+    z = logits.to(acc)
+    logp = torch.log_softmax(z, dim=-1)  # [c, V]
+    logq = torch.log_softmax(target_logits.to(acc), dim=-1)  # [c, V], the target's distribution
+    q = logq.exp()
+    hard = -logp.gather(1, y[:, None])[:, 0]
+    kl = (q * (logq - logp)).sum(dim=-1)
+    part = (w.to(acc) * ((1.0 - alpha) * hard + alpha * kl)).sum()
+    g = None
+    if need_grad:
+        soft = alpha * q
+        soft[torch.arange(y.shape[0], device=y.device), y] += 1.0 - alpha
+        g = w.to(acc)[:, None] * (logp.exp() - soft)
+    return part, z.argmax(dim=-1), g
+
+
+class ChunkedDistill(torch.autograd.Function):
+    """ChunkedCE with the target's own next-token distribution mixed in (--distill-weight):
+    t [Q, D] are the target's final hidden states that predict each row's label, turned
+    into its distribution through the same frozen LM head W, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, h, W, y, w, t, alpha: float, chunk: int):
+        need_grad = ctx.needs_input_grad[0]
+        grad_h = torch.zeros_like(h) if need_grad else None
+        loss = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        preds = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            e = min(s + chunk, h.shape[0])
+            logits = h[s:e].to(W.dtype) @ W.T  # [c, V]
+            target_logits = t[s:e].to(W.dtype) @ W.T  # [c, V]: the second vocab-sized tensor
+            part, preds[s:e], g = distill_chunk(logits, target_logits, y[s:e], w[s:e], alpha, need_grad)
+            loss += part
+            if need_grad:
+                grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(preds)
+        return loss, preds
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_preds):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None
+
+
 @dataclass
 class LossStats:
     """Sums (not means) so that ranks and steps can be added before dividing."""
@@ -92,8 +142,12 @@ def block_loss(
     block_size: int,
     gamma: float,
     chunk: int = 2048,
+    soft: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """(weighted CE summed over positions with loss, stats). h [Q, D], labels/valid [Q].
+    """(weighted CE summed over positions with loss, stats). h [Q, D], labels/valid [Q];
+    with `distill` a > 0, (1 - a) CE + a KL(target || drafter), the target's distribution
+    from `soft` [Q, D] (its final hidden state before each label) through lm_head.
 
     The caller divides by the global weight sum (over all ranks): that makes the loss a
     weighted mean over valid positions, and data parallel training exact (train.py)."""
@@ -102,7 +156,11 @@ def block_loss(
     # Only positions with loss go through the LM head: the anchors (1 in B) and labels
     # outside the response would cost vocab-sized work for a weight of 0.
     rows = valid.nonzero()[:, 0]
-    loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk)
+    if distill > 0:
+        loss_sum, scored = ChunkedDistill.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows],
+                                                soft.index_select(0, rows), float(distill), chunk)
+    else:
+        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk)
     preds = torch.full_like(labels, -1).index_copy_(0, rows, scored)
     with torch.no_grad():
         ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]

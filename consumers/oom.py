@@ -89,7 +89,8 @@ def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
     """Sequences first..end-1 of `batch` (same batch_id and epoch)."""
     rows = slice(cum[first], cum[end])  # a slice: views on the batch's device (staged: the GPU)
     return Batch(batch.batch_id, batch.samples[first:end], batch.seq_lens[first:end], batch.layer_ids,
-                 batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows])
+                 batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows],
+                 None if batch.final_hidden is None else batch.final_hidden[rows])
 
 
 @dataclass

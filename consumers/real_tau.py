@@ -37,15 +37,16 @@ class RealTauSet:
              max_new_tokens: int, limit: int | None = None) -> "RealTauSet":
         """Load the target and tokenizer from `target`, read and decode the prompts.
         Raises ValueError (a bad prompt row, FILE:LINE named), OSError (unreadable folder)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
+
+        from dflash.protocol import targets
 
         from dflash.tools.eval import read_prompts, stop_ids
 
         t0 = time.monotonic()
         hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = targets.load_causal_lm(target, dtype=dtype).to(device).eval().requires_grad_(False)
+        tokenizer = targets.load_tokenizer(target)
         if len(tokenizer) < 2:  # transformers makes an empty one for a folder without tokenizer files
             raise ValueError(f"--target {target} has no tokenizer (tokenizer.json etc.): --eval-prompts needs it")
         prompts = read_prompts(prompts_file, tokenizer, limit)

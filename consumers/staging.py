@@ -216,7 +216,8 @@ class BatchStager:
             hidden = _decode_fp8_rows(t["hidden"].to(dev), t["hidden_scale"].to(dev), self.hidden_dtype)
         else:
             hidden = t["hidden"].to(dev).to(self.hidden_dtype)  # the same dtype: no second copy
-        return Batch.from_header(h, t["input_ids"].to(dev), t["loss_mask"].to(dev), hidden)
+        final = t["final_hidden"].to(dev).to(self.hidden_dtype) if "final_hidden" in t else None
+        return Batch.from_header(h, t["input_ids"].to(dev), t["loss_mask"].to(dev), hidden, final)
 
 
 def _with_index(device: torch.device) -> torch.device:

@@ -105,4 +105,8 @@ def batch_loss(
         return None, LossStats(pos_correct=[0] * (signal.block_size - 1), pos_valid=[0] * (signal.block_size - 1))
     h = draft_states(model, heads, batch, layout, signal, noise, seed=seed, step=step)  # [Q, D]
     labels, valid = layout.labels(batch.input_ids.to(device), batch.loss_mask.to(device))
-    return block_loss(h, heads.lm_head, labels, valid, signal.block_size, signal.gamma, loss_chunk)
+    soft = None
+    if signal.distill > 0:  # the target's final state at the token before each label predicts it
+        soft = batch.final_hidden.to(device=device, dtype=heads.embed.dtype)[(layout.q_index - 1).clamp(min=0)]
+    return block_loss(h, heads.lm_head, labels, valid, signal.block_size, signal.gamma, loss_chunk, soft,
+                      signal.distill)

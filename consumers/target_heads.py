@@ -1,5 +1,6 @@
 """The only parts of the target a drafter consumer touches: its config, `embed_tokens`
-and `lm_head`, loaded frozen from a Hugging Face checkpoint folder.
+and `lm_head`, loaded frozen from a Hugging Face checkpoint folder or a GGUF file
+(protocol/targets.py), and the choice of the block MASK row (mask_token.py).
 
 A consumer must never load the whole target (a 27B target is ~54 GB; the two heads are
 ~1.5 GB). We read the safetensors index (or the single file's header), open only the
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from dflash.protocol import targets
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.target_id import describe_target, same_target  # noqa: F401  (re-exported)
 
@@ -29,7 +31,6 @@ EMBED_NAMES = (
     "language_model.model.embed_tokens.weight",
     "transformer.wte.weight",
 )
-MASK_TOKEN = "<|mask|>"  # the token a target prepared for DFlash reserves as the block MASK
 HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
 
 
@@ -92,6 +93,9 @@ class TargetHeads:
     lm_head: torch.Tensor  # [V, D]; the same tensor as `embed` when tied
     identity: dict  # what makes this target this target; compared on resume
     path: str
+    config: dict = field(default_factory=dict, repr=False)  # the raw config (special token IDs)
+    # MASK choices made so far, by explicit ID (None: automatic): chosen and logged once
+    mask_choices: dict = field(default_factory=dict, repr=False)
 
 
 def _tensor_locations(folder: Path) -> dict[str, Path]:
@@ -142,6 +146,8 @@ def identity_of(path: str | Path) -> dict:
     config and the 16 rows of each head the fingerprint hashes (a producer holds the whole
     model but may have dropped its LM head; this is what it states in hello). Raises
     TargetLoadError as load_target_heads does."""
+    if targets.gguf_path(path) is not None:  # the vocabulary tensors are de-quantised whole anyway
+        return load_target_heads(path).identity
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -165,28 +171,22 @@ def identity_of(path: str | Path) -> dict:
     return _fingerprint(spec, embed, embed if head_name is None else rows(head_name))
 
 
-def tokenizer_mask_id(path: str | Path, token: str = MASK_TOKEN) -> int | None:
-    """The ID of the tokenizer's own `<|mask|>` token, if the target folder's tokenizer.json
-    declares one (targets prepared for DFlash reserve it), else None. Reads that JSON only."""
-    try:
-        added = json.loads((Path(path) / "tokenizer.json").read_text()).get("added_tokens") or []
-    except (OSError, ValueError, AttributeError):
-        return None
-    return next((int(t["id"]) for t in added if isinstance(t, dict) and t.get("content") == token), None)
-
-
 def load_target_heads(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> TargetHeads:
-    """Load config, embed_tokens and lm_head of the target at `path` (a local HF folder).
+    """Load config, embed_tokens and lm_head of the target at `path` (a local HF folder,
+    or a .gguf file: protocol/targets.py).
 
     `dtype` None keeps the checkpoint's dtype. Raises TargetLoadError naming what is
     missing or inconsistent."""
+    if targets.gguf_path(path) is not None:
+        return _load_gguf_heads(Path(path), device, dtype)
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise TargetLoadError(f"no config.json in {folder} (expected a Hugging Face model folder)")
-    spec = TargetSpec.from_config(json.loads(cfg_file.read_text()))
+    raw = json.loads(cfg_file.read_text())
+    spec = TargetSpec.from_config(raw)
     where = _tensor_locations(folder)
     embed_name = _find(EMBED_NAMES, where, "embed_tokens.weight")
     if embed_name is None:
@@ -196,6 +196,10 @@ def load_target_heads(
     if head_name is None and not spec.tie_word_embeddings:
         raise TargetLoadError(f"no lm_head.weight in {folder} and tie_word_embeddings is false")
     lm_head = embed if head_name is None else _read(head_name, where[head_name], device, dtype)
+    return _heads(spec, embed, lm_head, str(folder), raw)
+
+
+def _heads(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor, path: str, raw: dict) -> TargetHeads:
     for name, t in (("embed_tokens", embed), ("lm_head", lm_head)):
         if t.dim() != 2 or t.shape[1] != spec.hidden_size or t.shape[0] < spec.vocab_size:
             raise TargetLoadError(
@@ -203,4 +207,26 @@ def load_target_heads(
             )
     embed.requires_grad_(False)
     lm_head.requires_grad_(False)
-    return TargetHeads(spec, embed, lm_head, _fingerprint(spec, embed, lm_head), str(folder))
+    return TargetHeads(spec, embed, lm_head, _fingerprint(spec, embed, lm_head), path, raw)
+
+
+def _load_gguf_heads(file: Path, device, dtype: torch.dtype | None) -> TargetHeads:
+    """The heads of a GGUF target: its config through transformers' GGUF reader, the two
+    tensors de-quantised by the `gguf` package alone (the decoder is never read). The
+    fingerprint hashes the de-quantised rows, which are the same on every load."""
+    try:
+        raw = targets.load_config(file).to_dict()
+        found = targets.gguf_tensors(file, [targets.GGUF_EMBED, targets.GGUF_HEAD])
+    except (ImportError, OSError, ValueError) as e:
+        raise TargetLoadError(f"cannot read GGUF target {file}: {type(e).__name__}: {e}") from None
+    spec = TargetSpec.from_config(raw)
+    if targets.GGUF_EMBED not in found:
+        raise TargetLoadError(f"no {targets.GGUF_EMBED} in {file}")
+    embed = found[targets.GGUF_EMBED].to(device=device, dtype=dtype or torch.float32)
+    if spec.tie_word_embeddings or targets.GGUF_HEAD not in found:
+        if not spec.tie_word_embeddings:
+            raise TargetLoadError(f"no {targets.GGUF_HEAD} in {file} and tie_word_embeddings is false")
+        lm_head = embed
+    else:
+        lm_head = found[targets.GGUF_HEAD].to(device=device, dtype=dtype or torch.float32)
+    return _heads(spec, embed, lm_head, str(file), raw)

@@ -31,6 +31,7 @@ from . import finite, fused
 from .dist import Dist
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
+from .mask_token import mask_in_batch
 from .metrics import Meter, local_figures, named
 from .model import DFlashDraft, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
@@ -39,7 +40,8 @@ from .staging import BatchStager
 from .step import batch_loss
 from .target_heads import TargetHeads
 from . import train_checkpoint
-from .train_config import Hooks, TrainConfig, TrainState, default_target_layers, lr_at, noise_at, resolve_signal
+from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, default_target_layers, lr_at, noise_at,
+                           resolve_signal)
 
 __all__ = ["Hooks", "TrainConfig", "TrainState", "default_target_layers", "lr_at", "noise_at", "resolve_signal",
            "train", "START_WAIT_S"]
@@ -100,6 +102,7 @@ class _StepLoop:
         self.state = TrainState()
         torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
         self.quorum_begun = False  # the next step's quorum was begun already (elastic, before the resume)
+        self.mask_warned = False  # a batch held the MASK token (warned once)
 
     def _build_model(self) -> None:
         cfg, device = self.cfg, self.device
@@ -152,6 +155,8 @@ class _StepLoop:
         collectives by order, so a phase skipped on one rank only would hang the others."""
         cfg = self.cfg
         self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
+        # The schedule's plan: a resumed run continues its checkpoint's (train_config.choose_plan)
+        self.start_samples, self.saved_plan, self.last_plan = self.state.samples, self.state.planned_samples, None
         # The next batch is converted and copied to the device while this one trains.
         stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
         self.source: Iterator = stager if stager is not None else iter(batches)
@@ -204,6 +209,8 @@ class _StepLoop:
             want_stop = self._stop_asked()
         if batch is not None:
             batch, bad = _prepare(batch, self.heads, self.signal)
+        if batch is not None and not self.mask_warned:
+            self.mask_warned = _mask_in_data(batch, self.signal, self.state.step + 1, self.dist.rank)
         return batch, bad, want_stop
 
     def begin_quorum(self) -> None:
@@ -246,8 +253,11 @@ class _StepLoop:
         if hooks.before_step is not None:
             hooks.before_step(state.step, self.model, batch, state.record)
         step = state.step + 1
-        lr, noise = lr_at(step, self.cfg), noise_at(step, self.cfg)
-        mine, total = self._gradients(batch, step, lr, noise)
+        plan = self._plan(step)
+        noise = noise_at(step, self.cfg, state.samples, plan)
+        mine, total = self._gradients(batch, step, noise)
+        # The lr of the step that brings the run to this many samples (its own included)
+        lr = lr_at(step, self.cfg, state.samples + int(named(total)["samples"]), plan)
         pairs = None
         if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
             pairs = gather_samples(dist, batch, int(named(total)["samples"]))
@@ -257,17 +267,33 @@ class _StepLoop:
             return
         self.stepped_here = True
         record_samples(state, dist, pairs, step)
-        grad_norm = self._apply(named(total), step, batch)
+        grad_norm = self._apply(named(total), step, batch, lr)
         self._account(step, batch, total)
         self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)
         if self.ckpt_root is not None and self.cfg.save_every > 0 and step % self.cfg.save_every == 0:
             self._save()
 
-    def _gradients(self, batch: Batch | None, step: int, lr: float, noise: float):
+    def _plan(self, step: int) -> Plan:
+        """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""
+        state, hooks = self.state, self.hooks
+        stream = None if hooks.stream_samples is None else self.start_samples + hooks.stream_samples
+        plan = choose_plan(self.cfg, broker=hooks.plan() if hooks.plan is not None else None,
+                           checkpoint=self.saved_plan, stream=stream)
+        if plan != self.last_plan:
+            fields = dict(step=step, samples=state.samples, **plan.as_dict(), lr=self.cfg.lr, min_lr=self.cfg.min_lr,
+                          warmup=self.cfg.warmup, rank=self.dist.rank)
+            if plan.by == "constant":
+                log.warning("train.schedule", **fields, hint="give --total-samples (or --total-steps) for warmup "
+                            "and cosine decay; with a broker the plan is its epochs x samples")
+            else:
+                log.info("train.schedule", **fields)
+            self.last_plan = plan
+        state.planned_samples = plan.length if plan.by == "samples" else None
+        return plan
+
+    def _gradients(self, batch: Batch | None, step: int, noise: float):
         """This rank's gradients of `step` (summed, not yet averaged), and its figures with
         every rank's sums."""
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         stats = LossStats(pos_correct=[0] * (self.signal.block_size - 1), pos_valid=[0] * (self.signal.block_size - 1))
         if batch is not None:  # split into micro-batches if memory runs out (oom.py)
@@ -277,12 +303,14 @@ class _StepLoop:
         total = self.dist.all_sum(mine)  # one small collective for every figure a step logs
         return mine, total
 
-    def _apply(self, figures: dict, step: int, batch: Batch | None) -> float:
-        """The optimizer step on the averaged gradients; the gradient norm (0 when skipped).
-        A non-finite loss or gradient norm raises NonFiniteStep first (finite.py says why)."""
+    def _apply(self, figures: dict, step: int, batch: Batch | None, lr: float) -> float:
+        """The optimizer step on the averaged gradients at `lr`; the gradient norm (0 when
+        skipped). A non-finite loss or gradient norm raises NonFiniteStep first (finite.py says why)."""
         grad_norm, weight = 0.0, figures["weight"]
         batch_id = batch.batch_id if batch is not None else None
         finite.check_step(step, figures["loss_sum"], None, batch_id, self.dist.rank)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
         if weight > 0:  # all ranks see the same weight: they all step or all skip
             for p in self.params:
                 p.grad.div_(weight)
@@ -380,11 +408,25 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
         batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
     try:
         batch.check(list(signal.target_layers), heads.spec.hidden_size, heads.spec.vocab_size)
+        if signal.distill > 0 and batch.final_hidden is None:
+            raise BatchMismatch(f"batch {batch.batch_id} has no final_hidden, which --distill-weight needs: start "
+                                "the producers with --final-hidden")
     except BatchMismatch as e:
         log.error("train.batch_mismatch", batch_id=batch.batch_id, error=str(e), layer_ids=batch.layer_ids,
                   target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))
         return None, e
     return batch, None
+
+
+def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
+    """Warn (once: returns True) when a batch contains the MASK token: the drafter cannot
+    tell that context token from a position to draft (mask_token.py)."""
+    hits = mask_in_batch(batch.input_ids, signal.mask_token_id)
+    if hits:
+        log.warning("train.mask_in_data", step=step, rank=rank, batch_id=batch.batch_id,
+                    mask_token_id=signal.mask_token_id, tokens=hits, rule=(signal.mask_choice or {}).get("rule"),
+                    hint="choose another --mask-token-id: a row the data never contains")
+    return bool(hits)
 
 
 def _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise) -> Callable[[Batch], LossStats]:

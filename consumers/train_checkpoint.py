@@ -48,6 +48,7 @@ def resume(cfg: TrainConfig, signal: Signal, model, optimizer, state: TrainState
     state.step, state.tokens, state.samples = saved["step"], saved["tokens"], saved["samples"]
     state.saved_step = state.step
     state.epoch, state.resumed_from = saved.get("epoch", 0), str(path)
+    state.planned_samples = (saved.get("scheduler") or {}).get("planned_samples")
     record = TrainedRecord.load(path)
     if record is None:  # an older checkpoint: its weights hold samples nobody listed
         log.warning("train.record_missing", checkpoint=str(path))
@@ -73,7 +74,9 @@ def save(cfg: TrainConfig, signal: Signal, model, optimizer, state: TrainState, 
         body = {"tokens": state.tokens, "samples": state.samples, "epoch": state.epoch,
                 "signal": signal.as_dict(), "world_size": dist.world_size, "config": run_config,
                 "scheduler": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
-                              "total_steps": cfg.total_steps}}
+                              "total_steps": cfg.total_steps, "planned_samples": state.planned_samples,
+                              "by": "steps" if cfg.total_steps else "samples" if state.planned_samples else
+                              "constant"}}
         path = save_checkpoint(root, state.step, model, optimizer, state=body, rng=rng,
                                drafter_config=drafter_json, keep=cfg.keep, record=state.record)
         state.last_checkpoint = path

@@ -18,7 +18,8 @@ from .batch import Batch
 from .checkpoint import Signal
 from .loss import default_gamma
 from .record import TrainedRecord
-from .target_heads import TargetHeads, tokenizer_mask_id
+from .mask_token import mask_choice
+from .target_heads import TargetHeads
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,16 @@ class TrainConfig:
     block_size: int = 16
     anchors: int = 512
     gamma: float | None = None  # None: default_gamma(block_size)
-    mask_token_id: int | None = None  # None: Qwen3's 151669 for Qwen3 vocabularies
+    mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
+    distill_weight: float = 0.0  # a: loss = (1 - a) CE + a KL(target || drafter); needs final_hidden batches
     # optimisation
     lr: float = 6e-4
     min_lr: float = 0.0
-    warmup: float = 0.04  # fraction of total_steps
-    total_steps: int | None = None  # schedule length; None: constant lr after no warmup
+    warmup: float = 0.04  # fraction of the planned work (samples, or total_steps)
+    # The schedule's length in samples trained (docs/TRAINING.md "Schedule"); None: the
+    # broker's planned samples, else a resumed checkpoint's, else a local stream's size
+    total_samples: int | None = None
+    total_steps: int | None = None  # overrides the schedule by samples with one by optimizer steps
     max_steps: int | None = None  # stop after this many steps (None: end of stream)
     grad_clip: float = 1.0
     weight_decay: float = 0.0
@@ -70,6 +75,12 @@ class Hooks:
     # The run's sample counts, {samples_total, samples_done, n_samples} (the broker's
     # heartbeat): the logged epoch fraction and ETA come from them when present.
     progress: Callable[[], dict] | None = None
+    # The samples the run plans to train (the broker's epochs x samples, less skipped),
+    # or None while unknown: the lr and noise schedules' length (docs/TRAINING.md)
+    plan: Callable[[], int | None] | None = None
+    # Samples a local stream holds (synthetic): the plan, counted from where this process
+    # starts, when neither --total-samples, the broker nor a resumed checkpoint gives one
+    stream_samples: int | None = None
     stop: threading.Event | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
     # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
@@ -87,6 +98,7 @@ class TrainState:
     tokens: int = 0  # target tokens trained on, all ranks
     samples: int = 0
     epoch: int = 0
+    planned_samples: int | None = None  # the schedule's length the last step used (checkpointed)
     resumed_from: str | None = None
     saved_step: int = 0  # the newest checkpoint's step (every rank agrees: it decides a collective)
     end_reason: str = ""
@@ -118,38 +130,84 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
     if any(not 0 <= i < spec.num_hidden_layers - 1 for i in layers):
         # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
         raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
-    mask = cfg.mask_token_id
-    if mask is None:
-        mask = tokenizer_mask_id(heads.path)
-    if mask is None:
-        if spec.model_type.startswith("qwen3") and spec.vocab_size > 151669:
-            mask = 151669
-        else:
-            raise ValueError(f"--mask-token-id is required for a {spec.model_type} target (an unused vocab row)")
-    if not 0 <= mask < spec.vocab_size:
-        raise ValueError(f"mask token id {mask} outside the vocabulary (0..{spec.vocab_size - 1})")
+    mask = mask_choice(heads, cfg.mask_token_id)  # logged once per target (train.mask_token)
     if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
         raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
-    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask, heads.identity)
+    if not 0.0 <= cfg.distill_weight <= 1.0:
+        raise ValueError(f"--distill-weight {cfg.distill_weight} must lie in 0..1")
+    return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask.token_id, heads.identity,
+                  mask_choice=mask.as_dict(), distill=float(cfg.distill_weight))
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup*total steps, then cosine down to min_lr (step is 1-based)."""
-    if not cfg.total_steps:
+@dataclass(frozen=True)
+class Plan:
+    """How long the lr and noise schedules are: `by` samples trained (the default),
+    optimizer steps (--total-steps), or `constant` (nothing planned)."""
+
+    by: str  # samples | steps | constant
+    length: int | None  # samples or steps; None for constant
+    source: str  # --total-steps | --total-samples | broker | checkpoint | stream | none
+
+    def as_dict(self) -> dict:
+        return {"by": self.by, "length": self.length, "source": self.source}
+
+
+def choose_plan(cfg: TrainConfig, *, broker: int | None = None, checkpoint: int | None = None,
+                stream: int | None = None) -> Plan:
+    """The first that is known: --total-steps, --total-samples, the broker's planned
+    samples, the resumed checkpoint's plan (a resume continues its curve), the local
+    stream's size; else a constant lr (logged as a warning by the loop)."""
+    if cfg.total_steps:
+        return Plan("steps", cfg.total_steps, "--total-steps")
+    for length, source in ((cfg.total_samples, "--total-samples"), (broker, "broker"),
+                           (checkpoint, "checkpoint"), (stream, "stream")):
+        if length:
+            return Plan("samples", int(length), source)
+    return Plan("constant", None, "none")
+
+
+def progress(plan: Plan, step: int, samples: int) -> float | None:
+    """Where a run is on its plan, 0..1 (None: constant): `step` optimizer steps or
+    `samples` trained over the plan's length."""
+    if plan.by == "constant" or not plan.length:
+        return None
+    return min(1.0, max(0, step if plan.by == "steps" else samples) / plan.length)
+
+
+def lr_shape(p: float | None, cfg: TrainConfig) -> float:
+    """Linear warmup over the first `warmup` of the plan, then cosine from lr to min_lr
+    at p = 1; lr when nothing is planned."""
+    if p is None:
         return cfg.lr
-    warm = max(1, math.ceil(cfg.warmup * cfg.total_steps))
+    if cfg.warmup > 0 and p < cfg.warmup:
+        return cfg.lr * p / cfg.warmup
+    q = min(1.0, (p - cfg.warmup) / (1.0 - cfg.warmup)) if cfg.warmup < 1 else 1.0
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * q)) * (cfg.lr - cfg.min_lr)
+
+
+def lr_at(step: int, cfg: TrainConfig, samples: int = 0, plan: Plan | None = None) -> float:
+    """The lr of optimizer step `step` (1-based) which brings the run to `samples` trained
+    (its own included: the last planned sample is trained at min_lr). By steps
+    (--total-steps): warmup over ceil(warmup * total_steps) steps, then cosine."""
+    plan = plan or choose_plan(cfg)
+    if plan.by != "steps":
+        return lr_shape(progress(plan, step, samples), cfg)
+    warm = max(1, math.ceil(cfg.warmup * plan.length))
     if step <= warm:
         return cfg.lr * step / warm
-    p = min(1.0, (step - warm) / max(1, cfg.total_steps - warm))
+    p = min(1.0, (step - warm) / max(1, plan.length - warm))
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * p)) * (cfg.lr - cfg.min_lr)
 
 
-def noise_at(step: int, cfg: TrainConfig) -> float:
+def noise_at(step: int, cfg: TrainConfig, samples: int = 0, plan: Plan | None = None) -> float:
+    """Feature noise of step `step`, decayed over the same plan as the lr; `samples` are
+    those trained before the step (noise is drawn before its batch is trained)."""
     if cfg.feature_noise <= 0:
         return 0.0
-    if cfg.noise_schedule == "constant" or not cfg.total_steps:
+    plan = plan or choose_plan(cfg)
+    p = progress(plan, step, samples)
+    if cfg.noise_schedule == "constant" or p is None:
         return cfg.feature_noise
-    p = min(1.0, step / cfg.total_steps)
     f = 1.0 - p if cfg.noise_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
     return cfg.feature_noise * f

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.protocol import targets
 from dflash.protocol.logs import get_logger
 
 from .chat import ChatEncoder
@@ -35,15 +36,14 @@ class Components:
 def load_components(cfg: ProducerConfig) -> Components:
     """Load everything `cfg` names. Raises TargetError, PackingError, FileNotFoundError,
     DFlashError (dataset format), ValueError (tokenizer/template), OSError (checkpoint)."""
-    from transformers import AutoTokenizer
-
     cfg.check()
     device = resolve_device(cfg.gpu, cfg.device)
     dataset = open_dataset(cfg.data)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = targets.load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
     encoder = ChatEncoder(tokenizer, cfg.max_length, cfg.template_kwargs())
     target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype,
-                         attn_impl=cfg.attn_impl, full=cfg.regenerate, trust_remote_code=cfg.trust_remote_code)
+                         attn_impl=cfg.attn_impl, full=cfg.regenerate, final=cfg.final_hidden,
+                         trust_remote_code=cfg.trust_remote_code)
     if cfg.check_packing:
         err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
         log.info("produce.packing_check", ok=True, rel_err=err, leak_rel_err=leak, attn_impl=target.info.attn_impl)

@@ -59,7 +59,8 @@ def _target_arg(_ctx, param, value: str | None) -> str | None:
 @broker_option()
 @runs_dir_option()
 @option("--target", required=True, callback=_target_arg,
-        help="Target model: a local folder or a Hugging Face hub ID.")
+        help="Target model: a local folder, a Hugging Face hub ID, or a .gguf file (de-quantised to --dtype by "
+        "transformers; needs the gguf extra).")
 @option("--data", required=True, help="Dataset: .jsonl (messages / conversations / text rows), "
         ".parquet, or a HF datasets folder (save_to_disk).")
 @option("--gpu", type=int, default=None, help="GPU index to run the target on (default: GPU 0 if any, else CPU).")
@@ -87,6 +88,9 @@ def _target_arg(_ctx, param, value: str | None) -> str | None:
         "e.g. '{\"enable_thinking\": false}'.")
 @option("--hidden-encoding", default="raw", type=click.Choice(["raw", "fp8_e4m3_rowscale"]),
         help="Wire encoding of hidden states: raw (model dtype) or fp8 with per-row scales (half of bf16).")
+@option("--final-hidden", is_flag=True, default=False, help="Also send each token's last hidden state after the "
+        "final norm (the LM head's input, H values per token): consumers with --distill-weight compute the "
+        "target's next-token distribution from it (docs/TRAINING.md \"Distillation\").")
 @option("--check-packing/--no-check-packing", envvar="DFLASH_CHECK_PACKING", default=True, help="At start, verify that packed sequences "
         "do not attend to each other on this model (a few tiny forward passes).")
 @option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")

@@ -33,6 +33,7 @@ class ProducerConfig:
     regen_cache: str = DEFAULT_REGEN_CACHE
     chat_template_kwargs: str = "{}"
     hidden_encoding: str = "raw"
+    final_hidden: bool = False  # also send the final-norm output (the consumer's --distill-weight needs it)
     check_packing: bool = True
     trust_remote_code: bool = False
     instance: str | None = None

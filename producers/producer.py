@@ -188,6 +188,10 @@ class Producer:
         tensors = {"input_ids": batch.input_ids, "loss_mask": batch.loss_mask}
         fields = {"samples": batch.samples, "seq_lens": batch.seq_lens, "layer_ids": self.target.layer_ids,
                   "epoch": batch.epoch, "lease": batch.lease}
+        final = None
+        if self.target.final_norm is not None:  # --final-hidden: the last slot travels as its own tensor
+            n_h = len(self.target.layer_ids) * self.target.hidden_size
+            hidden, final = hidden[:, :n_h].contiguous(), to_host(hidden[:, n_h:].contiguous())
         if self.hidden_encoding == FP8_ENCODING:
             # Encoded on the GPU: half the bytes cross PCIe and the wire.
             q, scale = encode_fp8(hidden, len(self.target.layer_ids))
@@ -195,6 +199,8 @@ class Producer:
             fields["hidden_encoding"] = FP8_ENCODING
         else:
             tensors["hidden"] = to_host(hidden)  # [T, n*H]
+        if final is not None:
+            tensors["final_hidden"] = final  # [T, H], the model dtype (never fp8: it makes soft labels)
         del hidden
         t1 = time.monotonic()
         batch_id = self.sink(fields, tensors)

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from dflash.protocol import targets
 from dflash.protocol.logs import get_logger
 
 log = get_logger()
@@ -127,6 +128,16 @@ def find_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
     raise TargetError(f"no list of {num_layers} decoder layers in {type(decoder).__name__}")
 
 
+def _final_norm(decoder: nn.Module) -> nn.Module:
+    """The decoder's final norm (`norm` in most families, `ln_f` in GPT-2 style ones)."""
+    for name in ("norm", "ln_f", "final_layernorm"):
+        mod = getattr(decoder, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise TargetError(f"no final norm (norm, ln_f, final_layernorm) in {type(decoder).__name__}: "
+                      "--final-hidden needs it")
+
+
 @dataclass
 class TargetInfo:
     """What the broker and consumers are told about the target (hello `config`)."""
@@ -148,7 +159,8 @@ class Target:
     `full=True` keeps the whole CausalLM (needed by `--regenerate`); otherwise layers after
     the last wanted one and the LM head are dropped."""
 
-    def __init__(self, model: nn.Module, name: str, layer_ids: list[int], *, full: bool = False):
+    def __init__(self, model: nn.Module, name: str, layer_ids: list[int], *, full: bool = False,
+                 final: bool = False):
         cfg = model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
@@ -160,7 +172,10 @@ class Target:
         # Capture hooks live on shared layer modules: a generation pass (--regenerate, in the
         # prefetch thread) must not run while they are registered.
         self.lock = threading.Lock()
-        if not full:
+        # final: capture also the last layer's output after the final norm (the LM head's
+        # input, HF hidden_states[-1]) as one more slot: every layer is then needed.
+        self.final_norm = _final_norm(self.decoder) if final else None
+        if not full and not final:
             del self.layers[max(self.layer_ids) + 1:]
         p = next(self.decoder.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -192,15 +207,16 @@ class Target:
 
     @property
     def width(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
+        """Columns of what `capture` returns: the layers', and the final slot's if any."""
+        return (len(self.layer_ids) + (self.final_norm is not None)) * self.hidden_size
 
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states of the wanted layers for one packed batch.
 
         input_ids, position_ids: [T] (positions restart at 0 for every packed sequence; with
         no attention mask and no cache, transformers turns that into attention that never
-        crosses a sequence boundary). Returns [T, n_layers*H] in the model dtype, on the
-        model's device. Raises torch.OutOfMemoryError as is (the caller splits and retries)."""
+        crosses a sequence boundary). Returns [T, n_layers*H] (with `final`: [T, (n_layers+1)*H],
+        the final-norm output last) in the model dtype, on the model's device. Raises torch.OutOfMemoryError as is (the caller splits and retries)."""
         with self.lock:
             return self._capture(input_ids.to(self.device), position_ids.to(self.device))
 
@@ -209,7 +225,8 @@ class Target:
         # One buffer filled in place by the hooks: no list of n layer tensors plus a cat,
         # which would double the peak for the captured part.
         out = torch.empty(T, self.width, dtype=self.dtype, device=self.device)  # [T, n*H]
-        last = max(self.layer_ids)
+        # The hook that ends the pass: the last wanted layer's, or the final norm's (ID -1)
+        last = -1 if self.final_norm is not None else max(self.layer_ids)
 
         def hook_for(slot: int, layer_id: int):
             def hook(_module, _args, output):
@@ -221,6 +238,8 @@ class Target:
 
         handles = [self.layers[lid].register_forward_hook(hook_for(slot, lid))
                    for slot, lid in enumerate(self.layer_ids)]
+        if self.final_norm is not None:
+            handles.append(self.final_norm.register_forward_hook(hook_for(len(self.layer_ids), -1)))
         try:
             with torch.inference_mode():
                 self.decoder(
@@ -234,7 +253,7 @@ class Target:
         finally:
             for h in handles:
                 h.remove()
-        raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list")
+        raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list (or final norm)")
 
 
 def load_target(
@@ -245,14 +264,14 @@ def load_target(
     dtype: str = "auto",
     attn_impl: str = "auto",
     full: bool = False,
+    final: bool = False,
     trust_remote_code: bool = False,
 ) -> Target:
-    """Load a local folder or hub ID as a frozen, eval-mode target on `device`.
+    """Load a local folder, hub ID or .gguf file (protocol/targets.py) as a frozen,
+    eval-mode target on `device`.
 
     Raises TargetError (bad layers, dtype, device), and whatever transformers raises for an
     unreadable checkpoint (OSError, ValueError)."""
-    from transformers import AutoModelForCausalLM
-
     device = device or resolve_device(None, None)
     torch_dtype = resolve_dtype(dtype, device)
     attn = resolve_attn(attn_impl, device)
@@ -260,11 +279,11 @@ def load_target(
     kw: dict = {}
     if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = {"": str(device)}  # straight to the GPU, no full CPU copy
-    model = AutoModelForCausalLM.from_pretrained(
-        name, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code, **kw)
+    model = targets.load_causal_lm(name, dtype=torch_dtype, attn_implementation=attn,
+                                   trust_remote_code=trust_remote_code, **kw)
     model.to(device).eval().requires_grad_(False)
     num_layers = model.config.get_text_config().num_hidden_layers
-    target = Target(model, name, parse_layer_ids(layer_spec, num_layers), full=full)
+    target = Target(model, name, parse_layer_ids(layer_spec, num_layers), full=full, final=final)
     del model
     log.info("produce.target_loaded", load_s=round(time.monotonic() - t0, 2), full=full,
              params=sum(p.numel() for p in target.decoder.parameters()), **vars(target.info))

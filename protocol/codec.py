@@ -297,4 +297,9 @@ def check_batch(h: dict, t: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -
         sc_t, sc_shape = t.get("hidden_scale", (None, None))
         if sc_t != torch.float32 or sc_shape != (T, len(layers)):
             raise ProtocolError(f"batch: fp8 hidden needs float32 hidden_scale [{T}, {len(layers)}]")
+    if "final_hidden" in t:  # optional: the target's LM-head input, for distillation (PROTOCOL.md)
+        fin_t, fin = t["final_hidden"]
+        D = hid[1] // len(layers)
+        if fin_t not in HIDDEN_DTYPES[:3] or tuple(fin) != (T, D):
+            raise ProtocolError(f"batch: final_hidden must be [{T}, {D}] bf16/fp16/fp32, got {fin_t} {list(fin)}")
 

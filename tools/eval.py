@@ -174,13 +174,14 @@ def format_report(rep: dict) -> str:
 
 def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     """(target model, tokenizer, drafter), both models frozen in `dtype` on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from dflash.protocol import targets
 
     hf_logging.disable_progress_bar()  # a report, not a loading bar, is this command's output
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = targets.load_causal_lm(target, dtype=torch_dtype).to(device).eval().requires_grad_(False)
+    tokenizer = targets.load_tokenizer(target)
     drafter = load_exported(drafter_dir, device=device, dtype=torch_dtype)
     check_pair(model, drafter)
     check_drafter_target(drafter_dir, target)  # trained for this very target (its heads hash)
@@ -188,7 +189,7 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 
 
 @click.command(context_settings={"max_content_width": 100})
-@option("--target", required=True, type=click.Path(exists=True, file_okay=False), help="Target model folder (Hugging Face layout).")
+@option("--target", required=True, type=click.Path(exists=True), help="Target model folder (Hugging Face layout) or .gguf file.")
 @option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
         help="Drafter: a training checkpoint folder or a dflash-export folder (published layout).")
 @option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="JSON Lines file of prompts.")

@@ -43,14 +43,30 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-# family -> (special tokens, bos, eos, pad, chat template)
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + "
+    "message['content'] + '<end_of_turn>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+
+# family -> (special tokens, bos, eos, pad, chat template); Gemma's tokenizer has its own
+# <mask> and <unusedN> tokens, as the real one does
 _FAMILIES = {
     "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN],
               None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
     "llama": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                "<|eot_id|>", MASK_TOKEN],
               "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", LLAMA3_TEMPLATE),
+    "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>",
+               "<unused1>", MASK_TOKEN],
+              "<bos>", "<eos>", "<pad>", GEMMA_TEMPLATE),
 }
+# Without DFlash's <|mask|> (TinySpec.mask_token False), a family's tokenizer is what the
+# real one is: Llama 3 reserves special tokens; Qwen3 has only its own.
+_RESERVED = {"llama": ["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"]}
 _BUILD_VERSION = 2  # bump when the build changes, so stale caches are not reused
 
 
@@ -66,9 +82,13 @@ class TinySpec:
     vocab: int = 1024  # BPE vocabulary the tokenizer is trained to
     model_vocab: int = 0  # embedding rows; 0 = the tokenizer's size (real models pad it)
     seed: int = 0
+    mask_token: bool = True  # the tokenizer reserves DFlash's <|mask|> (off: the family's own tokens only)
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "build": _BUILD_VERSION}, sort_keys=True)
+        fields = asdict(self)
+        if self.mask_token:  # the default: the key of targets built before the field existed
+            del fields["mask_token"]
+        blob = json.dumps({**fields, "build": _BUILD_VERSION}, sort_keys=True)
         return f"{self.family}-L{self.layers}-H{self.hidden}-{'tied' if self.tie else 'untied'}-" \
                f"{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
 
@@ -85,12 +105,14 @@ def _corpus() -> list[str]:
     return roles + [m["content"] for chat in generate_chats() for m in chat["messages"]]
 
 
-def build_tokenizer(family: str = "qwen3", vocab: int = 1024):
+def build_tokenizer(family: str = "qwen3", vocab: int = 1024, mask_token: bool = True):
     """A byte-level BPE `PreTrainedTokenizerFast` with the family's chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials, bos, eos, pad, template = _FAMILIES[family]
+    if not mask_token:
+        specials = [t for t in specials if t != MASK_TOKEN] + _RESERVED.get(family, [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -101,7 +123,7 @@ def build_tokenizer(family: str = "qwen3", vocab: int = 1024):
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
-        additional_special_tokens=[MASK_TOKEN],
+        additional_special_tokens=[MASK_TOKEN] if mask_token else _RESERVED.get(family, []),
     )
     fast.chat_template = template
     return fast
@@ -110,7 +132,7 @@ def build_tokenizer(family: str = "qwen3", vocab: int = 1024):
 def build_model(spec: TinySpec, tokenizer):
     """A randomly initialised causal LM whose vocabulary covers `tokenizer`."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen3Config
 
     vocab = max(spec.model_vocab, len(tokenizer))
     common = dict(
@@ -121,7 +143,7 @@ def build_model(spec: TinySpec, tokenizer):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = Qwen3Config(**common) if spec.family == "qwen3" else LlamaConfig(**common)
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma": GemmaConfig}[spec.family](**common)
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -140,7 +162,7 @@ def tiny_target(cache_dir: str | os.PathLike | None = None, **spec_fields) -> Pa
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.key()}-", dir=root))
     try:
-        tokenizer = build_tokenizer(spec.family, spec.vocab)
+        tokenizer = build_tokenizer(spec.family, spec.vocab, spec.mask_token)
         model = build_model(spec, tokenizer)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -176,3 +176,22 @@ def test_a_resumed_run_names_the_checkpoint_to_start_from(tmp_path):
     assert resume_point("latest", {"parent_run": "x", "resumed_from": None}, runs) is None  # nothing committed yet
     assert resume_point("latest", {}, runs) == str(old / "step-20")  # not a resumed run: as asked
     assert resume_point(None, {}, runs) is None
+
+
+def test_the_schedule_runs_over_the_brokers_planned_samples(target_dir, tmp_path):
+    """No --total-samples: the lr follows epochs x samples as the broker's heartbeat says,
+    down to --min-lr at the last sample."""
+    b = BrokerProc(tmp_path / "runs", ["--num-samples", "6", "--epochs", "2"])
+    try:
+        c = Consumer(b, target_dir, tmp_path / "c.out", "--instance", "c", "--min-lr", "1e-5", "--lr", "1e-3")
+        cfg = {"target": "fake", "layer_ids": [1, 2], "hidden_size": 64, "dataset": {"n_samples": 6, "fingerprint": "fp"}}
+        producer = FakeProducer(b.control, "fake-p", n_samples=6, per_batch=1, width=128, config=cfg)
+        threading.Thread(target=producer.run_to_end, daemon=True).start()
+        code, out = c.wait(90)
+    finally:
+        b.stop()
+    assert code == 0, out[-1500:]
+    assert [(p["by"], p["length"], p["source"]) for p in c.events("train.schedule")] == [("samples", 12, "broker")]
+    steps = c.events("train.step")
+    assert len(steps) == 12 and steps[-1]["lr"] == pytest.approx(1e-5)
+    assert all(a["lr"] > b_["lr"] for a, b_ in zip(steps, steps[1:]))  # past the warmup (1 sample > 4%): decaying

