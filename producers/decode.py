@@ -325,28 +325,41 @@ class GreedyDecoder:
         def keep(job: Job, tokens: list[int]) -> None:
             res[job.key] = tokens
 
-        self.run(deque(Job(i, p) for i, p in enumerate(prompts)), keep)
+        left = self.run(deque(Job(i, p) for i, p in enumerate(prompts)), keep)
+        if left:
+            raise ValueError(f"{len(left)} prompt(s) exceed the decoder's max_prompt {self.max_prompt}")
         return res  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> None:
+    def run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
         """Decode every job of `jobs` (a deque `on_done` may append new jobs to, e.g. a
-        conversation's next turn) and hand each result to `on_done` as it finishes."""
+        conversation's next turn) and hand each result to `on_done` as it finishes.
+        Returns the jobs whose prompt is longer than `max_prompt` (not decoded: the caller
+        sizes a decoder for them). Raises ValueError for an empty prompt."""
         with self.core.attending():
-            self._run(jobs, on_done)
+            return self._run(jobs, on_done)
 
-    def _run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> None:
-        for j in jobs:
-            self._check(j)
+    def _run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
         busy: dict[int, Job] = {}
         free = list(range(self.rows))
+        leftover: list[Job] = []
         while jobs or busy:
             if jobs and free and (len(free) >= self.refill_min or not busy or len(jobs) <= len(free)):
-                take = [(free.pop(0), jobs.popleft()) for _ in range(min(len(free), len(jobs)))]
-                for _, j in take:
-                    self._check(j)
-                self._fill(take)
-                busy.update(take)
+                take = []
+                while jobs and len(take) < len(free):
+                    j = jobs.popleft()
+                    if not j.prompt:
+                        raise ValueError(f"job {j.key!r}: empty prompt")
+                    if len(j.prompt) > self.max_prompt:
+                        leftover.append(j)
+                    else:
+                        take.append(j)
+                take = [(free.pop(0), j) for j in take]
+                if take:
+                    self._fill(take)
+                    busy.update(take)
+            if not busy:
+                continue
             for _ in range(self.sync_every):
                 self._step()
             self.steps += self.sync_every
@@ -360,13 +373,7 @@ class GreedyDecoder:
                     job = busy.pop(r)
                     free.append(r)
                     on_done(job, o[:n])
-
-    def _check(self, job: Job) -> None:
-        if not job.prompt:
-            raise ValueError(f"job {job.key!r}: empty prompt")
-        if len(job.prompt) > self.max_prompt:
-            raise ValueError(f"job {job.key!r}: prompt of {len(job.prompt)} tokens exceeds the decoder's "
-                             f"max_prompt {self.max_prompt}")
+        return leftover
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
         """Prefill the prompts of `take` into their rows and set the rows' state."""

@@ -206,3 +206,21 @@ def test_batched_greedy_loop_equals_generate_row_by_row(tiny, tokenizer, referen
     assert len(got[1]) <= 4 and got[1][-1] in stops
     assert greedy_batch(target.model, prompts, pad_id=0, stop_ids=stops, max_new_tokens=1, device=CPU) == \
         [w[:1] for w in want]
+
+
+def test_more_conversations_than_rows_are_continuously_batched_and_exact(tiny, tokenizer, reference, tmp_path):
+    """Two rows for five conversations of one to three turns: a row whose turn ended takes
+    the next waiting turn (another conversation's or its own next one) while the other row
+    is mid-turn; every span is still exactly the reference greedy output after its prefix."""
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    chats = [c["messages"] for c in generate_chats()[:5]]
+    chats[1] = CHAT + [{"role": "user", "content": "And to 5?"}, {"role": "assistant", "content": "1 2 3 4 5"}]
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, "cb"), max_new_tokens=9, batch_size=2)
+    new = regen.apply([Row(i, f"d:{i}", messages=m) for i, m in enumerate(chats)])
+    stops = stop_ids(reference, tokenizer)
+    for row, msgs in zip(new, chats):
+        turns = spans(row.loss_mask)
+        assert len(turns) == sum(m["role"] == "assistant" for m in msgs)
+        for a, b in turns:
+            assert row.input_ids[a:b] == reference_greedy(reference, row.input_ids[:a], 9, stops)
+    assert len(spans(new[1].loss_mask)) == 3
