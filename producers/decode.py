@@ -272,6 +272,7 @@ class _attention:
 class Job:
     key: object
     prompt: list[int]
+    max_new: int | None = None  # fewer new tokens than the decoder's max_new_tokens, if set
 
 
 class GreedyDecoder:
@@ -299,6 +300,7 @@ class GreedyDecoder:
         self.off = torch.zeros(rows, dtype=torch.long, device=dev)
         self.n = torch.zeros(rows, dtype=torch.long, device=dev)  # tokens generated
         self.done = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.limit = torch.full((rows,), max_new_tokens, dtype=torch.long, device=dev)  # per row
         self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
         self._ar = torch.arange(rows, device=dev)
         self.steps = 0  # decode steps run (figures for benchmarks)
@@ -316,7 +318,7 @@ class GreedyDecoder:
         self.n += live
         self.start += live
         self.tok.copy_(torch.where(live, nxt, self.tok))
-        self.done |= live & (torch.isin(nxt, self.stops) | (self.n >= self.max_new))
+        self.done |= live & (torch.isin(nxt, self.stops) | (self.n >= self.limit))
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """Greedy continuations of `prompts`, in order."""
@@ -385,6 +387,7 @@ class GreedyDecoder:
             rows = torch.tensor([r for r, _ in part], device=dev)
             ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
             off = torch.tensor([W - len(j.prompt) for _, j in part], device=dev)
+            lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
             logits, _ = self.core.fresh(rows, ids, off)
             first = logits[:, -1].argmax(-1)
             self.tok[rows] = first
@@ -392,7 +395,8 @@ class GreedyDecoder:
             self.off[rows] = off
             self.n[rows] = 1
             self.out[rows, 0] = first
-            self.done[rows] = torch.isin(first, self.stops) | (self.max_new <= 1)
+            self.limit[rows] = lim
+            self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
 
 
 def greedy_generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],

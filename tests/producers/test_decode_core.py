@@ -106,3 +106,21 @@ def test_divergence_measures_the_margin_and_the_tie_rule():
     assert divergence(model, prompt, base, list(base)) is None
     stopped = divergence(model, prompt, base, base[:5])
     assert stopped["index"] == 5 and not is_tie_flip(stopped, 10.0)
+
+
+def test_a_job_may_ask_for_fewer_new_tokens():
+    from collections import deque
+
+    from dflash.producers.decode import Job
+
+    model = tiny_model("qwen3")
+    prompts = _prompts(model.config.vocab_size)
+    full = greedy_generate(model, prompts, max_new_tokens=NEW, stop_ids=set(), batch_size=2)
+    dec = GreedyDecoder(model, rows=2, max_prompt=40, max_new_tokens=NEW, stop_ids=set(), refill_min=1)
+    got = {}
+    left = dec.run(deque(Job(i, p, max_new=1 + 3 * i) for i, p in enumerate(prompts)),
+                   lambda j, out: got.__setitem__(j.key, out))
+    assert left == [] and [got[i] for i in range(len(prompts))] == [f[: 1 + 3 * i] for i, f in enumerate(full)]
+    # A prompt longer than the decoder takes comes back undecoded, for a larger decoder.
+    left = dec.run(deque([Job("long", list(range(3, 50)))]), lambda j, out: None)
+    assert [j.key for j in left] == ["long"]
