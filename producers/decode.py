@@ -19,6 +19,7 @@ Imports torch and transformers only, so a GPU benchmark can load it on a bare ma
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -164,6 +165,8 @@ class Core:
         self._neg = torch.finfo(self.dtype).min
         self._slot_ar = torch.arange(slots, device=self.device)
         self._pool = None
+        self.captured = 0  # graphs captured (figures for benchmarks)
+        self.graph_error: str | None = None  # why the last capture failed, if it did
 
     # ------------------------------------------------------------ masks
 
@@ -227,6 +230,15 @@ class Core:
         call this before the tensors hold real state."""
         if not self.graphs:
             return fn
+        try:
+            return self._capture(fn)
+        except RuntimeError as e:  # a model whose forward cannot be captured still decodes
+            warnings.warn(f"CUDA graph capture failed, decoding without graphs: {type(e).__name__}: {e}")
+            self.graph_error = f"{type(e).__name__}: {e}"[:500]
+            torch.cuda.synchronize(self.device)
+            return fn
+
+    def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -238,6 +250,7 @@ class Core:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
             fn()
+        self.captured += 1
         return g.replay
 
     def allocate(self) -> None:
@@ -304,7 +317,7 @@ class GreedyDecoder:
         self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
         self._ar = torch.arange(rows, device=dev)
         self.steps = 0  # decode steps run (figures for benchmarks)
-        with self.core.attending():
+        with self.core.attending(), torch.inference_mode():
             self.core.allocate()
             self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
 
