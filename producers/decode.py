@@ -56,11 +56,52 @@ def layer_windows(model: nn.Module) -> list[int | None]:
     return [window if t == _SLIDING else None for t in types[:n]]
 
 
+_PACKED = "gqa_packed_sdpa"  # no "flash" in it: transformers takes such names for hub kernels
+
+
+def _sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa for the core's masks without repeating K/V for every query head: transformers
+    repeats them whenever a mask is given (a copy of the whole cache per layer and step,
+    which dominated a decode step at batch 256). Query heads that share a K/V head (head h
+    uses K/V head h // g, as repeat_kv lays them out) become extra query rows instead."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("gqa_packed_sdpa: soft-capping and attention sinks are not supported (decoding uses eager)")
+    B, Hq, q, hd = query.shape
+    Hkv = key.shape[1]
+    g = Hq // Hkv
+    if attention_mask is None:  # a plain forward of the model (not the core's): causal
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=q > 1, scale=scaling,
+                                                               enable_gqa=g > 1)
+        return out.transpose(1, 2).contiguous(), None
+    qp = query.reshape(B, Hkv, g * q, hd)
+    mask = attention_mask[:, :, :, : key.shape[2]]
+    if g > 1:
+        mask = mask[:, :, None].expand(B, mask.shape[1], g, q, mask.shape[-1]).reshape(B, mask.shape[1], g * q, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(qp, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, Hq, q, hd).transpose(1, 2).contiguous(), None
+
+
+def _register_packed() -> bool:
+    try:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_PACKED, _sdpa_packed)
+        return True
+    except (ImportError, AttributeError):  # older transformers: plain sdpa
+        return False
+
+
+_HAS_PACKED = _register_packed()
+
+
 def decode_attention(model: nn.Module) -> str:
-    """The attention implementation decoding runs with: sdpa, or eager where the model needs
-    what sdpa lacks (logit soft-capping, Gemma 2). Both take the core's additive 4D masks."""
+    """The attention implementation decoding runs with: sdpa without K/V repetition
+    (`_sdpa_packed`), or eager where the model needs what sdpa lacks (logit soft-capping,
+    Gemma 2). Both take the core's additive 4D masks."""
     cfg = _text_config(model)
-    return "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "eager"
+    return _PACKED if _HAS_PACKED else "sdpa"
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -271,7 +312,15 @@ class _attention:
         cfg = self.model.config
         self.before = getattr(cfg, "_attn_implementation", None)
         if self.before != self.name:
-            self.model.set_attn_implementation(self.name)
+            try:
+                self.model.set_attn_implementation(self.name)
+            except (ValueError, KeyError) as e:  # a transformers that refuses registered names
+                if self.name != _PACKED:
+                    raise
+                warnings.warn(f"attention {_PACKED} refused ({e}); decoding with sdpa")
+                self.name = "sdpa"
+                if self.before != self.name:
+                    self.model.set_attn_implementation(self.name)
 
     def __exit__(self, *exc):
         if self.before != self.name and self.before is not None:
