@@ -167,8 +167,8 @@ def test_a_row_the_template_cannot_render_is_a_bad_row_named_before_generating(t
 
 
 def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokenizer, tmp_path):
-    """generate() always runs with sdpa (flex attention under generate() failed to compile on
-    an H200: docs/BENCHMARKS.md), and the packed capture goes back to the producer's own
+    """Generation always runs with the decoding core's sdpa (flex attention under generate()
+    failed to compile on an H200: docs/BENCHMARKS.md), and the packed capture goes back to the producer's own
     attention, with the same hidden states as before."""
     target = load_target(str(tiny), None, device=CPU, full=True, attn_impl="eager")
     seen: list[str] = []
@@ -182,7 +182,9 @@ def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokeniz
     regen = Regenerator(target, tokenizer, RegenCache(tmp_path, cache_key("fp-attn", target, tokenizer, NEW, {})),
                         max_new_tokens=NEW, batch_size=2)
     regen.apply([Row(0, "d:0", messages=CHAT)])
-    assert seen and set(seen) == {"sdpa"}
+    from dflash.producers.decode import decode_attention
+
+    assert seen and set(seen) == {decode_attention(target.model)} and "sdpa" in seen[0]
     seen.clear()
     after = target.capture(ids, pos)
     hook.remove()
