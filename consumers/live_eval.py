@@ -136,12 +136,12 @@ class LiveEval:
         rep = self.real.evaluate(model, self.signal.block_size, self.signal.mask_token_id,
                                  list(self.signal.target_layers))
         figures = {k: rep[k] for k in ("tau", "tau_pooled", "tau_hist", "drafted", "accepted", "acceptance_rate",
-                                       "prompts", "cycles", "new_tokens", "speedup", "mismatches")}
+                                       "prompts", "cycles", "new_tokens", "speedup", "mismatches", "tie_flips")}
         log.info("eval.tau", step=step, seconds=round(time.monotonic() - t0, 3), **figures)
         for r in rep["per_prompt"]:
-            if not r["lossless"]:
+            if not r["lossless"] and not r["tie_flip"]:
                 log.error("eval.mismatch", step=step, prompt=r["prompt"], first_difference=r["first_difference"],
-                          new_tokens=r["new_tokens"])
+                          new_tokens=r["new_tokens"], top2_margin=r["top2_margin"], flip_margin=r["flip_margin"])
         return figures
 
     def _publish(self, step: int, sim: dict | None, unseen_frac: float | None, real: dict | None,
@@ -166,4 +166,5 @@ class LiveEval:
             "acceptance_rate": real["acceptance_rate"] if real else None,
             "speedup": real["speedup"] if real else None, "prompts": real["prompts"] if real else 0,
             "mismatches": len(real["mismatches"]) if real else 0,
+            "tie_flips": len(real["tie_flips"]) if real else 0,
         }

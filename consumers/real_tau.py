@@ -6,7 +6,9 @@ A consumer normally holds only the target's embedding and LM head; real tau need
 whole target, so `--eval-prompts` makes rank 0 load it from the `--target` folder it
 already has (same device, same dtype as the heads). The target-only greedy outputs do not
 depend on the drafter: they are decoded once, when the prompts are loaded, and every
-evaluation only runs the speculative decode and compares against them.
+evaluation only runs the speculative decode and compares against them. In bfloat16/float16
+a first difference within the tie tolerance is a tie-flip, not a mismatch (dflash-eval's
+rule, docs/EVAL.md).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dflash.producers.decode import TIE_TOLERANCE, divergence
+
 from .export import Drafter
-from .speculative import Generation, greedy, speculative_greedy
+from .speculative import Generation, Speculative, TargetGreedy
 
 
 @dataclass
@@ -53,8 +57,17 @@ class RealTauSet:
         if not prompts:
             raise ValueError(f"{prompts_file}: no prompts (JSON Lines of messages/prompt/text rows)")
         stops = stop_ids(model, tokenizer)
-        baselines = [greedy(model, torch.tensor(p.ids, device=device), max_new_tokens, stops) for p in prompts]
+        base = TargetGreedy(model, max_prompt=max(len(p.ids) for p in prompts), max_new_tokens=max_new_tokens,
+                            stop_ids=stops)
+        base(prompts[0].ids)  # warm-up: the timed baselines should not carry one-off costs
+        baselines = [base(p.ids) for p in prompts]
         return cls(model, prompts, baselines, stops, max_new_tokens, round(time.monotonic() - t0, 3))
+
+    @property
+    def tolerance(self) -> float | None:
+        """Tie tolerance of this target's dtype (None: float32, any difference is a mismatch)."""
+        dtype = self.model.get_input_embeddings().weight.dtype
+        return None if dtype in (torch.float32, torch.float64) else TIE_TOLERANCE[dtype]
 
     def check_drafter(self, target_layers: list[int], hidden_size: int) -> None:
         """Raise ValueError if the drafter's target layers or width do not fit this target."""
@@ -68,17 +81,21 @@ class RealTauSet:
         report (tools/eval.py `summarise`), target-only timings from the cached baselines."""
         from dflash.tools.eval import prompt_report, summarise
 
-        device = self.model.get_input_embeddings().weight.device
         num_layers = self.model.config.get_text_config().num_hidden_layers
         drafter = Drafter(model, block_size, mask_token_id, list(target_layers), num_layers, {})
         was_training = model.training
         model.eval()
         try:
+            # Built per evaluation: it captures the drafter's weights of this step (a CUDA graph
+            # on a GPU); its own warm-up prompt keeps one-off costs out of the speedup.
+            spec_dec = Speculative(self.model, drafter, max_prompt=max(len(p.ids) for p in self.prompts),
+                                   max_new_tokens=self.max_new_tokens, stop_ids=self.stops)
+            spec_dec(self.prompts[0].ids)
             rows = []
             for p, base in zip(self.prompts, self.baselines):
-                spec = speculative_greedy(self.model, drafter, torch.tensor(p.ids, device=device),
-                                          self.max_new_tokens, self.stops)
-                rows.append(prompt_report(p, base, spec, block_size))
+                spec = spec_dec(p.ids)
+                div = divergence(self.model, p.ids, base.tokens, spec.tokens) if spec.tokens != base.tokens else None
+                rows.append(prompt_report(p, base, spec, block_size, div, self.tolerance))
         finally:
             model.train(was_training)
-        return summarise(rows, block_size)
+        return summarise(rows, block_size, self.tolerance)

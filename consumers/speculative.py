@@ -1,6 +1,7 @@
-"""Greedy speculative decoding with a DFlash drafter (DFLASH.md "Inference"), and plain
-greedy decoding with the target alone to compare against. Batch size 1, any Hugging Face
-causal LM as the target (tied or untied heads).
+"""Greedy speculative decoding with a DFlash drafter, and plain greedy decoding with the
+target alone to compare against, both on the decoding core (producers/decode.py). Batch
+size 1, any Hugging Face causal LM the core supports as the target (tied or untied heads,
+sliding windows).
 
 One cycle: the bonus token (the target's last choice) plus B-1 MASKs go through the
 drafter, conditioned on the target features of every token accepted so far; the target
@@ -8,10 +9,12 @@ verifies the block in one forward pass and keeps the longest prefix of drafts th
 its own argmax, plus its own next token (the new bonus). Output is therefore exactly the
 target's greedy output, only produced in fewer target passes.
 
-Correctness first: the drafter's context is recomputed from the stored features of all
-accepted tokens every cycle (fc + k/v projections over the whole context), where an
-engine would keep it as a draft KV cache. The target keeps a normal KV cache, cropped to
-the accepted tokens after each verification.
+Both caches are static and indexed by position, so dropping rejected drafts only moves a
+length (also past a sliding window): the target's K/V in the core's cache, and the
+drafter's context K/V (fc + hidden_norm + each draft layer's k/v projections of every
+accepted token's features, computed once when the token is accepted, as an engine keeps
+a draft KV cache). A whole cycle (draft, verify, accept, extend both caches) has fixed
+shapes: on a GPU it is one CUDA graph, and the host reads one small tensor per cycle.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.protocol.hf_compat import cache_kwarg, new_cache
+from dflash.producers.decode import Core, GreedyDecoder
+from dflash.protocol.hf_compat import cache_kwarg
 
-from .blocks import build_layout
 from .export import Drafter
+from .model import apply_rope
 
 
 @dataclass
@@ -34,27 +38,21 @@ class Generation:
     tokens: list[int]  # new tokens only; ends at the first stop token or at max_new_tokens
     seconds: float
     accept_lengths: list[int] = field(default_factory=list)  # per cycle: tokens committed, bonus included
-    drafted: int = 0  # draft tokens proposed
+    drafted: int = 0  # draft tokens proposed (for positions a cycle could commit)
     accepted: int = 0  # draft tokens the target agreed with
+    passes: int | None = None  # target forwards, where not 1 + cycles (target-only decoding)
 
     @property
     def target_passes(self) -> int:
-        return 1 + len(self.accept_lengths)  # prefill + one verification per cycle
-
-
-def _crop(cache, length: int) -> None:
-    # crop(-n) removes n tokens in transformers 4.x and 5.x alike; crop(0) would empty a
-    # 4.x cache, hence the guard.
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+        return self.passes if self.passes is not None else 1 + len(self.accept_lengths)
 
 
 def _target_step(model: nn.Module, ids: torch.Tensor, start: int, cache, layer_ids: list[int] | None,
                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids [T] at positions start.. -> (logits [T or 1, V], features [T, n*D] or None).
+    """transformers' own forward (no core): ids [T] at positions start.. -> (logits [T or 1, V],
+    features [T, n*D] or None); the reference the core's features are checked against.
 
-    Feature of layer i = hidden_states[i + 1]: the output of decoder layer i (DFLASH.md)."""
+    Feature of layer i = hidden_states[i + 1]: the output of decoder layer i."""
     pos = torch.arange(start, start + ids.numel(), device=ids.device)
     out = model(input_ids=ids[None], position_ids=pos[None], use_cache=True, **{cache_kwarg(model): cache},
                 output_hidden_states=layer_ids is not None, logits_to_keep=1 if last_only else 0)
@@ -64,63 +62,194 @@ def _target_step(model: nn.Module, ids: torch.Tensor, start: int, cache, layer_i
     return out.logits[0], feats
 
 
+# ---------------------------------------------------------------- the drafter's cache
+
+
+class DraftCache:
+    """The drafter's context K/V, per draft layer [Hkv, slots, hd], slot = position, and the
+    block proposal over it. Equals DFlashDraft.forward for one block whose context is every
+    slot before the anchor (the training path's view; tests check it)."""
+
+    def __init__(self, drafter: Drafter, slots: int, device: torch.device):
+        m = drafter.model
+        self.m, self.cfg, self.slots = m, m.cfg, slots
+        self.B, self.mask_id = drafter.block_size, drafter.mask_token_id
+        self.dtype = next(m.parameters()).dtype
+        c = self.cfg
+        shape = (c.num_key_value_heads, slots, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in m.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in m.layers]
+        self._slot = torch.arange(slots, device=device)
+        self._blk = torch.arange(self.B, device=device)
+        self._masks = torch.full((self.B - 1,), self.mask_id, dtype=torch.long, device=device)
+
+    def extend(self, feats: torch.Tensor, start: torch.Tensor) -> None:
+        """Store the context K/V of feats [n, n_feat*D], the target features of positions
+        start..start+n-1 (start: long [1]); slots past the cache's end are dropped."""
+        n, c = feats.shape[0], self.cfg
+        pos = start + torch.arange(n, device=feats.device)
+        ctx = self.m.hidden_norm(self.m.fc(feats.to(self.dtype)))  # [n, D]
+        cos, sin = self.m.rotary(pos)
+        keep = pos < self.slots
+        idx = pos.clamp_max(self.slots - 1)
+        for layer, K, V in zip(self.m.layers, self.k, self.v):
+            a = layer.self_attn
+            k = apply_rope(a.k_norm(a.k_proj(ctx).view(n, c.num_key_value_heads, c.head_dim)), cos, sin)
+            v = a.v_proj(ctx).view(n, c.num_key_value_heads, c.head_dim)
+            # Out-of-range positions rewrite the last slot with its own value: fixed shapes, no branch.
+            K[:, idx] = torch.where(keep[None, :, None], k.to(K.dtype).transpose(0, 1), K[:, idx])
+            V[:, idx] = torch.where(keep[None, :, None], v.to(V.dtype).transpose(0, 1), V[:, idx])
+
+    def propose(self, bonus: torch.Tensor, start: torch.Tensor, embed: torch.Tensor,
+                lm_head: torch.Tensor) -> torch.Tensor:
+        """B-1 draft tokens for the positions after `bonus` [1] at position start [1]; the
+        context is slots 0..start-1. Returns long [B-1]."""
+        m, c, B = self.m, self.cfg, self.B
+        ids = torch.cat([bonus, self._masks])  # [B]
+        x = F.embedding(ids, embed).to(self.dtype)  # [B, D], the target's embedding
+        cos, sin = m.rotary(start + self._blk)
+        # Keys are [context slots | block]; the block sees all context before it and itself.
+        vis = torch.cat([self._slot < start, torch.ones(B, dtype=torch.bool, device=x.device)])
+        mask = vis[None, None, None, :].expand(1, 1, B, self.slots + B)
+        Hq, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        for layer, K, V in zip(m.layers, self.k, self.v):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(B, Hq, hd)), cos, sin)
+            k = apply_rope(a.k_norm(a.k_proj(h).view(B, Hkv, hd)), cos, sin)
+            v = a.v_proj(h).view(B, Hkv, hd)
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            keys = torch.cat([K, k.transpose(0, 1)], dim=1)[None]  # [1, Hkv, slots + B, hd]
+            vals = torch.cat([V, v.transpose(0, 1)], dim=1)[None]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, vals, attn_mask=mask,
+                                               scale=hd**-0.5, enable_gqa=True)  # [1, Hq, B, hd]
+            x = x + a.o_proj(o[0].transpose(0, 1).reshape(B, Hq * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = m.norm(x)
+        return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1)  # position 0 is the given bonus
+
+
 @torch.inference_mode()
-def greedy(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> Generation:
-    """Target-only greedy decoding with a KV cache, one token per forward pass."""
-    t0 = time.perf_counter()
-    cache = new_cache(model)
-    logits, _ = _target_step(model, prompt, 0, cache, None, last_only=True)
-    out = [int(logits[-1].argmax())]
-    while len(out) < max_new_tokens and out[-1] not in stop_ids:
-        logits, _ = _target_step(model, torch.tensor([out[-1]], device=prompt.device),
-                                 prompt.numel() + len(out) - 1, cache, None, last_only=True)
-        out.append(int(logits[-1].argmax()))
-    return Generation(out, time.perf_counter() - t0)
-
-
 def propose(drafter: Drafter, embed: torch.Tensor, lm_head: torch.Tensor, context: torch.Tensor, bonus: int,
             size: int) -> list[int]:
-    """size-1 draft tokens for the positions after `bonus`.
+    """size-1 draft tokens for the positions after `bonus`, through the drafter's cache.
 
     context [T, n*D]: target features of the T accepted tokens (positions 0..T-1); the bonus
-    sits at position T. The block sees all of the context (it lies before the anchor)."""
+    sits at position T."""
+    if size != drafter.block_size:
+        raise ValueError(f"blocks are always {drafter.block_size} wide (as trained), not {size}")
     T, device = context.shape[0], context.device
-    ids = torch.tensor([bonus] + [drafter.mask_token_id] * (size - 1), device=device)  # [size]
-    x = F.embedding(ids, embed).to(next(drafter.model.parameters()).dtype)  # [size, D], the target's embedding
-    layout = build_layout([T], [torch.tensor([T])], size, device)
-    h = drafter.model(context.to(x.dtype), x, layout)  # [size, D]
-    return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1).tolist()  # position 0 is the given bonus
+    cache = DraftCache(drafter, T + 1, device)
+    start = torch.tensor([T], device=device)
+    cache.extend(context, torch.zeros(1, dtype=torch.long, device=device))
+    return cache.propose(torch.tensor([bonus], device=device), start, embed, lm_head).tolist()
+
+
+# ---------------------------------------------------------------- decoders
+
+
+class TargetGreedy:
+    """Target-only greedy decoding at batch 1 on the core, reusable across prompts (one
+    cache and one captured decode step for all of them)."""
+
+    def __init__(self, model: nn.Module, *, max_prompt: int, max_new_tokens: int, stop_ids: set[int],
+                 graphs: bool | None = None):
+        self.dec = GreedyDecoder(model, rows=1, max_prompt=max_prompt, max_new_tokens=max_new_tokens,
+                                 stop_ids=stop_ids, graphs=graphs, sync_every=8)
+
+    def __call__(self, prompt: list[int], max_new_tokens: int | None = None) -> Generation:
+        if max_new_tokens is not None and max_new_tokens != self.dec.max_new:
+            raise ValueError(f"this decoder was built for {self.dec.max_new} new tokens, not {max_new_tokens}")
+        t0 = time.perf_counter()
+        out = self.dec.generate([prompt])[0]
+        return Generation(out, time.perf_counter() - t0, passes=len(out))
+
+
+class Speculative:
+    """Greedy speculative decoding at batch 1 (see the module docstring), reusable across
+    prompts of up to `max_prompt` tokens."""
+
+    def __init__(self, model: nn.Module, drafter: Drafter, *, max_prompt: int, max_new_tokens: int,
+                 stop_ids: set[int], graphs: bool | None = None):
+        B = drafter.block_size
+        self.model, self.drafter, self.B = model, drafter, B
+        self.max_prompt, self.max_new, self.stops = max_prompt, max_new_tokens, set(stop_ids)
+        slots = max_prompt + max_new_tokens + B + 1  # a verified block may reach B past the last token
+        self.core = Core(model, 1, slots, graphs=graphs)
+        dev = self.core.device
+        self.draft = DraftCache(drafter, slots, dev)
+        self.embed = model.get_input_embeddings().weight  # [V, D]
+        self.lm_head = model.get_output_embeddings().weight  # [V, D]; the same tensor when tied
+        self.layers = list(drafter.target_layer_ids)
+        self.bonus = torch.zeros(1, dtype=torch.long, device=dev)
+        self.start = torch.zeros(1, dtype=torch.long, device=dev)  # the bonus token's position
+        self.off = torch.zeros(1, dtype=torch.long, device=dev)
+        self.limit = torch.full((1,), B, dtype=torch.long, device=dev)  # tokens this cycle may commit
+        self.result = torch.zeros(B + 1, dtype=torch.long, device=dev)  # committed tokens, then their count - 1
+        self._ar = torch.arange(B, device=dev)
+        with self.core.attending(), torch.inference_mode():
+            self.core.allocate()
+            self._cycle = self.core.graphed(self._run_cycle)  # warm-up writes only slots a prompt rewrites
+
+    def _run_cycle(self) -> None:
+        drafts = self.draft.propose(self.bonus, self.start, self.embed, self.lm_head)  # [B-1]
+        block = torch.cat([self.bonus, drafts])[None]  # [1, B]
+        logits, feats = self.core.step(block, self.start, self.off, layer_ids=self.layers)
+        choice = logits[0].argmax(-1)  # [B]: the target's next token after each block position
+        agree = (drafts == choice[:-1]).long().cumprod(0).sum()
+        n = torch.minimum(agree, self.limit[0] - 1)  # drafts accepted
+        # The bonus and accepted drafts join both caches: feats of the whole block are written,
+        # only slots before the new start count (rejected ones are overwritten next cycle).
+        self.draft.extend(feats[0], self.start)
+        nxt = choice.gather(0, n[None])  # [1]
+        self.result[: self.B] = torch.where(self._ar < n, torch.cat([drafts, nxt]), nxt)
+        self.result[self.B] = n
+        self.start += n + 1
+        self.bonus.copy_(nxt)
+
+    @torch.inference_mode()
+    def __call__(self, prompt: list[int], max_new_tokens: int | None = None) -> Generation:
+        max_new = self.max_new if max_new_tokens is None else max_new_tokens
+        if not 1 <= max_new <= self.max_new:
+            raise ValueError(f"max_new_tokens {max_new} outside 1..{self.max_new} (what this decoder was built for)")
+        if not 1 <= len(prompt) <= self.max_prompt:
+            raise ValueError(f"a prompt of {len(prompt)} tokens; this decoder takes 1..{self.max_prompt}")
+        t0 = time.perf_counter()
+        dev = self.core.device
+        with self.core.attending():
+            ids = torch.tensor([prompt], device=dev)
+            logits, feats = self.core.fresh(self.off, ids, self.off, layer_ids=self.layers)
+            self.start.fill_(0)
+            self.draft.extend(feats[0], self.start)  # the prompt's context K/V
+            self.bonus.copy_(logits[0, -1].argmax(-1, keepdim=True))
+            self.start.fill_(len(prompt))
+            gen = Generation([int(self.bonus)], 0.0)
+            while len(gen.tokens) < max_new and gen.tokens[-1] not in self.stops:
+                size = min(self.B, max_new - len(gen.tokens))  # a cycle commits <= size tokens
+                self.limit.fill_(size)
+                self._cycle()
+                res = self.result.tolist()  # the one synchronisation per cycle
+                n = res[self.B]
+                new = res[: n + 1]
+                gen.accept_lengths.append(n + 1)
+                gen.drafted += size - 1
+                gen.accepted += n
+                stop = next((i for i, t in enumerate(new) if t in self.stops), None)
+                gen.tokens += new if stop is None else new[: stop + 1]
+        gen.seconds = time.perf_counter() - t0
+        return gen
+
+
+@torch.inference_mode()
+def greedy(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> Generation:
+    """Target-only greedy decoding of `prompt` [P] (a one-off TargetGreedy)."""
+    ids = prompt.tolist()
+    return TargetGreedy(model, max_prompt=len(ids), max_new_tokens=max_new_tokens, stop_ids=stop_ids)(ids)
 
 
 @torch.inference_mode()
 def speculative_greedy(model: nn.Module, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                        stop_ids: set[int]) -> Generation:
-    """Greedy decoding of `prompt` [P] with draft/verify cycles (see the module docstring)."""
-    t0 = time.perf_counter()
-    embed = model.get_input_embeddings().weight  # [V, D]
-    lm_head = model.get_output_embeddings().weight  # [V, D]; the same tensor when tied
-    layers = drafter.target_layer_ids
-    cache = new_cache(model)
-    P = prompt.numel()
-    logits, context = _target_step(model, prompt, 0, cache, layers, last_only=True)  # context [P, n*D]
-    gen = Generation([int(logits[-1].argmax())], 0.0)
-    while len(gen.tokens) < max_new_tokens and gen.tokens[-1] not in stop_ids:
-        start = P + len(gen.tokens) - 1  # position of the bonus token
-        size = min(drafter.block_size, max_new_tokens - len(gen.tokens))  # a cycle commits <= size tokens
-        drafts = propose(drafter, embed, lm_head, context, gen.tokens[-1], size) if size > 1 else []
-        block = torch.tensor([gen.tokens[-1]] + drafts, device=prompt.device)  # [size]
-        logits, feats = _target_step(model, block, start, cache, layers)  # [size, V], [size, n*D]
-        choice = logits.argmax(-1).tolist()  # the target's next token after each block position
-        n = 0
-        while n < len(drafts) and drafts[n] == choice[n]:
-            n += 1
-        _crop(cache, start + n + 1)  # keep the bonus and the accepted drafts, drop the rest
-        context = torch.cat([context, feats[: n + 1]])  # their features join the drafter's context
-        gen.accept_lengths.append(n + 1)
-        gen.drafted += len(drafts)
-        gen.accepted += n
-        new = drafts[:n] + [choice[n]]
-        stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
-        gen.tokens += new if stop is None else new[: stop + 1]
-    gen.seconds = time.perf_counter() - t0
-    return gen
+    """Greedy decoding of `prompt` [P] with draft/verify cycles (a one-off Speculative)."""
+    ids = prompt.tolist()
+    return Speculative(model, drafter, max_prompt=len(ids), max_new_tokens=max_new_tokens, stop_ids=stop_ids)(ids)

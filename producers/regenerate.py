@@ -13,7 +13,9 @@ replaced by a probe string, and tokenised piece by piece; turn k is generated fr
 exactly the IDs before it (so turn k+1's prompt holds turn k's IDs as generated). The
 loss mask is 1 on the generated IDs, stop token included when the target emitted one,
 and 0 on template text; if the target emitted the template's turn end marker itself, the
-template's copy is left out. Rows are batched per turn with left padding.
+template's copy is left out. Decoding runs on the decoding core (decode.py) with
+continuous batching: `batch_size` rows decode side by side, and a row whose turn ended
+takes the next waiting turn at once (another conversation's, or its own next turn).
 
 Results are cached in one SQLite file per (dataset fingerprint, target, generation
 settings, format), keyed by sample ID, so an epoch 2 or a restarted producer reads them
@@ -29,15 +31,17 @@ import os
 import sqlite3
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dflash.protocol.logs import get_logger
 
 from .data import BadRow, Row
-from .greedy import greedy_batch
+from .decode import GreedyDecoder, Job, kv_bytes_per_slot
 from .target import Target
 
 log = get_logger()
@@ -143,12 +147,10 @@ class Regenerator:
         self.cache_hits += len(chats) - len(todo)
         t0 = time.monotonic()
         new_tokens = 0
-        for i in range(0, len(todo), self.batch_size):
-            part = todo[i:i + self.batch_size]
-            convs, n = self._regenerate(part)
-            new_tokens += n
-            self.cache.put(dict(zip((r.sample for r in part), convs)))
-            done.update(zip((r.sample for r in part), convs))
+        if todo:
+            convs, new_tokens = self._regenerate(todo)
+            self.cache.put(dict(zip((r.sample for r in todo), convs)))
+            done.update(zip((r.sample for r in todo), convs))
         self.generated += len(todo)
         log.info("produce.regen", rows=len(chats), cached=len(chats) - len(todo), generated=len(todo),
                  new_tokens=new_tokens, gen_s=round(time.monotonic() - t0, 3))
@@ -163,21 +165,59 @@ class Regenerator:
                 self._render(c, k)
 
     def _regenerate(self, rows: list[Row]) -> tuple[list[Regenerated], int]:
-        """Turn by turn for all `rows` at once. Returns the conversations, tokens generated."""
+        """Every turn of every row, continuously batched. Returns the conversations and the
+        number of tokens generated."""
         convs = [self._start(r) for r in rows]
+        jobs: deque[Job] = deque()
+        for i, c in enumerate(convs):
+            if c.done:
+                continue
+            self._append(c, self._render(c, 0), loss=0)  # the template text up to turn 0
+            jobs.append(Job(i, list(c.ids)))
         total = 0
-        while True:
-            want = [c for c in convs if not c.done]
-            if not want:
-                return [self._finish(c) for c in convs], total
-            for c in want:  # the template text up to the next turn's first generated token
+
+        def turn_done(job: Job, out: list[int]) -> None:
+            nonlocal total
+            c = convs[job.key]
+            c.generated.append(out)
+            c.ids += out
+            c.mask += [1] * len(out)
+            total += len(out)
+            if not c.done:  # its next turn waits for a free row like any other
                 self._append(c, self._render(c, len(c.generated)), loss=0)
-            outs = self._generate([c.ids for c in want])
-            for c, out in zip(want, outs):
-                c.generated.append(out)
-                c.ids += out
-                c.mask += [1] * len(out)
-                total += len(out)
+                jobs.append(Job(job.key, list(c.ids)))
+
+        while jobs:
+            # A later turn's prompt holds the earlier turns: sized for the longest now, with
+            # room for one more turn; a job that still does not fit goes to the next round.
+            longest = max(len(j.prompt) for j in jobs)
+            dec = self._decoder(len(jobs), longest + self.max_new_tokens)
+            leftover = self._run(dec, jobs, turn_done)
+            jobs = deque(leftover)
+        return [self._finish(c) for c in convs], total
+
+    def _decoder(self, n_jobs: int, max_prompt: int) -> GreedyDecoder:
+        """A decoder of up to `batch_size` rows whose KV cache fits the device's free memory
+        (a cap of half of it, so the capture of hidden states keeps its room)."""
+        rows = min(self.batch_size, n_jobs)
+        dev = self.target.device
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            per_row = kv_bytes_per_slot(self.target.model, self.target.model.dtype) * (max_prompt + self.max_new_tokens)
+            fit = max(1, int(free * 0.5) // max(1, per_row))
+            if fit < rows:
+                log.warning("produce.regen_rows_capped", rows=rows, fit=fit, max_prompt=max_prompt,
+                            reason="kv_cache_memory")
+                rows = fit
+        return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
+                             max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
+
+    def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
+        # Decoding runs with sdpa (or eager where the model needs it, decode.py) whatever
+        # packed capture uses: flex attention under generation failed to compile on an
+        # H200 (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
+        with self.target.lock:
+            return dec.run(jobs, on_done)
 
     def _start(self, row: Row) -> _Conversation:
         turns = [i for i, m in enumerate(row.messages) if m["role"] == "assistant"]
@@ -221,17 +261,6 @@ class Regenerator:
         for i, out in zip(c.turns, c.generated):
             messages[i]["content"] = self.tok.decode(out, skip_special_tokens=True).strip()
         return Regenerated(c.ids, c.mask, messages)
-
-    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Greedy continuation of every prompt: its new IDs up to and including the first
-        stop token (or max_new_tokens of them)."""
-        # Generation runs with sdpa whatever packed capture uses: padded rows and a growing
-        # KV cache are what sdpa is for, and flex attention under generate() failed to
-        # compile on an H200 (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
-        with self.target.lock, self.target.attention("sdpa"):
-            return greedy_batch(self.target.model, prompts, pad_id=self.pad_id, stop_ids=self.stop_ids,
-                                max_new_tokens=self.max_new_tokens, device=self.target.device)
-
 
 def stop_ids(model, tokenizer) -> set[int]:
     """Where a turn ends: the generation config's eos IDs (chat models end a turn on e.g.

@@ -3,8 +3,12 @@
 For every prompt it decodes twice, target alone and target + drafter, and reports the
 acceptance length tau (tokens committed per draft/verify cycle, bonus included: mean and
 histogram), drafted vs accepted tokens and the wall-clock speedup. Both outputs must be
-identical token for token (greedy speculative decoding is lossless); a prompt where they
-differ is an error and the command exits 1 naming it.
+identical token for token (greedy speculative decoding is lossless). In float32 any
+difference is an error. In bfloat16/float16 a block verified in one pass and tokens decoded
+one at a time can round a near-tie differently: at the first differing token the target's
+logits are measured (one plain forward over the common prefix), and the difference is
+counted as a tie-flip when both tokens are within `--tie-tolerance` of the best logit;
+beyond it, it is an error (docs/EVAL.md). Errors exit 1, naming the prompts.
 
 Prompts are JSON Lines: {"prompt": "raw text"}, {"text": ...}, or {"messages": [...]} (the
 turns before the first assistant turn, rendered with the tokenizer's chat template and its
@@ -23,7 +27,8 @@ import click
 import torch
 
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
-from dflash.consumers.speculative import Generation, greedy, speculative_greedy
+from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
+from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
 from dflash.protocol.config import fail, option
 
 
@@ -93,40 +98,64 @@ def check_pair(model, drafter: Drafter) -> None:
 # ---------------------------------------------------------------- evaluation
 
 
+def resolve_tie_tolerance(dtype: torch.dtype, given: float | None) -> float | None:
+    """The logit margin within which a difference is a tie-flip; None: none is (float32).
+    Raises ValueError for a tolerance given where decoding must be exact or below zero."""
+    if dtype in (torch.float32, torch.float64):
+        if given:
+            raise ValueError(f"--tie-tolerance {given}: {dtype} decoding must be exact (no tie-flips allowed)")
+        return None
+    if given is not None and given < 0:
+        raise ValueError(f"--tie-tolerance {given} must be >= 0")
+    return TIE_TOLERANCE[dtype] if given is None else given
+
+
 def evaluate(model, drafter: Drafter, prompts: list[Prompt], *, max_new_tokens: int, stops: set[int],
-             warmup: bool = True) -> dict:
-    """Decode every prompt both ways; the report (see `summarise`). Mismatches are listed
-    under "mismatches", not raised, so the caller sees every prompt's figures."""
-    device = model.get_input_embeddings().weight.device
-    if warmup and prompts:  # first calls pay one-off costs (allocations, lazy inits): not the method's
-        ids = torch.tensor(prompts[0].ids[:8], device=device)
-        greedy(model, ids, 4, stops)
-        speculative_greedy(model, drafter, ids, 4, stops)
+             warmup: bool = True, tolerance: float | None = None) -> dict:
+    """Decode every prompt both ways; the report (see `summarise`). Differences are listed
+    under "mismatches" (beyond `tolerance`, or any with None) and "tie_flips", not raised,
+    so the caller sees every prompt's figures."""
+    if not prompts:
+        return summarise([], drafter.block_size)
+    longest = max(len(p.ids) for p in prompts)
+    base_dec = TargetGreedy(model, max_prompt=longest, max_new_tokens=max_new_tokens, stop_ids=stops)
+    spec_dec = Speculative(model, drafter, max_prompt=longest, max_new_tokens=max_new_tokens, stop_ids=stops)
+    if warmup:  # first calls pay one-off costs (allocator, kernel selection): not the method's
+        base_dec(prompts[0].ids)
+        spec_dec(prompts[0].ids)
     rows = []
     for p in prompts:
-        ids = torch.tensor(p.ids, device=device)
-        base = greedy(model, ids, max_new_tokens, stops)
-        spec = speculative_greedy(model, drafter, ids, max_new_tokens, stops)
-        rows.append(prompt_report(p, base, spec, drafter.block_size))
-    return summarise(rows, drafter.block_size)
+        base = base_dec(p.ids)
+        spec = spec_dec(p.ids)
+        div = divergence(model, p.ids, base.tokens, spec.tokens) if base.tokens != spec.tokens else None
+        rows.append(prompt_report(p, base, spec, drafter.block_size, div, tolerance))
+    return summarise(rows, drafter.block_size, tolerance)
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def prompt_report(p: Prompt, base: Generation, spec: Generation, block_size: int) -> dict:
+def prompt_report(p: Prompt, base: Generation, spec: Generation, block_size: int, div: dict | None = None,
+                  tolerance: float | None = None) -> dict:
+    """One prompt's figures. `div` (decode.divergence) measures a difference; without it a
+    difference is a mismatch (no margin known)."""
     lossless = base.tokens == spec.tokens
-    return {
+    row = {
         "prompt": p.name, "prompt_tokens": len(p.ids), "new_tokens": len(spec.tokens), "cycles": len(spec.accept_lengths),
         "tau": round(sum(spec.accept_lengths) / max(1, len(spec.accept_lengths)), 4),
         "tau_hist": histogram(spec.accept_lengths, block_size), "drafted": spec.drafted, "accepted": spec.accepted,
         "target_passes": {"target_only": base.target_passes, "speculative": spec.target_passes},
         "target_s": round(base.seconds, 4), "speculative_s": round(spec.seconds, 4),
         "speedup": round(base.seconds / spec.seconds, 4) if spec.seconds > 0 else None,
-        "lossless": lossless,
-        **({} if lossless else {"first_difference": _first_difference(base.tokens, spec.tokens)}),
+        "lossless": lossless, "tie_flip": False,
     }
+    if not lossless:
+        row["first_difference"] = div["index"] if div else first_difference(base.tokens, spec.tokens)
+        row["top2_margin"] = _round(div["top2_margin"]) if div else None
+        row["flip_margin"] = _round(div["flip_margin"]) if div else None
+        row["tie_flip"] = tolerance is not None and is_tie_flip(div, tolerance)
+    return row
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 5)
 
 
 def histogram(lengths: list[int], block_size: int) -> list[int]:
@@ -135,7 +164,7 @@ def histogram(lengths: list[int], block_size: int) -> list[int]:
     return [c.get(k, 0) for k in range(1, block_size + 1)]
 
 
-def summarise(rows: list[dict], block_size: int) -> dict:
+def summarise(rows: list[dict], block_size: int, tolerance: float | None = None) -> dict:
     cycles = sum(r["cycles"] for r in rows)
     hist = [sum(col) for col in zip(*(r["tau_hist"] for r in rows))] if rows else [0] * block_size
     committed = sum(k * n for k, n in enumerate(hist, 1))
@@ -152,24 +181,34 @@ def summarise(rows: list[dict], block_size: int) -> dict:
         "new_tokens": sum(r["new_tokens"] for r in rows),
         "target_s": round(t_base, 4), "speculative_s": round(t_spec, 4),
         "speedup": round(t_base / t_spec, 4) if t_spec > 0 else None,
-        "mismatches": [r["prompt"] for r in rows if not r["lossless"]], "per_prompt": rows,
+        # Errors: differences beyond the tie tolerance (any difference in float32).
+        "mismatches": [r["prompt"] for r in rows if not r["lossless"] and not r["tie_flip"]],
+        "tie_flips": [r["prompt"] for r in rows if r["tie_flip"]], "tie_tolerance": tolerance,
+        "per_prompt": rows,
     }
 
 
 def format_report(rep: dict) -> str:
     lines = [f"{'prompt':<28} {'new':>5} {'cycles':>6} {'tau':>6} {'acc/drafted':>12} {'speedup':>8}  lossless"]
     for r in rep["per_prompt"]:
+        same = "yes" if r["lossless"] else (f"tie-flip at {r['first_difference']} (margin {r['flip_margin']})"
+                                            if r["tie_flip"] else f"NO at {r['first_difference']} "
+                                            f"(margin {r.get('flip_margin')})")
         lines.append(f"{r['prompt'][:28]:<28} {r['new_tokens']:>5} {r['cycles']:>6} {r['tau']:>6.2f} "
-                     f"{r['accepted']:>5}/{r['drafted']:<6} {r['speedup'] or 0:>7.2f}x  {'yes' if r['lossless'] else 'NO'}")
+                     f"{r['accepted']:>5}/{r['drafted']:<6} {r['speedup'] or 0:>7.2f}x  {same}")
     lines.append(f"overall: tau {rep['tau']} (mean of prompts; {rep['tau_pooled']} over all cycles; "
                  f"B={rep['block_size']}), accepted {rep['accepted']}/{rep['drafted']} "
                  f"drafted, speedup {rep['speedup']}x ({rep['target_s']} s -> {rep['speculative_s']} s), "
-                 f"{len(rep['mismatches'])} mismatch(es)")
+                 f"{len(rep['mismatches'])} mismatch(es), {len(rep['tie_flips'])} tie-flip(s) "
+                 + ("(float32: none allowed)" if rep["tie_tolerance"] is None
+                    else f"within logit margin {rep['tie_tolerance']}"))
     lines.append("tau histogram (k=1..B): " + " ".join(f"{k}:{n}" for k, n in enumerate(rep["tau_hist"], 1) if n))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- CLI
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
@@ -179,7 +218,7 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     from dflash.protocol import targets
 
     hf_logging.disable_progress_bar()  # a report, not a loading bar, is this command's output
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = _DTYPES[dtype]
     model = targets.load_causal_lm(target, dtype=torch_dtype).to(device).eval().requires_grad_(False)
     tokenizer = targets.load_tokenizer(target)
     drafter = load_exported(drafter_dir, device=device, dtype=torch_dtype)
@@ -198,20 +237,26 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 @option("--device", default="cpu", help="Torch device for both models.")
 @option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Dtype of both models.")
 @option("--threads", default=None, type=click.IntRange(1), help="torch CPU threads (default: torch's choice).")
+@option("--tie-tolerance", default=None, type=float,
+        help="bfloat16/float16: a first difference where both tokens are within this logit margin of the "
+             "target's best counts as a tie-flip, not an error (default per dtype, docs/EVAL.md; float32 is exact).")
 @option("--json", "as_json", is_flag=True, default=False, help="Print the full report as one JSON object.")
-def main(target, drafter, prompts, max_new_tokens, limit, device, dtype, threads, as_json) -> None:
+def main(target, drafter, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance, as_json) -> None:
     """Speculative decoding (greedy) with TARGET and DRAFTER on PROMPTS: tau, speedup, lossless check."""
     if threads:
         torch.set_num_threads(threads)
     try:
+        tolerance = resolve_tie_tolerance(_DTYPES[dtype], tie_tolerance)
         model, tokenizer, d = load_pair(target, drafter, dtype, device)
         rows = read_prompts(prompts, tokenizer, limit)
     except (ExportError, ValueError, OSError) as e:
         fail(str(e))
-    rep = evaluate(model, d, rows, max_new_tokens=max_new_tokens, stops=stop_ids(model, tokenizer))
+    rep = evaluate(model, d, rows, max_new_tokens=max_new_tokens, stops=stop_ids(model, tokenizer),
+                   tolerance=tolerance)
     click.echo(json.dumps(rep) if as_json else format_report(rep))
     if rep["mismatches"]:
-        click.echo(f"error: speculative output differs from target-only greedy output for prompt(s): "
+        click.echo(f"error: speculative output differs from target-only greedy output "
+                   f"{'at all' if tolerance is None else f'beyond the tie tolerance {tolerance}'} for prompt(s): "
                    f"{', '.join(rep['mismatches'])}", err=True)
         sys.exit(1)
 

@@ -167,8 +167,8 @@ def test_a_row_the_template_cannot_render_is_a_bad_row_named_before_generating(t
 
 
 def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokenizer, tmp_path):
-    """generate() always runs with sdpa (flex attention under generate() failed to compile on
-    an H200: docs/BENCHMARKS.md), and the packed capture goes back to the producer's own
+    """Generation always runs with the decoding core's sdpa (flex attention under generate()
+    failed to compile on an H200: docs/BENCHMARKS.md), and the packed capture goes back to the producer's own
     attention, with the same hidden states as before."""
     target = load_target(str(tiny), None, device=CPU, full=True, attn_impl="eager")
     seen: list[str] = []
@@ -182,7 +182,9 @@ def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokeniz
     regen = Regenerator(target, tokenizer, RegenCache(tmp_path, cache_key("fp-attn", target, tokenizer, NEW, {})),
                         max_new_tokens=NEW, batch_size=2)
     regen.apply([Row(0, "d:0", messages=CHAT)])
-    assert seen and set(seen) == {"sdpa"}
+    from dflash.producers.decode import decode_attention
+
+    assert seen and set(seen) == {decode_attention(target.model)} and "sdpa" in seen[0]
     seen.clear()
     after = target.capture(ids, pos)
     hook.remove()
@@ -206,3 +208,21 @@ def test_batched_greedy_loop_equals_generate_row_by_row(tiny, tokenizer, referen
     assert len(got[1]) <= 4 and got[1][-1] in stops
     assert greedy_batch(target.model, prompts, pad_id=0, stop_ids=stops, max_new_tokens=1, device=CPU) == \
         [w[:1] for w in want]
+
+
+def test_more_conversations_than_rows_are_continuously_batched_and_exact(tiny, tokenizer, reference, tmp_path):
+    """Two rows for five conversations of one to three turns: a row whose turn ended takes
+    the next waiting turn (another conversation's or its own next one) while the other row
+    is mid-turn; every span is still exactly the reference greedy output after its prefix."""
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    chats = [c["messages"] for c in generate_chats()[:5]]
+    chats[1] = CHAT + [{"role": "user", "content": "And to 5?"}, {"role": "assistant", "content": "1 2 3 4 5"}]
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, "cb"), max_new_tokens=9, batch_size=2)
+    new = regen.apply([Row(i, f"d:{i}", messages=m) for i, m in enumerate(chats)])
+    stops = stop_ids(reference, tokenizer)
+    for row, msgs in zip(new, chats):
+        turns = spans(row.loss_mask)
+        assert len(turns) == sum(m["role"] == "assistant" for m in msgs)
+        for a, b in turns:
+            assert row.input_ids[a:b] == reference_greedy(reference, row.input_ids[:a], 9, stops)
+    assert len(spans(new[1].loss_mask)) == 3

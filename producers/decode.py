@@ -1,0 +1,510 @@
+"""The greedy decoding core shared by `--regenerate`, `dflash-eval` and the live evaluation:
+a static (pre-allocated) KV cache, explicit attention masks, CUDA graphs on a GPU, and
+continuous batching. It owns every call of a target's forward made while decoding; the
+callers (producers/regenerate.py, consumers/speculative.py) only schedule.
+
+Why its own cache: transformers' caches cannot be cropped once a sliding-window layer is
+past its window (speculative decoding must drop rejected drafts), grow one token at a time
+(no CUDA graph), and build masks on the host. Here every layer keeps all slots of a row
+(sliding windows are applied by the mask, not by evicting), so a crop only moves a length,
+and one decode step has fixed shapes and can be captured in a CUDA graph and replayed.
+
+Layout: row b's slot s holds the token at position s - off[b] (left padding: slots before
+off[b] are empty). A query at slot t sees slot s iff off[b] <= s <= t, s < end[b] and, on a
+sliding layer, t - s < window (transformers' rule: the token itself and window-1 before).
+
+Imports torch and transformers only, so a GPU benchmark can load it on a bare machine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+# ---------------------------------------------------------------- what the model needs
+
+
+def _text_config(model: nn.Module):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers applies it."""
+    cfg = _text_config(model)
+    n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # Mistral, Phi-3: one window (or none) for every layer
+        return [window] * n
+    bad = sorted(set(types) - {_FULL, _SLIDING})
+    if bad:
+        raise ValueError(f"{cfg.model_type}: layer types {bad} are not supported by the decoding core "
+                         f"(full and sliding-window attention are)")
+    if _SLIDING in types and not window:
+        raise ValueError(f"{cfg.model_type}: sliding-window layers but no config.sliding_window")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"{cfg.model_type}: bidirectional attention is not causal decoding")
+    return [window if t == _SLIDING else None for t in types[:n]]
+
+
+_PACKED = "gqa_packed_sdpa"  # no "flash" in it: transformers takes such names for hub kernels
+
+
+def _sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa for the core's masks without repeating K/V for every query head: transformers
+    repeats them whenever a mask is given (a copy of the whole cache per layer and step,
+    which dominated a decode step at batch 256). Query heads that share a K/V head (head h
+    uses K/V head h // g, as repeat_kv lays them out) become extra query rows instead."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("gqa_packed_sdpa: soft-capping and attention sinks are not supported (decoding uses eager)")
+    B, Hq, q, hd = query.shape
+    Hkv = key.shape[1]
+    g = Hq // Hkv
+    if attention_mask is None:  # a plain forward of the model (not the core's): causal
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=q > 1, scale=scaling,
+                                                               enable_gqa=g > 1)
+        return out.transpose(1, 2).contiguous(), None
+    qp = query.reshape(B, Hkv, g * q, hd)
+    mask = attention_mask[:, :, :, : key.shape[2]]
+    if g > 1:
+        mask = mask[:, :, None].expand(B, mask.shape[1], g, q, mask.shape[-1]).reshape(B, mask.shape[1], g * q, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(qp, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, Hq, q, hd).transpose(1, 2).contiguous(), None
+
+
+def _register_packed() -> bool:
+    try:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_PACKED, _sdpa_packed)
+        return True
+    except (ImportError, AttributeError):  # older transformers: plain sdpa
+        return False
+
+
+_HAS_PACKED = _register_packed()
+
+
+def decode_attention(model: nn.Module) -> str:
+    """The attention implementation decoding runs with: sdpa without K/V repetition
+    (`_sdpa_packed`), or eager where the model needs what sdpa lacks (logit soft-capping,
+    Gemma 2). Both take the core's additive 4D masks."""
+    cfg = _text_config(model)
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "eager"
+    return _PACKED if _HAS_PACKED else "sdpa"
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward() argument that takes the KV cache: transformers 5.2x renamed
+    `past_key_values` to `cache` (the old name warns); older versions know only the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# ---------------------------------------------------------------- the cache
+
+
+class StaticKV:
+    """K/V of `rows` x `slots` per layer, allocated at the first write (shapes from the model's
+    own key states). Stands in for transformers' Cache: attention layers call `update`.
+
+    Two modes, set by `begin` before each forward: `fresh` (the rows start new sequences: the
+    keys written are all there is, attention runs over them alone) and `step` (every row
+    appends q tokens at slot start[b]; attention runs over all slots, masked)."""
+
+    is_compileable = False  # transformers' generate() must not try to compile around it
+
+    def __init__(self, rows: int, slots: int):
+        self.rows, self.slots = rows, slots
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self._rows: torch.Tensor | None = None  # fresh: which rows; step: all
+        self._index: torch.Tensor | None = None  # step: [B, q] slots written
+
+    def begin_fresh(self, rows: torch.Tensor) -> None:
+        self._rows, self._index = rows, None
+
+    def begin_step(self, index: torch.Tensor) -> None:
+        self._rows, self._index = None, index
+
+    def _alloc(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        while len(self.k) <= layer:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[layer] is None:
+            self.k[layer] = k.new_zeros(self.rows, k.shape[1], self.slots, k.shape[3])
+            self.v[layer] = v.new_zeros(self.rows, v.shape[1], self.slots, v.shape[3])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value [R, H, q, hd] -> the keys/values attention runs over."""
+        self._alloc(layer_idx, key_states, value_states)
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        q = key_states.shape[2]
+        if self._index is None:  # fresh rows: slots 0..q-1
+            K[self._rows, :, :q] = key_states
+            V[self._rows, :, :q] = value_states
+            return key_states, value_states
+        b = torch.arange(K.shape[0], device=K.device)[:, None]  # [B, 1]
+        K[b, :, self._index] = key_states.transpose(1, 2)  # advanced dims first: [B, q, H, hd]
+        V[b, :, self._index] = value_states.transpose(1, 2)
+        return K, V
+
+    # What transformers may ask of a cache; positions and masks are always passed explicitly.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
+    """K+V bytes one slot of one row takes over all layers (for sizing the cache)."""
+    cfg = _text_config(model)
+    heads = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return cfg.num_hidden_layers * 2 * kv * hd * torch.empty(0, dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------- the forward
+
+
+class Core:
+    """A target's forward over a StaticKV, with the core's masks; graphs on CUDA.
+
+    `rows` x `slots` is the cache; `layer_ids` (optional) are the layers whose outputs
+    (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter."""
+
+    def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None):
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.rows, self.slots = rows, slots
+        self.cache = StaticKV(rows, slots)
+        self.windows = layer_windows(model)
+        self.kinds = sorted({w for w in self.windows}, key=lambda w: (w is not None, w or 0))
+        if len([w for w in self.kinds if w is not None]) > 1:
+            raise ValueError(f"layers with different sliding windows {self.kinds} are not supported")
+        self.attn = decode_attention(model)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self._kw = cache_kwarg(model)
+        self._neg = torch.finfo(self.dtype).min
+        self._slot_ar = torch.arange(slots, device=self.device)
+        self._pool = None
+        self.captured = 0  # graphs captured (figures for benchmarks)
+        self.graph_error: str | None = None  # why the last capture failed, if it did
+
+    # ------------------------------------------------------------ masks
+
+    def _masks(self, qslot: torch.Tensor, off: torch.Tensor, end: torch.Tensor, kv: int):
+        """Additive masks [R, 1, q, kv] (0 visible, dtype min hidden) for qslot [R, q] (the
+        query's slot), off/end [R]: one tensor, or a dict by layer type where they differ."""
+        s = self._slot_ar[:kv]
+        base = (s[None, None] >= off[:, None, None]) & (s[None, None] < end[:, None, None]) \
+            & (s[None, None] <= qslot[:, :, None])  # [R, q, kv]
+        out = {}
+        for w in self.kinds:
+            vis = base if w is None else base & (qslot[:, :, None] - s[None, None] < w)
+            out[_FULL if w is None else _SLIDING] = torch.where(vis, 0.0, self._neg).to(self.dtype)[:, None]
+        if len(out) == 1:
+            return next(iter(out.values()))
+        return out
+
+    # ------------------------------------------------------------ forwards
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, layer_ids: list[int] | None, logits_to_keep: int):
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         output_hidden_states=layer_ids is not None, logits_to_keep=logits_to_keep,
+                         **{self._kw: self.cache})
+        feats = None
+        if layer_ids is not None:
+            feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [R, q, n*D]
+        return out.logits, feats
+
+    def fresh(self, rows: torch.Tensor, ids: torch.Tensor, off: torch.Tensor, *, layer_ids: list[int] | None = None,
+              last_only: bool = True):
+        """Start new sequences in `rows` [R]: ids [R, W] left padded (off[r] pad slots first).
+        Returns (logits [R, 1 or W, V], features [R, W, n*D] or None). Not graphed (shapes vary)."""
+        R, W = ids.shape
+        if W > self.slots:
+            raise ValueError(f"a prompt of {W} tokens does not fit the cache's {self.slots} slots")
+        qslot = torch.arange(W, device=self.device)[None].expand(R, W)
+        mask = self._masks(qslot, off, torch.full_like(off, W), W)
+        self.cache.begin_fresh(rows)
+        return self._run(ids, (qslot - off[:, None]).clamp_min(0), mask, layer_ids, 1 if last_only else 0)
+
+    def step(self, ids: torch.Tensor, start: torch.Tensor, off: torch.Tensor, *,
+             layer_ids: list[int] | None = None, last_only: bool = False):
+        """Every row appends ids [B, q] at slots start[b]..start[b]+q-1 (B = all rows).
+        Returns (logits [B, q or 1, V], features or None). Fixed shapes: graph-capturable."""
+        q = ids.shape[1]
+        qslot = (start[:, None] + torch.arange(q, device=self.device)[None]).clamp_max(self.slots - 1)
+        mask = self._masks(qslot, off, qslot[:, -1] + 1, self.slots)
+        self.cache.begin_step(qslot)
+        return self._run(ids, qslot - off[:, None], mask, layer_ids, 1 if last_only else 0)
+
+    def attending(self) -> "_attention":
+        """Context in which the model runs with the core's attention implementation (every
+        forward of the core must run inside it; the model's own setting is restored after)."""
+        return _attention(self.model, self.attn)
+
+    # ------------------------------------------------------------ graphs
+
+    def graphed(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` (reads and writes only tensors that live as long as it) as a replayable CUDA
+        graph; `fn` itself on CPU or with graphs off. Capturing runs `fn` for warm-up, so
+        call this before the tensors hold real state."""
+        if not self.graphs:
+            return fn
+        try:
+            return self._capture(fn)
+        except RuntimeError as e:  # a model whose forward cannot be captured still decodes
+            warnings.warn(f"CUDA graph capture failed, decoding without graphs: {type(e).__name__}: {e}")
+            self.graph_error = f"{type(e).__name__}: {e}"[:500]
+            torch.cuda.synchronize(self.device)
+            return fn
+
+    def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits and allocator state outside the capture
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            fn()
+        self.captured += 1
+        return g.replay
+
+    def allocate(self) -> None:
+        """Allocate every layer's K/V now (one throwaway token in row 0), so that graphs
+        captured next see the final buffers."""
+        if len(self.cache) == 0:
+            z = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.fresh(z, z[:, None], z)
+
+
+class _attention:
+    """Run the model with attention implementation `name` for the duration (restored after)."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        cfg = self.model.config
+        self.before = getattr(cfg, "_attn_implementation", None)
+        if self.before != self.name:
+            try:
+                self.model.set_attn_implementation(self.name)
+            except (ValueError, KeyError) as e:  # a transformers that refuses registered names
+                if self.name != _PACKED:
+                    raise
+                warnings.warn(f"attention {_PACKED} refused ({e}); decoding with sdpa")
+                self.name = "sdpa"
+                if self.before != self.name:
+                    self.model.set_attn_implementation(self.name)
+
+    def __exit__(self, *exc):
+        if self.before != self.name and self.before is not None:
+            self.model.set_attn_implementation(self.before)
+
+
+# ---------------------------------------------------------------- greedy decoding
+
+
+@dataclass
+class Job:
+    key: object
+    prompt: list[int]
+    max_new: int | None = None  # fewer new tokens than the decoder's max_new_tokens, if set
+
+
+class GreedyDecoder:
+    """Batched greedy decoding with continuous batching: `rows` slots; a finished row's slot
+    is refilled with the next prompt at once. One decode step of all rows is a CUDA graph on
+    a GPU; the host looks at which rows finished every `sync_every` steps (its only
+    synchronisation), and refills when at least `refill_min` rows are free or nothing else runs.
+
+    Each output is the greedy continuation up to and including the first stop token, or
+    `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives."""
+
+    def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
+                 graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None):
+        if rows < 1 or max_new_tokens < 1:
+            raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
+        self.max_prompt, self.max_new = max_prompt, max_new_tokens
+        self.core = Core(model, rows, max_prompt + max_new_tokens + 1, graphs=graphs)
+        self.rows, self.sync_every = rows, max(1, sync_every)
+        self.refill_min = max(1, rows // 16) if refill_min is None else max(1, refill_min)
+        dev = self.core.device
+        stops = sorted(set(stop_ids))
+        self.stops = torch.tensor(stops or [-1], device=dev)
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)  # each row's last token
+        self.start = torch.zeros(rows, dtype=torch.long, device=dev)  # slot its next token goes to
+        self.off = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.n = torch.zeros(rows, dtype=torch.long, device=dev)  # tokens generated
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.limit = torch.full((rows,), max_new_tokens, dtype=torch.long, device=dev)  # per row
+        self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
+        self._ar = torch.arange(rows, device=dev)
+        self.steps = 0  # decode steps run (figures for benchmarks)
+        with self.core.attending(), torch.inference_mode():
+            self.core.allocate()
+            self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        logits, _ = self.core.step(self.tok[:, None], self.start, self.off, last_only=True)
+        nxt = logits[:, -1].argmax(-1)
+        live = ~self.done
+        col = self.n.clamp_max(self.max_new - 1)
+        self.out[self._ar, col] = torch.where(live, nxt, self.out[self._ar, col])
+        self.n += live
+        self.start += live
+        self.tok.copy_(torch.where(live, nxt, self.tok))
+        self.done |= live & (torch.isin(nxt, self.stops) | (self.n >= self.limit))
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Greedy continuations of `prompts`, in order."""
+        res: list[list[int] | None] = [None] * len(prompts)
+
+        def keep(job: Job, tokens: list[int]) -> None:
+            res[job.key] = tokens
+
+        left = self.run(deque(Job(i, p) for i, p in enumerate(prompts)), keep)
+        if left:
+            raise ValueError(f"{len(left)} prompt(s) exceed the decoder's max_prompt {self.max_prompt}")
+        return res  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
+        """Decode every job of `jobs` (a deque `on_done` may append new jobs to, e.g. a
+        conversation's next turn) and hand each result to `on_done` as it finishes.
+        Returns the jobs whose prompt is longer than `max_prompt` (not decoded: the caller
+        sizes a decoder for them). Raises ValueError for an empty prompt."""
+        with self.core.attending():
+            return self._run(jobs, on_done)
+
+    def _run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
+        busy: dict[int, Job] = {}
+        free = list(range(self.rows))
+        leftover: list[Job] = []
+        while jobs or busy:
+            if jobs and free and (len(free) >= self.refill_min or not busy or len(jobs) <= len(free)):
+                take = []
+                while jobs and len(take) < len(free):
+                    j = jobs.popleft()
+                    if not j.prompt:
+                        raise ValueError(f"job {j.key!r}: empty prompt")
+                    if len(j.prompt) > self.max_prompt:
+                        leftover.append(j)
+                    else:
+                        take.append(j)
+                take = [(free.pop(0), j) for j in take]
+                if take:
+                    self._fill(take)
+                    busy.update(take)
+            if not busy:
+                continue
+            for _ in range(self.sync_every):
+                self._step()
+            self.steps += self.sync_every
+            done = self.done.tolist()  # the one synchronisation per `sync_every` steps
+            finished = [r for r in busy if done[r]]
+            if finished:
+                idx = torch.tensor(finished, device=self.core.device)
+                lens = self.n[idx].tolist()
+                outs = self.out[idx].tolist()
+                for r, n, o in zip(finished, lens, outs):
+                    job = busy.pop(r)
+                    free.append(r)
+                    on_done(job, o[:n])
+        return leftover
+
+    def _fill(self, take: list[tuple[int, Job]]) -> None:
+        """Prefill the prompts of `take` into their rows and set the rows' state."""
+        dev = self.core.device
+        take = sorted(take, key=lambda t: len(t[1].prompt))  # similar widths share a forward
+        for i in range(0, len(take), 64):
+            part = take[i:i + 64]
+            W = max(len(j.prompt) for _, j in part)
+            rows = torch.tensor([r for r, _ in part], device=dev)
+            ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
+            off = torch.tensor([W - len(j.prompt) for _, j in part], device=dev)
+            lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
+            logits, _ = self.core.fresh(rows, ids, off)
+            first = logits[:, -1].argmax(-1)
+            self.tok[rows] = first
+            self.start[rows] = W
+            self.off[rows] = off
+            self.n[rows] = 1
+            self.out[rows, 0] = first
+            self.limit[rows] = lim
+            self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
+
+
+def greedy_generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],
+                    batch_size: int = 16, graphs: bool | None = None, sync_every: int = 8) -> list[list[int]]:
+    """Each prompt's greedy continuation (see GreedyDecoder), `batch_size` rows at a time."""
+    if not prompts:
+        return []
+    dec = GreedyDecoder(model, rows=min(batch_size, len(prompts)), max_prompt=max(len(p) for p in prompts),
+                        max_new_tokens=max_new_tokens, stop_ids=stop_ids, graphs=graphs, sync_every=sync_every)
+    return dec.generate(prompts)
+
+
+# ---------------------------------------------------------------- the tie rule
+
+
+TIE_TOLERANCE = {torch.float32: 0.0, torch.float64: 0.0, torch.bfloat16: 0.5, torch.float16: 0.0625}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where a and b differ (a shorter one differs at its end); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@torch.inference_mode()
+def divergence(model: nn.Module, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy outputs of `prompt` first differ and how close the target was to a tie
+    there, from one plain forward over the common prefix (transformers' own path):
+    top2_margin = top-1 minus top-2 logit; flip_margin = top-1 minus the lower of the two
+    tokens chosen (equal to top2_margin when they are the top two). None if a == b; a
+    difference in length alone (one stopped) is reported with margins None."""
+    i = first_difference(a, b)
+    if i is None:
+        return None
+    if i >= min(len(a), len(b)):
+        return {"index": i, "tokens": None, "top2_margin": None, "flip_margin": None}
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([prompt + a[:i]], device=device)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    top = logits.topk(2).values
+    return {"index": i, "tokens": [a[i], b[i]], "top2_margin": float(top[0] - top[1]),
+            "flip_margin": float(top[0] - torch.minimum(logits[a[i]], logits[b[i]]))}
+
+
+def is_tie_flip(div: dict | None, tolerance: float) -> bool:
+    """A difference that greedy decoding cannot be blamed for: both tokens within `tolerance`
+    of the target's best logit at the first difference."""
+    return div is not None and div["flip_margin"] is not None and div["flip_margin"] <= tolerance
