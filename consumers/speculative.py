@@ -107,7 +107,10 @@ def speculative_greedy(model: nn.Module, drafter: Drafter, prompt: torch.Tensor,
     while len(gen.tokens) < max_new_tokens and gen.tokens[-1] not in stop_ids:
         start = P + len(gen.tokens) - 1  # position of the bonus token
         size = min(drafter.block_size, max_new_tokens - len(gen.tokens))  # a cycle commits <= size tokens
-        drafts = propose(drafter, embed, lm_head, context, gen.tokens[-1], size) if size > 1 else []
+        # Always a full block, as in training (the block is bidirectional: a shorter one would
+        # change every draft); near max_new_tokens only the first size-1 drafts are verified.
+        drafts = propose(drafter, embed, lm_head, context, gen.tokens[-1], drafter.block_size)[: size - 1] \
+            if size > 1 else []
         block = torch.tensor([gen.tokens[-1]] + drafts, device=prompt.device)  # [size]
         logits, feats = _target_step(model, block, start, cache, layers)  # [size, V], [size, n*D]
         choice = logits.argmax(-1).tolist()  # the target's next token after each block position
