@@ -29,7 +29,9 @@ from dflash.protocol.config import fail, option, runs_dir_option
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import write_json_atomic
 
+from . import hf_dflash
 from .checkpoint import resolve_checkpoint
+from .export_card import model_card, read_eval_report
 from .integrity import CheckpointDamaged, load_weights, read_manifest, verify_checkpoint, write_manifest
 from .model import DFlashDraft, DrafterConfig
 
@@ -151,8 +153,10 @@ def drafter_config(cfg: dict) -> DrafterConfig:
 
 
 def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                      target: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
-    """Write `out_dir` (config.json + bf16 model.safetensors) from a checkpoint folder.
+                      target: str | os.PathLike | None = None, overwrite: bool = False,
+                      eval_report: dict | None = None) -> Path:
+    """Write `out_dir` (config.json, bf16 model.safetensors, dflash.py, README.md) from a
+    checkpoint folder. `eval_report` (a dflash-eval --json report) puts its tau in README.md.
 
     Written to a temporary sibling and renamed, so a reader never sees half an export.
     Raises ExportError (not a drafter checkpoint, `out_dir` not empty without overwrite)."""
@@ -176,9 +180,11 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     tmp.mkdir()
     try:
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o644)  # safetensors creates 0600; an export is for sharing
         write_json_atomic(tmp / "config.json", cfg)
-        # Not in the published layout's files: hashes of the two, and the target the drafter
-        # was trained for, which dflash-eval checks against the target it is given.
+        _write_remote_code(tmp, cfg, src, target, out.name, eval_report)
+        # Not in the published layout's files: hashes of the others (so written last), and the
+        # target the drafter was trained for, which dflash-eval checks against the target it is given.
         write_manifest(tmp, {"target": drafter_target(src), "source": str(src.resolve())})
         if out.exists():
             shutil.rmtree(out)
@@ -186,6 +192,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_remote_code(folder: Path, cfg: dict, src: Path, target, name: str, eval_report: dict | None) -> None:
+    """dflash.py (the model code `auto_map` names: hf_dflash.py, shipped with this package)
+    and README.md (the model card), so the folder loads with transformers alone."""
+    (folder / "dflash.py").write_text(Path(hf_dflash.__file__).read_text())
+    state = json.loads((src / "state.json").read_text()) if (src / "state.json").is_file() else {}
+    (folder / "README.md").write_text(model_card(cfg, state, name=name, target=str(target) if target else None,
+                                                 eval_report=eval_report))
+    for f in ("dflash.py", "README.md", "config.json"):
+        os.chmod(folder / f, 0o644)
 
 
 def _check_names(weights: dict, model: DFlashDraft) -> None:
@@ -261,15 +278,19 @@ def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.Pa
         help="Target model folder or .gguf file, to copy its bos/eos token IDs into config.json (else null).")
 @runs_dir_option()
 @option("--force", is_flag=True, default=False, help="Replace OUT_DIR if it is not empty.")
-def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force: bool) -> None:
+@option("--eval-report", default=None, type=click.Path(exists=True, dir_okay=False),
+        help="A dflash-eval --json report of this drafter: its tau goes into README.md.")
+def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force: bool,
+         eval_report: str | None) -> None:
     """Export CHECKPOINT (a step folder, run folder, run ID or 'latest') to OUT_DIR in the
     layout of the DFlash drafters published on Hugging Face."""
     try:
+        report = read_eval_report(eval_report) if eval_report else None
         src = resolve_checkpoint(checkpoint, runs_dir)
-        out = export_checkpoint(src, out_dir, target=target, overwrite=force)
+        out = export_checkpoint(src, out_dir, target=target, overwrite=force, eval_report=report)
     except KeyError as e:
         fail(f"{checkpoint}: config.json lacks {e}")
-    except (ExportError, CheckpointDamaged, FileNotFoundError, json.JSONDecodeError) as e:
+    except (ExportError, CheckpointDamaged, FileNotFoundError, json.JSONDecodeError, ValueError) as e:
         fail(str(e))
     cfg = json.loads((out / "config.json").read_text())
     click.echo(f"exported {src} -> {out} (block_size {cfg['block_size']}, "
