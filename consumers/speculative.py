@@ -104,9 +104,15 @@ class DraftCache:
                 lm_head: torch.Tensor) -> torch.Tensor:
         """B-1 draft tokens for the positions after `bonus` [1] at position start [1]; the
         context is slots 0..start-1. Returns long [B-1]."""
-        m, c, B = self.m, self.cfg, self.B
         ids = torch.cat([bonus, self._masks])  # [B]
         x = F.embedding(ids, embed).to(self.dtype)  # [B, D], the target's embedding
+        h = self.block_states(x, start)
+        return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1)  # position 0 is the given bonus
+
+    def block_states(self, x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """x [B, D] block input embeddings at positions start.. -> [B, D] final-normed states
+        (the training path's DFlashDraft.forward for this block; the parity test compares them)."""
+        m, c, B = self.m, self.cfg, self.B
         cos, sin = m.rotary(start + self._blk)
         # Keys are [context slots | block]; the block sees all context before it and itself.
         vis = torch.cat([self._slot < start, torch.ones(B, dtype=torch.bool, device=x.device)])
@@ -125,8 +131,7 @@ class DraftCache:
                                                scale=hd**-0.5, enable_gqa=True)  # [1, Hq, B, hd]
             x = x + a.o_proj(o[0].transpose(0, 1).reshape(B, Hq * hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = m.norm(x)
-        return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1)  # position 0 is the given bonus
+        return m.norm(x)
 
 
 @torch.inference_mode()
