@@ -16,6 +16,19 @@ MAX_CREDIT = 64
 MAX_UNACKED = 2 * MAX_CREDIT
 # ZMQ_MAXMSGSIZE on the control socket: the 1 MiB header limit plus framing margin.
 CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
+
+
+def data_in_frame_cap(max_message_bytes: int) -> int:
+    """ZMQ_MAXMSGSIZE of data in: twice --max-message-bytes, not the limit itself. libzmq
+    drops a frame over its cap by closing the connection, with nothing to say why (its
+    monitor's disconnect event is the same as a producer exiting, and the message is
+    gone), and the producer's PUSH reconnects unaware. Under the cap the broker reads the
+    header, so a batch over the limit is logged with its producer, size and limit and that
+    producer is told (intake.too_large); the cap stays a bound on what one frame can make
+    the broker allocate. Our PeerLink never sends over the limit (it checks first)."""
+    return 2 * max_message_bytes
+
+
 # Control messages ZeroMQ may queue per connection, each way. Normal traffic is a few
 # small messages per second per peer; the bound is what a peer that floods (or never
 # reads its replies) can make the broker hold: RCVHWM x CONTROL_MAX_BYTES in, SNDHWM x

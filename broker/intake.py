@@ -44,7 +44,7 @@ def handle(b, frames: list) -> None:
         msg = codec.decode(frames, allowed=DATA, run=b.run_id, views=False)  # relayed, never read
         payload = msg.payload_bytes()
         if payload > b.cfg.max_message_bytes:
-            raise ProtocolError(f"{payload} tensor bytes, limit {b.cfg.max_message_bytes}")
+            return too_large(b, msg.header, payload)
         layers = b.facts.get("layer_ids")
         if layers is not None and msg.header["layer_ids"] != layers:
             raise ProtocolError(f"layer_ids {msg.header['layer_ids']} are not this run's {layers}")
@@ -76,6 +76,25 @@ def handle(b, frames: list) -> None:
     p.rate_tokens.add(qb.tokens, now)
     b.rate_in.add(1, now)
     finish_lease(b, lease)
+
+
+def too_large(b, h: dict, payload: int) -> None:
+    """A batch over --max-message-bytes: dropped, logged (broker.batch_too_large) and its
+    producer, if it has a live session, told by `reject {code: too_large}` naming the batch:
+    it would go on making batches the broker drops, holding their leases."""
+    limit = b.cfg.max_message_bytes
+    producer = clip(h.get("producer"), 64)
+    ok, suppressed = b.log_limit.allow(f"too_large:{producer}")
+    if ok:
+        log.warning("broker.batch_too_large", producer=producer, batch_id=clip(h.get("batch_id"), 64),
+                    bytes=payload, limit=limit, suppressed=suppressed)
+    p = b.peers.by_id.get(h.get("producer")) if isinstance(h.get("producer"), str) else None
+    if p is not None and b.reply_limit.allow(p.identity.hex())[0]:
+        b.send(p.identity, "reject", code="too_large",
+               reason=f"batch {clip(h.get('batch_id'), 64)} is {payload} tensor bytes, over this broker's "
+                      f"--max-message-bytes {limit}: dropped; lower --token-budget or --max-batch-size, or raise "
+                      "the broker's --max-message-bytes",
+               answers={"type": "batch", "batch_id": clip(h.get("batch_id"), 64)})
 
 
 def stale(b, h: dict, reason: str) -> None:

@@ -21,7 +21,8 @@ from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 
 from . import control, intake, lighthouse, resume, security
-from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
+from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
+                     data_in_frame_cap)
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
 from .ledger import Ledger
@@ -96,7 +97,8 @@ class Broker:
             )
             self.data_in = make_socket(
                 self.ctx, zmq.PULL, tcp_endpoint(cfg.bind, cfg.data_in_port), bind=True,
-                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=cfg.max_message_bytes, curve=self.curve,
+                opts=SocketOpts(rcvhwm=DATA_IN_RCVHWM, maxmsgsize=data_in_frame_cap(cfg.max_message_bytes),
+                                curve=self.curve,
                                 affinity=self.in_affinity),
             )
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start

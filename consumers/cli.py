@@ -23,6 +23,7 @@ import click
 import torch
 
 from dflash.protocol.alloc import reuse_freed_memory
+from dflash.protocol import target_arg
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option, size_option
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
@@ -81,7 +82,7 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 
 @click.command(context_settings={"max_content_width": 100})
 @config_option()
-@option("--target", required=True, type=click.Path(exists=True),
+@option("--target", required=True, callback=target_arg.click_callback(hub_ok=False, need_tokenizer=False),
         help="Target model folder (Hugging Face layout) or .gguf file; only config, tokenizer, embed_tokens and "
         "lm_head are read.")
 @option("--gpu", type=int, default=None, help="CUDA device index; omitted: train on CPU (float32).")

@@ -15,10 +15,9 @@ import sys
 import threading
 import traceback
 
-from pathlib import Path
-
 import click
 
+from dflash.protocol import target_arg
 from dflash.protocol.curve import client_from, curve_options
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
 from dflash.protocol.errors import DFlashError
@@ -32,33 +31,11 @@ from .target import resolve_device
 log = get_logger()
 
 
-def _target_arg(_ctx, param, value: str | None) -> str | None:
-    """A --target that names a path must be a model folder. Left to transformers, a missing
-    path was read as a malformed hub ID ("Repo id must be in the form ...") and a folder
-    without a model as a tokenizer problem ("... sentencepiece or tiktoken")."""
-    if value is None:
-        return value
-    path = Path(value).expanduser()
-    looks_like_path = path.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1
-    if not looks_like_path:
-        return value  # org/name: a hub ID (found in the local cache; nothing is downloaded here)
-    if not path.exists():
-        raise click.BadParameter(f"{value}: no such folder (a local model folder, or a hub ID 'org/name')",
-                                 param=param)
-    if path.is_file() and path.suffix == ".gguf" or path.is_dir() and any(path.glob("*.gguf")):
-        return value  # a GGUF checkpoint: transformers reads its config from the file
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise click.BadParameter(f"{value} is not a model folder: it has no config.json (give the folder that "
-                                 "save_pretrained wrote, with config.json, the weights and the tokenizer)",
-                                 param=param)
-    return value
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_option()
 @broker_option()
 @runs_dir_option()
-@option("--target", required=True, callback=_target_arg,
+@option("--target", required=True, callback=target_arg.click_callback(hub_ok=True, need_tokenizer=True),
         help="Target model: a local folder, a Hugging Face hub ID, or a .gguf file (de-quantised to --dtype by "
         "transformers; needs the gguf extra).")
 @option("--data", required=True, help="Dataset: .jsonl (messages / conversations / text rows), "

@@ -108,6 +108,11 @@ def send(sock, header: dict, tensors: Mapping[str, torch.Tensor] | None = None, 
 # ---------------------------------------------------------------- decode
 
 
+def payload_bytes(frames: list) -> int:
+    """Tensor bytes of an encoded message: every frame after the header."""
+    return sum(_frame_len(f) for f in frames[1:])
+
+
 def _frame_len(f) -> int:
     """Bytes in a frame: a zmq.Frame or bytes (len), or a buffer (its nbytes)."""
     if isinstance(f, memoryview):

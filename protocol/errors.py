@@ -14,6 +14,12 @@ class ProtocolError(DFlashError):
         super().__init__(f"{reason} (peer {peer})" if peer else reason)
 
 
+class MessageTooLarge(DFlashError):
+    """A message over the receiver's limit, refused by its sender before it leaves: over
+    the limit, the receiver's ZeroMQ closes the connection and the message is gone
+    without a word to either side (PROTOCOL.md 3)."""
+
+
 class BrokerUnreachable(DFlashError):
     """The broker did not answer the handshake in time."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import secrets
 import socket as _socket
 import threading
 import time
@@ -28,9 +29,9 @@ import zmq
 from . import codec
 from .credit import CreditWindow
 from .curve import CurveClient
-from .errors import BrokerUnreachable, DFlashError, ProtocolError, Rejected, RunMismatch
+from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
 from .logs import bind_run, get_logger
-from .messages import CONTROL_FROM_BROKER, DATA, header
+from .messages import CONTROL_FROM_BROKER, DATA, MAX_HEADER_BYTES, header
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
                       other_threads, readable, recv_frames, send_frames)
 from .threads import name_this_thread
@@ -96,6 +97,7 @@ class PeerLink:
         self._seq = itertools.count()
         self._pending_batch: list | None = None  # frames a full PUSH pipe refused, sent next turn
         self._in_flight = 0  # batches handed to us and not yet given to ZeroMQ
+        self.routing_id = f"{role}/{os.getpid()}/{secrets.token_hex(4)}/{instance}".encode()[:255]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -112,7 +114,11 @@ class PeerLink:
 
         Raises BrokerUnreachable, Rejected (RunMismatch for another run's ID)."""
         self._ctx = zmq.Context(io_threads=self._io_threads)
-        ctl = make_socket(self._ctx, zmq.DEALER, self.broker, bind=False,
+        # A routing ID of our own: when ZeroMQ closes and reopens the control connection (a
+        # network reset), the broker's ROUTER knows it by the same identity, so the session
+        # goes on; without one it gets a new identity and every later message is refused
+        # `unknown_peer` (a message sent meanwhile would be lost). Unique per link.
+        ctl = make_socket(self._ctx, zmq.DEALER, self.broker, bind=False, identity=self.routing_id,
                           opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES, curve=self.curve,
                                           affinity=first_thread(self._io_threads)))
         try:
@@ -233,8 +239,15 @@ class PeerLink:
             pass
 
     def send_control(self, type_: str, **fields) -> None:
+        """Queue a control message. Raises MessageTooLarge for one over the control limit:
+        refused here, since the broker's ZeroMQ would close the connection and drop it."""
         self._check()
-        self._control_out.put(header(type_, self.run_id, **fields))
+        h = header(type_, self.run_id, **fields)
+        n = len(codec.encode(h)[0])
+        if n > MAX_HEADER_BYTES:
+            raise MessageTooLarge(f"control message {type_!r} is {n} bytes, over the control limit of "
+                                  f"{MAX_HEADER_BYTES} bytes (PROTOCOL.md 3): not sent")
+        self._control_out.put(h)
         self._wake()
 
     def request_lease(self, want: int, timeout_s: float | None = None) -> dict:
@@ -254,6 +267,7 @@ class PeerLink:
         batch_id = f"{self.peer_id}-{next(self._seq)}"
         h = header("batch", self.run_id, batch_id=batch_id, producer=self.peer_id, **fields)
         frames = codec.encode(h, tensors)
+        self._check_size(batch_id, frames)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._check()
@@ -264,6 +278,17 @@ class PeerLink:
             except queue.Full:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError("outbox still full: the broker is not reading") from None
+
+    def _check_size(self, batch_id: str, frames: list) -> None:
+        """Refuse a batch over the broker's limits (its welcome's `max_message_bytes`) before
+        it leaves: sent, it would be dropped or refused at the broker, its samples lost."""
+        limit = int((self.welcome.get("run_config") or {}).get("max_message_bytes") or self.max_message_bytes)
+        payload = codec.payload_bytes(frames)
+        if len(frames[0]) > MAX_HEADER_BYTES or payload > limit:
+            raise MessageTooLarge(
+                f"batch {batch_id} is {payload} tensor bytes (header {len(frames[0])}), over the broker's "
+                f"limit of {limit} bytes per message (header {MAX_HEADER_BYTES}): not sent; lower "
+                "--token-budget or --max-batch-size, or raise the broker's --max-message-bytes")
 
     def lease_done(self, lease: int, skipped: list) -> None:
         self.send_control("done", lease=lease, skipped=[[int(s), str(r)] for s, r in skipped])

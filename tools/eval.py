@@ -29,6 +29,7 @@ import torch
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
+from dflash.protocol import target_arg
 from dflash.protocol.config import fail, option
 
 
@@ -228,7 +229,8 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 
 
 @click.command(context_settings={"max_content_width": 100})
-@option("--target", required=True, type=click.Path(exists=True), help="Target model folder (Hugging Face layout) or .gguf file.")
+@option("--target", required=True, callback=target_arg.click_callback(hub_ok=False, need_tokenizer=True),
+        help="Target model folder (Hugging Face layout) or .gguf file.")
 @option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
         help="Drafter: a training checkpoint folder or a dflash-export folder (published layout).")
 @option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="JSON Lines file of prompts.")

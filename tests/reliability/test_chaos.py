@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections import Counter
 
 import pytest
 from chaos_audit import audit
+from chaos_operator import ROLES, Operator
 from chaos_pipeline import Pipeline
 
 LONG = os.environ.get("DFLASH_LONG") == "1"
@@ -32,7 +32,6 @@ KILLS = int(os.environ.get("DFLASH_CHAOS_KILLS", "10" if LONG else "3"))
 N_ROWS = 400 if LONG or KILLS > 3 else 200
 EPOCHS = 2
 DEADLINE_S = 240 + 80 * KILLS  # the whole test, restarts included; fails beyond it
-ROLES = ("broker", "producer", "consumer")
 
 
 def _plan(rng: random.Random, kills: int) -> list[str]:
@@ -41,115 +40,6 @@ def _plan(rng: random.Random, kills: int) -> list[str]:
     if "broker" not in plan:
         plan[rng.randrange(kills)] = "broker"
     return plan
-
-
-def _progress(pipe: Pipeline) -> int:
-    """Samples this run has trained or committed so far (0 if the broker does not answer)."""
-    s = (pipe.status() or {}).get("samples") or {}
-    return (s.get("trained") or 0) + (s.get("committed") or 0)
-
-
-class Operator:
-    """Runs generations of the pipeline until one completes; kills per the plan."""
-
-    def __init__(self, pipe: Pipeline, rng: random.Random, plan: list[str], deadline: float):
-        self.pipe, self.rng, self.plan, self.deadline = pipe, rng, list(plan), deadline
-        self.killed: Counter = Counter()
-        self.generations: list[dict] = []  # per generation: run, seconds, how it ended
-        # Killed consumers to start again once the broker has declared them lost; the
-        # operator does not stand still meanwhile (the next kill may come first).
-        self.rejoin: dict[str, str] = {}  # victim -> new instance name
-
-    def run(self) -> None:
-        resume, gen = None, 0
-        while True:
-            gen += 1
-            t0 = time.monotonic()
-            run = self.pipe.start_all(resume, gen)
-            if run is None:  # the chain had committed everything before the last kill
-                self.generations.append({"gen": gen, "run": None, "ended": "nothing left to train"})
-                return
-            ended = self._generation(gen)
-            self.generations.append({"gen": gen, "run": run, "s": round(time.monotonic() - t0, 1), "ended": ended})
-            if ended == "completed":
-                return
-            resume = run
-
-    def _generation(self, gen: int) -> str:
-        """Watch one generation; returns 'completed' or what was killed."""
-        pipe, mark, kill_at = self.pipe, 0, None
-        self.rejoin.clear()  # a new generation starts every role afresh
-        while True:
-            assert time.monotonic() < self.deadline, f"chaos run over its time bound; generations {self.generations}"
-            self._restart_lost_consumers()
-            codes = pipe.exited()
-            if "broker" in codes:  # the broker ended by itself: the run completed (or failed)
-                assert codes["broker"] == 0, pipe.tail("broker")
-                # A producer the operator started just before the end may never have met the
-                # broker (it ends once every peer it knew has left): not a failure.
-                late = pipe.drop_late_joiners()
-                assert pipe.wait_exit(list(pipe.procs), 60), f"peers still running after the broker ended: {codes}"
-                bad = {n: c for n, c in pipe.exited().items() if c != 0}
-                assert not bad, {n: pipe.tail(n) for n in bad}
-                if late:
-                    print(f"gen {gen}: {late} started too late to join; stopped")
-                assert pipe.run_json(pipe.chain[-1])["outcome"] == "completed"
-                return "completed"
-            bad = {n: c for n, c in codes.items() if c != 0}
-            assert not bad, f"exited without a kill: {bad}: {[pipe.tail(n) for n in bad]}"
-            if self.plan and kill_at is None and _progress(pipe) > mark:
-                kill_at = time.monotonic() + self.rng.uniform(0.0, 2.0)  # a random moment of training
-            if kill_at is not None and time.monotonic() >= kill_at:
-                role = self.plan[0]
-                victims = pipe.live(role)
-                if not victims and role == "producer":
-                    # The tiny target outruns the drafters: the producers may have made the
-                    # whole run already and left. A consumer takes the planned kill instead.
-                    role, victims = "consumer", pipe.live("consumer")
-                if role == "consumer" and len(victims) < 2:
-                    # Elastic training needs a survivor: wait until the last killed consumer
-                    # is back before killing another (with none left the job is lost).
-                    victims = []
-                if not victims:  # e.g. a restarted consumer not in yet: try again a little later
-                    kill_at = time.monotonic() + 0.5
-                    continue
-                victim = self.rng.choice(victims)
-                before = _progress_text(pipe)
-                pipe.kill(victim)
-                self.plan.pop(0)
-                self.killed[role] += 1
-                print(f"gen {gen}: SIGKILL {victim} ({before})")
-                kill_at, mark = None, _progress(pipe)
-                if role == "producer":  # the operator starts it again; it joins the live run
-                    pipe.start_producer(f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}")
-                    continue
-                if role == "consumer":  # the other goes on; this one rejoins once declared lost
-                    self.rejoin[victim] = f"{victim.split('-')[0]}-g{gen}r{self.killed[role]}"
-                    continue
-                # The broker: the others find it silent and exit non-zero by themselves; the
-                # operator stops what is left and resumes the run.
-                pipe.wait_exit([n for n in pipe.procs if n[0] == "c"], 30)
-                codes = pipe.stop_rest()
-                return f"killed {victim}; exits {codes}"
-            time.sleep(0.1)
-
-
-    def _restart_lost_consumers(self) -> None:
-        """Start again each killed consumer the broker no longer holds live (declared lost
-        after --timeout-s): a restarted consumer gets its rank only then."""
-        if not self.rejoin:
-            return
-        st = self.pipe.status()
-        if st is None:  # the broker is gone (run over, or killed): nothing to rejoin
-            return
-        live = {p["instance"] for p in st.get("peers", [])}
-        for victim in [v for v in self.rejoin if v not in live]:
-            self.pipe.start_consumer(self.rejoin.pop(victim))
-
-
-def _progress_text(pipe: Pipeline) -> str:
-    s = (pipe.status() or {}).get("samples") or {}
-    return f"trained={s.get('trained')} committed={s.get('committed')}" if s else "broker silent"
 
 
 @pytest.mark.slow

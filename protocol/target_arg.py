@@ -1,0 +1,85 @@
+"""`--target` checked before anything loads, for dflash-produce, dflash-consume and
+dflash-eval: left to transformers, a missing path reads as a malformed hub ID ("Repo id
+must be in the form ..."), a folder without a tokenizer as a missing package ("... You need
+to have sentencepiece or tiktoken installed"), and a hub ID absent from the cache offline as
+a connection error; the consumer met a folder without weights only when it read them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _offline() -> bool:
+    flags = [os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")]
+    return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """`org/name` that is not a path on disk (hub IDs have exactly one slash)."""
+    return not Path(value).expanduser().exists() and not value.startswith((".", "/", "~")) and value.count("/") == 1
+
+
+def hub_cached(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds `repo_id`'s config.json (nothing is downloaded)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # not a valid repo ID for the hub library either
+        return False
+
+
+def target_problem(value: str, *, hub_ok: bool, need_tokenizer: bool) -> str | None:
+    """Why `value` is not a usable --target, as a sentence saying what to do; None if it is.
+
+    hub_ok: the tool loads hub IDs (through transformers and its cache); need_tokenizer:
+    the tool tokenizes text with the target's tokenizer."""
+    if looks_like_hub_id(value):
+        if not hub_ok:
+            return (f"{value}: no such folder; this tool reads the target from a local folder (config.json, "
+                    f"weights, tokenizer): download it first (e.g. `hf download {value} --local-dir DIR`) and "
+                    "give DIR")
+        if _offline() and not hub_cached(value):
+            return (f"{value}: a hub ID that is not in the local Hugging Face cache, and downloads are off "
+                    f"(HF_HUB_OFFLINE): download the model first (`hf download {value}`) or give a local "
+                    "model folder")
+        return None
+    path = Path(value).expanduser()
+    if not path.exists():
+        return f"{value}: no such folder (a local model folder" + (", or a hub ID 'org/name')" if hub_ok else ")")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return None  # a GGUF checkpoint: config and tokenizer come from the file
+        return f"{value} is a file, not a model folder"
+    if any(path.glob("*.gguf")):
+        return None
+    if not (path / "config.json").is_file():
+        return (f"{value} is not a model folder: it has no config.json (give the folder that save_pretrained "
+                "wrote, with config.json, the weights and the tokenizer)")
+    if not any(any(path.glob(p)) for p in WEIGHTS):
+        return (f"{value} has a config.json but no weights (model*.safetensors or pytorch_model*.bin): give "
+                "the folder that save_pretrained wrote, weights included")
+    if need_tokenizer and not any((path / f).is_file() for f in TOKENIZER):
+        return (f"{value} has no tokenizer files ({', '.join(TOKENIZER)}): save the tokenizer into the "
+                "folder too (tokenizer.save_pretrained(folder)) or give the folder it came with")
+    return None
+
+
+def click_callback(*, hub_ok: bool, need_tokenizer: bool):
+    """A click callback for --target raising BadParameter (which names the option)."""
+    import click
+
+    def check(_ctx, param, value):
+        if value is None:
+            return value
+        why = target_problem(str(value), hub_ok=hub_ok, need_tokenizer=need_tokenizer)
+        if why is not None:
+            raise click.BadParameter(why, param=param)
+        return value
+
+    return check
