@@ -10,8 +10,9 @@ sources, both shipped with what is installed:
     docstrings (the documentation Python ships).
 Each prompt family is a set of request styles. Training families and held-out families
 share no style and no topic, so held-out tau measures a different task family, not a
-paraphrase of the training set. Writes `train.jsonl` and one `heldout-<family>.jsonl` per
-held-out family (chat rows: {"messages": [{"role": "user", ...}]}, {"id": ...}).
+paraphrase of the training set. Writes `train.jsonl`, `indist.jsonl` (training prompts, for
+evaluation) and `heldout.jsonl` (every held-out family, IDs `<family>-<n>`), as chat rows
+{"id": ..., "messages": [{"role": "user", "content": ...}]}.
 """
 
 from __future__ import annotations
@@ -133,11 +134,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 @click.option("--gguf-file", default=None, help="Name of the .gguf file in --tokenizer, for a GGUF target.")
 @click.option("--out", required=True, type=click.Path(file_okay=False))
 @click.option("--train", "n_train", default=24000, help="Training prompts.")
-@click.option("--held-out", "n_held_out", default=40, help="Prompts per held-out family.")
+@click.option("--held-out", "n_held_out", default=10, help="Prompts per held-out family.")
 @click.option("--in-dist", "n_in_dist", default=40, help="Training prompts copied to indist.jsonl for evaluation.")
 @click.option("--seed", default=0)
 def main(tokenizer, gguf_file, out, n_train, n_held_out, n_in_dist, seed) -> None:
-    """Write train.jsonl, indist.jsonl and heldout-<family>.jsonl under OUT."""
+    """Write train.jsonl, indist.jsonl and heldout.jsonl under OUT."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -148,9 +149,9 @@ def main(tokenizer, gguf_file, out, n_train, n_held_out, n_in_dist, seed) -> Non
     folder.mkdir(parents=True, exist_ok=True)
     write_jsonl(folder / "train.jsonl", rows)
     write_jsonl(folder / "indist.jsonl", rows[:n_in_dist])
-    for fam, fam_rows in held.items():
-        write_jsonl(folder / f"heldout-{fam}.jsonl", fam_rows)
-    click.echo(json.dumps({"train": len(rows), **{f"heldout-{k}": len(v) for k, v in held.items()}, "out": str(folder)}))
+    write_jsonl(folder / "heldout.jsonl", [r for fam_rows in held.values() for r in fam_rows])
+    click.echo(json.dumps({"train": len(rows), "indist": min(n_in_dist, len(rows)),
+                           **{f"heldout-{k}": len(v) for k, v in held.items()}, "out": str(folder)}))
 
 
 if __name__ == "__main__":

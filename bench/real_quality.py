@@ -7,9 +7,9 @@ with the README's commands and defaults, on a real pretrained target, then measu
    DIR/train.jsonl --regenerate` and `dflash-consume --target T`, all on one GPU, to the end
    of the planned epochs (no model-specific flags; `--consumer-arg`/`--producer-arg` add
    flags for the variants of a sweep, and are recorded in the result).
-2. `dflash-export` of the final checkpoint, then `dflash-eval` (bf16, batch 1) on
-   DIR/indist.jsonl (training prompts) and on every DIR/heldout-*.jsonl (families the
-   training set does not contain; bench/real_prompts.py builds them).
+2. `dflash-export` of the final checkpoint, then `dflash-eval` (bf16 on GPU, batch 1) on
+   DIR/indist.jsonl (training prompts) and DIR/heldout.jsonl (families the training set
+   does not contain; bench/real_prompts.py builds them), tau also per held-out family.
 3. One JSON object: training time, steps, samples, the eval reports (tau, speedup,
    mismatches and tie-flips) without per-prompt rows. `--regen-cache` names a folder of
    regenerated answers from an earlier run (the producer's cache), so a fresh machine
@@ -41,12 +41,12 @@ def train(work: Path, target: str, data: Path, epochs: int, regen_cache: Path, g
     group.start("broker", [command_path("dflash-broker"), "--bind", "127.0.0.1", *ports, "--runs-dir", runs,
                            "--epochs", str(epochs), "--consumers", "1"], work / "broker.out", env)
     group.start("producer", [command_path("dflash-produce"), "--broker", broker, "--runs-dir", runs,
-                             "--gpu", str(gpu), "--target", target, "--data", str(data), "--regenerate",
+                             *_device(gpu), "--target", target, "--data", str(data), "--regenerate",
                              "--regen-cache", str(regen_cache), *producer_args], work / "producer.out", env)
     group.start("consumer", [command_path("dflash-consume"), "--broker", broker, "--runs-dir", runs,
-                             "--gpu", str(gpu), "--target", target, *consumer_args], work / "consumer.out", env)
+                             *(_device(gpu) if gpu >= 0 else []), "--target", target, *consumer_args], work / "consumer.out", env)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s and not group.all_exited():
+    while time.monotonic() - t0 < timeout_s and not group.all_exited() and not group.failed():
         time.sleep(1)
     seconds = time.monotonic() - t0
     timed_out = not group.all_exited()
@@ -63,6 +63,10 @@ def train(work: Path, target: str, data: Path, epochs: int, regen_cache: Path, g
             "checkpoint": str(ckpts[-1]) if ckpts else None}
 
 
+def _device(gpu: int) -> list[str]:
+    return ["--device", "cpu"] if gpu < 0 else ["--gpu", str(gpu)]
+
+
 def _tail_mean(steps: list[dict], key: str) -> float | None:
     vals = [s[key] for s in steps[-max(1, len(steps) // 10):] if s.get(key) is not None]
     return round(sum(vals) / len(vals), 4) if vals else None
@@ -71,7 +75,8 @@ def _tail_mean(steps: list[dict], key: str) -> float | None:
 def run_eval(work: Path, target: str, drafter: Path, prompts: Path, gpu: int, max_new_tokens: int, env: dict) -> dict:
     out = work / f"eval-{prompts.stem}.json"
     argv = [command_path("dflash-eval"), "--target", target, "--drafter", str(drafter), "--prompts", str(prompts),
-            "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--max-new-tokens", str(max_new_tokens), "--json"]
+            "--device", "cpu" if gpu < 0 else f"cuda:{gpu}", "--dtype", "float32" if gpu < 0 else "bfloat16",
+            "--max-new-tokens", str(max_new_tokens), "--json"]
     t0 = time.monotonic()
     child = ProcessGroup().start("eval", argv, out, env)
     child.proc.wait()
@@ -80,16 +85,20 @@ def run_eval(work: Path, target: str, drafter: Path, prompts: Path, gpu: int, ma
         rep = json.loads(text[text.index('{"'):].splitlines()[0])
     except ValueError:
         return {"exit_code": child.proc.returncode, "error": text[-2000:]}
-    rep.pop("per_prompt", None)
+    rows = rep.pop("per_prompt", [])
+    families: dict[str, list[float]] = {}
+    for r in rows:  # prompt IDs are <family>-<n>
+        families.setdefault(r["prompt"].rsplit("-", 1)[0], []).append(r["tau"])
+    rep["tau_by_family"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(families.items())}
     return {"exit_code": child.proc.returncode, "wall_s": round(time.monotonic() - t0, 1), **rep}
 
 
 @click.command()
 @click.option("--target", required=True, help="Target: a .gguf file or a Hugging Face folder.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Folder from bench/real_prompts.py (train.jsonl, indist.jsonl, heldout-*.jsonl).")
+              help="Folder from bench/real_prompts.py (train.jsonl, indist.jsonl, heldout.jsonl).")
 @click.option("--epochs", default=3)
-@click.option("--gpu", default=0)
+@click.option("--gpu", default=0, help="GPU of all three roles; -1: CPU (a smoke test).")
 @click.option("--max-new-tokens", default=256, help="Evaluation length per prompt.")
 @click.option("--regen-cache", default=None, help="Regeneration cache folder (kept between runs).")
 @click.option("--producer-arg", "producer_args", multiple=True, help="Extra dflash-produce flag (repeatable).")
@@ -111,7 +120,7 @@ def main(target, prompts, epochs, gpu, max_new_tokens, regen_cache, producer_arg
     if info["checkpoint"]:
         export = work / "export"
         os.system(shlex.join([command_path("dflash-export"), info["checkpoint"], str(export), "--target", target]))
-        for p in [prompts / "indist.jsonl", *sorted(prompts.glob("heldout-*.jsonl"))]:
+        for p in (prompts / "indist.jsonl", prompts / "heldout.jsonl"):
             result[p.stem] = run_eval(work, target, export, p, gpu, max_new_tokens, env)
     click.echo(json.dumps(result))
 

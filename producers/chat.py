@@ -66,6 +66,9 @@ class ChatEncoder:
             return self._truncate(row.sample, ids, [1] * len(ids))
         if not self.has_template:
             raise ValueError(f"{row.source}: chat row, but the tokenizer has no chat_template")
+        if not any(m["role"] == "assistant" for m in row.messages):
+            raise BadRow(row.sample, row.source, "a prompt without an answer (no assistant turn): nothing to learn "
+                         "from; give --regenerate to have the target answer it")
         try:
             full = self._render(row.messages, False)
             spans = self._assistant_spans(row.messages, full)

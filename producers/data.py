@@ -57,7 +57,7 @@ class Row:
 
     sample: int
     source: str
-    messages: list[dict] | None = None
+    messages: list[dict] | None = None  # may end in a user turn with no answer: `--regenerate` writes it
     text: str | None = None
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
@@ -98,7 +98,7 @@ def _turns(turns: Any, field: str) -> list[dict]:
         if value is None:
             raise ValueError(f"{field}[{i}]: no 'value'/'content'")
         out.append({"role": ROLE_ALIASES[role], "content": _content(value, f"{field}[{i}]")})
-    if not any(m["role"] == "assistant" for m in out):
+    if not any(m["role"] == "assistant" for m in out) and out[-1]["role"] != "user":
         raise ValueError(f"'{field}' has no assistant turn: nothing to learn from")
     return out
 

@@ -1,4 +1,5 @@
-"""`--regenerate`: replace assistant turns by the target's own greedy generation.
+"""`--regenerate`: replace assistant turns by the target's own greedy generation; a chat
+that ends in a user turn (a prompt alone) gets its answer written by the target too.
 
 DFlash drafters learn what the target says, so the paper trains on responses regenerated
 by the target. What is kept is the token IDs, never text: decoding a turn and encoding it
@@ -220,6 +221,9 @@ class Regenerator:
             return dec.run(jobs, on_done)
 
     def _start(self, row: Row) -> _Conversation:
+        messages = row.messages
+        if messages[-1]["role"] == "user":  # a prompt waiting for its answer: the target writes it
+            row = Row(row.sample, row.source, messages=[*messages, {"role": "assistant", "content": ""}])
         turns = [i for i, m in enumerate(row.messages) if m["role"] == "assistant"]
         probes = [{**m, "content": _PROBE.format(k)} if m["role"] == "assistant" else dict(m)
                   for k, m in enumerate(row.messages)]

@@ -78,7 +78,7 @@ def test_build_line_index_handles_chunk_boundaries(tmp_path, monkeypatch):
     ('["not", "an", "object"]', "not an object"),
     ('{"prompt": "x"}', "no 'messages', 'conversations' or 'text'"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "unknown role 'wizard'"),
-    ('{"messages": [{"role": "user", "content": "only a question"}]}', "no assistant turn"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "only a system turn last"}]}', "no assistant turn"),
     ('{"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]}', "no 'value'/'content'"),
     ('{"messages": [{"role": "assistant", "content": 42}]}', "content is a int"),
     ('{"text": ""}', "'text' is empty"),

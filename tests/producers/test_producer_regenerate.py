@@ -226,3 +226,29 @@ def test_more_conversations_than_rows_are_continuously_batched_and_exact(tiny, t
         for a, b in turns:
             assert row.input_ids[a:b] == reference_greedy(reference, row.input_ids[:a], 9, stops)
     assert len(spans(new[1].loss_mask)) == 3
+
+
+def test_a_prompt_without_an_answer_is_answered_by_the_target_and_refused_without_regenerate(tiny, tokenizer, reference,
+                                                                                             tmp_path):
+    """A chat ending in a user turn (prompts only, the usual data for regeneration) gets its
+    answer from the target: exactly the IDs and mask of the same chat with a placeholder
+    answer. Without --regenerate it is a bad row that says what to do."""
+    from dflash.producers.data import BadRow, parse_record
+
+    prompt = parse_record({"messages": CHAT[:1]}, 0, "d:1")
+    answered = parse_record({"messages": CHAT[:2]}, 1, "d:2")
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    regen = Regenerator(target, tokenizer, RegenCache(tmp_path, cache_key("fp0", target, tokenizer, NEW, {})),
+                        max_new_tokens=NEW, batch_size=2)
+    new = regen.apply([prompt, answered])
+    check_exact(new[0], reference, tokenizer, 1, NEW)
+    assert (new[0].input_ids, new[0].loss_mask) == (new[1].input_ids, new[1].loss_mask)
+    assert [m["role"] for m in new[0].messages] == ["user", "assistant"] and new[0].messages[1]["content"]
+    try:
+        ChatEncoder(tokenizer, 4096).encode(prompt)
+    except BadRow as e:
+        assert "no assistant turn" in str(e) and "--regenerate" in str(e)
+    else:
+        raise AssertionError("a prompt without an answer was encoded without --regenerate")
+    with __import__("pytest").raises(BadRow, match="no assistant turn"):  # nothing to answer: a system turn last
+        parse_record({"messages": [{"role": "system", "content": "x"}]}, 2, "d:3")
