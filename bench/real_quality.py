@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -119,7 +121,8 @@ def main(target, prompts, epochs, gpu, max_new_tokens, regen_cache, producer_arg
               "train": info, "work": str(work)}
     if info["checkpoint"]:
         export = work / "export"
-        os.system(shlex.join([command_path("dflash-export"), info["checkpoint"], str(export), "--target", target]))
+        subprocess.run([command_path("dflash-export"), info["checkpoint"], str(export), "--target", target],
+                       stdout=sys.stderr, check=False)  # stdout is this bench's JSON
         for p in (prompts / "indist.jsonl", prompts / "heldout.jsonl"):
             result[p.stem] = run_eval(work, target, export, p, gpu, max_new_tokens, env)
     click.echo(json.dumps(result))
