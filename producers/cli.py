@@ -59,7 +59,8 @@ log = get_logger()
         "generation before capture, trained as the exact token IDs generated (loss on those only); cached on disk "
         "per dataset, target and settings.")
 @option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
-@option("--regen-batch-size", type=int, default=16, help="Rows generated together with --regenerate.")
+@option("--regen-batch-size", type=int, default=256, help="Rows decoded side by side with --regenerate (continuous "
+        "batching; capped by the GPU memory the KV cache may take).")
 @option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
 @option("--chat-template-kwargs", default="{}", help="JSON object passed to the chat template, "
         "e.g. '{\"enable_thinking\": false}'.")

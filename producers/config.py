@@ -29,7 +29,7 @@ class ProducerConfig:
     skip_bad_rows: bool = False
     regenerate: bool = False
     max_new_tokens: int = 1024
-    regen_batch_size: int = 16
+    regen_batch_size: int = 256
     regen_cache: str = DEFAULT_REGEN_CACHE
     chat_template_kwargs: str = "{}"
     hidden_encoding: str = "raw"
