@@ -210,8 +210,9 @@ class Regenerator:
                 log.warning("produce.regen_rows_capped", rows=rows, fit=fit, max_prompt=max_prompt,
                             reason="kv_cache_memory")
                 rows = fit
-        return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
-                             max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
+        with self.target.lock:  # building it runs the model under another attention (see _run)
+            return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
+                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
         # Decoding runs with sdpa (or eager where the model needs it, decode.py) whatever
