@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_quality.sh install       # wheels from .whl/ into /tmp/site; .carry/part-a to /tmp
 #   bash bench/gpu_quality.sh start ARGS    # join .carry/part-b, build prompts, start
-#                                           # bench/real_quality.py ARGS in the background
+#                                           # bench/real_quality.py ARGS in the background and
+#                                           # wait for it up to START_WAIT_S
 #   bash bench/gpu_quality.sh wait          # wait for it (up to WAIT_S), copy results to $OUT
 #
 # The target is the GGUF file of SmolLM2-135M-Instruct, carried in two parts of under 50 MB
@@ -38,8 +39,8 @@ start)
   done
   setsid nohup python3 bench/real_quality.py --target "$GGUF" --prompts "$W/prompts" --regen-cache "$W/regen" \
       --work "$W/runs" "$@" > "$W/quality.json" 2> "$W/quality.err" < /dev/null &
-  echo "started $!"
-  sleep "${START_WAIT_S:-540}"
+  pid=$!; echo "started $pid"; t0=$SECONDS
+  while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${START_WAIT_S:-540}" ]; do sleep 5; done
   tail -c 1500 "$W/quality.err"; ls "$W/runs"/*/ 2>/dev/null
   ;;
 wait)
@@ -49,7 +50,7 @@ wait)
   cp "$W/quality.json" "$OUT/" 2>/dev/null
   tail -c 4000 "$W/quality.err" > "$OUT/quality.err"
   (cd "$run" && tar czf "$OUT/logs.tgz" --exclude='*.safetensors' broker.out producer.out consumer.out eval-*.json 2>/dev/null)
-  [ -d "$run/export" ] && tar czf "$OUT/export.tgz" -C "$run" export
+  [ -d "$run/export" ] && tar czf "$OUT/export.tgz" -C "$run" --exclude=model.safetensors export
   for f in "$W"/regen/*.sqlite; do [ -e "$f" ] && xz -T0 -6 -c "$f" | split -b 15M - "$OUT/$(basename "$f").xz.part-"; done
   ls -la "$OUT"; cat "$W/quality.json"
   ;;
