@@ -46,7 +46,7 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
         return refuse(b, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
                       f"{other.pid}); give this one another name (--instance)", h)
-    if role == "consumer" and b.job_lost is not None and b.stopping is None:
+    if role == "consumer" and b.job_lost is not None and b.stopping is None and not takes_over(b, config):
         return refuse(b, identity, "job_lost", job_lost_reason(b), h)
     facts, pipe, port, rank = None, None, None, None
     if role == "producer":
@@ -106,6 +106,14 @@ def welcome(b, p: Peer) -> None:
             if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
                 run_config["lighthouse"] = b.lighthouse.address
     b.send(p.identity, "welcome", run_config=run_config, **fields)
+
+
+def takes_over(b, config: dict) -> bool:
+    """An elastic run's consumer that announces its lineage (config.lineages) may join after
+    the job died: starting from the newest commit, its `lineage` message sends what only the
+    dead weights held back to the lease pool (control.on_lineage), and the producers are
+    still there to make it (an elastic run keeps them until end of stream)."""
+    return getattr(b, "lighthouse", None) is not None and config.get("lineages") is True
 
 
 def job_lost_reason(b) -> str:

@@ -56,6 +56,7 @@ class Peer:
     wait_share: TimeShare = field(default_factory=TimeShare)  # how much of the last 10 s it waited
     delivered: int = 0
     acked: int = 0
+    last_ack: float | None = None  # monotonic time of its latest ack (the ack deadline's clock)
     # producer side
     batches_in: int = 0
     bytes_in: int = 0

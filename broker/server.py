@@ -21,6 +21,7 @@ from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 
 from . import control, intake, lighthouse, resume, security
+from .lineage import Lineages, TrainedBatch
 from .config import CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
@@ -70,6 +71,8 @@ class Broker:
         self.stop_reason = "end_of_stream"  # what `stop` says: end_of_stream, or shutdown (signal)
         self.draining: float | None = None  # a shutdown's deadline (monotonic), while it waits for peers
         self.job_lost: dict | None = None  # the training job died with uncommitted work (control.check_job)
+        self.lineages = Lineages()  # whose weights hold what (lineage.py)
+        self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
         self.blocked = False
         self.last_tick = time.monotonic()
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
@@ -268,6 +271,8 @@ class Broker:
             "q_pre": {p.id: p.stats.get("q_pre") for p in self.peers.live("producer")},
             "in_flight": {c.id: len(c.in_flight) for c in self.peers.live("consumer")},
             "max_credit": MAX_CREDIT,
+            # a consumer that restarts from a checkpoint takes this one, newer than its welcome's
+            "last_commit": control.last_commit(self),
         }
         # Run progress, so consumers can log the epoch fraction and an ETA from what
         # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.

@@ -257,7 +257,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             signal_ = resolve_signal(tcfg, heads)
             if not dist.elastic:  # elastic: a joiner checks the signal of the state it is healed with
                 _same_signal(dist, signal_)
-            plugs = BrokerHooks(link, dist.rank, stop, device)
+            plugs = BrokerHooks(link, dist.rank, stop, device, resumed_from=tcfg.resume)
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit

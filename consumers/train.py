@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -131,9 +132,21 @@ class _StepLoop:
         self.quorum_begun = dist.elastic
         if self.quorum_begun:
             dist.begin_step()
+        if not dist.elastic:  # a fixed group's ranks are one set of weights: rank 0's lineage
+            state.record.lineage = dist.broadcast_str(state.record.lineage)
+        if dist.elastic and state.step == 0 and self.hooks.resume_point is not None:  # not healed: the newest commit
+            self.cfg = replace(self.cfg, resume=self.hooks.resume_point() or self.cfg.resume)
         if self.cfg.resume and state.step == 0:  # not healed to a live step
             train_checkpoint.resume(self.cfg, self.signal, self.model, self.optimizer, state, dist, runs_dir)
             dist.set_step(state.step)
+        self.lineage_told = None
+        self._tell_lineage()
+
+    def _tell_lineage(self) -> None:
+        """Hand the hooks the record when it is another one (the start, a heal)."""
+        if self.state.record is not self.lineage_told and self.hooks.on_lineage is not None:
+            self.hooks.on_lineage(self.state.record)
+        self.lineage_told = self.state.record
 
     def announce(self) -> None:
         """The `train.start` line, once the state to start from is taken."""
@@ -172,6 +185,7 @@ class _StepLoop:
         while not self._at_max_steps():
             batch, bad, want_stop = self.fetch()
             self.begin_quorum()
+            self._tell_lineage()  # a heal replaced the record: acks name the healer's lineage
             if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
                 batch = drop_held(batch, state, self.hooks)
             agreed = self.agree(batch, bad, want_stop)

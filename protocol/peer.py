@@ -290,11 +290,13 @@ class PeerLink:
             except ProtocolError as e:
                 log.error("link.bad_message", reason=e.reason, peer="broker")
 
-    def ack(self, batch_ids: list[str], step: int) -> None:
-        self.send_control("ack", batch_ids=list(batch_ids), step=int(step))
+    def ack(self, batch_ids: list[str], step: int, lineage: str | None = None) -> None:
+        extra = {"lineage": lineage} if lineage else {}
+        self.send_control("ack", batch_ids=list(batch_ids), step=int(step), **extra)
 
-    def commit(self, step: int, checkpoint: str) -> None:
-        self.send_control("commit", step=int(step), checkpoint=str(checkpoint))
+    def commit(self, step: int, checkpoint: str, lineage: str | None = None) -> None:
+        extra = {"lineage": lineage} if lineage else {}
+        self.send_control("commit", step=int(step), checkpoint=str(checkpoint), **extra)
 
     def prefetched(self) -> int:
         return self._inbox.qsize() if self.role == "consumer" else self._outbox.qsize()

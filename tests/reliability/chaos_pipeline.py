@@ -24,12 +24,14 @@ N_OUT = 8  # data-out ports: rotated through as consumers come and go
 
 
 class Pipeline:
-    def __init__(self, tmp: Path, *, n_rows: int, epochs: int, seed: int, consumers: int = 2):
+    def __init__(self, tmp: Path, *, n_rows: int, epochs: int, seed: int, consumers: int = 2,
+                 timeout_s: float = 3.0, save_every: int = 2, broker_args: tuple = ()):
         from dflash.tools.tiny import tiny_target
 
         import dflash.producers.sample_data as sample_data
 
         self.tmp, self.epochs, self.seed, self.n_consumers = tmp, epochs, seed, consumers
+        self.timeout_s, self.save_every, self.broker_args = timeout_s, save_every, list(broker_args)
         rows = (Path(sample_data.__file__).parent / "chats.jsonl").read_text().splitlines()[:n_rows]
         assert len(rows) == n_rows
         self.data = tmp / "chats.jsonl"
@@ -66,8 +68,8 @@ class Pipeline:
         p = self.port
         args = ["--bind", "127.0.0.1", "--port", str(p), "--data-in-port", str(p + 1),
                 "--data-out-ports", f"{p + 2}-{p + 1 + N_OUT}", "--runs-dir", str(self.runs),
-                "--consumers", str(self.n_consumers), "--heartbeat-s", "0.5", "--timeout-s", "3",
-                "--lease-size", "8", "--drain-s", "30"]
+                "--consumers", str(self.n_consumers), "--heartbeat-s", "0.5", "--timeout-s", f"{self.timeout_s:g}",
+                "--lease-size", "8", "--drain-s", "30", *self.broker_args]
         args += ["--resume", resume] if resume else ["--epochs", str(self.epochs), "--seed", str(self.seed)]
         proc = self._spawn("broker", "dflash.broker.cli", args)
         end = time.monotonic() + 60
@@ -94,7 +96,7 @@ class Pipeline:
         # No --resume: in a resumed run the broker names the checkpoint (PROTOCOL.md 8).
         return self._spawn(name, "dflash.consumers.cli", [
             "--broker", self.control, "--runs-dir", str(self.runs), "--instance", name, "--target", self.target,
-            "--block-size", "8", "--anchors", "48", "--draft-layers", "1", "--lr", "3e-3", "--save-every", "2",
+            "--block-size", "8", "--anchors", "48", "--draft-layers", "1", "--lr", "3e-3", "--save-every", str(self.save_every),
             "--log-position-every", "0"])
 
     def start_all(self, resume: str | None, gen: int) -> str | None:
@@ -150,6 +152,10 @@ class Pipeline:
         p = self.procs.pop(name)
         p.send_signal(signal.SIGKILL)
         p.wait(10)
+
+    def pause(self, name: str, paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) `name`: frozen, it sends nothing, as a hung host would."""
+        self.procs[name].send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
     def wait_exit(self, names: list[str], timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
