@@ -143,7 +143,11 @@ def on_ack(b, p: Peer, h: dict) -> None:
         b.rate_samples.add(len(qb.samples))  # the ETA's pace
         p.acked += 1
         trained.append(qb)
-    p.last_ack = time.monotonic()
+    now = time.monotonic()
+    if trained:
+        if p.acked > len(trained):  # a gap between two acks: how slow this consumer's steps are
+            p.slowest_ack_gap = max(p.slowest_ack_gap, now - p.progress_at)
+        p.progress_at = now
     if unknown and b.log_limit.allow(f"ack:{p.id}")[0]:
         log.warning("broker.ack_unknown", peer=p.id, step=step, batch_ids=[str(x)[:64] for x in unknown[:16]],
                     n=len(unknown))
@@ -291,6 +295,23 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
         log.warning("broker.peer_lost", **fields)
     else:
         log.info("broker.peer_left", **fields)
+
+
+def check_acks(b, now: float) -> None:
+    """A consumer that holds delivered batches and acks none within its deadline (it
+    heartbeats, so it is not silent: hung in a step, or a client that never acks) would
+    hold them forever and block end of stream: declared lost, its batches requeued."""
+    for c in b.peers.live("consumer"):
+        if not c.in_flight:
+            continue
+        deadline = b.cfg.ack_deadline(c.slowest_ack_gap)
+        waited = now - c.progress_at
+        if waited > deadline:
+            log.warning("broker.ack_overdue", peer=c.id, instance=c.instance, in_flight=len(c.in_flight),
+                        batch_ids=list(c.in_flight)[:16], waited_s=round(waited, 1), deadline_s=round(deadline, 1),
+                        acked=c.acked, last_step=c.stats.get("step"), state=c.stats.get("state"))
+            drop(b, c, "lost", f"no ack for {waited:.1f}s while holding {len(c.in_flight)} delivered batches "
+                 f"(ack deadline {deadline:.0f}s, --ack-timeout-s)")
 
 
 def check_job(b, p: Peer, state: str, reason: str) -> None:

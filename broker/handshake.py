@@ -54,6 +54,12 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
         if isinstance(facts, str):
             return refuse(b, identity, "config_mismatch", facts, h)
     else:
+        other = None if b.cfg.consumers else second_model(b, config)
+        if other is not None:
+            return refuse(b, identity, "full", f"this broker arranges no data-parallel ranks (--consumers 0) and "
+                          f"consumer {other.id} ({other.instance} on {other.host}) is training already: another "
+                          "consumer would train a separate model into the same run; start the broker with "
+                          "--consumers N to train N consumers as one model", h)
         if b.cfg.consumers:
             rank = b.peers.next_rank(b.cfg.consumers)
             if rank is None:
@@ -106,6 +112,25 @@ def welcome(b, p: Peer) -> None:
             if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
                 run_config["lighthouse"] = b.lighthouse.address
     b.send(p.identity, "welcome", run_config=run_config, **fields)
+
+
+def second_model(b, config: dict):
+    """With --consumers 0 the broker arranges no ranks, so a run trains one model: a live
+    drafter trainer (its hello carries config.signal) that a new one would not train with.
+    Ranks the consumers arranged themselves (config.group {rank, world_size}, the same
+    world_size, distinct ranks) are one model. Returns that live consumer, or None."""
+    if "signal" not in config:  # not a drafter trainer (a data client, a test's fake)
+        return None
+    mine = config.get("group") if isinstance(config.get("group"), dict) else None
+    for other in b.peers.live("consumer"):
+        if "signal" not in other.config:
+            continue
+        theirs = other.config.get("group") if isinstance(other.config.get("group"), dict) else None
+        same_group = (mine is not None and theirs is not None and mine.get("world_size") == theirs.get("world_size")
+                      and mine.get("rank") != theirs.get("rank"))
+        if not same_group:
+            return other
+    return None
 
 
 def takes_over(b, config: dict) -> bool:

@@ -234,6 +234,7 @@ class Broker:
         self.last_tick = now
         for p in silent(self.peers.live(), now, self.cfg.timeout_s):
             control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
+        control.check_acks(self, now)
         for lease in self.leases.overdue(now, self.cfg.timeout_s):
             control.lease_incomplete(self, lease)
         if self.beat.due(now):

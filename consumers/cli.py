@@ -211,6 +211,13 @@ def run(cfg: ConsumerConfig) -> None:
         close_logging()
 
 
+def _own_group(cfg: ConsumerConfig) -> tuple[int, int]:
+    """(rank, world_size) of ranks arranged outside the broker (--dist-init or torchrun's env)."""
+    if cfg.dist_init:
+        return cfg.rank, cfg.world_size
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _own_dist(cfg: ConsumerConfig, device: torch.device) -> Dist | None:
     """A data-parallel group arranged outside the broker (--dist-init or torchrun), or None."""
     if cfg.dist_init:
@@ -242,7 +249,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
     link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
                     curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
-                    config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
+                    config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None,
+                                        group=_own_group(cfg) if own else None),
                     stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
     plugs, dist, reason = None, None, "failed"
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl

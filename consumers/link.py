@@ -56,14 +56,18 @@ class RunConfigMismatch(DFlashError):
     """The broker's run (its producers' target) does not fit this drafter."""
 
 
-def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = False) -> dict:
+def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = False,
+                 group: tuple[int, int] | None = None) -> dict:
     """`hello.config` of a consumer: its training signal (target layers nil when they are
-    left to the run), and `dist_addr` for the broker to hand the other ranks if we are rank 0."""
+    left to the run), `dist_addr` for the broker to hand the other ranks if we are rank 0,
+    and `group` {rank, world_size} when the ranks are arranged outside the broker."""
     # lineages: this consumer announces the lineage of its weights (PROTOCOL.md 4.5), so the
     # broker can take it in after the job's last consumer died (it sends back what is lost)
     cfg = {"signal": {**signal.as_dict(), **({"target_layers": None} if auto_layers else {})}, "lineages": True}
     if dist_addr:
         cfg["dist_addr"] = dist_addr
+    if group is not None:
+        cfg["group"] = {"rank": group[0], "world_size": group[1]}
     return cfg
 
 
