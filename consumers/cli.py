@@ -27,7 +27,7 @@ from dflash.protocol.config import as_dict, broker_option, config_option, fail, 
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from, curve_options
-from dflash.protocol.peer import BrokerLost, PeerLink
+from dflash.protocol.peer import BrokerLost, PeerLink, exit_broker_lost, exit_when_stuck
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
 from dflash.protocol.run import run_dir as run_folder
 
@@ -198,6 +198,8 @@ def run(cfg: ConsumerConfig) -> None:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
                   error_type=type(e).__name__)
+        if isinstance(e, BrokerLost):  # no teardown to wait for (torchft's threads die with us)
+            exit_broker_lost(e)
         fail(str(e), code=1 if isinstance(e, (BrokerUnreachable, Rejected, BrokerLost, RankLost)) else 2)
     except Exception as e:  # a bug or a library failure: still the run's log says why we died
         log.error("consume.failed", error=str(e)[:2000], error_type=type(e).__name__,
@@ -251,7 +253,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
                     curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
                     config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None,
                                         group=_own_group(cfg) if own else None),
-                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
+                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"},
+                    on_lost=exit_when_stuck("consumer"))
     plugs, dist, reason = None, None, "failed"
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:

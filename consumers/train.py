@@ -51,6 +51,9 @@ log = get_logger()
 # the broker's --consumers N have joined, ranks wait this long for the rest before the
 # first step, as a fixed group does; afterwards a joiner never holds the others up.
 START_WAIT_S = 60.0
+# How often ranks that hold their batches meet while they wait for the rest at the start
+# (without it they spun through quorums as fast as the lighthouse answered).
+START_POLL_S = 0.5
 
 
 # ---------------------------------------------------------------- the loop
@@ -246,6 +249,8 @@ class _StepLoop:
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
             return _END
         if have == 0 or _short_at_start(dist, n_starting):
+            if batch is not None:  # waiting for ranks with a batch in hand: no source wait, so sleep
+                time.sleep(START_POLL_S)
             self.held = batch
             if hooks.stats is not None:
                 hooks.stats["state"] = "waiting"
