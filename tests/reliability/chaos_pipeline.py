@@ -23,6 +23,21 @@ from broker_harness import ask_status, free_port_block  # noqa: E402
 N_OUT = 8  # data-out ports: rotated through as consumers come and go
 
 
+def _below_ephemeral(n: int) -> int:
+    """A block of `n` free ports below the kernel's ephemeral range: the broker binds them
+    again after each restart, and a port in that range may meanwhile be taken as the source
+    port of some other connection on the host (a resumed broker then failed to bind)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        base = free_port_block(n)
+        if base + n <= low:
+            return base
+    return free_port_block(n)
+
+
 class Pipeline:
     def __init__(self, tmp: Path, *, n_rows: int, epochs: int, seed: int, consumers: int = 2,
                  timeout_s: float = 3.0, save_every: int = 2, broker_args: tuple = ()):
@@ -39,7 +54,7 @@ class Pipeline:
         self.target, self.runs = str(tiny_target()), tmp / "runs"
         self.out = tmp / "out"
         self.out.mkdir(exist_ok=True)
-        self.port = free_port_block(2 + N_OUT)  # the same ports for every restart, as an operator's
+        self.port = _below_ephemeral(2 + N_OUT)  # the same ports for every restart, as an operator's
         self.control = f"tcp://127.0.0.1:{self.port}"
         # One torch thread per process: several processes share two cores. Nothing from the
         # developer's DFLASH_* environment: every option is on the command line.
