@@ -47,6 +47,10 @@ from .server import Broker
 @option("--heartbeat-s", default=1.0, type=float, help="Seconds between heartbeats the broker sends and expects.")
 @option("--timeout-s", default=10.0, type=float,
         help="A peer silent this long is declared lost and its work requeued (keep it above one batch transfer).")
+@option("--ack-timeout-s", default=0.0, type=float,
+        help="A consumer holding delivered batches that acks none for this long is declared lost and its "
+             "batches requeued (it heartbeats, so --timeout-s does not catch it). 0: auto, the larger of 120 s, "
+             "12 x --timeout-s and 4 x that consumer's slowest gap between two acks.")
 @option("--lease-size", default=256, type=int, help="Most samples handed to a producer per lease.")
 @option("--num-samples", default=None, type=int,
         help="Dataset size; normally the first producer tells it (config.dataset.n_samples) and later ones must match.")

@@ -77,6 +77,7 @@ class BrokerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     heartbeat_s: float = 1.0
     timeout_s: float = 10.0
+    ack_timeout_s: float = 0.0  # no ack this long while holding batches: lost (0 = auto, ack_deadline)
     lease_size: int = 256
     num_samples: int | None = None
     consumers: int = 0
@@ -108,6 +109,8 @@ class BrokerConfig:
             raise ValueError(f"--max-message-bytes must lie in 1..{MAX_MESSAGE_BYTES}")
         if self.heartbeat_s <= 0 or self.timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("--timeout-s must exceed two heartbeats (--heartbeat-s > 0)")
+        if self.ack_timeout_s < 0:
+            raise ValueError("--ack-timeout-s must be >= 0 (0 = auto)")
         if self.num_samples is not None and self.num_samples < 0:
             raise ValueError("--num-samples must be >= 0")
         if self.consumers < 0:
@@ -130,6 +133,15 @@ class BrokerConfig:
                              f"--data-out-ports {lo}-{hi} has {hi - lo + 1}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
             raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
+
+    def ack_deadline(self, slowest_gap_s: float) -> float:
+        """Seconds a consumer may hold delivered batches without an ack: --ack-timeout-s, or
+        auto: above the consumers' own waits (an elastic start waits up to 60 s for the
+        other ranks, a quorum 60 s, a first GPU step compiles for about a minute), scaled
+        with --timeout-s, and never below 4 of that consumer's slowest steps so far."""
+        if self.ack_timeout_s:
+            return self.ack_timeout_s
+        return max(120.0, 12 * self.timeout_s, 4 * slowest_gap_s)
 
     def io_thread_count(self) -> int:
         """--io-threads, or auto (auto_broker_io_threads of the cores this process may use)."""

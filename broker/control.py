@@ -18,12 +18,13 @@ from . import handshake, runinfo
 from .replies import bad_message, refuse
 from .config import CONTROL_MAX_BYTES, MAX_CREDIT
 from .leases import Lease
+from .lineage import DEFAULT, MAX_LINEAGE, TrainedBatch
 from .peers import Peer
 from .status import build_status, sanitize_stats
 
 log = get_logger()
 
-ROLE_TYPES = {"producer": {"lease", "done"}, "consumer": {"credit", "ack", "commit"}}
+ROLE_TYPES = {"producer": {"lease", "done"}, "consumer": {"credit", "ack", "commit", "lineage"}}
 ROLE_ONLY = ROLE_TYPES["producer"] | ROLE_TYPES["consumer"]  # messages one role alone may send
 RETRY_MS = 500  # "nothing to lease now, ask again in" (grant.retry_ms)
 
@@ -72,7 +73,9 @@ def on_lease(b, p: Peer, h: dict) -> None:
     epoch_before = b.leases.epoch
     lease = None if b.stopping is not None else b.leases.grant(p.id, min(h["want"], b.cfg.lease_size))
     if lease is None:
-        end = b.stopping is not None or b.leases.finished()
+        # Elastic consumers may restart the training from a checkpoint, sending samples
+        # already made back to the pool (on_lineage): producers stay until end of stream.
+        end = b.stopping is not None or (b.leases.finished() and getattr(b, "lighthouse", None) is None)
         return b.send(p.identity, "grant", lease=0, epoch=b.leases.epoch, samples=[], end=end, retry_ms=RETRY_MS)
     if b.leases.epoch != epoch_before or lease.id == 1:
         b.ledger.epoch_started(b.leases.epoch, b.cfg.seed, b.leases.n_samples)
@@ -124,6 +127,10 @@ def on_credit(b, p: Peer, h: dict) -> None:
 
 
 def on_ack(b, p: Peer, h: dict) -> None:
+    lineage, step = lineage_of(h), h["step"]
+    kept = b.lineages.refused(lineage, step)
+    if kept is not None:
+        return superseded(b, p, "ack", lineage, step, kept)
     unknown, trained = [], []
     for bid in h["batch_ids"]:
         qb = p.in_flight.pop(bid, None) if isinstance(bid, str) else None
@@ -132,31 +139,118 @@ def on_ack(b, p: Peer, h: dict) -> None:
             continue
         b.batch_ids.discard(bid)
         b.queue.release(qb)
-        b.ledger.trained(qb, p.id, h["step"])
+        qb.frames = []  # trained: never sent again (a rewind makes its samples anew)
+        b.ledger.trained(qb, p.id, step)
+        b.trained[bid] = TrainedBatch(qb, lineage, step, p.id)
         b.rate_samples.add(len(qb.samples))  # the ETA's pace
         p.acked += 1
         trained.append(qb)
+    now = time.monotonic()
+    if trained:
+        if p.acked > len(trained):  # a gap between two acks: how slow this consumer's steps are
+            p.slowest_ack_gap = max(p.slowest_ack_gap, now - p.progress_at)
+        p.progress_at = now
     if unknown and b.log_limit.allow(f"ack:{p.id}")[0]:
-        log.warning("broker.ack_unknown", peer=p.id, step=h["step"], batch_ids=[str(x)[:64] for x in unknown[:16]],
+        log.warning("broker.ack_unknown", peer=p.id, step=step, batch_ids=[str(x)[:64] for x in unknown[:16]],
                     n=len(unknown))
     last = b.ledger.last_commit
-    if trained and last is not None and h["step"] <= last[0]:
-        commit_late(b, p, h["step"], trained, last)
+    if trained and last is not None:
+        late = [b.trained[x.batch_id] for x in trained]
+        if b.lineages.holds(b.lineages.last_commit_lineage or DEFAULT, last[0], late[0]):
+            commit_late(b, p, step, late, last)
 
 
-def commit_late(b, p: Peer, step: int, batches: list, last: tuple[int, str]) -> None:
-    """An ack that comes after the commit of its step (PROTOCOL.md 4.5: each rank acks on
-    its own connection): the committed checkpoint holds these samples, so they are
-    committed now, not at the next commit (a crash in between would train them twice)."""
+def lineage_of(h: dict) -> str:
+    """The lineage an ack or commit names ("" when it names none, or not as a string)."""
+    lin = h.get("lineage")
+    return lin[:MAX_LINEAGE] if isinstance(lin, str) else DEFAULT
+
+
+def commit_late(b, p: Peer, step: int, late: list[TrainedBatch], last: tuple[int, str]) -> None:
+    """An ack that comes after the commit whose checkpoint holds it (PROTOCOL.md 4.5: each
+    rank acks on its own connection): committed now, not at the next commit (a crash in
+    between would train them twice)."""
+    batches = [t.batch for t in late]
     n = b.ledger.committed_late(batches)
+    for x in batches:
+        b.trained.pop(x.batch_id, None)
     log.info("broker.ack_committed", peer=p.id, step=step, commit_step=last[0], checkpoint=last[1],
              batch_ids=[x.batch_id for x in batches[:16]], samples=n, committed=b.ledger.counts["committed"])
 
 
 def on_commit(b, p: Peer, h: dict) -> None:
-    n = b.ledger.committed(h["step"], h["checkpoint"], p.id)
-    log.info("broker.commit", peer=p.id, step=h["step"], checkpoint=h["checkpoint"], samples=n,
-             committed=b.ledger.counts["committed"])
+    """Commit exactly the trained batches the checkpoint's weights hold (lineage.py)."""
+    lineage, step = lineage_of(h), h["step"]
+    kept = b.lineages.refused(lineage, step)
+    if kept is not None:
+        return superseded(b, p, "commit", lineage, step, kept)
+    held = [t for t in b.trained.values() if b.lineages.holds(lineage, step, t)]
+    n = b.ledger.committed(step, h["checkpoint"], p.id, [t.batch for t in held])
+    for t in held:
+        del b.trained[t.batch.batch_id]
+    b.lineages.last_commit_lineage = lineage
+    log.info("broker.commit", peer=p.id, step=step, checkpoint=h["checkpoint"], samples=n,
+             committed=b.ledger.counts["committed"], lineage=lineage or None, trained_left=len(b.trained))
+
+
+def on_lineage(b, p: Peer, h: dict) -> None:
+    """A consumer starts a new lineage (fresh, or from a checkpoint): what was trained that
+    its weights do not hold goes back to the lease pool, to be made and trained again."""
+    lineage, parent, step = h["lineage"][:MAX_LINEAGE], h.get("parent"), h["step"]
+    parent = parent[:MAX_LINEAGE] if isinstance(parent, str) and parent else None
+    if b.lineages.known(lineage):
+        log.debug("broker.lineage_again", peer=p.id, lineage=lineage)
+        return
+    last = b.ledger.last_commit
+    if last is not None:  # the newest commit must be in the new weights, or its samples are lost
+        lin = b.lineages.last_commit_lineage or DEFAULT
+        if parent is None or b.lineages.caps(parent, step).get(lin, -1) < last[0]:
+            reason = (f"this consumer started from {h.get('checkpoint') or 'no checkpoint'} (step {step}), but the "
+                      f"run has committed step {last[0]} ({last[1]}) since: its weights would miss those samples; "
+                      "start it again (it then starts from the newest commit)")
+            log.warning("broker.lineage_stale", peer=p.id, lineage=lineage, parent=parent, step=step,
+                        checkpoint=h.get("checkpoint"), commit_step=last[0], commit_checkpoint=last[1])
+            refuse(b, p.identity, "stale_checkpoint", reason, h)
+            return drop(b, p, "lost", "started from a checkpoint older than the newest commit")
+    b.lineages.start(lineage, parent, step)
+    rewound = []
+    for t in list(b.trained.values()):
+        if t.lineage != lineage and not (parent is not None and b.lineages.holds(parent, step, t)):
+            rewound.append(t)
+            del b.trained[t.batch.batch_id]
+            b.ledger.rewound(t.batch)
+            b.leases.rewind(t.batch.epoch, t.batch.samples)
+    n = sum(len(t.batch.samples) for t in rewound)
+    log.info("broker.lineage_started", peer=p.id, lineage=lineage, parent=parent, step=step,
+             checkpoint=h.get("checkpoint"), rewound_samples=n)
+    if rewound:
+        log.warning("broker.samples_rewound", peer=p.id, lineage=lineage, step=step, samples=n,
+                    batch_ids=[t.batch.batch_id for t in rewound[:16]], n_batches=len(rewound),
+                    lineages=sorted({t.lineage or DEFAULT for t in rewound})[:8],
+                    steps=[min(t.step for t in rewound), max(t.step for t in rewound)])
+    if b.job_lost is not None and not b.trained:  # what only the dead weights held is being made again
+        log.info("broker.job_resumed", peer=p.id, lineage=lineage, step=step, rewound_samples=n)
+        b.job_lost = None
+
+
+def superseded(b, p: Peer, what: str, lineage: str, step: int, kept: int) -> None:
+    """An ack or commit from weights a newer lineage left behind: refused, and the
+    consumer's session ends (its batches in flight go back to the queue)."""
+    reason = (f"{what} of step {step} from lineage {lineage or '(none)'}: a consumer has restarted the training "
+              f"from a checkpoint since, keeping this lineage's steps up to {kept} only; these weights are no "
+              "longer the run's: start this consumer again (it joins the running ones)")
+    log.warning("broker.lineage_superseded", peer=p.id, what=what, lineage=lineage or None, step=step, kept_step=kept,
+                head=b.lineages.head)
+    refuse(b, p.identity, "lineage_superseded", reason)
+    drop(b, p, "lost", f"{what} from a superseded lineage")
+
+
+def last_commit(b) -> dict | None:
+    """The run's newest commit, for the broker's heartbeat (PROTOCOL.md 4.2)."""
+    last = b.ledger.last_commit
+    if last is None:
+        return None
+    return {"run": b.run_id, "step": last[0], "checkpoint": last[1], "lineage": b.lineages.last_commit_lineage}
 
 
 # ---------------------------------------------------------------- everyone
@@ -171,7 +265,7 @@ def on_bye(b, p: Peer, h: dict) -> None:
 
 
 HANDLERS = {"lease": on_lease, "done": on_done, "credit": on_credit, "ack": on_ack,
-            "commit": on_commit, "heartbeat": on_heartbeat, "bye": on_bye}
+            "commit": on_commit, "lineage": on_lineage, "heartbeat": on_heartbeat, "bye": on_bye}
 
 
 def drop(b, p: Peer, state: str, reason: str) -> None:
@@ -203,6 +297,23 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
         log.warning("broker.peer_lost", **fields)
     else:
         log.info("broker.peer_left", **fields)
+
+
+def check_acks(b, now: float) -> None:
+    """A consumer that holds delivered batches and acks none within its deadline (it
+    heartbeats, so it is not silent: hung in a step, or a client that never acks) would
+    hold them forever and block end of stream: declared lost, its batches requeued."""
+    for c in b.peers.live("consumer"):
+        if not c.in_flight:
+            continue
+        deadline = b.cfg.ack_deadline(c.slowest_ack_gap)
+        waited = now - c.progress_at
+        if waited > deadline:
+            log.warning("broker.ack_overdue", peer=c.id, instance=c.instance, in_flight=len(c.in_flight),
+                        batch_ids=list(c.in_flight)[:16], waited_s=round(waited, 1), deadline_s=round(deadline, 1),
+                        acked=c.acked, last_step=c.stats.get("step"), state=c.stats.get("state"))
+            drop(b, c, "lost", f"no ack for {waited:.1f}s while holding {len(c.in_flight)} delivered batches "
+                 f"(ack deadline {deadline:.0f}s, --ack-timeout-s)")
 
 
 def check_job(b, p: Peer, state: str, reason: str) -> None:

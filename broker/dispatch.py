@@ -40,6 +40,7 @@ class Consumer(Protocol):
     credit: int
     last_served: int
     in_flight: OrderedDict
+    progress_at: float
 
 
 class BatchQueue:
@@ -128,6 +129,8 @@ def dispatch(
             ready.remove(c)
             continue
         queue.pop()
+        if not c.in_flight:  # the ack deadline runs from here (control.check_acks)
+            c.progress_at = time.monotonic()
         c.credit -= 1
         c.last_served = next(_serve_clock)
         c.in_flight[b.batch_id] = b

@@ -51,7 +51,7 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
         return refuse(b, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
                       f"{other.pid}); give this one another name (--instance)", h)
-    if role == "consumer" and b.job_lost is not None and b.stopping is None:
+    if role == "consumer" and b.job_lost is not None and b.stopping is None and not takes_over(b, config):
         return refuse(b, identity, "job_lost", job_lost_reason(b), h)
     facts, pipe, port, rank = None, None, None, None
     wrong_target = target_mismatch(b, role, config)
@@ -62,6 +62,12 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
         if isinstance(facts, str):
             return refuse(b, identity, "config_mismatch", facts, h)
     else:
+        other = None if b.cfg.consumers else second_model(b, config)
+        if other is not None:
+            return refuse(b, identity, "full", f"this broker arranges no data-parallel ranks (--consumers 0) and "
+                          f"consumer {other.id} ({other.instance} on {other.host}) is training already: another "
+                          "consumer would train a separate model into the same run; start the broker with "
+                          "--consumers N to train N consumers as one model", h)
         if b.cfg.consumers:
             rank = b.peers.next_rank(b.cfg.consumers)
             if rank is None:
@@ -140,6 +146,33 @@ def welcome(b, p: Peer) -> None:
             if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
                 run_config["lighthouse"] = b.lighthouse.address
     b.send(p.identity, "welcome", run_config=run_config, **fields)
+
+
+def second_model(b, config: dict):
+    """With --consumers 0 the broker arranges no ranks, so a run trains one model: a live
+    drafter trainer (its hello carries config.signal) that a new one would not train with.
+    Ranks the consumers arranged themselves (config.group {rank, world_size}, the same
+    world_size, distinct ranks) are one model. Returns that live consumer, or None."""
+    if "signal" not in config:  # not a drafter trainer (a data client, a test's fake)
+        return None
+    mine = config.get("group") if isinstance(config.get("group"), dict) else None
+    for other in b.peers.live("consumer"):
+        if "signal" not in other.config:
+            continue
+        theirs = other.config.get("group") if isinstance(other.config.get("group"), dict) else None
+        same_group = (mine is not None and theirs is not None and mine.get("world_size") == theirs.get("world_size")
+                      and mine.get("rank") != theirs.get("rank"))
+        if not same_group:
+            return other
+    return None
+
+
+def takes_over(b, config: dict) -> bool:
+    """An elastic run's consumer that announces its lineage (config.lineages) may join after
+    the job died: starting from the newest commit, its `lineage` message sends what only the
+    dead weights held back to the lease pool (control.on_lineage), and the producers are
+    still there to make it (an elastic run keeps them until end of stream)."""
+    return getattr(b, "lighthouse", None) is not None and config.get("lineages") is True
 
 
 def job_lost_reason(b) -> str:

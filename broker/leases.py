@@ -169,6 +169,11 @@ class LeasePool:
         self.open.pop(lease.id, None)
         return back
 
+    def rewind(self, epoch: int, samples: list[int]) -> None:
+        """Samples already made and trained go back to the front of the pool: the weights
+        that trained them were left behind (broker/lineage.py), so they are made again."""
+        self._returned.extendleft((epoch, s) for s in reversed(samples))
+
     def release(self, producer: str) -> list[tuple[Lease, list[int]]]:
         """Give back every open lease of a lost producer, oldest lease's samples first."""
         mine = sorted(self.open_leases(producer), key=lambda le: le.id, reverse=True)

@@ -200,10 +200,14 @@ class Ledger:
         self._batch(b, "trained", consumer, step)
         self._move("delivered", "trained", len(b.samples))
 
-    def committed(self, step: int, checkpoint: str, peer: str) -> int:
-        """Every sample trained at a step <= `step` -> committed. Written at once (after
+    def committed(self, step: int, checkpoint: str, peer: str, batches: list | None = None) -> int:
+        """`batches` (dispatch.QueuedBatch, acked), or without them every sample trained at
+        a step <= `step` -> committed, and the commit recorded. Written at once (after
         every queued transition: the `trained` rows it moves)."""
-        n = self._now(self._durably, self._commit_rows, step, checkpoint, peer, time.time())
+        if batches is None:
+            n = self._now(self._durably, self._commit_rows, step, checkpoint, peer, time.time())
+        else:
+            n = self._now(self._durably, self._commit_batches, batches, (step, checkpoint, peer), time.time())
         self._move("trained", "committed", n)
         if self.last_commit is None or step >= self.last_commit[0]:
             self.last_commit = (step, checkpoint)
@@ -217,23 +221,20 @@ class Ledger:
         after rank 0's commit of N; the checkpoint of N holds those samples all the same.
         Left `trained`, a crash before the next commit would make them again: trained
         twice. Written at once and fsync'd, like a commit."""
-        now = time.time()
-
-        def write() -> int:
-            with self.db:
-                self.db.execute("BEGIN")
-                n = 0
-                for b in batches:  # by primary key: no scan of the samples table
-                    n += self.db.executemany("UPDATE samples SET state='committed', updated=? WHERE epoch=? "
-                                             "AND sample=? AND state='trained'",
-                                             [(now, b.epoch, s) for s in b.samples]).rowcount
-                self.db.executemany("UPDATE batches SET state='committed', updated=? WHERE batch_id=? "
-                                    "AND state='trained'", [(now, b.batch_id) for b in batches])
-            return n
-
-        n = self._now(self._durably, write)  # after the queued `trained` rows these update
+        n = self._now(self._durably, self._commit_batches, batches, None, time.time())
         self._move("trained", "committed", n)
         return n
+
+    def rewound(self, b) -> None:
+        """trained -> pending: the weights that trained batch `b` (dispatch.QueuedBatch) were
+        left behind by a consumer that restarted from an older checkpoint (broker/lineage.py);
+        its samples are leased, made and trained again."""
+        now = time.time()
+        self._batch_row(b, "rewound", None, None, now)
+        for s in b.samples:  # a queued `trained` row of these must not land after this
+            self._states.pop((b.epoch, s), None)
+        self._many("pending", ((now, b.epoch, s) for s in b.samples))
+        self.counts["trained"] -= len(b.samples)
 
     def _durably(self, write, *args):
         """`write(*args)` in a transaction that is fsync'd (synchronous=FULL): a commit."""
@@ -242,6 +243,22 @@ class Ledger:
             return write(*args)
         finally:
             self.db.execute("PRAGMA synchronous=NORMAL")  # the rest may be made again
+
+    def _commit_batches(self, batches: list, commit: tuple | None, now: float) -> int:
+        """Batches acked (state `trained`) -> committed, by primary key (no scan of the
+        samples table), and the commit's row when `commit` is (step, checkpoint, peer)."""
+        with self.db:
+            self.db.execute("BEGIN")
+            n = 0
+            for b in batches:
+                n += self.db.executemany("UPDATE samples SET state='committed', updated=? WHERE epoch=? "
+                                         "AND sample=? AND state='trained'",
+                                         [(now, b.epoch, s) for s in b.samples]).rowcount
+            self.db.executemany("UPDATE batches SET state='committed', updated=? WHERE batch_id=? "
+                                "AND state='trained'", [(now, b.batch_id) for b in batches])
+            if commit is not None:
+                self.db.execute("INSERT INTO commits VALUES(?,?,?,?,?)", (*commit[:2], commit[2], n, now))
+        return n
 
     def _commit_rows(self, step: int, checkpoint: str, peer: str, now: float) -> int:
         with self.db:

@@ -11,6 +11,7 @@ lighthouse.
 
 from __future__ import annotations
 
+import os
 from urllib.parse import urlsplit
 
 from dflash.protocol.logs import get_logger
@@ -34,6 +35,10 @@ def start(bind: str, port: int, advertise: str, timeout_s: float) -> Lighthouse 
     """A lighthouse bound to `bind:port` (0: any free port), or None when torchft cannot
     run here (logged: consumers then form a fixed group, as without elastic).
     `timeout_s`: a replica silent this long is left out of quorums (the broker's --timeout-s)."""
+    # torchft's Rust side logs every quorum request and answer at INFO on stderr (thousands
+    # of lines a minute while a consumer waits); our own lines say what matters. An
+    # operator's RUST_LOG wins.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         from torchft._torchft import LighthouseServer
     except Exception as e:  # ImportError, or a torch too old for torchft

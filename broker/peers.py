@@ -56,6 +56,10 @@ class Peer:
     wait_share: TimeShare = field(default_factory=TimeShare)  # how much of the last 10 s it waited
     delivered: int = 0
     acked: int = 0
+    # The ack deadline's clock: the later of its latest ack and the delivery that gave it
+    # batches while it held none; and its slowest gap between two acks so far.
+    progress_at: float = field(default_factory=time.monotonic)
+    slowest_ack_gap: float = 0.0
     # producer side
     batches_in: int = 0
     bytes_in: int = 0

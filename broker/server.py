@@ -23,6 +23,7 @@ from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, reada
 from . import control, intake, lighthouse, resume, security
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
+from .lineage import Lineages, TrainedBatch
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
 from .leases import LeasePool
 from .ledger import Ledger
@@ -71,6 +72,8 @@ class Broker:
         self.stop_reason = "end_of_stream"  # what `stop` says: end_of_stream, or shutdown (signal)
         self.draining: float | None = None  # a shutdown's deadline (monotonic), while it waits for peers
         self.job_lost: dict | None = None  # the training job died with uncommitted work (control.check_job)
+        self.lineages = Lineages()  # whose weights hold what (lineage.py)
+        self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
         self.blocked = False
         self.last_tick = time.monotonic()
         self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
@@ -233,6 +236,7 @@ class Broker:
         self.last_tick = now
         for p in silent(self.peers.live(), now, self.cfg.timeout_s):
             control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
+        control.check_acks(self, now)
         for lease in self.leases.overdue(now, self.cfg.timeout_s):
             control.lease_incomplete(self, lease)
         if self.beat.due(now):
@@ -270,6 +274,8 @@ class Broker:
             "q_pre": {p.id: p.stats.get("q_pre") for p in self.peers.live("producer")},
             "in_flight": {c.id: len(c.in_flight) for c in self.peers.live("consumer")},
             "max_credit": MAX_CREDIT,
+            # a consumer that restarts from a checkpoint takes this one, newer than its welcome's
+            "last_commit": control.last_commit(self),
         }
         # Run progress, so consumers can log the epoch fraction and an ETA from what
         # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.

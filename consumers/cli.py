@@ -28,7 +28,7 @@ from dflash.protocol.config import as_dict, broker_option, config_option, fail, 
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from, curve_options
-from dflash.protocol.peer import BrokerLost, PeerLink
+from dflash.protocol.peer import BrokerLost, PeerLink, exit_broker_lost, exit_when_stuck
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
 from dflash.protocol.run import run_dir as run_folder
 
@@ -209,6 +209,8 @@ def run(cfg: ConsumerConfig) -> None:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
                   error_type=type(e).__name__)
+        if isinstance(e, BrokerLost):  # no teardown to wait for (torchft's threads die with us)
+            exit_broker_lost(e)
         fail(str(e), code=1 if isinstance(e, (BrokerUnreachable, Rejected, BrokerLost, RankLost)) else 2)
     except Exception as e:  # a bug or a library failure: still the run's log says why we died
         log.error("consume.failed", error=str(e)[:2000], error_type=type(e).__name__,
@@ -220,6 +222,13 @@ def run(cfg: ConsumerConfig) -> None:
         if dist is not None:
             dist.close()
         close_logging()
+
+
+def _own_group(cfg: ConsumerConfig) -> tuple[int, int]:
+    """(rank, world_size) of ranks arranged outside the broker (--dist-init or torchrun's env)."""
+    if cfg.dist_init:
+        return cfg.rank, cfg.world_size
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _own_dist(cfg: ConsumerConfig, device: torch.device) -> Dist | None:
@@ -255,8 +264,10 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
     link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
                     curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
-                    config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
-                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
+                    config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None,
+                                        group=_own_group(cfg) if own else None),
+                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"},
+                    on_lost=exit_when_stuck("consumer"))
     plugs, dist, reason = None, None, "failed"
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
@@ -272,7 +283,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             signal_ = resolve_signal(tcfg, heads)
             if not dist.elastic:  # elastic: a joiner checks the signal of the state it is healed with
                 _same_signal(dist, signal_)
-            plugs = BrokerHooks(link, dist.rank, stop, device)
+            plugs = BrokerHooks(link, dist.rank, stop, device, resumed_from=tcfg.resume)
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit

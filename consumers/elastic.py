@@ -22,6 +22,7 @@ docs/RELIABILITY.md section 8 says what happens to the step in flight.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 from typing import Callable, Iterable
@@ -38,6 +39,27 @@ log = get_logger()
 
 # torchft's Rust side logs every quorum at INFO on stderr; our logs say what matters.
 os.environ.setdefault("RUST_LOG", "warn")
+
+
+class _TorchftToOurLog(logging.Handler):
+    """torchft's Python warnings and errors as our `consume.torchft` lines (its info lines,
+    one per quorum and commit, are left out): nothing of it reaches stdout unformatted."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level = log.error if record.levelno >= logging.ERROR else log.warning
+            level("consume.torchft", logger=record.name, message=record.getMessage()[:2000])
+        except Exception:  # a log line must never break a step
+            pass
+
+
+def route_torchft_logs() -> None:
+    """Send the `torchft` loggers' records of WARNING and above into our log, once."""
+    tf = logging.getLogger("torchft")
+    if not any(isinstance(h, _TorchftToOurLog) for h in tf.handlers):
+        tf.addHandler(_TorchftToOurLog(logging.WARNING))
+        tf.setLevel(logging.WARNING)
+        tf.propagate = False
 
 
 def available() -> str | None:
@@ -81,6 +103,7 @@ class ElasticDist:
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+        route_torchft_logs()
         timeout = datetime.timedelta(seconds=timeout_s)
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)

@@ -60,12 +60,18 @@ class RunConfigMismatch(DFlashError):
     """The broker's run (its producers' target) does not fit this drafter."""
 
 
-def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = False) -> dict:
+def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = False,
+                 group: tuple[int, int] | None = None) -> dict:
     """`hello.config` of a consumer: its training signal (target layers nil when they are
-    left to the run), and `dist_addr` for the broker to hand the other ranks if we are rank 0."""
-    cfg = {"signal": {**signal.as_dict(), **({"target_layers": None} if auto_layers else {})}}
+    left to the run), `dist_addr` for the broker to hand the other ranks if we are rank 0,
+    and `group` {rank, world_size} when the ranks are arranged outside the broker."""
+    # lineages: this consumer announces the lineage of its weights (PROTOCOL.md 4.5), so the
+    # broker can take it in after the job's last consumer died (it sends back what is lost)
+    cfg = {"signal": {**signal.as_dict(), **({"target_layers": None} if auto_layers else {})}, "lineages": True}
     if dist_addr:
         cfg["dist_addr"] = dist_addr
+    if group is not None:
+        cfg["group"] = {"rank": group[0], "world_size": group[1]}
     return cfg
 
 
@@ -229,20 +235,39 @@ def broker_batches(link, stop: threading.Event, wait_s: float = BATCH_WAIT_S) ->
 class BrokerHooks:
     """`train()` hooks wired to the link; `stats` is what the heartbeat reports."""
 
-    def __init__(self, link, rank: int, stop: threading.Event, device: torch.device):
+    def __init__(self, link, rank: int, stop: threading.Event, device: torch.device, resumed_from: str | None = None):
         self.link, self.rank, self.device = link, rank, device
+        self.resumed_from = resumed_from  # the checkpoint a new lineage starts from, for the broker's log
         self.stats: dict = {"state": "starting", "rank": rank}
         self.last_commit: tuple[int, str, bool] | None = None  # step, path, sent after stop
+        self.lineage: str | None = None  # of the weights: named in every ack and commit (record.py)
         self.hooks = Hooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, queue=self.queue,
-                           progress=self.progress, plan=self.plan, stop=stop, stats=self.stats)
+                           progress=self.progress, plan=self.plan, stop=stop, stats=self.stats,
+                           on_lineage=self.on_lineage, resume_point=self.resume_point)
         self.plan_waited = False
 
+    def on_lineage(self, record) -> None:
+        """The weights' lineage from now on; a new one (not a heal's) is announced before
+        any ack names it, so the broker sends back to the pool what these weights lack."""
+        if record.origin != "healed" and record.lineage != self.lineage:
+            msg = record.lineage_message(self.resumed_from)
+            log.info("consume.lineage", **msg, origin=record.origin)
+            self.link.send_control("lineage", **msg)
+        self.lineage = record.lineage
+
+    def resume_point(self) -> str | None:
+        """The broker's newest commit as its latest heartbeat tells it (None: none yet)."""
+        last = (self.link.broker_stats or {}).get("last_commit")
+        checkpoint = last.get("checkpoint") if isinstance(last, dict) else None
+        self.resumed_from = checkpoint or self.resumed_from
+        return checkpoint
+
     def on_step(self, step: int, batch_ids: list[str]) -> None:
-        self.link.ack(batch_ids, step)
+        self.link.ack(batch_ids, step, self.lineage)
 
     def on_checkpoint(self, step: int, path) -> None:
         path = str(Path(path).resolve())  # a resumed run's consumers load it from any cwd
-        self.link.commit(step, path)
+        self.link.commit(step, path, self.lineage)
         self.last_commit = (step, path, self.link.stopped.is_set())
 
     def commit_final(self, step: int) -> None:

@@ -14,11 +14,21 @@ torch needed):
             element s = times sample s of epoch E was trained (saturates at 255)
   metadata  `format`: "dflash-trained-v1"; `complete`: "1", or "0" when the chain started
             from a checkpoint without a record (the weights hold samples it does not
-            list); `repeats`: samples trained more than once (sum of count-1 over count>1)
+            list); `repeats`: samples trained more than once (sum of count-1 over count>1);
+            `lineage`, `parent`, `parent_step`: the lineage of these weights (below)
+
+Lineage (PROTOCOL.md 4.5, broker/lineage.py): a name for one history of these weights,
+sent with every ack and commit so the broker commits only samples the committing weights
+hold. A consumer that starts fresh has a new one; one that starts from a checkpoint starts
+a new one whose parent is the checkpoint's lineage at its step (`fork`); one healed from a
+running consumer takes that one's (`from_state`). `origin` says which, so that only a new
+lineage is announced to the broker.
 """
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from pathlib import Path
 from typing import Iterable
 
@@ -33,6 +43,23 @@ class TrainedRecord:
         self.epochs: dict[int, bytearray] = {}
         self.complete = complete
         self.repeats = 0
+        self.lineage = uuid.uuid4().hex[:16]  # fresh weights: a lineage of their own
+        self.parent: str | None = None  # the lineage these weights continue, and from which step
+        self.parent_step = 0
+        self.origin = "fresh"  # fresh | checkpoint | healed
+
+    def fork(self, previous: str, step: int) -> None:
+        """These weights (just loaded from a checkpoint of `self.lineage` at `step`) go on as
+        a new lineage. Its name is derived from `previous`, the lineage this process had
+        before loading, so replicas that shared one (healed at step 0) and loaded the same
+        checkpoint share the new one too; a process that starts alone gets its own."""
+        self.parent, self.parent_step = self.lineage, step
+        self.lineage = hashlib.sha256(f"{previous}/{self.lineage}/{step}".encode()).hexdigest()[:16]
+        self.origin = "checkpoint"
+
+    def lineage_message(self, checkpoint: str | None) -> dict:
+        """The broker's `lineage` message fields for this record's lineage."""
+        return {"lineage": self.lineage, "parent": self.parent, "step": self.parent_step, "checkpoint": checkpoint}
 
     def holds(self, epoch: int, sample: int) -> bool:
         counts = self.epochs.get(epoch)
@@ -65,13 +92,18 @@ class TrainedRecord:
         """The record as plain values and uint8 tensors (sent to a joining replica)."""
         import torch
 
-        return {"complete": self.complete, "repeats": self.repeats,
+        return {"complete": self.complete, "repeats": self.repeats, "lineage": self.lineage, "parent": self.parent,
+                "parent_step": self.parent_step,
                 "epochs": {e: torch.from_numpy(self.counts(e).copy()) for e in self.epochs}}
 
     @classmethod
     def from_state(cls, state: dict) -> "TrainedRecord":
         rec = cls(complete=bool(state["complete"]))
         rec.repeats = int(state["repeats"])
+        if state.get("lineage"):  # a healthy replica's lineage: the same weights
+            rec.lineage, rec.parent, rec.parent_step = str(state["lineage"]), state.get("parent"), \
+                int(state.get("parent_step") or 0)
+        rec.origin = "healed"
         rec.epochs = {int(e): bytearray(t.numpy().astype(np.uint8).tobytes()) for e, t in state["epochs"].items()}
         return rec
 
@@ -81,7 +113,8 @@ class TrainedRecord:
         tensors = {f"epoch.{e}": self.counts(e).copy() for e in sorted(self.epochs)}
         path = Path(folder) / FILE
         save_file(tensors, path, metadata={"format": FORMAT, "complete": "1" if self.complete else "0",
-                                           "repeats": str(self.repeats)})
+                                           "repeats": str(self.repeats), "lineage": self.lineage,
+                                           "parent": self.parent or "", "parent_step": str(self.parent_step)})
         return path
 
     @classmethod
@@ -98,6 +131,9 @@ class TrainedRecord:
                 raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT}")
             rec = cls(complete=meta.get("complete") == "1")
             rec.repeats = int(meta.get("repeats", 0))
+            if meta.get("lineage"):  # older records have none: a lineage of their own
+                rec.lineage = meta["lineage"]
+                rec.parent, rec.parent_step = meta.get("parent") or None, int(meta.get("parent_step") or 0)
             for name in f.keys():
                 rec.epochs[int(name.split(".", 1)[1])] = bytearray(f.get_tensor(name).astype(np.uint8).tobytes())
         return rec

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -52,6 +53,9 @@ log = get_logger()
 # the broker's --consumers N have joined, ranks wait this long for the rest before the
 # first step, as a fixed group does; afterwards a joiner never holds the others up.
 START_WAIT_S = 60.0
+# How often ranks that hold their batches meet while they wait for the rest at the start
+# (without it they spun through quorums as fast as the lighthouse answered).
+START_POLL_S = 0.5
 
 
 # ---------------------------------------------------------------- the loop
@@ -134,9 +138,21 @@ class _StepLoop:
         self.quorum_begun = dist.elastic
         if self.quorum_begun:
             dist.begin_step()
+        if not dist.elastic:  # a fixed group's ranks are one set of weights: rank 0's lineage
+            state.record.lineage = dist.broadcast_str(state.record.lineage)
+        if dist.elastic and state.step == 0 and self.hooks.resume_point is not None:  # not healed: the newest commit
+            self.cfg = replace(self.cfg, resume=self.hooks.resume_point() or self.cfg.resume)
         if self.cfg.resume and state.step == 0:  # not healed to a live step
             train_checkpoint.resume(self.cfg, self.signal, self.model, self.optimizer, state, dist, runs_dir)
             dist.set_step(state.step)
+        self.lineage_told = None
+        self._tell_lineage()
+
+    def _tell_lineage(self) -> None:
+        """Hand the hooks the record when it is another one (the start, a heal)."""
+        if self.state.record is not self.lineage_told and self.hooks.on_lineage is not None:
+            self.hooks.on_lineage(self.state.record)
+        self.lineage_told = self.state.record
 
     def announce(self) -> None:
         """The `train.start` line, once the state to start from is taken."""
@@ -177,6 +193,7 @@ class _StepLoop:
         while not self._at_max_steps():
             batch, bad, want_stop = self.fetch()
             self.begin_quorum()
+            self._tell_lineage()  # a heal replaced the record: acks name the healer's lineage
             if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
                 batch = drop_held(batch, state, self.hooks)
             agreed = self.agree(batch, bad, want_stop)
@@ -239,6 +256,8 @@ class _StepLoop:
             state.end_reason = "stop" if stops > 0 else "end_of_stream"
             return _END
         if have == 0 or _short_at_start(dist, n_starting):
+            if batch is not None:  # waiting for ranks with a batch in hand: no source wait, so sleep
+                time.sleep(START_POLL_S)
             self.held = batch
             if hooks.stats is not None:
                 hooks.stats["state"] = "waiting"

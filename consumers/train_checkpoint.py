@@ -53,6 +53,7 @@ def resume(cfg: TrainConfig, signal: Signal, model, optimizer, state: TrainState
     if record is None:  # an older checkpoint: its weights hold samples nobody listed
         log.warning("train.record_missing", checkpoint=str(path))
         record = TrainedRecord(complete=False)
+    record.fork(state.record.lineage, state.step)  # these weights go on as a new lineage (record.py)
     state.record = record
     device = next(model.parameters()).device
     if dist.rank < len(rng):

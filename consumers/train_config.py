@@ -90,6 +90,12 @@ class Hooks:
     # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
     # to read.
     stats: dict | None = None
+    # The record whose lineage the weights now have (record.py), after the start and after
+    # every heal: acks and commits name it; a new one is announced to the broker.
+    on_lineage: Callable[[TrainedRecord], None] | None = None
+    # A checkpoint newer than TrainConfig.resume to start from when no running replica
+    # heals us (the broker's newest commit, which may be newer than its welcome said).
+    resume_point: Callable[[], str | None] | None = None
 
 
 @dataclass

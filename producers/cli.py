@@ -22,6 +22,7 @@ from dflash.protocol.curve import client_from, curve_options
 from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.logs import close_logging, get_logger, setup_logging
+from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 
 from .build import hello_config, load_components, make_producer
 from .config import DEFAULT_REGEN_CACHE, ProducerConfig
@@ -92,7 +93,11 @@ def main(**kw) -> None:
         components = load_components(cfg)
         summary = _dry_run(cfg, components) if cfg.dry_run else _serve(cfg, components, instance)
     except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
-        log.error("produce.failed", error=f"{type(e).__name__}: {e}")
+        # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
+        log.error("produce.broker_lost" if isinstance(e, BrokerLost) else "produce.failed",
+                  error=f"{type(e).__name__}: {e}")
+        if isinstance(e, BrokerLost):
+            exit_broker_lost(e)
         close_logging()
         fail(str(e), code=1)
     except Exception as e:  # a bug or a library failure: still the run's log says why we died
@@ -140,7 +145,8 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
     producer = None
     link = PeerLink(cfg.broker, "producer", instance, gpu=cfg.gpu, config=hello_config(c, cfg),
                     curve=client_from(cfg.curve_keys, cfg.curve_name),
-                    runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"})
+                    runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"},
+                    on_lost=exit_when_stuck("producer"))
     link.start()  # until we are welcome, a signal ends us at once: nothing is ours to hand back
     stop = threading.Event()
     previous = _stop_on_signals(stop)

@@ -31,6 +31,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "credit": {"credit": _INT},
     "ack": {"batch_ids": _LIST, "step": _INT},
     "commit": {"step": _INT, "checkpoint": _STR},
+    "lineage": {"lineage": _STR, "step": _INT},
     "heartbeat": {"stats": _MAP},
     "bye": {"reason": _STR},
     "status": {},
@@ -56,7 +57,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
 PRE_HANDSHAKE = frozenset({"hello", "welcome", "reject", "status", "status_reply"})
 
 CONTROL_TO_BROKER = frozenset(
-    {"hello", "lease", "done", "credit", "ack", "commit", "heartbeat", "bye", "status"}
+    {"hello", "lease", "done", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "status"}
 )
 CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "stop", "status_reply", "heartbeat"})
 DATA = frozenset({"batch"})

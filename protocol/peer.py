@@ -20,6 +20,7 @@ import os
 import queue
 import secrets
 import socket as _socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -30,7 +31,7 @@ from . import codec
 from .credit import CreditWindow
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
-from .logs import bind_run, get_logger
+from .logs import bind_run, close_logging, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, MAX_HEADER_BYTES, header
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
                       other_threads, readable, recv_frames, send_frames)
@@ -44,6 +45,47 @@ MAX_AUTO_CREDIT = 16  # the deepest inbox small batches get (credit.py); the bro
 
 class BrokerLost(DFlashError):
     """The broker went silent for longer than the liveness timeout."""
+
+
+# After the broker is lost, how long the process's own thread gets to notice (on its next
+# call into the link) and exit by itself before exit_when_stuck ends it.
+LOST_GRACE_S = 1.0
+
+
+def exit_when_stuck(role: str, grace_s: float = LOST_GRACE_S) -> Callable[[Exception], None]:
+    """A PeerLink `on_lost`: if the process is still running `grace_s` after the broker was
+    lost (its main thread blocked elsewhere: an elastic consumer in a torchft quorum with the
+    broker's lighthouse gone, a producer in a long forward), log `event` with the error,
+    write the one `error:` line on stderr and exit 1. PROTOCOL.md 4.2: a peer that finds the
+    broker silent for `timeout_s` exits, and says why as its last word. `role`: producer or
+    consumer (the event is `produce.broker_lost` or `consume.broker_lost`)."""
+    def on_lost(error: Exception) -> None:
+        def later() -> None:
+            time.sleep(grace_s)
+            try:  # (no import here: this may run while the interpreter shuts down)
+                if role == "consumer":
+                    log.error("consume.broker_lost", error=str(error), error_type=type(error).__name__, stuck=True)
+                else:
+                    log.error("produce.broker_lost", error=str(error), error_type=type(error).__name__, stuck=True)
+            finally:
+                exit_broker_lost(error)
+
+        threading.Thread(target=later, name="dflash-broker-lost", daemon=True).start()
+
+    return on_lost
+
+
+def exit_broker_lost(error: Exception) -> None:
+    """Exit 1 now, `error:` and the reason as the last line on stderr, logs flushed: after
+    the broker is lost nothing is left to hand back, and the interpreter's own teardown
+    (library threads and exit handlers) took seconds beyond --timeout-s."""
+    try:
+        close_logging()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os.write(2, f"error: {error}\n".encode())
+        os._exit(1)
 
 
 class PeerLink:
@@ -65,6 +107,7 @@ class PeerLink:
         max_message_bytes: int = 1 << 30,
         curve: CurveClient | None = None,
         io_threads: int = 0,
+        on_lost: Callable[[Exception], None] | None = None,
     ):
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be producer or consumer, not {role!r}")
@@ -79,6 +122,7 @@ class PeerLink:
         self.stopped = threading.Event()
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
+        self.on_lost = on_lost  # called on the I/O thread once the broker is lost (exit_when_stuck)
         # ZeroMQ I/O threads of this link's own context (0 = auto, where cores are to spare:
         # control on one, and one per data connection, AUTO_DATA_STREAMS: the most a broker
         # opens by itself).
@@ -315,11 +359,13 @@ class PeerLink:
             except ProtocolError as e:
                 log.error("link.bad_message", reason=e.reason, peer="broker")
 
-    def ack(self, batch_ids: list[str], step: int) -> None:
-        self.send_control("ack", batch_ids=list(batch_ids), step=int(step))
+    def ack(self, batch_ids: list[str], step: int, lineage: str | None = None) -> None:
+        extra = {"lineage": lineage} if lineage else {}
+        self.send_control("ack", batch_ids=list(batch_ids), step=int(step), **extra)
 
-    def commit(self, step: int, checkpoint: str) -> None:
-        self.send_control("commit", step=int(step), checkpoint=str(checkpoint))
+    def commit(self, step: int, checkpoint: str, lineage: str | None = None) -> None:
+        extra = {"lineage": lineage} if lineage else {}
+        self.send_control("commit", step=int(step), checkpoint=str(checkpoint), **extra)
 
     def prefetched(self) -> int:
         return self._inbox.qsize() if self.role == "consumer" else self._outbox.qsize()
@@ -365,12 +411,14 @@ class PeerLink:
                     last_tx = now
                 if now - last_rx > timeout:
                     raise BrokerLost(f"broker {self.broker} silent for {now - last_rx:.1f}s "
-                                     f"(timeout {timeout:g}s)")
+                                     f"(timeout {timeout:g}s): broker lost")
         except Rejected as e:
             self.error = e
         except Exception as e:  # surfaced to the caller on its next call
             log.error("link.failed", error=f"{type(e).__name__}: {e}")
             self.error = e
+            if isinstance(e, BrokerLost) and self.on_lost is not None:
+                self.on_lost(e)
 
     def _on_control(self, msg: codec.Message) -> None:
         h = msg.header

@@ -23,13 +23,30 @@ from broker_harness import ask_status, free_port_block  # noqa: E402
 N_OUT = 8  # data-out ports: rotated through as consumers come and go
 
 
+def _below_ephemeral(n: int) -> int:
+    """A block of `n` free ports below the kernel's ephemeral range: the broker binds them
+    again after each restart, and a port in that range may meanwhile be taken as the source
+    port of some other connection on the host (a resumed broker then failed to bind)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        base = free_port_block(n)
+        if base + n <= low:
+            return base
+    return free_port_block(n)
+
+
 class Pipeline:
-    def __init__(self, tmp: Path, *, n_rows: int, epochs: int, seed: int, consumers: int = 2):
+    def __init__(self, tmp: Path, *, n_rows: int, epochs: int, seed: int, consumers: int = 2,
+                 timeout_s: float = 3.0, save_every: int = 2, broker_args: tuple = ()):
         from dflash.tools.tiny import tiny_target
 
         import dflash.producers.sample_data as sample_data
 
         self.tmp, self.epochs, self.seed, self.n_consumers = tmp, epochs, seed, consumers
+        self.timeout_s, self.save_every, self.broker_args = timeout_s, save_every, list(broker_args)
         rows = (Path(sample_data.__file__).parent / "chats.jsonl").read_text().splitlines()[:n_rows]
         assert len(rows) == n_rows
         self.data = tmp / "chats.jsonl"
@@ -37,7 +54,7 @@ class Pipeline:
         self.target, self.runs = str(tiny_target()), tmp / "runs"
         self.out = tmp / "out"
         self.out.mkdir(exist_ok=True)
-        self.port = free_port_block(2 + N_OUT)  # the same ports for every restart, as an operator's
+        self.port = _below_ephemeral(2 + N_OUT)  # the same ports for every restart, as an operator's
         self.control = f"tcp://127.0.0.1:{self.port}"
         # One torch thread per process: several processes share two cores. Nothing from the
         # developer's DFLASH_* environment: every option is on the command line.
@@ -66,8 +83,8 @@ class Pipeline:
         p = self.port
         args = ["--bind", "127.0.0.1", "--port", str(p), "--data-in-port", str(p + 1),
                 "--data-out-ports", f"{p + 2}-{p + 1 + N_OUT}", "--runs-dir", str(self.runs),
-                "--consumers", str(self.n_consumers), "--heartbeat-s", "0.5", "--timeout-s", "3",
-                "--lease-size", "8", "--drain-s", "30"]
+                "--consumers", str(self.n_consumers), "--heartbeat-s", "0.5", "--timeout-s", f"{self.timeout_s:g}",
+                "--lease-size", "8", "--drain-s", "30", *self.broker_args]
         args += ["--resume", resume] if resume else ["--epochs", str(self.epochs), "--seed", str(self.seed)]
         proc = self._spawn("broker", "dflash.broker.cli", args)
         end = time.monotonic() + 60
@@ -94,7 +111,7 @@ class Pipeline:
         # No --resume: in a resumed run the broker names the checkpoint (PROTOCOL.md 8).
         return self._spawn(name, "dflash.consumers.cli", [
             "--broker", self.control, "--runs-dir", str(self.runs), "--instance", name, "--target", self.target,
-            "--block-size", "8", "--anchors", "48", "--draft-layers", "1", "--lr", "3e-3", "--save-every", "2",
+            "--block-size", "8", "--anchors", "48", "--draft-layers", "1", "--lr", "3e-3", "--save-every", str(self.save_every),
             "--log-position-every", "0"])
 
     def start_all(self, resume: str | None, gen: int) -> str | None:
@@ -150,6 +167,10 @@ class Pipeline:
         p = self.procs.pop(name)
         p.send_signal(signal.SIGKILL)
         p.wait(10)
+
+    def pause(self, name: str, paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) `name`: frozen, it sends nothing, as a hung host would."""
+        self.procs[name].send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
     def wait_exit(self, names: list[str], timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
