@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash.protocol.hf_compat import cache_kwarg, new_cache
 
 from .blocks import build_layout
 from .export import Drafter
+from .target_heads import embed_block
 
 
 @dataclass
@@ -78,15 +78,15 @@ def greedy(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids
     return Generation(out, time.perf_counter() - t0)
 
 
-def propose(drafter: Drafter, embed: torch.Tensor, lm_head: torch.Tensor, context: torch.Tensor, bonus: int,
-            size: int) -> list[int]:
+def propose(drafter: Drafter, embed: nn.Module | torch.Tensor, lm_head: torch.Tensor, context: torch.Tensor,
+            bonus: int, size: int) -> list[int]:
     """size-1 draft tokens for the positions after `bonus`.
 
     context [T, n*D]: target features of the T accepted tokens (positions 0..T-1); the bonus
     sits at position T. The block sees all of the context (it lies before the anchor)."""
     T, device = context.shape[0], context.device
     ids = torch.tensor([bonus] + [drafter.mask_token_id] * (size - 1), device=device)  # [size]
-    x = F.embedding(ids, embed).to(next(drafter.model.parameters()).dtype)  # [size, D], the target's embedding
+    x = embed_block(ids, embed).to(next(drafter.model.parameters()).dtype)  # [size, D], as the target embeds them
     layout = build_layout([T], [torch.tensor([T])], size, device)
     h = drafter.model(context.to(x.dtype), x, layout)  # [size, D]
     return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1).tolist()  # position 0 is the given bonus
@@ -97,7 +97,7 @@ def speculative_greedy(model: nn.Module, drafter: Drafter, prompt: torch.Tensor,
                        stop_ids: set[int]) -> Generation:
     """Greedy decoding of `prompt` [P] with draft/verify cycles (see the module docstring)."""
     t0 = time.perf_counter()
-    embed = model.get_input_embeddings().weight  # [V, D]
+    embed = model.get_input_embeddings()  # the module, as engines call it (Gemma scales its rows)
     lm_head = model.get_output_embeddings().weight  # [V, D]; the same tensor when tied
     layers = drafter.target_layer_ids
     cache = new_cache(model)
