@@ -35,11 +35,12 @@ from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, broker_batches, check_run_target, hello_config, nothing_left_to_train,
-                   offer_dist_addr, resume_point, run_layers)
+from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
+                   nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
+from .train_config import TrainState
 
 log = get_logger()
 
@@ -259,7 +260,10 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     plugs, dist, reason = None, None, "failed"
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
-        run_config = link.welcome.get("run_config") or {}
+        run_config = await_run_facts(link, link.welcome.get("run_config") or {})
+        if run_config is None:  # stopped before any producer came: nothing was trained, nothing to save
+            reason = "done" if link.stop_reason == "end_of_stream" else "stop"
+            return TrainState(end_reason="end_of_stream" if reason == "done" else "stop"), Dist(device=device)
         check_run_target(run_config, heads.identity)
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
         tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id),
