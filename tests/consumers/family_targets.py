@@ -31,6 +31,11 @@ def family_config(family: str, tie: bool | None = None):
         cfg = tf.Gemma3TextConfig(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=HEADS,
                                   num_key_value_heads=2, head_dim=8, num_hidden_layers=LAYERS, sliding_window=16,
                                   max_position_embeddings=256, **common)
+    elif family == "gpt_oss":  # no sdpa in transformers; attention sinks; a 128-token window in the real one
+        cfg = tf.GptOssConfig(hidden_size=HIDDEN, intermediate_size=HIDDEN, num_attention_heads=HEADS,
+                              num_key_value_heads=2, head_dim=8, num_hidden_layers=LAYERS, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                              layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2), **common)
     else:
         raise ValueError(f"no tiny config for family {family!r}")
     if tie is not None:
