@@ -256,11 +256,14 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
                     curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
                     config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
-                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
-    plugs, dist, reason = None, None, "failed"
+                    stats=lambda: plugs.heartbeat() if plugs else dict(early))
+    plugs, dist, reason, early = None, None, "failed", {"state": "starting"}
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
-        run_config = await_run_facts(link, link.welcome.get("run_config") or {})
+        run_config = link.welcome.get("run_config") or {}
+        if tcfg.target_layers is None:  # auto: never build the drafter on layers guessed here
+            early["state"] = "waiting"  # for a producer, as a starved consumer does
+            run_config = await_run_facts(link, run_config)
         if run_config is None:  # stopped before any producer came: nothing was trained, nothing to save
             reason = "done" if link.stop_reason == "end_of_stream" else "stop"
             return TrainState(end_reason="end_of_stream" if reason == "done" else "stop"), Dist(device=device)

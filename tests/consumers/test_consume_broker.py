@@ -95,7 +95,9 @@ def _last_line(text: str) -> str:
 
 def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_dir, tmp_path):
     b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8"])
-    cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}") for i in range(2)]
+    # Layers given: a consumer left to auto waits for a producer's layers before it trains (and forms no group)
+    cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}", "--target-layers", "1")
+          for i in range(2)]
     try:
         rows = _consumers_waiting(b, 2)  # no producer: the queue stays empty
         before = [c.cpu_s() for c in cs]
@@ -152,7 +154,21 @@ def test_broker_shutdown_makes_a_consumer_stop_and_exit_0(target_dir, tmp_path):
         b.stop()
     assert code == 0, out[-800:]
     assert [e["reason"] for e in c.events("link.stop")] == ["shutdown"]
-    assert [e["reason"] for e in c.events("train.end")] == ["stop"]  # not taken for the end of the stream
+    # No producer came: it was still waiting for the run's layers, so no drafter was built
+    assert c.events("train.start") == [] and c.events("consume.waiting_for_layers")
+    assert [e["reason"] for e in c.events("consume.done")] == ["stop"]  # not taken for the end of the stream
+
+    # With its layers given it trains at once, and a shutdown is a stop of training
+    b = BrokerProc(tmp_path / "runs2", ["--num-samples", "8"])
+    c = Consumer(b, target_dir, tmp_path / "c2.out", "--instance", "c", "--target-layers", "1")
+    try:
+        _consumers_waiting(b, 1)
+        assert b.stop() == 0
+        code, out = c.wait(30)
+    finally:
+        b.stop()
+    assert code == 0, out[-800:]
+    assert [e["reason"] for e in c.events("train.end")] == ["stop"]
 
 
 def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_path):
