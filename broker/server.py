@@ -282,6 +282,9 @@ class Broker:
         s = samples(self)
         stats.update(samples_total=s["total"], samples_done=s["done"], samples_skipped=s["skipped"],
                      n_samples=s["n_samples"], epoch=s["epoch"], epochs=s["epochs"])
+        # The run's facts its first producer fixed: a consumer that joined before any producer
+        # waits for the target layers here rather than guess them (PROTOCOL.md 4.2).
+        stats["run_facts"] = {k: self.facts.get(k) for k in ("layer_ids", "hidden_size", "target_id")}
         for p in self.peers.live():
             self.send(p.identity, "heartbeat", stats=stats)
 

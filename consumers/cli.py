@@ -36,11 +36,12 @@ from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, broker_batches, check_run_target, hello_config, nothing_left_to_train,
-                   offer_dist_addr, resume_point, run_layers)
+from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
+                   nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
+from .train_config import TrainState
 
 log = get_logger()
 
@@ -266,12 +267,18 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
                     curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
                     config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None,
                                         group=_own_group(cfg) if own else None),
-                    stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"},
+                    stats=lambda: plugs.heartbeat() if plugs else dict(early),
                     on_lost=exit_when_stuck("consumer"))
-    plugs, dist, reason = None, None, "failed"
+    plugs, dist, reason, early = None, None, "failed", {"state": "starting"}
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
         run_config = link.welcome.get("run_config") or {}
+        if tcfg.target_layers is None:  # auto: never build the drafter on layers guessed here
+            early["state"] = "waiting"  # for a producer, as a starved consumer does
+            run_config = await_run_facts(link, run_config)
+        if run_config is None:  # stopped before any producer came: nothing was trained, nothing to save
+            reason = "done" if link.stop_reason == "end_of_stream" else "stop"
+            return TrainState(end_reason="end_of_stream" if reason == "done" else "stop"), Dist(device=device)
         check_run_target(run_config, heads.identity)
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
         tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id),

@@ -3,6 +3,7 @@ producers/link.py is the producer's.
 
 - `hello_config`: what a consumer tells the broker (its training signal, and the
   rendezvous address it offers if it becomes rank 0: PROTOCOL.md 4.1);
+- `await_run_facts`: the run's target layers, waited for when no producer fixed them yet;
 - `run_layers`: the welcome's run facts against this drafter (fail before training);
 - `resume_point`: the checkpoint to start from (a resumed run names it);
 - `arranged_dist`: the data-parallel group the broker arranged (`--consumers N`): elastic
@@ -97,6 +98,38 @@ def reachable_ip(host: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+def await_run_facts(link, run_config: dict, poll_s: float = 0.05) -> dict | None:
+    """`run_config` (the welcome's) with the run's facts (target layers, hidden size, target
+    identity) once a producer has fixed them: a consumer that joins before any producer waits
+    here, in the broker's heartbeats, so that its drafter is never built on layers it guessed
+    (the first batch would refuse it). None when the broker stops us first.
+
+    A broker whose heartbeat carries no `run_facts` (older than this field) cannot tell:
+    the batches are checked as they come, as before. Raises what the link raises (BrokerLost)."""
+    if run_config.get("layer_ids") is not None:
+        return run_config
+    t0 = time.monotonic()
+    log.info("consume.waiting_for_layers", hint="no producer has joined this run yet: the drafter is built once "
+             "one states the target layers it captures")
+    while True:
+        if link.error is not None:
+            raise link.error
+        stats = link.broker_stats
+        facts = stats.get("run_facts")
+        if facts is None and stats:
+            log.warning("consume.layers_unknown", hint="this broker does not send the run's facts in its heartbeat: "
+                        "each batch's layers are checked against the drafter's as it comes")
+            return run_config
+        if facts and facts.get("layer_ids") is not None:
+            known = {k: v for k, v in facts.items() if v is not None}
+            log.info("consume.layers_known", layer_ids=list(known["layer_ids"]),
+                     waited_s=round(time.monotonic() - t0, 2))
+            return {**run_config, **known}
+        if link.stopped.is_set():
+            return None
+        time.sleep(poll_s)
 
 
 def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainConfig:

@@ -31,6 +31,7 @@ from dflash.protocol.hf_compat import cache_kwarg
 
 from .export import Drafter
 from .model import apply_rope
+from .target_heads import embed_block
 
 
 @dataclass
@@ -100,12 +101,12 @@ class DraftCache:
             K[:, idx] = torch.where(keep[None, :, None], k.to(K.dtype).transpose(0, 1), K[:, idx])
             V[:, idx] = torch.where(keep[None, :, None], v.to(V.dtype).transpose(0, 1), V[:, idx])
 
-    def propose(self, bonus: torch.Tensor, start: torch.Tensor, embed: torch.Tensor,
+    def propose(self, bonus: torch.Tensor, start: torch.Tensor, embed: torch.Tensor | nn.Module,
                 lm_head: torch.Tensor) -> torch.Tensor:
         """B-1 draft tokens for the positions after `bonus` [1] at position start [1]; the
         context is slots 0..start-1. Returns long [B-1]."""
         ids = torch.cat([bonus, self._masks])  # [B]
-        x = F.embedding(ids, embed).to(self.dtype)  # [B, D], the target's embedding
+        x = embed_block(ids, embed).to(self.dtype)  # [B, D]: what the target's embedding module gives
         h = self.block_states(x, start)
         return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1)  # position 0 is the given bonus
 
@@ -135,7 +136,7 @@ class DraftCache:
 
 
 @torch.inference_mode()
-def propose(drafter: Drafter, embed: torch.Tensor, lm_head: torch.Tensor, context: torch.Tensor, bonus: int,
+def propose(drafter: Drafter, embed: torch.Tensor | nn.Module, lm_head: torch.Tensor, context: torch.Tensor, bonus: int,
             size: int) -> list[int]:
     """size-1 draft tokens for the positions after `bonus`, through the drafter's cache.
 
@@ -183,7 +184,7 @@ class Speculative:
         self.core = Core(model, 1, slots, graphs=graphs)
         dev = self.core.device
         self.draft = DraftCache(drafter, slots, dev)
-        self.embed = model.get_input_embeddings().weight  # [V, D]
+        self.embed = model.get_input_embeddings()  # the module: Gemma's scales its rows
         self.lm_head = model.get_output_embeddings().weight  # [V, D]; the same tensor when tied
         self.layers = list(drafter.target_layer_ids)
         self.bonus = torch.zeros(1, dtype=torch.long, device=dev)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.nn.functional as F
 
 from .batch import Batch
 from .blocks import BlockLayout, anchor_seed, build_layout, sample_anchors
@@ -73,7 +72,7 @@ def draft_states(
     device = heads.embed.device
     ids = batch.input_ids.to(device)
     block_ids = layout.block_input_ids(ids, signal.mask_token_id)  # [Q]: anchor, MASK, ...
-    x = F.embedding(block_ids, heads.embed)  # [Q, D], frozen target embedding
+    x = heads.embed_ids(block_ids)  # [Q, D]: what the target's embedding module gives (Gemma scales it)
     features = batch.hidden.to(device=device, dtype=heads.embed.dtype, non_blocking=True)  # [T, n*D]
     if noise > 0:
         seeds = [noise_seed(seed, batch.epoch, s, step) for s in batch.samples]

@@ -18,7 +18,7 @@ from .data import DataSource, open_dataset
 from .packing import PackingError, check_packing
 from .producer import BatchSink, Producer, WorkSource
 from .regenerate import RegenCache, Regenerator, cache_key
-from .target import Target, load_target, resolve_device
+from .target import Target, attn_candidates, load_target, resolve_device
 
 log = get_logger()
 
@@ -46,7 +46,8 @@ def load_components(cfg: ProducerConfig) -> Components:
                          trust_remote_code=cfg.trust_remote_code)
     if cfg.check_packing:
         err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
-        log.info("produce.packing_check", ok=True, rel_err=err, leak_rel_err=leak, attn_impl=target.info.attn_impl)
+        log.info("produce.packing_check", ok=not target.per_sequence, rel_err=err, leak_rel_err=leak,
+                 attn_impl=target.info.attn_impl, per_sequence=target.per_sequence)
     regenerator = None
     if cfg.regenerate:
         key = cache_key(dataset.fingerprint, target, tokenizer, cfg.max_new_tokens, cfg.template_kwargs())
@@ -70,19 +71,67 @@ def target_identity(path: str) -> dict | None:
 
 
 def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
-    """check_packing; if an automatically chosen flex/flash attention cannot even run here
-    (no compiler for torch.compile, a kernel missing), fall back to sdpa once, loudly."""
+    """check_packing on the loaded attention; (relative error, leak's relative error).
+
+    auto: an implementation that cannot run here (no compiler for torch.compile, flex
+    refusing attention sinks on CPU) or that leaks across packed sequences (GPT-OSS's eager
+    masks ignore position IDs) gives way to the next the model supports (target.py
+    `attn_candidates`), loudly; where none packs correctly, the target runs one sequence per
+    forward pass (`target.per_sequence`, logged as produce.per_sequence), never a silent leak.
+    An explicit --attn-impl is never overridden: a leak raises PackingError naming what
+    packs correctly on this model."""
+    options = attn_candidates("auto", target.device, type(target.decoder))
+    first = target.info.attn_impl
+    if not auto_attn:
+        try:
+            return check_packing(target.capture, target.info.vocab_size)
+        except PackingError as e:
+            raise PackingError(f"{e} with --attn-impl {first}; {_advice(target, options, first)}") from None
+    order = [first] + [o for o in options if o != first]
+    tried: dict[str, str] = {}
+    runs: list[tuple[str, float, float]] = []  # implementations that ran (and leaked)
+    for i, impl in enumerate(order):
+        if impl != target.info.attn_impl:
+            target.set_attn(impl)
+        try:
+            return check_packing(target.capture, target.info.vocab_size)
+        except PackingError as e:
+            tried[impl] = "leaks across packed sequences"
+            runs.append((impl, e.err, e.leak))
+            error = str(e)
+        except Exception as e:  # noqa: BLE001  (it cannot run here: the next one may)
+            tried[impl] = error = f"{type(e).__name__}: {str(e)[:200]}"
+        if i + 1 < len(order):
+            log.warning("produce.attn_fallback", attn_impl=impl, to=order[i + 1], error=error[:300])
+    if not runs:
+        raise PackingError(f"no attention implementation of this model runs here: {tried}")
+    impl, err, leak = runs[0]
+    target.set_attn(impl)
+    target.per_sequence = True
+    log.warning("produce.per_sequence", attn_impl=impl, tried=tried,
+                hint="no attention implementation of this model keeps packed sequences apart here: each forward "
+                     "pass takes one sequence (--max-batch-size 1), which is correct but slower")
+    return err, leak
+
+
+def _advice(target: Target, options: list[str], current: str) -> str:
+    """What packs correctly on this model here (each other supported implementation is
+    tried once), for the error of an explicit --attn-impl that leaks."""
+    good = []
     try:
-        return check_packing(target.capture, target.info.vocab_size)
-    except PackingError:
-        raise
-    except Exception as e:
-        if not auto_attn or target.info.attn_impl == "sdpa":
-            raise
-        log.warning("produce.attn_fallback", attn_impl=target.info.attn_impl, to="sdpa",
-                    error=f"{type(e).__name__}: {str(e)[:300]}")
-        target.set_attn("sdpa")
-        return check_packing(target.capture, target.info.vocab_size)
+        for impl in (o for o in options if o != current):
+            try:
+                target.set_attn(impl)
+                check_packing(target.capture, target.info.vocab_size)
+                good.append(impl)
+            except Exception:  # noqa: BLE001  (leaks or cannot run: not advised)
+                continue
+    finally:
+        target.set_attn(current)
+    if good:
+        return f"packs correctly on this model here: --attn-impl {' or '.join(good)} (or auto)"
+    return ("no attention implementation of this model packs correctly here: --attn-impl auto runs one sequence "
+            "per forward pass (or give --max-batch-size 1 --no-check-packing)")
 
 
 def hello_config(c: Components, cfg: ProducerConfig) -> dict:
@@ -98,7 +147,8 @@ def hello_config(c: Components, cfg: ProducerConfig) -> dict:
 
 
 def make_producer(cfg: ProducerConfig, c: Components, source: WorkSource, sink: BatchSink) -> Producer:
+    # per_sequence: nothing keeps packed sequences apart on this model (_check_packing)
     return Producer(c.target, c.dataset, c.encoder, source, sink, token_budget=cfg.token_budget,
-                    max_batch_size=cfg.max_batch_size, prefetch=cfg.prefetch,
+                    max_batch_size=1 if c.target.per_sequence else cfg.max_batch_size, prefetch=cfg.prefetch,
                     skip_bad_rows=cfg.skip_bad_rows, hidden_encoding=cfg.hidden_encoding,
                     regenerator=c.regenerator)

@@ -46,7 +46,9 @@ log = get_logger()
 @option("--dtype", default="auto", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
         help="Model dtype; auto = bfloat16 on GPU, float32 on CPU. Hidden states travel in it.")
 @option("--attn-impl", default="auto", help="Attention implementation (sdpa, eager, flash_attention_2, "
-        "flex_attention); auto = flash_attention_2 on GPU when installed, else flex_attention; sdpa on CPU.")
+        "flex_attention); auto = the first this model supports that packs correctly (start-up check): on GPU "
+        "flash_attention_2 when installed, flex_attention, sdpa, eager; on CPU sdpa, eager, flex_attention; where "
+        "none does, one sequence per forward pass, with a warning.")
 @option("--target-layers", default=None, help="Comma-separated decoder layer IDs to capture (0-based, "
         "'layer i' = HF hidden_states[i+1]); default: 5 spaced from 1 to L-3, e.g. 1,9,17,25,33 for 36 layers.")
 @option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding).")

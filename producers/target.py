@@ -97,22 +97,42 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_attn(name: str, device: torch.device) -> str:
-    """`auto` on GPU: flash-attention 2 when installed (varlen via cu_seqlens), else flex
-    attention (a block-sparse mask: cost grows with each sequence, not with the packed
-    batch), else sdpa. On CPU: sdpa. sdpa packs through a dense [T, T] mask, so its
-    attention cost grows with T^2 of the whole batch: on an H200, a Qwen3-8B-shaped model
-    at 16K packed tokens ran 14.8K tok/s with sdpa vs 32.7K tok/s with flex attention
-    (bench_capture.py)."""
+def attn_candidates(name: str, device: torch.device, model_cls: type | None) -> list[str]:
+    """`--attn-impl` as the implementations to try, best first: `name` alone unless auto.
+
+    auto keeps only what the model class supports (transformers' `_supports_sdpa`,
+    `_supports_flex_attn`, `_supports_flash_attn`: Gemma 2 and GPT-OSS refuse sdpa): on GPU
+    flash-attention 2 when installed (varlen via cu_seqlens), flex attention (a block-sparse
+    mask: cost grows with each sequence, not with the packed batch; windows and sinks on
+    GPU), sdpa (packs through a dense [T, T] mask: cost grows with T^2 of the whole batch,
+    see docs/BENCHMARKS.md), eager; on CPU sdpa, eager, then flex (it compiles a kernel
+    first). The start-up packing check then takes the first that packs correctly
+    (build.py). `model_cls` None (custom code): every implementation is a candidate."""
     if name != "auto":
-        return name
-    if device.type != "cuda":
-        return "sdpa"
-    if importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
-        return "flex_attention"
-    return "sdpa"
+        return [name]
+
+    def ok(flag: str) -> bool:
+        return model_cls is None or bool(getattr(model_cls, flag, True))
+
+    flash = importlib.util.find_spec("flash_attn") is not None and ok("_supports_flash_attn")
+    flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None and ok("_supports_flex_attn")
+    sdpa = ok("_supports_sdpa")
+    if device.type == "cuda":
+        order = [("flash_attention_2", flash), ("flex_attention", flex), ("sdpa", sdpa), ("eager", True)]
+    else:
+        order = [("sdpa", sdpa), ("eager", True), ("flex_attention", flex)]
+    return [impl for impl, usable in order if usable]
+
+
+def causal_lm_class(config) -> type | None:
+    """The transformers class AutoModelForCausalLM builds for `config` (None: not a
+    built-in family, e.g. custom code)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
 
 
 def find_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -172,6 +192,9 @@ class Target:
         # Capture hooks live on shared layer modules: a generation pass (--regenerate, in the
         # prefetch thread) must not run while they are registered.
         self.lock = threading.Lock()
+        # One sequence per forward pass: set by the start-up check when no attention
+        # implementation of this model keeps packed sequences apart (build.py).
+        self.per_sequence = False
         # final: capture also the last layer's output after the final norm (the LM head's
         # input, HF hidden_states[-1]) as one more slot: every layer is then needed.
         self.final_norm = _final_norm(self.decoder) if final else None
@@ -274,13 +297,23 @@ def load_target(
     unreadable checkpoint (OSError, ValueError)."""
     device = device or resolve_device(None, None)
     torch_dtype = resolve_dtype(dtype, device)
-    attn = resolve_attn(attn_impl, device)
+    model_cls = None
+    if attn_impl == "auto":
+        model_cls = causal_lm_class(targets.load_config(name, trust_remote_code=trust_remote_code))
+    options = attn_candidates(attn_impl, device, model_cls)
     t0 = time.monotonic()
     kw: dict = {}
     if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = {"": str(device)}  # straight to the GPU, no full CPU copy
-    model = targets.load_causal_lm(name, dtype=torch_dtype, attn_implementation=attn,
-                                   trust_remote_code=trust_remote_code, **kw)
+    for i, attn in enumerate(options):
+        try:
+            model = targets.load_causal_lm(name, dtype=torch_dtype, attn_implementation=attn,
+                                           trust_remote_code=trust_remote_code, **kw)
+            break
+        except ValueError as e:  # transformers refuses an implementation this model (custom code) lacks
+            if i + 1 == len(options):
+                raise
+            log.warning("produce.attn_fallback", attn_impl=attn, to=options[i + 1], error=str(e)[:300])
     model.to(device).eval().requires_grad_(False)
     num_layers = model.config.get_text_config().num_hidden_layers
     target = Target(model, name, parse_layer_ids(layer_spec, num_layers), full=full, final=final)

@@ -19,3 +19,17 @@ def cache_kwarg(model: nn.Module) -> str:
     """The forward() argument that takes the KV cache: transformers 5.2x renamed
     `past_key_values` to `cache` (the old name warns); 4.x knows only the old one."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def renamed_key(key: str, renamings, converters, prefix: str | None, meta: dict) -> str:
+    """The parameter name transformers 5 loads checkpoint key `key` into (its key
+    renamings, then the base-model prefix added or dropped as the model needs); `key`
+    itself where transformers has no renaming (4.x) or the renaming fails."""
+    try:
+        from transformers.core_model_loading import rename_source_key
+    except ImportError:
+        return key
+    try:
+        return rename_source_key(key, list(renamings), list(converters), prefix, meta)[0]
+    except Exception:  # noqa: BLE001  (a renaming that cannot read this key: it is not renamed)
+        return key

@@ -26,7 +26,7 @@ from broker_harness import BrokerProc  # noqa: E402
 class Consumer:
     """A dflash-consume process; output goes to a file, read when needed."""
 
-    def __init__(self, broker: BrokerProc, target_dir, out: Path, *extra: str):
+    def __init__(self, broker: BrokerProc, target_dir, out: Path, *extra: str, mask_token_id: int = MASK_ID):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
         env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
         self.out = out
@@ -34,7 +34,7 @@ class Consumer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dflash.consumers.cli", "--broker", broker.control, "--target",
                  str(target_dir), "--runs-dir", str(broker.runs_dir), "--draft-layers", "1", "--block-size", "4",
-                 "--anchors", "6", "--mask-token-id", str(MASK_ID), *extra],
+                 "--anchors", "6", "--mask-token-id", str(mask_token_id), *extra],
                 stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def wait(self, timeout_s: float = 60) -> tuple[int, str]:
@@ -68,13 +68,36 @@ def _consumers_waiting(b: BrokerProc, n: int, timeout_s: float = 90) -> list[dic
     raise AssertionError(f"consumers not all waiting after {timeout_s}s: {rows}")
 
 
+def _consumer_joined(b: BrokerProc, timeout_s: float = 90) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if any(p["role"] == "consumer" for p in (b.ask() or {}).get("peers", [])):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no consumer joined the broker after {timeout_s}s")
+
+
+def _wait_for_event(c: "Consumer", name: str, timeout_s: float = 90) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        found = c.events(name)
+        if found:
+            return found[0]
+        if c.proc.poll() is not None:
+            raise AssertionError(f"consumer exited {c.proc.returncode} before {name}: {c.out.read_text()[-1500:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {name} from the consumer after {timeout_s}s")
+
+
 def _last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
 def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_dir, tmp_path):
     b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8"])
-    cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}") for i in range(2)]
+    # Layers given: a consumer left to auto waits for a producer's layers before it trains (and forms no group)
+    cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}", "--target-layers", "1")
+          for i in range(2)]
     try:
         rows = _consumers_waiting(b, 2)  # no producer: the queue stays empty
         before = [c.cpu_s() for c in cs]
@@ -131,7 +154,21 @@ def test_broker_shutdown_makes_a_consumer_stop_and_exit_0(target_dir, tmp_path):
         b.stop()
     assert code == 0, out[-800:]
     assert [e["reason"] for e in c.events("link.stop")] == ["shutdown"]
-    assert [e["reason"] for e in c.events("train.end")] == ["stop"]  # not taken for the end of the stream
+    # No producer came: it was still waiting for the run's layers, so no drafter was built
+    assert c.events("train.start") == [] and c.events("consume.waiting_for_layers")
+    assert [e["reason"] for e in c.events("consume.done")] == ["stop"]  # not taken for the end of the stream
+
+    # With its layers given it trains at once, and a shutdown is a stop of training
+    b = BrokerProc(tmp_path / "runs2", ["--num-samples", "8"])
+    c = Consumer(b, target_dir, tmp_path / "c2.out", "--instance", "c", "--target-layers", "1")
+    try:
+        _consumers_waiting(b, 1)
+        assert b.stop() == 0
+        code, out = c.wait(30)
+    finally:
+        b.stop()
+    assert code == 0, out[-800:]
+    assert [e["reason"] for e in c.events("train.end")] == ["stop"]
 
 
 def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_path):
@@ -140,14 +177,15 @@ def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_p
     b = BrokerProc(tmp_path / "runs", ["--num-samples", "4"])
     try:
         early = Consumer(b, target_dir, tmp_path / "early.out", "--instance", "early")
-        _consumers_waiting(b, 1)  # joined before any producer: the batch itself is checked
+        _wait_for_event(early, "consume.waiting_for_layers")  # joined before any producer: waits for its facts
         producer = FakeProducer(b.control, "fake-p", n_samples=4)
         threading.Thread(target=producer.run_to_end, daemon=True).start()
         code, out = early.wait(60)
         assert code == 2
-        assert "carries target layers [1, 2], the drafter trains on [1]" in _last_line(out), out[-800:]
-        (bad,) = early.events("train.batch_mismatch")
-        assert bad["layer_ids"] == [1, 2] and bad["target_layers"] == [1]
+        # Refused on the run's facts before a drafter was built (it used to guess its layers
+        # and die at the first batch)
+        assert "this run's target has hidden size 4, --target here has 64" in _last_line(out), out[-800:]
+        assert early.events("train.start") == [] and early.events("train.batch_mismatch") == []
 
         # Joining once the run's facts are known: refused at the welcome, before training.
         late = Consumer(b, target_dir, tmp_path / "late.out", "--instance", "late")
@@ -195,3 +233,47 @@ def test_the_schedule_runs_over_the_brokers_planned_samples(target_dir, tmp_path
     steps = c.events("train.step")
     assert len(steps) == 12 and steps[-1]["lr"] == pytest.approx(1e-5)
     assert all(a["lr"] > b_["lr"] for a, b_ in zip(steps, steps[1:]))  # past the warmup (1 sample > 4%): decaying
+
+
+def test_a_consumer_started_before_any_producer_trains_on_the_runs_layers(tmp_path):
+    """Issue 22 item 2: real broker, consumer and producer processes; the producer captures
+    --target-layers 0,2, not the default [1, 2, 3] of this 6-layer target. The consumer,
+    started first with --target-layers auto, builds its drafter on the run's layers."""
+    from dflash.tools.tiny import MASK_TOKEN, tiny_target
+    from transformers import AutoTokenizer
+
+    import dflash.producers.sample_data as sample_data
+
+    target = tiny_target()
+    mask = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
+    data = tmp_path / "chats.jsonl"
+    chats = (Path(sample_data.__file__).parent / "chats.jsonl").read_text().splitlines()[:6]
+    data.write_text("\n".join(chats) + "\n")
+    b = BrokerProc(tmp_path / "runs", ["--epochs", "1", "--lease-size", "4"])
+    producer = None
+    try:
+        c = Consumer(b, target, tmp_path / "c.out", "--instance", "c", mask_token_id=mask)
+        _consumer_joined(b)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+        env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
+        with open(tmp_path / "p.out", "w") as f:
+            producer = subprocess.Popen(
+                [sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--runs-dir", str(b.runs_dir),
+                 "--instance", "p0", "--device", "cpu", "--target", str(target), "--data", str(data),
+                 "--target-layers", "0,2", "--token-budget", "256", "--max-length", "128", "--max-batch-size", "2",
+                 "--lease-size", "4", "--prefetch", "1"], stdout=f, stderr=subprocess.STDOUT, env=env)
+        code, out = c.wait(180)
+        assert producer.wait(60) == 0, (tmp_path / "p.out").read_text()[-1500:]
+    finally:
+        if producer is not None and producer.poll() is None:
+            producer.kill()
+        b.stop()
+    assert code == 0, out[-1500:]
+    (known,) = c.events("consume.layers_known")
+    assert known["layer_ids"] == [0, 2]
+    (start,) = c.events("train.start")
+    assert start["signal"]["target_layers"] == [0, 2]
+    steps = c.events("train.step")
+    assert steps and c.events("train.batch_mismatch") == []
+    (done,) = c.events("consume.done")
+    assert done["reason"] == "end_of_stream" and done["samples"] == 6
