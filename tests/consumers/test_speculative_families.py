@@ -57,7 +57,7 @@ def test_speculative_equals_generate_past_the_window(family):
 
 
 def test_a_stop_token_inside_an_accepted_block_ends_the_output():
-    m = _binary_target("gemma3")
+    m = _binary_target("mistral")
     d = _drafter(m.config.vocab_size)
     p = torch.randint(3, 500, (2 * WINDOW + 3,), generator=torch.Generator().manual_seed(3)).tolist()
     free = Speculative(m, d, max_prompt=32, max_new_tokens=NEW, stop_ids=set())(p)
