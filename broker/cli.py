@@ -15,7 +15,7 @@ import zmq
 
 from dflash.protocol.alloc import reuse_freed_memory
 from dflash.protocol import curve
-from dflash.protocol.config import as_dict, config_option, fail, option, runs_dir_option
+from dflash.protocol.config import as_dict, command, config_option, fail, option, runs_dir_option
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest
@@ -26,7 +26,7 @@ from .ledger import SCHEMA_VERSION
 from .server import Broker
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@command("BROKER", max_content_width=100)
 @config_option()
 @option("--bind", default="*", help="Interface to bind every socket on ('*' = all, 127.0.0.1 = this host only).")
 @option("--port", default=5555, type=int, help="Control port: the one address peers and dflash-status dial.")
@@ -102,7 +102,7 @@ def main(**opts) -> None:
             try:
                 opts[name] = parse_bytes(opts[name])
             except ValueError as e:
-                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_{name.upper()}, or --config): {e}") from None
+                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_BROKER_{name.upper()}, or --config): {e}") from None
         opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
         cfg = BrokerConfig(**opts)
         if cfg.curve_keys:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -23,7 +22,8 @@ import click
 import torch
 
 from dflash.protocol.alloc import reuse_freed_memory
-from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option, size_option
+from dflash.protocol.config import (as_dict, broker_option, command, config_option, default_instance, fail, option,
+                                    runs_dir_option, size_option, target_option)
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from, curve_options
@@ -79,15 +79,17 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of layer IDs") from None
 
 
-@click.command(context_settings={"max_content_width": 100})
+@command("CONSUME", max_content_width=100)
 @config_option()
-@option("--target", required=True, type=click.Path(exists=True),
-        help="Target model folder (Hugging Face layout) or .gguf file; only config, tokenizer, embed_tokens and "
-        "lm_head are read.")
+@target_option("Target model folder (Hugging Face layout), hub ID or .gguf file; only config, tokenizer, "
+               "embed_tokens and lm_head are read.")
 @option("--gpu", type=int, default=None, help="CUDA device index; omitted: train on CPU (float32).")
+@option("--device", default=None, help="Torch device instead of --gpu, as dflash-produce takes it: 'cpu', 'cuda' "
+        "or 'cuda:N'.")
 @broker_option()
 @runs_dir_option()
-@option("--instance", default=None, help="This consumer's name in logs and at the broker (default <host>-gpu<N>).")
+@option("--instance", default=None, help="This consumer's name in logs and at the broker, unique among the run's live consumers (default "
+        "<host>-<device>-<pid>, e.g. node1-cuda2-4711).")
 @option("--run-id", default=None, help="Local run: its ID (default: a new one). With a broker: join only if it "
         "serves this run (default: the broker's run).")
 @option("--draft-layers", default=5, type=click.IntRange(1), help="Draft decoder layers (paper: 5).")
@@ -130,7 +132,7 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--inbox-bytes", default="256MiB", callback=size_option,
         help="Most bytes of received batches waiting in this consumer: always room for 2 batches, and for up to "
              "16 while they are small, so the round trip to the broker does not set the rate.")
-@option("--stage-batches/--no-stage-batches", envvar="DFLASH_STAGE_BATCHES", default=True,
+@option("--stage-batches/--no-stage-batches", default=True,
         help="Prepare the next batch on a thread while the step runs: on GPU it is copied straight from the "
              "received message to the GPU (fp8 as fp8, dequantised there) on a stream of its own, off the step's "
              "critical path; it holds one batch more in GPU memory. --no-stage-batches prepares each batch "
@@ -168,8 +170,25 @@ def main(**o) -> None:
     train_fields = set(TrainConfig.__dataclass_fields__)
     tcfg = TrainConfig(**{k: v for k, v in o.items() if k in train_fields})
     rest = {k: v for k, v in o.items() if k in ConsumerConfig.__dataclass_fields__ and k != "train"}
-    rest["instance"] = rest["instance"] or f"{socket.gethostname()}-{'cpu' if o['gpu'] is None else 'gpu%d' % o['gpu']}"
+    rest["gpu"] = _gpu_of(o["gpu"], o["device"])
+    rest["instance"] = rest["instance"] or default_instance("cpu" if rest["gpu"] is None else f"cuda{rest['gpu']}")
     run(ConsumerConfig(train=tcfg, **rest))
+
+
+def _gpu_of(gpu: int | None, device: str | None) -> int | None:
+    """--gpu N or --device cpu|cuda|cuda:N as the CUDA index (None: CPU)."""
+    if device is None:
+        return gpu
+    d = device.strip().lower()
+    if d == "cpu":
+        index = None
+    elif d == "cuda" or d.startswith("cuda:") and d[5:].isdigit():
+        index = int(d[5:]) if d[4:5] == ":" else 0
+    else:
+        fail(f"--device {device!r}: the consumer trains on 'cpu', 'cuda' or 'cuda:N'")
+    if gpu is not None and gpu != index:
+        fail(f"--gpu {gpu} and --device {device} name different devices: give one of them")
+    return index
 
 
 def run(cfg: ConsumerConfig) -> None:
@@ -203,7 +222,8 @@ def run(cfg: ConsumerConfig) -> None:
             state, dist = _serve(cfg, tcfg, heads, device, stop)
         log.info("consume.done", step=state.step, reason=state.end_reason, tokens=state.tokens,
                  samples=state.samples, last_checkpoint=str(state.last_checkpoint) if state.last_checkpoint else None)
-        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}")
+        # stderr: stdout carries only the JSON log lines (a pipe into jq must parse every line)
+        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}", err=True)
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import traceback
 
-from pathlib import Path
-
 import click
 
 from dflash.protocol.curve import client_from, curve_options
-from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option
+from dflash.protocol.config import (as_dict, broker_option, command, config_option, default_instance, fail, option,
+                                    runs_dir_option, target_option)
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.logs import close_logging, get_logger, setup_logging
 
@@ -32,35 +30,12 @@ from .target import resolve_device
 log = get_logger()
 
 
-def _target_arg(_ctx, param, value: str | None) -> str | None:
-    """A --target that names a path must be a model folder. Left to transformers, a missing
-    path was read as a malformed hub ID ("Repo id must be in the form ...") and a folder
-    without a model as a tokenizer problem ("... sentencepiece or tiktoken")."""
-    if value is None:
-        return value
-    path = Path(value).expanduser()
-    looks_like_path = path.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1
-    if not looks_like_path:
-        return value  # org/name: a hub ID (found in the local cache; nothing is downloaded here)
-    if not path.exists():
-        raise click.BadParameter(f"{value}: no such folder (a local model folder, or a hub ID 'org/name')",
-                                 param=param)
-    if path.is_file() and path.suffix == ".gguf" or path.is_dir() and any(path.glob("*.gguf")):
-        return value  # a GGUF checkpoint: transformers reads its config from the file
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise click.BadParameter(f"{value} is not a model folder: it has no config.json (give the folder that "
-                                 "save_pretrained wrote, with config.json, the weights and the tokenizer)",
-                                 param=param)
-    return value
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command("PRODUCE")
 @config_option()
 @broker_option()
 @runs_dir_option()
-@option("--target", required=True, callback=_target_arg,
-        help="Target model: a local folder, a Hugging Face hub ID, or a .gguf file (de-quantised to --dtype by "
-        "transformers; needs the gguf extra).")
+@target_option("Target model: a local folder, a Hugging Face hub ID, or a .gguf file (de-quantised to --dtype by "
+              "transformers; needs the gguf extra).")
 @option("--data", required=True, help="Dataset: .jsonl (messages / conversations / text rows), "
         ".parquet, or a HF datasets folder (save_to_disk).")
 @option("--gpu", type=int, default=None, help="GPU index to run the target on (default: GPU 0 if any, else CPU).")
@@ -71,9 +46,11 @@ def _target_arg(_ctx, param, value: str | None) -> str | None:
         "flex_attention); auto = flash_attention_2 on GPU when installed, else flex_attention; sdpa on CPU.")
 @option("--target-layers", default=None, help="Comma-separated decoder layer IDs to capture (0-based, "
         "'layer i' = HF hidden_states[i+1]); default: 5 spaced from 1 to L-3, e.g. 1,9,17,25,33 for 36 layers.")
-@option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding).")
+@option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding); "
+        "at least --max-length (lower both together, e.g. --token-budget 2048 --max-length 2048).")
 @option("--max-batch-size", type=int, default=64, help="Max sequences per forward pass.")
-@option("--max-length", type=int, default=3072, help="Sequences are truncated to this many tokens.")
+@option("--max-length", type=int, default=3072, help="Sequences are truncated to this many tokens; at most "
+        "--token-budget.")
 @option("--lease-size", type=int, default=256, help="Samples asked of the broker per lease.")
 @option("--prefetch", type=int, default=4, help="Batches prepared ahead of the GPU (the heartbeat's q_pre).")
 @option("--skip-bad-rows", is_flag=True, default=False, help="Skip malformed rows (each logged, counted and "
@@ -91,10 +68,11 @@ def _target_arg(_ctx, param, value: str | None) -> str | None:
 @option("--final-hidden", is_flag=True, default=False, help="Also send each token's last hidden state after the "
         "final norm (the LM head's input, H values per token): consumers with --distill-weight compute the "
         "target's next-token distribution from it (docs/TRAINING.md \"Distillation\").")
-@option("--check-packing/--no-check-packing", envvar="DFLASH_CHECK_PACKING", default=True, help="At start, verify that packed sequences "
+@option("--check-packing/--no-check-packing", default=True, help="At start, verify that packed sequences "
         "do not attend to each other on this model (a few tiny forward passes).")
 @option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
-@option("--instance", default=None, help="This producer's name, unique in the run (default <host>-gpu<N>).")
+@option("--instance", default=None, help="This producer's name, unique among the run's live producers (default <host>-<device>-<pid>, "
+        "e.g. node1-cuda0-4711).")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
 @option("--dry-run", is_flag=True, default=False, help="No broker: one pass over the local dataset, batches "
         "discarded, summary printed.")
@@ -126,13 +104,12 @@ def main(**kw) -> None:
 
 
 def _default_instance(cfg: ProducerConfig) -> str:
-    """`<host>-gpu<N>` or `<host>-cpu` (PROTOCOL.md 4.1)."""
+    """`<host>-<device>-<pid>` (PROTOCOL.md 4.1)."""
     try:
         device = resolve_device(cfg.gpu, cfg.device)
     except ValueError as e:
         fail(str(e))
-    host = socket.gethostname()
-    return f"{host}-gpu{device.index or 0}" if device.type == "cuda" else f"{host}-{device.type}"
+    return default_instance(f"cuda{device.index or 0}" if device.type == "cuda" else device.type)
 
 
 def _dry_run(cfg: ProducerConfig, c) -> dict:

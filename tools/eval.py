@@ -24,7 +24,7 @@ import torch
 
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, greedy, speculative_greedy
-from dflash.protocol.config import fail, option
+from dflash.protocol.config import command, fail, option, target_option
 
 
 @dataclass
@@ -188,8 +188,8 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     return model, tokenizer, drafter
 
 
-@click.command(context_settings={"max_content_width": 100})
-@option("--target", required=True, type=click.Path(exists=True), help="Target model folder (Hugging Face layout) or .gguf file.")
+@command("EVAL", max_content_width=100)
+@target_option("Target model folder (Hugging Face layout) or .gguf file.")
 @option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
         help="Drafter: a training checkpoint folder or a dflash-export folder (published layout).")
 @option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="JSON Lines file of prompts.")

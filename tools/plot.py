@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from dflash.protocol.config import fail, option, runs_dir_option
+from dflash.protocol.config import command, fail, option, runs_dir_option
 from dflash.protocol.run import resolve_run
 
 from .runlogs import merged
@@ -64,7 +64,7 @@ def render(series: dict, position_acc: list | None, out: Path, title: str, dpi: 
     plt.close(fig)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command("PLOT")
 @option("--run", "run_ref", default="latest", help="Run ID, run folder, or 'latest'.")
 @runs_dir_option()
 @option("--out", "-o", type=click.Path(dir_okay=False), default=None,
