@@ -160,6 +160,16 @@ def broker_option() -> Callable:
     )
 
 
+def curve_options(f: Callable) -> Callable:
+    """The two options every peer command takes: `--curve-keys DIR` and `--curve-name NAME`
+    (env DFLASH_CURVE_KEYS, DFLASH_CURVE_NAME, shared). Map them with curve.client_from."""
+    f = option("--curve-name", default=None, metavar="NAME",
+               help="Which keypair of --curve-keys is ours: DIR/NAME.key_secret (default: this host's name).")(f)
+    return option("--curve-keys", default=None, metavar="DIR",
+                  help="CurveZMQ on: encrypt and authenticate with DIR/broker.key and our keypair (made by "
+                       "dflash-keygen; the broker must have our .key in its authorized/). Off = plain TCP.")(f)
+
+
 def runs_dir_option() -> Callable:
     return option(
         "--runs-dir", default="runs", type=click.Path(file_okay=False),
