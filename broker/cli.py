@@ -7,6 +7,7 @@ options; 1 if the broker could not start (e.g. a port in use) or crashed.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 
@@ -68,11 +69,12 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     except (zmq.ZMQError, OSError) as e:  # OSError: the --metrics-port HTTP server
         log.error("broker.start_failed", error=str(e), port=cfg.port, data_in_port=cfg.data_in_port,
                   metrics_port=cfg.metrics_port)
-        runinfo.start(run_dir, run_id, as_dict(cfg), {}, cfg.instance, **lineage)
-        runinfo.finish(run_dir, "failed", error=f"cannot bind: {e}")
         ports = f"{cfg.port}/{cfg.data_in_port}" + (f"/{cfg.metrics_port}" if cfg.metrics_port else "")
         click.echo(f"error: cannot bind ports {ports} on {cfg.bind}: {e}", err=True)
         close_logging()
+        # No run was served: its folder would be one more empty run in runs/ per failed start
+        # (the error is on stderr and in the JSON lines on stdout).
+        shutil.rmtree(run_dir, ignore_errors=True)
         return 1
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
     point_latest(run_id, cfg.runs_dir)

@@ -24,7 +24,7 @@ import torch
 
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, greedy, speculative_greedy
-from dflash.protocol.config import command, fail, option, target_option
+from dflash.protocol.config import command, fail, option, runs_dir_option, target_option
 
 
 @dataclass
@@ -172,6 +172,20 @@ def format_report(rep: dict) -> str:
 # ---------------------------------------------------------------- CLI
 
 
+def drafter_folder(ref: str, runs_dir: str) -> str:
+    """--drafter as a folder: an export or step folder as given, else the checkpoint that
+    `latest`, a run ID or a run folder names (as dflash-export resolves it)."""
+    from dflash.consumers.checkpoint import resolve_checkpoint
+
+    p = Path(ref)
+    if p.is_dir() and ((p / "config.json").is_file() or (p / "state.json").is_file()):
+        return ref
+    try:
+        return str(resolve_checkpoint(ref, runs_dir))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(str(e).replace("--resume", "--drafter")) from None
+
+
 def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     """(target model, tokenizer, drafter), both models frozen in `dtype` on `device`."""
     from transformers.utils import logging as hf_logging
@@ -190,8 +204,10 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 
 @command("EVAL", max_content_width=100)
 @target_option("Target model folder (Hugging Face layout) or .gguf file.")
-@option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
-        help="Drafter: a training checkpoint folder or a dflash-export folder (published layout).")
+@option("--drafter", required=True,
+        help="Drafter: a dflash-export folder (published layout), or a training checkpoint as dflash-export takes "
+        "it: a step folder, run folder, run ID or 'latest'.")
+@runs_dir_option()
 @option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="JSON Lines file of prompts.")
 @option("--max-new-tokens", default=256, type=click.IntRange(1), help="Tokens to generate per prompt (fewer at a stop token).")
 @option("--limit", default=None, type=click.IntRange(1), help="Evaluate only the first N prompts.")
@@ -199,11 +215,12 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 @option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Dtype of both models.")
 @option("--threads", default=None, type=click.IntRange(1), help="torch CPU threads (default: torch's choice).")
 @option("--json", "as_json", is_flag=True, default=False, help="Print the full report as one JSON object.")
-def main(target, drafter, prompts, max_new_tokens, limit, device, dtype, threads, as_json) -> None:
+def main(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, as_json) -> None:
     """Speculative decoding (greedy) with TARGET and DRAFTER on PROMPTS: tau, speedup, lossless check."""
     if threads:
         torch.set_num_threads(threads)
     try:
+        drafter = drafter_folder(drafter, runs_dir)
         model, tokenizer, d = load_pair(target, drafter, dtype, device)
         rows = read_prompts(prompts, tokenizer, limit)
     except (ExportError, ValueError, OSError) as e:
