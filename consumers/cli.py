@@ -33,6 +33,7 @@ from dflash.protocol.run import run_dir as run_folder
 from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
+from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
 from .link import (BrokerHooks, arranged_dist, broker_batches, check_run_target, hello_config, nothing_left_to_train,
                    offer_dist_addr, resume_point, run_layers)
@@ -74,6 +75,7 @@ def run(cfg: ConsumerConfig) -> None:
     the broker is unreachable, refuses us or is lost (1)."""
     reuse_freed_memory()  # before ZeroMQ starts its I/O threads: each received batch reuses freed memory
     setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
+    quiet_library_noise()
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)

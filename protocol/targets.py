@@ -96,7 +96,9 @@ def load_causal_lm(target: str | Path, **kw: Any):
     """`AutoModelForCausalLM.from_pretrained` of the target; `kw` as transformers takes them
     (dtype, attn_implementation, device_map, trust_remote_code)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar lands among the JSON log lines
     name, extra = _args(target)
     return AutoModelForCausalLM.from_pretrained(name, **extra, **kw)
 

@@ -35,6 +35,7 @@ from dflash.tools.tiny import tiny_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N_ROWS, EPOCHS = 40, 6
+NOISE = ("Loading weights", "NCCL flight recorder", '"GET /checkpoint')
 EXPECTED = [
     'pip install -e ".[test]"',
     "dflash-demo",
@@ -186,10 +187,13 @@ def test_readme_story_runs_as_written(tmp_path, loc):
     outs = [(p.out_path.read_text(), p.err_path.read_text()) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, (out + err)[-3000:]
-    # stdout is the JSON log lines only (DFLASH_LOG_JSON): nothing else mixed in
-    for p, (out, _err) in zip(procs, outs):
+    # stdout is the JSON log lines only (DFLASH_LOG_JSON): nothing else mixed in; and no
+    # library noise on stderr either (progress bars, torchft's flight recorder, HTTP access lines)
+    for p, (out, err) in zip(procs, outs):
         bad = [line for line in out.splitlines() if line.strip() and not _is_json(line)]
         assert not bad, f"{p.args[0]} printed non-JSON lines on stdout: {bad[:5]}"
+        noise = [line for line in err.splitlines() if any(n in line for n in NOISE)]
+        assert not noise, f"{p.args[0]} printed library noise: {noise[:5]}"
     assert json.loads((second / "run.json").read_text())["parent_run"] == first.name
 
     # exactly once across the crash: what the first run committed is never trained again
