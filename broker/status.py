@@ -18,7 +18,7 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
 
 from .config import MAX_CREDIT
-from .diagnosis import diagnose, result
+from .diagnosis import HOLD_TICKS, Steady, diagnose, result
 
 log = get_logger()
 
@@ -63,7 +63,9 @@ def samples(b) -> dict:
         "total": total, "pending": b.leases.pending() if n is not None else None,
         "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
         "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
-        "done": c["trained"] + c["committed"] + c["skipped"],
+        # a resumed run's parent did these (committed or skipped there): never leased here
+        "inherited": c.get("inherited", 0),
+        "done": c["trained"] + c["committed"] + c["skipped"] + c.get("inherited", 0),
         "epoch": b.leases.epoch, "epochs": b.cfg.epochs, "n_samples": n,
     }
 
@@ -85,6 +87,7 @@ def peer_row(b, p, now: float) -> dict:
     row = {
         "peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
         "state": _peer_state(b, p), "joined_at": _iso(p.joined_at),
+        "connected_s": round(max(0.0, time.time() - p.joined_at), 3),
         "heartbeat_age_s": round(now - p.last_seen, 3),
         "stats": p.stats, "stats_at": _iso(p.stats_at),
         "batches_per_s": round(p.rate_in.rate(now), 3), "tokens_per_s": round(p.rate_tokens.rate(now), 1),
@@ -137,6 +140,7 @@ def progress(b, now: float) -> dict:
         "epochs_done": round(s["done"] / s["n_samples"], 4) if s["n_samples"] else None,
         "fraction": round(s["done"] / s["total"], 4) if s["total"] else None,
         "trained": s["trained"] + s["committed"], "committed": s["committed"], "done": s["done"],
+        "inherited": s["inherited"],
         "total": s["total"], "samples_per_s": round(sps, 2), "eta_s": eta,
         "eta_at": _iso(time.time() + eta) if eta is not None else None,
     }
@@ -177,7 +181,9 @@ def build_status(b) -> dict:
         "gone": [gone_row(p) for p in b.peers.gone],
     }
     try:
-        st["diagnosis"] = diagnose(st)
+        # hysteresis across ticks and asks: a new bottleneck holds for HOLD_TICKS progress ticks
+        steady = b.__dict__.setdefault("steady_diagnosis", Steady(HOLD_TICKS * b.cfg.progress_s))
+        st["diagnosis"] = steady.update(diagnose(st), now)
     except Exception as e:  # called from the loop's tick: a diagnosis bug must not end the run
         st["diagnosis"] = result("unknown", f"diagnosis failed: {type(e).__name__}: {e}")
     return st

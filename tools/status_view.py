@@ -72,6 +72,12 @@ def table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _inherited(p: dict) -> str:
+    """A resumed run's samples done by the runs before it (they count towards progress)."""
+    n = p.get("inherited")
+    return f" (+{n} from the resumed run)" if isinstance(n, int) and n else ""
+
+
 def header(st: dict) -> list[str]:
     br, q, p, r = st.get("broker") or {}, st.get("queue") or {}, st.get("progress") or {}, st.get("rates") or {}
     s = st.get("samples") or {}
@@ -86,7 +92,7 @@ def header(st: dict) -> list[str]:
     epoch = "-" if p.get("epoch") is None else p["epoch"] + 1  # 1-based for people
     lines.append(f"progress epoch {epoch}/"
                  f"{p.get('epochs', '?')} ({epochs_done} epochs done)  samples trained {p.get('trained', 0)} "
-                 f"committed {p.get('committed', 0)} of {total if total is not None else '?'}{pct}  skipped "
+                 f"committed {p.get('committed', 0)}{_inherited(p)} of {total if total is not None else '?'}{pct}  skipped "
                  f"{s.get('skipped', 0)}  {eta}")
     lines.append(f"queue    {q.get('batches', 0)} batches  {size(q.get('bytes'))} of {size(q.get('capacity_bytes'))}"
                  f"  oldest {dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"
@@ -101,6 +107,8 @@ def header(st: dict) -> list[str]:
         lines.append(f"why      {d.get('text')}")
         if d.get("suggestion"):
             lines.append(f"         -> {d['suggestion']}")
+        if isinstance(d.get("pending"), dict):  # hysteresis: a new diagnosis not yet steady
+            lines.append(f"         (changing? {d['pending'].get('code')} for {dur(d['pending'].get('for_s'))})")
     return lines
 
 
