@@ -20,9 +20,9 @@ class _DropFlightRecorder(logging.Filter):
 
 def quiet_library_noise() -> None:
     """Install both filters (idempotent)."""
-    log = logging.getLogger("torchft.manager")
-    if not any(isinstance(f, _DropFlightRecorder) for f in log.filters):
-        log.addFilter(_DropFlightRecorder())
+    manager_logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _DropFlightRecorder) for f in manager_logger.filters):
+        manager_logger.addFilter(_DropFlightRecorder())
     import torchft.http as http
 
     server = http._IPv6HTTPServer
