@@ -31,7 +31,7 @@ SIDE = {"producer": "targets", "consumer": "drafters"}
 
 def diagnose(st: dict) -> dict:
     """{code, text, suggestion, limited_by} for a status map. Never raises on missing keys."""
-    for check in (_stopping, _lost, _missing, _oom, _idle, _balance):
+    for check in (_stopping, _job_lost, _lost, _missing, _oom, _idle, _balance):
         d = check(st)
         if d is not None:
             return d
@@ -86,6 +86,18 @@ def _stopping(st: dict) -> dict | None:
     why = "shutdown (a signal): waiting for the consumers' last commit" if (
         st["broker"].get("stop_reason") == "shutdown") else "end of stream"
     return result("stopping", f"{why}: every peer was told to stop; {n} still to leave")
+
+
+def _job_lost(st: dict) -> dict | None:
+    """The training job died with uncommitted work: the run cannot go on (a restarted
+    consumer is refused), so no "restart it", only the resume."""
+    lost = st.get("job_lost")
+    if not isinstance(lost, dict) or (st.get("broker") or {}).get("state") == "stopping":
+        return None
+    run = st.get("run_id", "<run>")
+    return result("job_lost", f"the training job is lost: {lost.get('text') or lost.get('reason')}",
+                  f"new consumers are refused; stop the broker (SIGTERM: it drains and exits 0), then "
+                  f"dflash-broker --resume {run} and start the producers and consumers again", "drafters")
 
 
 def _lost(st: dict) -> dict | None:

@@ -19,6 +19,7 @@ from dflash.protocol.messages import PROTOCOL_VERSION
 
 from .config import MAX_CREDIT
 from .diagnosis import HOLD_TICKS, Steady, diagnose, result
+from .handshake import job_lost_reason
 
 log = get_logger()
 
@@ -135,6 +136,8 @@ def progress(b, now: float) -> dict:
     sps = b.rate_samples.rate(now)
     left = None if s["total"] is None else max(0, s["total"] - s["done"])
     eta = round(left / sps) if left is not None and sps > 0 else None
+    if getattr(b, "job_lost", None):  # nothing more is trained in this run: no end to foresee
+        eta = None
     return {
         "epoch": s["epoch"], "epochs": s["epochs"],
         "epochs_done": round(s["done"] / s["n_samples"], 4) if s["n_samples"] else None,
@@ -149,7 +152,8 @@ def progress(b, now: float) -> dict:
 def build_status(b) -> dict:
     now = time.monotonic()
     consumers = b.peers.live("consumer")
-    state = "running" if b.stopping is None else "stopping"
+    # job_lost: the training job died with uncommitted work; new consumers are refused
+    state = "stopping" if b.stopping is not None else "job_lost" if getattr(b, "job_lost", None) else "running"
     st = {
         "run_id": b.run_id,
         "protocol_version": PROTOCOL_VERSION,
@@ -178,6 +182,7 @@ def build_status(b) -> dict:
         "leases": {"open": len(b.leases.open)},
         "ledger": {"path": str(b.ledger.path), "write_s": round(b.ledger.flush_seconds, 3)},
         "peers": [peer_row(b, p, now) for p in b.peers.live()],
+        "job_lost": ({**b.job_lost, "text": job_lost_reason(b)} if state == "job_lost" else None),
         "gone": [gone_row(p) for p in b.peers.gone],
     }
     try:

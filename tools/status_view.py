@@ -72,6 +72,11 @@ def table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _live_state(state) -> str:
+    """The broker answers, but a lost job trains no more: it must not read as running."""
+    return "LIVE, JOB LOST (training cannot go on: resume the run)" if state == "job_lost" else f"LIVE ({state})"
+
+
 def _inherited(p: dict) -> str:
     """A resumed run's samples done by the runs before it (they count towards progress)."""
     n = p.get("inherited")
@@ -82,7 +87,7 @@ def header(st: dict) -> list[str]:
     br, q, p, r = st.get("broker") or {}, st.get("queue") or {}, st.get("progress") or {}, st.get("rates") or {}
     s = st.get("samples") or {}
     lines = [f"run {st.get('run_id')}  started {clock(br.get('started_at'), '%Y-%m-%d %H:%M:%SZ')}  up "
-             f"{dur(br.get('uptime_s'))}  LIVE ({br.get('state')})  broker {br.get('instance')}@{br.get('host')} "
+             f"{dur(br.get('uptime_s'))}  {_live_state(br.get('state'))}  broker {br.get('instance')}@{br.get('host')} "
              f"pid {br.get('pid')}"]
     total = p.get("total")
     pct = f" ({100 * p['fraction']:.1f}%)" if isinstance(p.get("fraction"), (int, float)) else ""
