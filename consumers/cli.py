@@ -68,6 +68,7 @@ class ConsumerConfig:
     eval_max_new_tokens: int = 64
     eval_limit: int | None = 8
     inbox_bytes: int = 256 << 20  # received batches waiting, in bytes (protocol/credit.py)
+    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; consumers/sinks.py)
 
 
 def run(cfg: ConsumerConfig) -> None:
@@ -138,9 +139,14 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
                               seed=tcfg.seed, dtype=heads.embed.dtype)
     live = _live_eval(cfg, heads, signal_, dist.rank, None)
     stream = cfg.synthetic_batches * cfg.synthetic_seqs * dist.world_size  # every rank's synthetic samples
-    state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
-                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
-                                                            stream_samples=stream))
+    sink = _sink(cfg, run_dir.name, dist.rank)
+    try:
+        state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
+                      run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
+                                                                stream_samples=stream, on_metrics=sink))
+    finally:
+        if sink is not None:
+            sink.close()
     if live and state.end_reason != "stop":
         live.final(state.step, state.model)
     return state
@@ -156,7 +162,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
                     curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
                     config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None),
                     stats=lambda: plugs.heartbeat() if plugs else {"state": "starting"})
-    plugs, dist, reason = None, None, "failed"
+    plugs, dist, reason, sink = None, None, "failed", None
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
         run_config = link.welcome.get("run_config") or {}
@@ -174,6 +180,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             plugs = BrokerHooks(link, dist.rank, stop, device)
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
+            plugs.hooks.on_metrics = sink = _sink(cfg, link.run_id, dist.rank)
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit
             try:
                 state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
@@ -181,6 +188,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
                               run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
             except FileNotFoundError as e:
                 state = nothing_left_to_train(link, e)
+        if sink is not None:
+            sink.close()
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
         if live and state.end_reason != "stop" and state.model is not None:  # the finished drafter's real tau
@@ -189,11 +198,22 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist
     except BaseException:
+        if sink is not None:
+            sink.close()
         if dist is not None:  # the caller's finally closes it only on success
             dist.close()
         raise
     finally:
         link.close(reason=reason)
+
+
+def _sink(cfg: ConsumerConfig, run_id: str, rank: int):
+    """The --tensorboard writer of rank 0 (the step lines are the job's, alike on every rank)."""
+    if not cfg.tensorboard or rank != 0:
+        return None
+    from .sinks import TensorBoardSink
+
+    return TensorBoardSink(cfg.tensorboard, run_id)
 
 
 def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | None) -> LiveEval | None:

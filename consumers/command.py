@@ -102,6 +102,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
         "the whole --target on its device. Needs --eval-every.")
 @option("--eval-max-new-tokens", default=64, type=click.IntRange(1), help="Tokens decoded per eval prompt.")
 @option("--eval-limit", default=8, type=click.IntRange(1), help="Use only the first N of --eval-prompts.")
+@option("--tensorboard", default=None, metavar="DIR", type=click.Path(file_okay=False),
+        help="Also write rank 0's train.step figures as TensorBoard scalars under DIR/<run_id>, named as the JSON "
+        "fields (train.step/loss, train.step/tokens_per_s); needs the tensorboard extra.")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
 @curve_options
 def main(**o) -> None:

@@ -90,6 +90,9 @@ class Hooks:
     # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
     # to read.
     stats: dict | None = None
+    # Rank 0, after each step's train.step line: (step, that line's fields), for the
+    # metric sinks (--tensorboard, consumers/sinks.py)
+    on_metrics: Callable[[int, dict], None] | None = None
 
 
 @dataclass
