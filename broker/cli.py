@@ -43,6 +43,10 @@ def start(opts: dict) -> None:
             parent = resume.load(cfg.resume, cfg.runs_dir)
             cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
         cfg.check()
+        if cfg.tensorboard:
+            from dflash.protocol.sinks import require_tensorboard
+
+            require_tensorboard()
     except (ValueError, TypeError, curve.CurveKeyError) as e:  # resume.ResumeError is a ValueError
         fail(str(e))
     sys.exit(run(cfg, parent))
@@ -78,6 +82,10 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         return 1
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
     point_latest(run_id, cfg.runs_dir)
+    if cfg.tensorboard:
+        from dflash.protocol.sinks import TensorBoardSink
+
+        broker.metric_sink = TensorBoardSink(cfg.tensorboard, run_id, event="broker.progress")
     broker.ledger.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,
                            config=as_dict(cfg))
     security.warn_if_open(cfg.bind, bool(cfg.curve_keys))
@@ -102,6 +110,8 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     finally:
         samples = dict(broker.ledger.counts)
         broker.close()
+        if getattr(broker, "metric_sink", None) is not None:
+            broker.metric_sink.close()
         why = getattr(broker, "outcome_why", None)
         code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
         runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal,

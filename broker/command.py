@@ -54,6 +54,10 @@ from dflash.protocol.messages import MAX_MESSAGE_BYTES
              "batches take them in turn. 0 = auto: one per I/O thread the broker has for that direction (see "
              "--io-threads), at most 2 (docs/BENCHMARKS.md, transport).")
 @option("--progress-s", default=10.0, type=float, help="Seconds between broker.progress summary log lines.")
+@option("--tensorboard", default=None, metavar="DIR", type=click.Path(file_okay=False),
+        help="Also write each broker.progress line's figures as TensorBoard scalars under DIR/<run_id>, named as "
+        "the JSON fields (broker.progress/samples_per_s, broker.progress/queue_bytes), at the seconds since start; "
+        "needs the tensorboard extra.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -214,8 +214,11 @@ def log_progress(b, now: float) -> None:
     diagnosis changes, so the logs say when and why throughput changed."""
     st = build_status(b)
     d, p = st["diagnosis"], st["progress"]
-    log.info("broker.progress", **progress_fields(b, now), samples_per_s=p["samples_per_s"], eta_s=p["eta_s"],
-             diagnosis=d["code"])
+    fields = progress_fields(b, now)
+    log.info("broker.progress", **fields, samples_per_s=p["samples_per_s"], eta_s=p["eta_s"], diagnosis=d["code"])
+    sink = getattr(b, "metric_sink", None)  # --tensorboard
+    if sink is not None:
+        sink(int(fields["uptime_s"]), {**fields, "samples_per_s": p["samples_per_s"], "eta_s": p["eta_s"]})
     if d["code"] != b.last_diagnosis:
         b.last_diagnosis = d["code"]
         level = log.info if d["code"] in QUIET else log.warning

@@ -211,7 +211,7 @@ def _sink(cfg: ConsumerConfig, run_id: str, rank: int):
     """The --tensorboard writer of rank 0 (the step lines are the job's, alike on every rank)."""
     if not cfg.tensorboard or rank != 0:
         return None
-    from .sinks import TensorBoardSink
+    from dflash.protocol.sinks import TensorBoardSink
 
     return TensorBoardSink(cfg.tensorboard, run_id)
 
