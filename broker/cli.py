@@ -43,10 +43,13 @@ def start(opts: dict) -> None:
             parent = resume.load(cfg.resume, cfg.runs_dir)
             cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
         cfg.check()
-        if cfg.tensorboard:
-            from dflash.protocol.sinks import require_tensorboard
+        if cfg.tensorboard or cfg.wandb:
+            from dflash.protocol.sinks import require_tensorboard, require_wandb
 
-            require_tensorboard()
+            if cfg.tensorboard:
+                require_tensorboard()
+            if cfg.wandb:
+                require_wandb()
     except (ValueError, TypeError, curve.CurveKeyError) as e:  # resume.ResumeError is a ValueError
         fail(str(e))
     sys.exit(run(cfg, parent))
@@ -82,10 +85,10 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         return 1
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
     point_latest(run_id, cfg.runs_dir)
-    if cfg.tensorboard:
-        from dflash.protocol.sinks import TensorBoardSink
+    if cfg.tensorboard or cfg.wandb:
+        from dflash.protocol.sinks import open_sinks
 
-        broker.metric_sink = TensorBoardSink(cfg.tensorboard, run_id, event="broker.progress")
+        broker.metric_sink = open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "broker.progress")
     broker.ledger.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,
                            config=as_dict(cfg))
     security.warn_if_open(cfg.bind, bool(cfg.curve_keys))

@@ -58,6 +58,9 @@ from dflash.protocol.messages import MAX_MESSAGE_BYTES
         help="Also write each broker.progress line's figures as TensorBoard scalars under DIR/<run_id>, named as "
         "the JSON fields (broker.progress/samples_per_s, broker.progress/queue_bytes), at the seconds since start; "
         "needs the tensorboard extra.")
+@option("--wandb", default=None, metavar="PROJECT",
+        help="Also log each broker.progress line's figures to Weights & Biases PROJECT (run <run_id>-broker, files "
+        "in the run folder); WANDB_MODE=offline writes them locally only. Needs the wandb extra.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -68,7 +68,8 @@ class ConsumerConfig:
     eval_max_new_tokens: int = 64
     eval_limit: int | None = 8
     inbox_bytes: int = 256 << 20  # received batches waiting, in bytes (protocol/credit.py)
-    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; consumers/sinks.py)
+    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; protocol/sinks.py)
+    wandb: str | None = None  # W&B project (rank 0; WANDB_MODE=offline: files only)
 
 
 def run(cfg: ConsumerConfig) -> None:
@@ -139,7 +140,7 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
                               seed=tcfg.seed, dtype=heads.embed.dtype)
     live = _live_eval(cfg, heads, signal_, dist.rank, None)
     stream = cfg.synthetic_batches * cfg.synthetic_seqs * dist.world_size  # every rank's synthetic samples
-    sink = _sink(cfg, run_dir.name, dist.rank)
+    sink = _sink(cfg, run_dir.name, run_dir, dist.rank)
     try:
         state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
                       run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
@@ -180,7 +181,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             plugs = BrokerHooks(link, dist.rank, stop, device)
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
-            plugs.hooks.on_metrics = sink = _sink(cfg, link.run_id, dist.rank)
+            plugs.hooks.on_metrics = sink = _sink(cfg, link.run_id, run_folder(link.run_id, cfg.runs_dir), dist.rank)
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit
             try:
                 state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
@@ -207,13 +208,13 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         link.close(reason=reason)
 
 
-def _sink(cfg: ConsumerConfig, run_id: str, rank: int):
-    """The --tensorboard writer of rank 0 (the step lines are the job's, alike on every rank)."""
-    if not cfg.tensorboard or rank != 0:
+def _sink(cfg: ConsumerConfig, run_id: str, run_dir: Path, rank: int):
+    """The --tensorboard/--wandb writers of rank 0 (the step lines are the job's, alike on every rank)."""
+    if not (cfg.tensorboard or cfg.wandb) or rank != 0:
         return None
-    from dflash.protocol.sinks import TensorBoardSink
+    from dflash.protocol.sinks import open_sinks
 
-    return TensorBoardSink(cfg.tensorboard, run_id)
+    return open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "train.step")
 
 
 def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | None) -> LiveEval | None:

@@ -105,6 +105,10 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--tensorboard", default=None, metavar="DIR", type=click.Path(file_okay=False),
         help="Also write rank 0's train.step figures as TensorBoard scalars under DIR/<run_id>, named as the JSON "
         "fields (train.step/loss, train.step/tokens_per_s); needs the tensorboard extra.")
+@option("--wandb", default=None, metavar="PROJECT",
+        help="Also log rank 0's train.step figures to Weights & Biases PROJECT (same names as --tensorboard; run "
+        "<run_id>-consumer, files in the run folder); WANDB_MODE=offline writes them locally only. Needs the wandb "
+        "extra.")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
 @curve_options
 def main(**o) -> None:
