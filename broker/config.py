@@ -83,6 +83,8 @@ class BrokerConfig:
     consumers: int = 0
     progress_s: float = 10.0
     metrics_port: int = 0  # Prometheus text on http://HOST:PORT/metrics; 0 = off
+    tensorboard: str | None = None  # broker.progress figures as TensorBoard scalars under DIR/<run_id>
+    wandb: str | None = None  # ... and to this Weights & Biases project
     log_level: str = "info"
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
     max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold

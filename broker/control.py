@@ -46,7 +46,7 @@ def handle(b, identity: bytes, frames: list) -> None:
                       f"this broker speaks version {PROTOCOL_VERSION}; upgrade or downgrade dflash", h)
     if "run" in h and h["run"] != b.run_id:
         return refuse(b, identity, "run_mismatch", f"run {h['run']!r} is not the run this broker serves "
-                      f"({b.run_id}); that run is over or served elsewhere: leave out --run to join this one", h)
+                      f"({b.run_id}); that run is over or served elsewhere: leave out --run-id to join this one", h)
     try:
         msg = codec.decode(frames, allowed=CONTROL_TO_BROKER, run=b.run_id, peer=who, parsed=h)
     except ProtocolError as e:

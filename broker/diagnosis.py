@@ -31,11 +31,45 @@ SIDE = {"producer": "targets", "consumer": "drafters"}
 
 def diagnose(st: dict) -> dict:
     """{code, text, suggestion, limited_by} for a status map. Never raises on missing keys."""
-    for check in (_stopping, _lost, _missing, _oom, _idle, _balance):
+    for check in (_stopping, _job_lost, _lost, _missing, _oom, _idle, _balance):
         d = check(st)
         if d is not None:
             return d
     raise AssertionError("_balance always answers")
+
+
+# A bottleneck must hold this long before it replaces the one reported: on a shared GPU the
+# balance codes flapped between five codes in three minutes. The broker holds for HOLD_TICKS
+# of its --progress-s ticks (30 s by default). Only changes between bottlenecks wait; the
+# run's phases and alarms (starting, a lost peer, an OOM, stopping...) are said at once.
+HOLD_TICKS = 3
+HOLD_S = 30.0
+HELD = frozenset({"balanced", "drafters_starved", "targets_backed_up", "queue_growing", "gpu_idle"})
+
+
+class Steady:
+    """The diagnosis with hysteresis: `update(d, now)` returns the one to report. A new code
+    is reported once it has been diagnosed for `hold_s` without a break (a change to or
+    from a code outside HELD, and the first diagnosis, at once); until then the previous report stands, with `pending`
+    {code, for_s} saying what is coming. While the code stays, its text is the newest."""
+
+    def __init__(self, hold_s: float = HOLD_S):
+        self.hold_s = hold_s
+        self.reported: dict | None = None
+        self.candidate: tuple[str, float] | None = None  # (code, first seen)
+
+    def update(self, d: dict, now: float) -> dict:
+        if (self.reported is None or d["code"] == self.reported["code"] or d["code"] not in HELD
+                or self.reported["code"] not in HELD):
+            self.reported, self.candidate = d, None
+            return d
+        if self.candidate is None or self.candidate[0] != d["code"]:
+            self.candidate = (d["code"], now)
+        held = now - self.candidate[1]
+        if held >= self.hold_s:
+            self.reported, self.candidate = d, None
+            return d
+        return {**self.reported, "pending": {"code": d["code"], "for_s": round(held, 1)}}
 
 
 def result(code: str, text: str, suggestion: str | None = None, limited_by: str | None = None) -> dict:
@@ -54,10 +88,21 @@ def _stopping(st: dict) -> dict | None:
     return result("stopping", f"{why}: every peer was told to stop; {n} still to leave")
 
 
+def _job_lost(st: dict) -> dict | None:
+    """The training job died with uncommitted work: the run cannot go on (a restarted
+    consumer is refused), so no "restart it", only the resume."""
+    lost = st.get("job_lost")
+    if not isinstance(lost, dict) or (st.get("broker") or {}).get("state") == "stopping":
+        return None
+    run = st.get("run_id", "<run>")
+    return result("job_lost", f"the training job is lost: {lost.get('text') or lost.get('reason')}",
+                  f"new consumers are refused; stop the broker (SIGTERM: it drains and exits 0), then "
+                  f"dflash-broker --resume {run} and start the producers and consumers again", "drafters")
+
+
 def _lost(st: dict) -> dict | None:
-    live = {(p.get("role"), p.get("instance")) for p in st.get("peers") or []}
-    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost"
-            and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S and (g.get("role"), g.get("instance")) not in live]
+    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost" and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S]
+    lost = _not_replaced(lost, st.get("peers") or [])
     if not lost:
         return None
     g = lost[-1]  # the gone list is oldest first
@@ -72,7 +117,26 @@ def _lost(st: dict) -> dict | None:
     left = len(_live(st, role))
     carry = f"{left} {SIDE.get(role, role)} carry on" if left else f"no {WORD.get(role, role)} is left"
     return result("peer_lost", text, f"read its last lines (dflash-logs --instance {g.get('instance')} "
-                  f"--level warning) and restart it; {carry}", SIDE.get(role))
+                  f"--level warning --level error) and restart it; {carry}", SIDE.get(role))
+
+
+def _not_replaced(lost: list[dict], peers: list[dict]) -> list[dict]:
+    """The losses no live peer has made up for: a peer of the same role under the same
+    name, or one that connected after the loss (a restarted peer has a new default name,
+    <host>-<device>-<pid>). Each newcomer makes up for one loss, the latest first."""
+    newcomers = {role: sorted(_num(p.get("connected_s"), float("inf")) for p in peers if p.get("role") == role)
+                 for role in {g.get("role") for g in lost}}
+    names = {(p.get("role"), p.get("instance")) for p in peers}
+    left = []
+    for g in sorted(lost, key=lambda g: _num(g.get("ago_s"), 0.0)):  # latest loss first
+        if (g.get("role"), g.get("instance")) in names:
+            continue
+        ages = newcomers.get(g.get("role")) or []
+        if ages and ages[0] <= _num(g.get("ago_s"), 0.0):
+            ages.pop(0)
+            continue
+        left.append(g)
+    return sorted(left, key=lambda g: -_num(g.get("ago_s"), 0.0))  # oldest first, as the gone list
 
 
 def _missing(st: dict) -> dict | None:
@@ -126,7 +190,7 @@ def _idle(st: dict) -> dict | None:
         why, hint = "while the queue has room", "a stuck forward pass or an error"
     text = f"{len(same)} of {len(_live(st, role))} {WORD[role]} GPUs idle ({what}) {why}"
     return result("gpu_idle", text, f"check its log for {hint} (dflash-logs --instance "
-                  f"{same[0].get('instance')} --level warning)", SIDE[role])
+                  f"{same[0].get('instance')} --level warning --level error)", SIDE[role])
 
 
 def _idle_with_work(p: dict, q: dict) -> bool:
@@ -160,21 +224,21 @@ def _balance(st: dict) -> dict:
         text = (f"targets limit throughput: drafters starved, queue {q.get('batches', 0)} batches, "
                 f"{waiting} of {len(cons)} drafters waiting now ({wait:.0%} of the last 10 s); "
                 f"targets make {_tok(supply)}")
-        return result("drafters_starved", text, _suggest(len(prod), p_cap, len(cons), c_cap, "targets"), "targets")
+        return result("drafters_starved", text, _suggest(len(prod), p_cap, len(cons), c_cap, "targets", _gpus(st)), "targets")
     if full >= WAITS or q.get("reading") is False:
         text = (f"drafters limit throughput: targets backed up, queue full ({q.get('batches', 0)} batches, "
                 f"oldest {_dur(q.get('oldest_age_s'))}), targets blocked on send {full:.0%} of the last 10 s, "
                 f"drafters busy training {_tok(trained)}{_straggler(cons)}")
-        return result("targets_backed_up", text, _suggest(len(prod), p_cap, len(cons), c_cap, "drafters"),
+        return result("targets_backed_up", text, _suggest(len(prod), p_cap, len(cons), c_cap, "drafters", _gpus(st)),
                       "drafters")
     if q.get("batches") and supply > GROWS * trained:
         text = (f"drafters limit throughput: queue growing ({q.get('batches')} batches, {_bytes(q.get('bytes'))} of "
                 f"{_bytes(q.get('capacity_bytes'))}, oldest {_dur(q.get('oldest_age_s'))}), targets make "
                 f"{_tok(supply)}, drafters train {_tok(trained)}{_straggler(cons)}; targets block once it is full")
-        return result("queue_growing", text, _suggest(len(prod), p_cap, len(cons), c_cap, "drafters"), "drafters")
+        return result("queue_growing", text, _suggest(len(prod), p_cap, len(cons), c_cap, "drafters", _gpus(st)), "drafters")
     text = (f"balanced: targets make {_tok(supply)}, drafters train {_tok(trained)}, queue "
             f"{q.get('batches', 0)} batches, drafters waited {wait:.0%} and targets {full:.0%} of the last 10 s")
-    return result("balanced", text, _suggest(len(prod), p_cap, len(cons), c_cap, None))
+    return result("balanced", text, _suggest(len(prod), p_cap, len(cons), c_cap, None, _gpus(st)))
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -191,7 +255,10 @@ def best_move(n_targets: int, target_rate: float, n_drafters: int, drafter_rate:
     return k, rate(0), rate(k)
 
 
-def _suggest(n_p: int, p_cap: float, n_c: int, c_cap: float, limit: str | None) -> str | None:
+def _suggest(n_p: int, p_cap: float, n_c: int, c_cap: float, limit: str | None, gpus: bool = True) -> str | None:
+    if not gpus:  # a CPU run: its processes share the host's cores, there is no GPU to move
+        return {"targets": "targets limit it: on CPU, give the producers more cores (or GPUs)",
+                "drafters": "drafters limit it: on CPU, give the consumers more cores (or GPUs)"}.get(limit)
     k, now, after = best_move(n_p, p_cap, n_c, c_cap)
     if k and now > 0 and after >= MIN_GAIN * now:
         src, dst = ("targets", "drafters") if k > 0 else ("drafters", "targets")
@@ -232,6 +299,11 @@ def _straggler(cons: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------- words
+
+
+def _gpus(st: dict) -> bool:
+    """Whether any peer runs on a GPU (a CPU run is never told to move GPUs)."""
+    return any(isinstance(p.get("gpu"), int) and not isinstance(p.get("gpu"), bool) for p in st.get("peers") or [])
 
 
 def _live(st: dict, role: str | None) -> list[dict]:

@@ -18,7 +18,8 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
 
 from .config import MAX_CREDIT
-from .diagnosis import diagnose, result
+from .diagnosis import HOLD_TICKS, Steady, diagnose, result
+from .handshake import job_lost_reason
 
 log = get_logger()
 
@@ -63,7 +64,9 @@ def samples(b) -> dict:
         "total": total, "pending": b.leases.pending() if n is not None else None,
         "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
         "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
-        "done": c["trained"] + c["committed"] + c["skipped"],
+        # a resumed run's parent did these (committed or skipped there): never leased here
+        "inherited": c.get("inherited", 0),
+        "done": c["trained"] + c["committed"] + c["skipped"] + c.get("inherited", 0),
         "epoch": b.leases.epoch, "epochs": b.cfg.epochs, "n_samples": n,
     }
 
@@ -85,6 +88,7 @@ def peer_row(b, p, now: float) -> dict:
     row = {
         "peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
         "state": _peer_state(b, p), "joined_at": _iso(p.joined_at),
+        "connected_s": round(max(0.0, time.time() - p.joined_at), 3),
         "heartbeat_age_s": round(now - p.last_seen, 3),
         "stats": p.stats, "stats_at": _iso(p.stats_at),
         "batches_per_s": round(p.rate_in.rate(now), 3), "tokens_per_s": round(p.rate_tokens.rate(now), 1),
@@ -132,11 +136,14 @@ def progress(b, now: float) -> dict:
     sps = b.rate_samples.rate(now)
     left = None if s["total"] is None else max(0, s["total"] - s["done"])
     eta = round(left / sps) if left is not None and sps > 0 else None
+    if getattr(b, "job_lost", None):  # nothing more is trained in this run: no end to foresee
+        eta = None
     return {
         "epoch": s["epoch"], "epochs": s["epochs"],
         "epochs_done": round(s["done"] / s["n_samples"], 4) if s["n_samples"] else None,
         "fraction": round(s["done"] / s["total"], 4) if s["total"] else None,
         "trained": s["trained"] + s["committed"], "committed": s["committed"], "done": s["done"],
+        "inherited": s["inherited"],
         "total": s["total"], "samples_per_s": round(sps, 2), "eta_s": eta,
         "eta_at": _iso(time.time() + eta) if eta is not None else None,
     }
@@ -145,7 +152,8 @@ def progress(b, now: float) -> dict:
 def build_status(b) -> dict:
     now = time.monotonic()
     consumers = b.peers.live("consumer")
-    state = "running" if b.stopping is None else "stopping"
+    # job_lost: the training job died with uncommitted work; new consumers are refused
+    state = "stopping" if b.stopping is not None else "job_lost" if getattr(b, "job_lost", None) else "running"
     st = {
         "run_id": b.run_id,
         "protocol_version": PROTOCOL_VERSION,
@@ -174,10 +182,13 @@ def build_status(b) -> dict:
         "leases": {"open": len(b.leases.open)},
         "ledger": {"path": str(b.ledger.path), "write_s": round(b.ledger.flush_seconds, 3)},
         "peers": [peer_row(b, p, now) for p in b.peers.live()],
+        "job_lost": ({**b.job_lost, "text": job_lost_reason(b)} if state == "job_lost" else None),
         "gone": [gone_row(p) for p in b.peers.gone],
     }
     try:
-        st["diagnosis"] = diagnose(st)
+        # hysteresis across ticks and asks: a new bottleneck holds for HOLD_TICKS progress ticks
+        steady = b.__dict__.setdefault("steady_diagnosis", Steady(HOLD_TICKS * b.cfg.progress_s))
+        st["diagnosis"] = steady.update(diagnose(st), now)
     except Exception as e:  # called from the loop's tick: a diagnosis bug must not end the run
         st["diagnosis"] = result("unknown", f"diagnosis failed: {type(e).__name__}: {e}")
     return st
@@ -203,8 +214,11 @@ def log_progress(b, now: float) -> None:
     diagnosis changes, so the logs say when and why throughput changed."""
     st = build_status(b)
     d, p = st["diagnosis"], st["progress"]
-    log.info("broker.progress", **progress_fields(b, now), samples_per_s=p["samples_per_s"], eta_s=p["eta_s"],
-             diagnosis=d["code"])
+    fields = progress_fields(b, now)
+    log.info("broker.progress", **fields, samples_per_s=p["samples_per_s"], eta_s=p["eta_s"], diagnosis=d["code"])
+    sink = getattr(b, "metric_sink", None)  # --tensorboard
+    if sink is not None:
+        sink(int(fields["uptime_s"]), {**fields, "samples_per_s": p["samples_per_s"], "eta_s": p["eta_s"]})
     if d["code"] != b.last_diagnosis:
         b.last_diagnosis = d["code"]
         level = log.info if d["code"] in QUIET else log.warning

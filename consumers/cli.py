@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -23,11 +22,10 @@ import click
 import torch
 
 from dflash.protocol.alloc import reuse_freed_memory
-from dflash.protocol import target_arg
-from dflash.protocol.config import as_dict, broker_option, config_option, fail, option, runs_dir_option, size_option
+from dflash.protocol.config import as_dict, fail
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
-from dflash.protocol.curve import client_from, curve_options
+from dflash.protocol.curve import client_from
 from dflash.protocol.peer import BrokerLost, PeerLink, exit_broker_lost, exit_when_stuck
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
 from dflash.protocol.run import run_dir as run_folder
@@ -35,6 +33,7 @@ from dflash.protocol.run import run_dir as run_folder
 from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
+from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
 from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
                    nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
@@ -70,108 +69,8 @@ class ConsumerConfig:
     eval_max_new_tokens: int = 64
     eval_limit: int | None = 8
     inbox_bytes: int = 256 << 20  # received batches waiting, in bytes (protocol/credit.py)
-
-
-def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
-    if value in (None, "", "auto"):
-        return None
-    try:
-        return tuple(int(x) for x in value.replace(" ", "").split(","))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of layer IDs") from None
-
-
-@click.command(context_settings={"max_content_width": 100})
-@config_option()
-@option("--target", required=True, callback=target_arg.click_callback(hub_ok=False, need_tokenizer=False),
-        help="Target model folder (Hugging Face layout) or .gguf file; only config, tokenizer, embed_tokens and "
-        "lm_head are read.")
-@option("--gpu", type=int, default=None, help="CUDA device index; omitted: train on CPU (float32).")
-@broker_option()
-@runs_dir_option()
-@option("--instance", default=None, help="This consumer's name in logs and at the broker (default <host>-gpu<N>).")
-@option("--run-id", default=None, help="Local run: its ID (default: a new one). With a broker: join only if it "
-        "serves this run (default: the broker's run).")
-@option("--draft-layers", default=5, type=click.IntRange(1), help="Draft decoder layers (paper: 5).")
-@option("--target-layers", default="auto", callback=_layers,
-        help="Comma-separated 0-based target layer IDs fed to the drafter; auto: the broker run's (its "
-        "producers'), else 5 spaced from 1 to L-3.")
-@option("--block-size", default=16, type=click.IntRange(2), help="Block size B: anchor + B-1 drafted tokens.")
-@option("--anchors", default=512, type=click.IntRange(1), help="Anchors sampled per sequence (at most the valid ones).")
-@option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
-@option("--mask-token-id", default=None, type=int,
-        help="Vocabulary row used as MASK; default: chosen for the target (its mask token, else the first row past "
-        "the tokenizer, else a reserved or unused special token: docs/TRAINING.md), never pad/eos/bos/unk.")
-@option("--distill-weight", default=0.0, type=click.FloatRange(0, 1),
-        help="Knowledge distillation: loss = (1 - a) x CE(labels) + a x KL(target || drafter), the target's "
-        "next-token distribution from its final hidden state (producers need --final-hidden); 0: hard labels only.")
-@option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
-@option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
-@option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of the planned samples (or of --total-steps).")
-@option("--total-samples", default=None, type=click.IntRange(1),
-        help="Samples the lr/noise schedules run over (warmup, then cosine to --min-lr at the last one); default: "
-        "the broker's epochs x samples (less skipped ones), else a resumed checkpoint's plan, else the local "
-        "stream's size; none known: constant lr, with a warning (docs/TRAINING.md).")
-@option("--total-steps", default=None, type=click.IntRange(1),
-        help="Schedule by optimizer steps instead of samples: the lr/noise schedules' length in steps.")
-@option("--max-steps", default=None, type=click.IntRange(0), help="Stop after this many steps (default: end of stream).")
-@option("--grad-clip", default=1.0, type=float, help="Clip the global gradient norm to this value.")
-@option("--weight-decay", default=0.0, type=float, help="AdamW weight decay.")
-@option("--feature-noise", default=0.0, type=click.FloatRange(0), help="Gaussian noise on target features, relative to each layer's RMS.")
-@option("--noise-schedule", default="linear", type=click.Choice(["constant", "linear", "cosine"]),
-        help="How --feature-noise decays to 0 over the planned samples (or --total-steps).")
-@option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
-@option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
-@option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
-        help="Attention kernel; auto: flex on GPU (sdpa if no C compiler can build it), sdpa on CPU. flex: block-sparse, 2.6x faster steps than sdpa on "
-             "an H200 with varying batch shapes (docs/BENCHMARKS.md), compiles ~1 min on the first step; sdpa: one "
-             "masked call per sequence.")
-@option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
-        help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
-             "faster steps, slower start; auto: on on GPU (off if no C compiler can build the kernels).")
-@option("--inbox-bytes", default="256MiB", callback=size_option,
-        help="Most bytes of received batches waiting in this consumer: always room for 2 batches, and for up to "
-             "16 while they are small, so the round trip to the broker does not set the rate.")
-@option("--stage-batches/--no-stage-batches", envvar="DFLASH_STAGE_BATCHES", default=True,
-        help="Prepare the next batch on a thread while the step runs: on GPU it is copied straight from the "
-             "received message to the GPU (fp8 as fp8, dequantised there) on a stream of its own, off the step's "
-             "critical path; it holds one batch more in GPU memory. --no-stage-batches prepares each batch "
-             "between steps, on the CPU: for a step that barely fits in GPU memory.")
-@option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
-@option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
-@option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")
-@option("--resume", default=None, help="Checkpoint folder, run ID or run folder, or 'latest', to continue from.")
-@option("--force", is_flag=True, default=False, help="Resume even if the training signal differs from the checkpoint's.")
-@option("--log-position-every", default=100, type=click.IntRange(0), help="Log per-position accuracy every N steps.")
-@option("--epoch-samples", default=None, type=click.IntRange(1),
-        help="Samples per epoch, for the logged epoch fraction of a local run (with a broker: the broker's count).")
-@option("--dist-init", default=None, help="tcp://HOST:PORT rendezvous for data-parallel ranks you arrange yourself "
-        "(torchrun's env also works); default: the ranks the broker arranges (dflash-broker --consumers N).")
-@option("--dist-addr", default=None, help="HOST:PORT this consumer offers the broker's other ranks to meet at if it "
-        "becomes rank 0 (default: this host's IP towards the broker and a free port).")
-@option("--rank", default=0, type=click.IntRange(0), help="This consumer's rank with --dist-init.")
-@option("--world-size", default=1, type=click.IntRange(1), help="Number of consumer ranks with --dist-init.")
-@option("--synthetic-batches", default=0, type=click.IntRange(0), help="Train on N local synthetic batches instead of a broker.")
-@option("--synthetic-seqs", default=4, type=click.IntRange(1), help="Sequences per synthetic batch.")
-@option("--synthetic-seq-len", default=512, type=click.IntRange(2), help="Tokens per synthetic sequence.")
-@option("--eval-every", default=0, type=click.IntRange(0),
-        help="Every N steps rank 0 evaluates the drafter before the next step trains: simulated acceptance on "
-        "that step's batch (not trained yet), and real tau with --eval-prompts; logged as eval.*, shown by "
-        "dflash-status (docs/EVAL.md). 0: off.")
-@option("--eval-prompts", default=None, type=click.Path(exists=True, dir_okay=False),
-        help="JSON Lines prompts (as dflash-eval reads them) for real tau during training; rank 0 then loads "
-        "the whole --target on its device. Needs --eval-every.")
-@option("--eval-max-new-tokens", default=64, type=click.IntRange(1), help="Tokens decoded per eval prompt.")
-@option("--eval-limit", default=8, type=click.IntRange(1), help="Use only the first N of --eval-prompts.")
-@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
-@curve_options
-def main(**o) -> None:
-    """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
-    train_fields = set(TrainConfig.__dataclass_fields__)
-    tcfg = TrainConfig(**{k: v for k, v in o.items() if k in train_fields})
-    rest = {k: v for k, v in o.items() if k in ConsumerConfig.__dataclass_fields__ and k != "train"}
-    rest["instance"] = rest["instance"] or f"{socket.gethostname()}-{'cpu' if o['gpu'] is None else 'gpu%d' % o['gpu']}"
-    run(ConsumerConfig(train=tcfg, **rest))
+    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; protocol/sinks.py)
+    wandb: str | None = None  # W&B project (rank 0; WANDB_MODE=offline: files only)
 
 
 def run(cfg: ConsumerConfig) -> None:
@@ -179,6 +78,7 @@ def run(cfg: ConsumerConfig) -> None:
     the broker is unreachable, refuses us or is lost (1)."""
     reuse_freed_memory()  # before ZeroMQ starts its I/O threads: each received batch reuses freed memory
     setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
+    quiet_library_noise()
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -205,7 +105,8 @@ def run(cfg: ConsumerConfig) -> None:
             state, dist = _serve(cfg, tcfg, heads, device, stop)
         log.info("consume.done", step=state.step, reason=state.end_reason, tokens=state.tokens,
                  samples=state.samples, last_checkpoint=str(state.last_checkpoint) if state.last_checkpoint else None)
-        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}")
+        # stderr: stdout carries only the JSON log lines (a pipe into jq must parse every line)
+        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}", err=True)
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
@@ -249,9 +150,14 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
                               seed=tcfg.seed, dtype=heads.embed.dtype)
     live = _live_eval(cfg, heads, signal_, dist.rank, None)
     stream = cfg.synthetic_batches * cfg.synthetic_seqs * dist.world_size  # every rank's synthetic samples
-    state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
-                  run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
-                                                            stream_samples=stream))
+    sink = _sink(cfg, run_dir.name, run_dir, dist.rank)
+    try:
+        state = train(tcfg, heads, source, dist=dist, ckpt_root=run_dir / "checkpoints", runs_dir=cfg.runs_dir,
+                      run_config=_json_config(cfg), hooks=Hooks(stop=stop, before_step=live and live.before_step,
+                                                                stream_samples=stream, on_metrics=sink))
+    finally:
+        if sink is not None:
+            sink.close()
     if live and state.end_reason != "stop":
         live.final(state.step, state.model)
     return state
@@ -269,7 +175,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
                                         group=_own_group(cfg) if own else None),
                     stats=lambda: plugs.heartbeat() if plugs else dict(early),
                     on_lost=exit_when_stuck("consumer"))
-    plugs, dist, reason, early = None, None, "failed", {"state": "starting"}
+    plugs, dist, reason, early, sink = None, None, "failed", {"state": "starting"}, None
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
         run_config = link.welcome.get("run_config") or {}
@@ -293,6 +199,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             plugs = BrokerHooks(link, dist.rank, stop, device, resumed_from=tcfg.resume)
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
+            plugs.hooks.on_metrics = sink = _sink(cfg, link.run_id, run_folder(link.run_id, cfg.runs_dir), dist.rank)
             stop.armed = True  # from here a signal means: finish the step, checkpoint, commit
             try:
                 state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
@@ -300,6 +207,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
                               run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
             except FileNotFoundError as e:
                 state = nothing_left_to_train(link, e)
+        if sink is not None:
+            sink.close()
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
         if live and state.end_reason != "stop" and state.model is not None:  # the finished drafter's real tau
@@ -308,11 +217,22 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist
     except BaseException:
+        if sink is not None:
+            sink.close()
         if dist is not None:  # the caller's finally closes it only on success
             dist.close()
         raise
     finally:
         link.close(reason=reason)
+
+
+def _sink(cfg: ConsumerConfig, run_id: str, run_dir: Path, rank: int):
+    """The --tensorboard/--wandb writers of rank 0 (the step lines are the job's, alike on every rank)."""
+    if not (cfg.tensorboard or cfg.wandb) or rank != 0:
+        return None
+    from dflash.protocol.sinks import open_sinks
+
+    return open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "train.step")
 
 
 def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | None) -> LiveEval | None:
@@ -392,6 +312,8 @@ def _stop_on_signals(stop: threading.Event) -> dict:
 
     return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
+
+from .command import main  # noqa: E402  (the click command; `dflash.consumers.cli:main` as before)
 
 if __name__ == "__main__":
     main()

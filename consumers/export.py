@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.protocol import targets
-from dflash.protocol.config import fail, option, runs_dir_option
+from dflash.protocol.config import command, fail, option, runs_dir_option, target_option
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import write_json_atomic
 
@@ -271,11 +271,11 @@ def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.Pa
 # ---------------------------------------------------------------- CLI
 
 
-@click.command(context_settings={"max_content_width": 100})
+@command("EXPORT", max_content_width=100)
 @click.argument("checkpoint")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@option("--target", default=None, type=click.Path(exists=True),
-        help="Target model folder or .gguf file, to copy its bos/eos token IDs into config.json (else null).")
+@target_option("Target model folder or .gguf file, to copy its bos/eos token IDs into config.json (else null).",
+               required=False)
 @runs_dir_option()
 @option("--force", is_flag=True, default=False, help="Replace OUT_DIR if it is not empty.")
 @option("--eval-report", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -358,6 +358,8 @@ class _StepLoop:
                                    queue=hooks.queue() if hooks.queue else {},
                                    progress=hooks.progress() if hooks.progress else None, rank=dist.rank,
                                    micro_batches=splitter.last_splits if batch is not None else 0, ooms=splitter.ooms)
+        if hooks.on_metrics is not None and dist.rank == 0:
+            hooks.on_metrics(step, line)
         if hooks.stats is not None:
             hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
                                state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())

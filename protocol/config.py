@@ -1,12 +1,17 @@
-"""Shared CLI plumbing: every option has an env var `DFLASH_<NAME>` and may come from a
-TOML file given with `--config` (precedence: command line > env > config file > default).
-Each role keeps one frozen config dataclass; the click command only maps options onto it.
+"""Shared CLI plumbing: every option has an env var `DFLASH_<COMMAND>_<NAME>` (e.g.
+`DFLASH_PRODUCE_TOKEN_BUDGET`) and may come from a TOML file given with `--config`
+(precedence: command line > env > config file > default). A few variables are shared by
+every command on purpose (SHARED_ENV: the broker address, the runs folder, the Curve
+keys); any other variable changes one command only. Each role keeps one frozen config
+dataclass; the click command only maps options onto it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import socket
 import sys
 import tomllib
 from typing import Any, Callable
@@ -39,8 +44,14 @@ def size_option(_ctx, param, value: str | int | None) -> int | None:
         raise click.BadParameter(str(e), param=param) from None
 
 
+# Read by every command that has the option: one host's broker, runs folder and keys are
+# the same for all its roles. Every other option's variable is DFLASH_<COMMAND>_<NAME>.
+SHARED_ENV = frozenset({"DFLASH_BROKER", "DFLASH_RUNS_DIR", "DFLASH_CURVE_KEYS", "DFLASH_CURVE_NAME"})
+
+
 def option(*decls: str, **kw) -> Callable:
-    """click.option with the env var DFLASH_<NAME> shown in --help, and defaults shown."""
+    """click.option with its env var shown in --help, and defaults shown. The variable is
+    DFLASH_<NAME> here; `command` puts the command's namespace in (unless shared)."""
     # "--elastic/--no-elastic" is one declaration: the variable is named after its on-switch.
     flag = next(d for d in decls if d.startswith("--")).split("/")[0]
     name = flag.lstrip("-").replace("-", "_").upper()
@@ -48,6 +59,32 @@ def option(*decls: str, **kw) -> Callable:
     kw.setdefault("show_envvar", True)
     kw.setdefault("show_default", True)
     return click.option(*decls, **kw)
+
+
+def command(namespace: str, **settings) -> Callable:
+    """click.command with `-h`/`--help` and every option's env var in the command's own
+    namespace: DFLASH_<NAME> becomes DFLASH_<NAMESPACE>_<NAME> unless it is in SHARED_ENV
+    (a DFLASH_INSTANCE meant for a producer once filtered dflash-logs' output to nothing)."""
+    settings.setdefault("help_option_names", ["-h", "--help"])
+
+    def wrap(f: Callable) -> click.Command:
+        cmd = click.command(context_settings=settings)(f)
+        for p in cmd.params:
+            env = getattr(p, "envvar", None)
+            if isinstance(env, str) and env.startswith("DFLASH_") and env not in SHARED_ENV:
+                p.envvar = f"DFLASH_{namespace}_{env[len('DFLASH_'):]}"
+        cmd.env_namespace = f"DFLASH_{namespace}_"
+        return cmd
+
+    return wrap
+
+
+def default_instance(device: str) -> str:
+    """A peer's default name, `<host>-<device>-<pid>` (e.g. `gpu3-cuda1-4711`): distinct
+    for every process on a host, so two producers (or consumers) started with the same
+    command on one host are not refused as duplicates. A restarted process gets a new name;
+    nothing keys on the old one (the broker hands out ranks, checkpoints are per run)."""
+    return f"{socket.gethostname()}-{device.replace(':', '')}-{os.getpid()}"
 
 
 def _load_toml(ctx: click.Context, _param, path: str | None):
@@ -123,11 +160,51 @@ def broker_option() -> Callable:
     )
 
 
+def curve_options(f: Callable) -> Callable:
+    """The two options every peer command takes: `--curve-keys DIR` and `--curve-name NAME`
+    (env DFLASH_CURVE_KEYS, DFLASH_CURVE_NAME, shared). Map them with curve.client_from."""
+    f = option("--curve-name", default=None, metavar="NAME",
+               help="Which keypair of --curve-keys is ours: DIR/NAME.key_secret (default: this host's name).")(f)
+    return option("--curve-keys", default=None, metavar="DIR",
+                  help="CurveZMQ on: encrypt and authenticate with DIR/broker.key and our keypair (made by "
+                       "dflash-keygen; the broker must have our .key in its authorized/). Off = plain TCP.")(f)
+
+
 def runs_dir_option() -> Callable:
     return option(
         "--runs-dir", default="runs", type=click.Path(file_okay=False),
         help="Root folder of run folders (runs/<run_id>/...).",
     )
+
+
+def _target_arg(need_tokenizer: bool) -> Callable:
+    """click callback of every --target: a local model folder or .gguf file, or a hub ID in
+    the local Hugging Face cache (given on as its snapshot folder), checked before anything
+    loads (protocol/target_arg.py says what transformers would have said instead)."""
+
+    def check(_ctx, param, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from dflash.protocol.target_arg import target_problem
+        from dflash.protocol.targets import looks_like_hub_id, resolve_hub_id
+
+        if looks_like_hub_id(value):
+            try:
+                value = resolve_hub_id(value)
+            except FileNotFoundError as e:
+                raise click.BadParameter(str(e), param=param) from None
+        why = target_problem(str(value), hub_ok=True, need_tokenizer=need_tokenizer)
+        if why is not None:
+            raise click.BadParameter(why, param=param)
+        return value
+
+    return check
+
+
+def target_option(help: str, required: bool = True, need_tokenizer: bool = True) -> Callable:
+    """--target as every command takes it (one way to name a target: protocol/targets.py)."""
+    return option("--target", required=required, default=None, callback=_target_arg(need_tokenizer),
+                  help=help + " A hub ID (org/name) must be in the local Hugging Face cache.")
 
 
 def as_dict(cfg: Any) -> dict:

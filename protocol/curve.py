@@ -175,16 +175,9 @@ def key_name(frame) -> str | None:
     return uid or None
 
 
-def curve_options(f: Callable) -> Callable:
-    """The two options every peer command takes: `--curve-keys DIR` and `--curve-name NAME`
-    (env DFLASH_CURVE_KEYS, DFLASH_CURVE_NAME). Map them with `client_from`."""
-    from .config import option  # click plumbing; kept out of the import path of the broker's hot code
-
-    f = option("--curve-name", default=None, metavar="NAME",
-               help="Which keypair of --curve-keys is ours: DIR/NAME.key_secret (default: this host's name).")(f)
-    return option("--curve-keys", default=None, metavar="DIR",
-                  help="CurveZMQ on: encrypt and authenticate with DIR/broker.key and our keypair (made by "
-                       "dflash-keygen; the broker must have our .key in its authorized/). Off = plain TCP.")(f)
+# The two options every peer command takes, defined with the rest of the CLI plumbing so that
+# a command's --help does not import ZeroMQ and structlog through this module.
+from .config import curve_options  # noqa: E402, F401
 
 
 def client_from(keys_dir: str | None, name: str | None) -> CurveClient | None:

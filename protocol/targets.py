@@ -40,6 +40,29 @@ def gguf_path(target: str | Path) -> Path | None:
     return p
 
 
+def looks_like_hub_id(value: str) -> bool:
+    """'org/name' that is no existing path: a Hugging Face hub ID."""
+    return value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).expanduser().exists()
+
+
+def resolve_hub_id(value: str) -> str:
+    """A hub ID 'org/name' as its snapshot folder in the local Hugging Face cache
+    (`$HF_HUB_CACHE`, `$HF_HOME`). Nothing is downloaded at run time: a hub ID that is
+    not cached raises FileNotFoundError saying how to fetch it."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(value, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"{value}: no such folder, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"nothing is downloaded at run time: fetch it once with `hf download {value}` (or give a model "
+            "folder)") from None
+    except ValueError as e:  # a malformed ID, e.g. 'a/b c'
+        raise FileNotFoundError(f"{value}: no such folder, and not a hub ID ({e})") from None
+
+
 def describe(target: str | Path) -> str:
     """How a target is named in logs: 'gguf' or 'folder' (hub IDs count as folders)."""
     return "gguf" if gguf_path(target) is not None else "folder"
@@ -73,7 +96,9 @@ def load_causal_lm(target: str | Path, **kw: Any):
     """`AutoModelForCausalLM.from_pretrained` of the target; `kw` as transformers takes them
     (dtype, attn_implementation, device_map, trust_remote_code)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar lands among the JSON log lines
     name, extra = _args(target)
     return AutoModelForCausalLM.from_pretrained(name, **extra, **kw)
 

@@ -34,7 +34,8 @@ LEVEL_METHODS = {"debug": "debug", "info": "info", "msg": "info", "warning": "wa
                  "error": "error", "exception": "error", "critical": "critical", "fatal": "critical"}
 LEVEL_METHODS |= {"a" + k: v for k, v in LEVEL_METHODS.items()}  # structlog's async twins
 # Logger methods that return a logger or log nothing.
-OTHER_LOGGER_METHODS = {"bind", "unbind", "try_unbind", "new", "addHandler", "removeHandler", "setLevel"}
+OTHER_LOGGER_METHODS = {"bind", "unbind", "try_unbind", "new", "addHandler", "removeHandler", "setLevel", "addFilter",
+                        "removeFilter"}
 LOGGER_FACTORIES = {"get_logger", "getLogger"}
 # "path:function" -> events, for a call whose event the scanner cannot work out. Each entry
 # needs a comment saying why a literal is not possible. Empty: every event today is literal.

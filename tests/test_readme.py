@@ -1,12 +1,14 @@
 """Every command in README.md runs, so the README cannot rot.
 
 The commands are taken from the README's ```bash blocks and run as written, with only
-the substitutions a one-machine CPU test needs (listed in SUBST and `_localise`): the
-broker host becomes 127.0.0.1 on free ports, `--gpu N` becomes CPU, the Hugging Face
-target becomes a tiny local one, `chats.jsonl` a small slice of the bundled chats, and
-several consumers on one host get distinct instance names. Model sizes come through
-environment variables (DFLASH_*), which every option reads. `pip install` is what CI
-runs first, `python -m pytest -q` is this suite, and `dflash-demo` runs in test_demo.py.
+the substitutions a one-machine CPU test needs (`Local.argv`): the broker host becomes
+127.0.0.1 on free ports, `--device cuda:N` becomes `--device cpu`, `chats.jsonl` a small
+slice of the bundled chats. The hub ID `Qwen/Qwen3-8B` stays as written: a local Hugging
+Face cache holds the tiny target under that name. Two producers and two consumers run on
+this one host with their default instance names (no `--instance`). Model sizes come
+through each command's environment variables (DFLASH_PRODUCE_*, DFLASH_CONSUME_*, ...).
+`pip install` is what CI runs first, `python -m pytest -q` is this suite, and
+`dflash-demo` runs in test_demo.py.
 
 The scenario is the README's own story: start a run, look at it with dflash-status,
 crash everything with SIGKILL, resume, finish, read the logs with jq, plot.
@@ -25,24 +27,29 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "broker"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_harness import free_port_block  # noqa: E402
+from hub_cache import put_in_hub_cache  # noqa: E402
 
 from dflash.tools.tiny import tiny_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-N_ROWS, EPOCHS, CONSUMERS = 40, 6, 3
+N_ROWS, EPOCHS = 40, 6
+NOISE = ("Loading weights", "NCCL flight recorder", '"GET /checkpoint')
 EXPECTED = [
     'pip install -e ".[test]"',
     "dflash-demo",
     "python -m pytest -q",
-    "dflash-broker --epochs 6 --consumers 3",
-    "dflash-produce --broker tcp://broker-host:5555 --gpu 0 --target Qwen/Qwen3-8B --data chats.jsonl",
-    "dflash-consume --broker tcp://broker-host:5555 --gpu 5 --target Qwen/Qwen3-8B",
+    "dflash-broker --epochs 6 --consumers 2",
+    "dflash-produce --broker tcp://broker-host:5555 --device cuda:0 --target Qwen/Qwen3-8B --data chats.jsonl",
+    "dflash-produce --broker tcp://broker-host:5555 --device cuda:1 --target Qwen/Qwen3-8B --data chats.jsonl",
+    "dflash-consume --broker tcp://broker-host:5555 --device cuda:2 --target Qwen/Qwen3-8B",
+    "dflash-consume --broker tcp://broker-host:5555 --device cuda:3 --target Qwen/Qwen3-8B",
     "dflash-status --broker tcp://broker-host:5555",
-    "dflash-logs --event train.step --json | jq -c '{step, loss, acc, streak, tokens_per_s}'",
+    "dflash-logs --event train.step --json | jq -c 'select(.rank == 0) | {step, loss, acc, streak, tokens_per_s}'",
     "dflash-plot --out training.png",
-    "dflash-broker --resume runs/latest --consumers 3",
-    "dflash-consume --broker tcp://broker-host:5555 --gpu 5 --target Qwen/Qwen3-8B --resume latest",
+    "dflash-broker --resume runs/latest --consumers 2",
+    "dflash-consume --broker tcp://broker-host:5555 --device cuda:2 --target Qwen/Qwen3-8B --resume latest",
 ]
 
 
@@ -62,20 +69,20 @@ class Local:
     def __init__(self, tmp: Path):
         self.tmp, self.port = tmp, free_port_block(12)
         self.procs: list[subprocess.Popen] = []
-        self.target = str(tiny_target())
+        put_in_hub_cache(tmp / "hf-cache", "Qwen/Qwen3-8B", tiny_target())
         import dflash.producers.sample_data as pkg
 
         rows = (Path(pkg.__file__).parent / "chats.jsonl").read_text().splitlines()[:N_ROWS]
         (tmp / "chats.jsonl").write_text("\n".join(rows) + "\n")
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")},
-                    "OMP_NUM_THREADS": "1", "DFLASH_LOG_JSON": "1", "DFLASH_MAX_LENGTH": "512",
-                    "DFLASH_TOKEN_BUDGET": "1024", "DFLASH_ANCHORS": "32", "DFLASH_BLOCK_SIZE": "8",
-                    "DFLASH_DRAFT_LAYERS": "1", "DFLASH_SAVE_EVERY": "3", "DFLASH_HEARTBEAT_S": "0.5"}
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "HF_"))},
+                    "OMP_NUM_THREADS": "1", "DFLASH_LOG_JSON": "1", "HF_HUB_CACHE": str(tmp / "hf-cache"),
+                    "HF_HUB_OFFLINE": "1", "DFLASH_PRODUCE_MAX_LENGTH": "512", "DFLASH_PRODUCE_TOKEN_BUDGET": "1024",
+                    "DFLASH_CONSUME_ANCHORS": "32", "DFLASH_CONSUME_BLOCK_SIZE": "8", "DFLASH_CONSUME_DRAFT_LAYERS": "1",
+                    "DFLASH_CONSUME_SAVE_EVERY": "3", "DFLASH_BROKER_HEARTBEAT_S": "0.5"}
 
     def argv(self, cmd: str) -> list[str]:
         cmd = cmd.replace("tcp://broker-host:5555", f"tcp://127.0.0.1:{self.port}")
-        cmd = cmd.replace("--gpu 0", "--device cpu").replace("--gpu 5 ", "")
-        cmd = cmd.replace("Qwen/Qwen3-8B", self.target)
+        cmd = re.sub(r"--device cuda:\d+", "--device cpu", cmd)
         args = cmd.split()
         if args[0] == "dflash-broker":
             p = self.port
@@ -91,10 +98,14 @@ class Local:
         _wait(moved, 60, "the broker to create its run")
         return latest.resolve()
 
-    def start(self, cmd: str, instance: str | None = None) -> subprocess.Popen:
-        env = dict(self.env, **({"DFLASH_INSTANCE": instance} if instance else {}))
-        return subprocess.Popen(self.argv(cmd), cwd=self.tmp, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    def start(self, cmd: str) -> subprocess.Popen:
+        """Output to files (a pipe nobody reads fills up and blocks the process)."""
+        n = len(list(self.tmp.glob("proc*.out")))
+        out, err = (open(self.tmp / f"proc{n}.{x}", "w") for x in ("out", "err"))
+        p = subprocess.Popen(self.argv(cmd), cwd=self.tmp, env=self.env, stdout=out, stderr=err, text=True)
+        p.out_path, p.err_path = Path(out.name), Path(err.name)
+        out.close(), err.close()
+        return p
 
     def run(self, cmd: str, shell: bool = False) -> subprocess.CompletedProcess:
         if shell:  # a pipeline, as a user types it
@@ -102,6 +113,13 @@ class Local:
                                   timeout=60)
         return subprocess.run(self.argv(cmd), cwd=self.tmp, env=self.env, capture_output=True, text=True,
                               timeout=60)
+
+
+def _is_json(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _committed(run_dir: Path) -> list[tuple[int, int]]:
@@ -134,18 +152,18 @@ def loc(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # five processes start torch on two shared cores
 def test_readme_story_runs_as_written(tmp_path, loc):
     cmds = dict(enumerate(readme_commands()))
-    broker_cmd, produce_cmd, consume_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd, consume_resume_cmd = (
-        cmds[i] for i in range(3, 11))
+    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd, consume_resume_cmd = (cmds[i] for i in (3, 8, 9, 10, 11, 12))
+    produce_cmds, consume_cmds = [cmds[4], cmds[5]], [cmds[6], cmds[7]]  # the "Real use" block: 2 and 2, one host
     procs = loc.procs
     procs.append(loc.start(broker_cmd))
     first = loc.wait_for_new_run(None)
-    procs.append(loc.start(produce_cmd))
-    procs += [loc.start(consume_cmd, instance=f"c{i}") for i in range(CONSUMERS)]
+    procs += [loc.start(c) for c in produce_cmds + consume_cmds]
 
     # live status while it trains
-    _wait(lambda: len(_committed(first)) > 0, 120, "a first commit")
+    _wait(lambda: len(_committed(first)) > 0, 300, "a first commit")  # 2 cores: 5 processes start torch
     st = loc.run(status_cmd)
     assert st.returncode == 0 and first.name in st.stdout, st.stdout + st.stderr
 
@@ -156,14 +174,26 @@ def test_readme_story_runs_as_written(tmp_path, loc):
     done_before = set(_committed(first))
     assert 0 < len(done_before) < N_ROWS * EPOCHS
 
+    # every peer of the first run was admitted under its default name: 2 producers, 2 consumers
+    assert len({p.name for p in (first / "logs").glob("producer-*.jsonl")}) == 2
+    assert len({p.name for p in (first / "logs").glob("consumer-*.jsonl")}) == 2
+
     procs.clear()
     procs.append(loc.start(resume_cmd))
     second = loc.wait_for_new_run(first)
-    procs.append(loc.start(produce_cmd))
-    procs += [loc.start(consume_resume_cmd, instance=f"c{i}") for i in range(CONSUMERS)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    procs += [loc.start(c) for c in produce_cmds + [consume_resume_cmd] * 2]
+    for p in procs:
+        p.wait(timeout=300)
+    outs = [(p.out_path.read_text(), p.err_path.read_text()) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, (out + err)[-3000:]
+    # stdout is the JSON log lines only (DFLASH_LOG_JSON): nothing else mixed in; and no
+    # library noise on stderr either (progress bars, torchft's flight recorder, HTTP access lines)
+    for p, (out, err) in zip(procs, outs):
+        bad = [line for line in out.splitlines() if line.strip() and not _is_json(line)]
+        assert not bad, f"{p.args[0]} printed non-JSON lines on stdout: {bad[:5]}"
+        noise = [line for line in err.splitlines() if any(n in line for n in NOISE)]
+        assert not noise, f"{p.args[0]} printed library noise: {noise[:5]}"
     assert json.loads((second / "run.json").read_text())["parent_run"] == first.name
 
     # exactly once across the crash: what the first run committed is never trained again
@@ -176,6 +206,8 @@ def test_readme_story_runs_as_written(tmp_path, loc):
     assert logs.returncode == 0, logs.stderr
     lines = [json.loads(l) for l in logs.stdout.splitlines()]
     assert lines and set(lines[0]) == {"step", "loss", "acc", "streak", "tokens_per_s"}
+    steps = [line["step"] for line in lines]
+    assert len(steps) == len(set(steps)), "the jq recipe printed a step more than once"
     assert f"# run {second.name}" in logs.stderr  # it says which run it shows
 
     plot = loc.run(plot_cmd)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import click
 
+from dflash.protocol.config import SHARED_ENV
+
 DIST = "dflash-pipeline"
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 REGENERATE = "python -m dflash.tools.clidoc > docs/CLI.md"
@@ -256,6 +258,7 @@ def undocumented(s: Script) -> list[str]:
 
 def header(all_scripts: list[Script]) -> str:
     with_config = ", ".join(code(s.name) for s in all_scripts if any(p.name == "config" for p in options(s.command)))
+    shared = ", ".join(code(e) for e in sorted(SHARED_ENV))
     return f"""# Command-line reference
 
 Every option of every command, generated from the code by `{REGENERATE}`
@@ -265,8 +268,10 @@ command says the same.
 Options of the project's commands are read, highest precedence first, from:
 
 1. the command line;
-2. an environment variable, the `env` column: `DFLASH_<OPTION>` (e.g. `--token-budget` is
-   `DFLASH_TOKEN_BUDGET`) unless the table names another; flags take `1`/`0`, `true`/`false`,
+2. an environment variable, the `env` column: `DFLASH_<COMMAND>_<OPTION>`, in the command's
+   own namespace (e.g. dflash-produce's `--token-budget` is `DFLASH_PRODUCE_TOKEN_BUDGET`), so
+   a variable set for one command never changes another; shared on purpose by every command
+   that has the option: {shared}; flags take `1`/`0`, `true`/`false`,
    `yes`/`no` or `on`/`off`, and a repeatable option takes space-separated values;
 3. a TOML file given with `--config` (commands that have it: {with_config}), keys named
    as the options with `-` or `_` (`token_budget = 4096`); an unknown key is an error;

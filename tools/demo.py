@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from dflash.protocol.config import fail, option
+from dflash.protocol.config import command, fail, option
 from dflash.protocol.run import resolve_run, runs_root
 
 from .procs import ProcessGroup, tail_lines
@@ -66,7 +66,7 @@ def _progress(ev: dict, t0: float) -> str:
             f"{qs} | epoch~{ev.get('epoch')}{eta}")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command("DEMO")
 @option("--runs-dir", default="runs", type=click.Path(file_okay=False), help="Root folder of run folders.")
 @option("--producers", default=2, type=click.IntRange(1, 8), help="Target producer processes.")
 @option("--consumers", default=2, type=click.IntRange(1, 8), help="Drafter consumer processes (data-parallel ranks).")

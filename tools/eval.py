@@ -29,8 +29,7 @@ import torch
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
-from dflash.protocol import target_arg
-from dflash.protocol.config import fail, option
+from dflash.protocol.config import command, fail, option, runs_dir_option, target_option
 
 
 @dataclass
@@ -212,6 +211,20 @@ def format_report(rep: dict) -> str:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def drafter_folder(ref: str, runs_dir: str) -> str:
+    """--drafter as a folder: an export or step folder as given, else the checkpoint that
+    `latest`, a run ID or a run folder names (as dflash-export resolves it)."""
+    from dflash.consumers.checkpoint import resolve_checkpoint
+
+    p = Path(ref)
+    if p.is_dir() and ((p / "config.json").is_file() or (p / "state.json").is_file()):
+        return ref
+    try:
+        return str(resolve_checkpoint(ref, runs_dir))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(str(e).replace("--resume", "--drafter")) from None
+
+
 def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     """(target model, tokenizer, drafter), both models frozen in `dtype` on `device`."""
     from transformers.utils import logging as hf_logging
@@ -228,11 +241,12 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     return model, tokenizer, drafter
 
 
-@click.command(context_settings={"max_content_width": 100})
-@option("--target", required=True, callback=target_arg.click_callback(hub_ok=False, need_tokenizer=True),
-        help="Target model folder (Hugging Face layout) or .gguf file.")
-@option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
-        help="Drafter: a training checkpoint folder or a dflash-export folder (published layout).")
+@command("EVAL", max_content_width=100)
+@target_option("Target model folder (Hugging Face layout) or .gguf file.")
+@option("--drafter", required=True,
+        help="Drafter: a dflash-export folder (published layout), or a training checkpoint as dflash-export takes "
+        "it: a step folder, run folder, run ID or 'latest'.")
+@runs_dir_option()
 @option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="JSON Lines file of prompts.")
 @option("--max-new-tokens", default=256, type=click.IntRange(1), help="Tokens to generate per prompt (fewer at a stop token).")
 @option("--limit", default=None, type=click.IntRange(1), help="Evaluate only the first N prompts.")
@@ -243,12 +257,14 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
         help="bfloat16/float16: a first difference where both tokens are within this logit margin of the "
              "target's best counts as a tie-flip, not an error (default per dtype, docs/EVAL.md; float32 is exact).")
 @option("--json", "as_json", is_flag=True, default=False, help="Print the full report as one JSON object.")
-def main(target, drafter, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance, as_json) -> None:
+def main(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance,
+         as_json) -> None:
     """Speculative decoding (greedy) with TARGET and DRAFTER on PROMPTS: tau, speedup, lossless check."""
     if threads:
         torch.set_num_threads(threads)
     try:
         tolerance = resolve_tie_tolerance(_DTYPES[dtype], tie_tolerance)
+        drafter = drafter_folder(drafter, runs_dir)
         model, tokenizer, d = load_pair(target, drafter, dtype, device)
         rows = read_prompts(prompts, tokenizer, limit)
     except (ExportError, ValueError, OSError) as e:

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from dflash.protocol.config import fail, option, runs_dir_option
+from dflash.protocol.config import command, fail, option, runs_dir_option
 from dflash.protocol.run import resolve_run
 
 from .runlogs import log_files, matches, merged
@@ -26,7 +26,7 @@ def _render(ev: dict, as_json: bool) -> str:
     return f"{ev.get('ts', '?')} {ev.get('level', '?'):<7} {ev.get('role', '?')}-{ev.get('instance', '?')} {ev.get('event', '?')} {rest}"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command("LOGS")
 @option("--run", "run_ref", default="latest", help="Run ID, run folder, or 'latest'.")
 @runs_dir_option()
 @option("--role", "roles", multiple=True, help="Only these roles (broker, producer, consumer); repeatable.")

@@ -23,7 +23,7 @@ import click
 import msgpack
 import zmq
 
-from dflash.protocol.config import broker_option, fail, option, runs_dir_option
+from dflash.protocol.config import broker_option, command, fail, option, runs_dir_option
 from dflash.protocol.curve import CurveClient, CurveKeyError, client_from, curve_options
 from dflash.protocol.messages import MAX_HEADER_BYTES, PROTOCOL_VERSION
 from dflash.protocol.run import resolve_run, runs_root
@@ -141,15 +141,15 @@ def show_run(ref: str, runs_dir: str, broker: str | None, timeout_s: float, as_j
         click.echo(runstate.render(d))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@command("STATUS", max_content_width=100)
 @broker_option()
-@option("--json", "as_json", is_flag=True, default=False, envvar="DFLASH_STATUS_JSON",
+@option("--json", "as_json", is_flag=True, default=False,
         help="Print the status map as JSON (with --watch: one compact map per line; with --run: the verdict).")
-@option("--timeout-s", default=3.0, type=float, envvar="DFLASH_STATUS_TIMEOUT_S",
+@option("--timeout-s", default=3.0, type=float,
         help="Seconds to wait for the broker's answer.")
 @option("--watch", "-w", "watch_s", type=float, is_flag=False, flag_value=2.0, default=None, metavar="[SECS]",
-        envvar="DFLASH_STATUS_WATCH", help="Redraw in place every SECS seconds (2 if no value) until Ctrl-C.")
-@option("--run", "run_ref", default=None, metavar="ID|PATH|latest", envvar="DFLASH_STATUS_RUN",
+        help="Redraw in place every SECS seconds (2 if no value) until Ctrl-C.")
+@option("--run", "run_ref", default=None, metavar="ID|PATH|latest",
         help="Say what became of this run from its files (FINISHED/STOPPED/DIED, when, last step); "
              "LIVE only if its broker answers with that run ID.")
 @runs_dir_option()

@@ -72,11 +72,22 @@ def table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _live_state(state) -> str:
+    """The broker answers, but a lost job trains no more: it must not read as running."""
+    return "LIVE, JOB LOST (training cannot go on: resume the run)" if state == "job_lost" else f"LIVE ({state})"
+
+
+def _inherited(p: dict) -> str:
+    """A resumed run's samples done by the runs before it (they count towards progress)."""
+    n = p.get("inherited")
+    return f" (+{n} from the resumed run)" if isinstance(n, int) and n else ""
+
+
 def header(st: dict) -> list[str]:
     br, q, p, r = st.get("broker") or {}, st.get("queue") or {}, st.get("progress") or {}, st.get("rates") or {}
     s = st.get("samples") or {}
     lines = [f"run {st.get('run_id')}  started {clock(br.get('started_at'), '%Y-%m-%d %H:%M:%SZ')}  up "
-             f"{dur(br.get('uptime_s'))}  LIVE ({br.get('state')})  broker {br.get('instance')}@{br.get('host')} "
+             f"{dur(br.get('uptime_s'))}  {_live_state(br.get('state'))}  broker {br.get('instance')}@{br.get('host')} "
              f"pid {br.get('pid')}"]
     total = p.get("total")
     pct = f" ({100 * p['fraction']:.1f}%)" if isinstance(p.get("fraction"), (int, float)) else ""
@@ -86,7 +97,7 @@ def header(st: dict) -> list[str]:
     epoch = "-" if p.get("epoch") is None else p["epoch"] + 1  # 1-based for people
     lines.append(f"progress epoch {epoch}/"
                  f"{p.get('epochs', '?')} ({epochs_done} epochs done)  samples trained {p.get('trained', 0)} "
-                 f"committed {p.get('committed', 0)} of {total if total is not None else '?'}{pct}  skipped "
+                 f"committed {p.get('committed', 0)}{_inherited(p)} of {total if total is not None else '?'}{pct}  skipped "
                  f"{s.get('skipped', 0)}  {eta}")
     lines.append(f"queue    {q.get('batches', 0)} batches  {size(q.get('bytes'))} of {size(q.get('capacity_bytes'))}"
                  f"  oldest {dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"
@@ -101,6 +112,8 @@ def header(st: dict) -> list[str]:
         lines.append(f"why      {d.get('text')}")
         if d.get("suggestion"):
             lines.append(f"         -> {d['suggestion']}")
+        if isinstance(d.get("pending"), dict):  # hysteresis: a new diagnosis not yet steady
+            lines.append(f"         (changing? {d['pending'].get('code')} for {dur(d['pending'].get('for_s'))})")
     return lines
 
 

@@ -31,6 +31,7 @@ def test_old_run_id_refused_and_runs_never_share_a_log_file(start_broker):
     assert "run_mismatch" in err and a.run_id in err and b.run_id in err  # says why, to a human
     said = [json.loads(line) for line in out.splitlines() if '"fake.rejected"' in line]
     assert said and a.run_id in said[0]["reason"]  # and in its log line
+    assert "leave out --run-id" in said[0]["reason"]  # the option peers have (it said --run)
     rej = b.wait_event("broker.peer_rejected", 5, lambda e: e["code"] == "run_mismatch")
     assert rej["peer_instance"] == "stale"
     assert b.stop() == 0

@@ -32,7 +32,7 @@ def test_help_explains_every_option():
         if p.name == "help":
             continue
         assert p.help, f"--{p.name} has no help text"
-        assert f"DFLASH_{p.name.upper()}" in out, p.name
+        assert p.envvar in out, p.name
 
 
 def test_local_run_writes_its_folder_then_resume_latest_continues_or_refuses(target_dir, tmp_path):

@@ -55,7 +55,7 @@ def test_help_explains_every_option():
             continue
         assert param.help, param.name
         assert param.opts[0] in res.output
-    assert "DFLASH_TOKEN_BUDGET" in res.output
+    assert "DFLASH_PRODUCE_TOKEN_BUDGET" in res.output
 
 
 def _run(*args):

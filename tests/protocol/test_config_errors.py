@@ -25,7 +25,7 @@ def test_a_toml_value_of_the_wrong_type_names_the_file_and_key(tmp_path, monkeyp
     cfg.write_text('token_budget = "lots"\n')
     r = CliRunner().invoke(produce_main, ["--config", str(cfg), "--target", "x", "--data", "y"])
     assert r.exit_code == 2, r.output
-    assert "DFLASH_TOKEN_BUDGET" not in r.output  # nobody set it
+    assert "DFLASH_PRODUCE_TOKEN_BUDGET" not in r.output  # nobody set it
     assert f"{cfg}: token_budget = 'lots'" in r.output and "integer" in r.output
 
 
@@ -40,10 +40,10 @@ def test_a_toml_float_for_an_integer_option_is_refused_not_truncated(tmp_path, m
 
 def test_a_size_that_is_not_a_size_names_the_option_and_its_env_var(tmp_path, monkeypatch):
     _clean_env(monkeypatch)
-    monkeypatch.setenv("DFLASH_QUEUE_BYTES", "lots")
+    monkeypatch.setenv("DFLASH_BROKER_QUEUE_BYTES", "lots")
     r = CliRunner().invoke(broker_main, ["--runs-dir", str(tmp_path)])
     assert r.exit_code == 2, r.output
-    assert "--queue-bytes" in r.output and "DFLASH_QUEUE_BYTES" in r.output and "'lots' is not a size" in r.output
+    assert "--queue-bytes" in r.output and "DFLASH_BROKER_QUEUE_BYTES" in r.output and "'lots' is not a size" in r.output
 
 
 def test_a_broker_address_that_is_not_tcp_is_refused_naming_the_option(monkeypatch):

@@ -19,6 +19,7 @@ COMMANDS = {"dflash-broker": broker_main, "dflash-produce": produce_main, "dflas
 @pytest.fixture
 def mounts(tmp_path):
     (tmp_path / "models" / "target").mkdir(parents=True)
+    (tmp_path / "models" / "target" / "config.json").write_text("{}")  # --target must be a model folder
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("")
     return tmp_path

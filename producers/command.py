@@ -1,0 +1,69 @@
+"""dflash-produce's command line: the options, mapped onto ProducerConfig by cli.run. Kept
+apart from cli.py so that `--help` does not import torch (cli.py and what it imports do)."""
+
+from __future__ import annotations
+
+import click
+
+from dflash.protocol.config import (broker_option, command, config_option, curve_options, option, runs_dir_option,
+                                    target_option)
+
+from .config import DEFAULT_REGEN_CACHE
+
+
+@command("PRODUCE")
+@config_option()
+@broker_option()
+@runs_dir_option()
+@target_option("Target model: a local folder, a Hugging Face hub ID, or a .gguf file (de-quantised to --dtype by "
+              "transformers; needs the gguf extra).")
+@option("--data", required=True, help="Dataset: .jsonl (messages / conversations / text rows), "
+        ".parquet, or a HF datasets folder (save_to_disk).")
+@option("--gpu", type=int, default=None, help="GPU index to run the target on (default: GPU 0 if any, else CPU).")
+@option("--device", default=None, help="Explicit torch device instead of --gpu, e.g. 'cpu' or 'cuda:1'.")
+@option("--dtype", default="auto", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+        help="Model dtype; auto = bfloat16 on GPU, float32 on CPU. Hidden states travel in it.")
+@option("--attn-impl", default="auto", help="Attention implementation (sdpa, eager, flash_attention_2, "
+        "flex_attention); auto = the first this model supports that packs correctly (start-up check): on GPU "
+        "flash_attention_2 when installed, flex_attention, sdpa, eager; on CPU sdpa, eager, flex_attention; where "
+        "none does, one sequence per forward pass, with a warning.")
+@option("--target-layers", default=None, help="Comma-separated decoder layer IDs to capture (0-based, "
+        "'layer i' = HF hidden_states[i+1]); default: 5 spaced from 1 to L-3, e.g. 1,9,17,25,33 for 36 layers.")
+@option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding); "
+        "at least --max-length (lower both together, e.g. --token-budget 2048 --max-length 2048).")
+@option("--max-batch-size", type=int, default=64, help="Max sequences per forward pass.")
+@option("--max-length", type=int, default=3072, help="Sequences are truncated to this many tokens; at most "
+        "--token-budget.")
+@option("--lease-size", type=int, default=256, help="Samples asked of the broker per lease.")
+@option("--prefetch", type=int, default=4, help="Batches prepared ahead of the GPU (the heartbeat's q_pre).")
+@option("--skip-bad-rows", is_flag=True, default=False, help="Skip malformed rows (each logged, counted and "
+        "reported to the broker) instead of stopping with an error naming file:line.")
+@option("--regenerate", is_flag=True, default=False, help="Replace assistant turns by the target's own greedy "
+        "generation before capture, trained as the exact token IDs generated (loss on those only); cached on disk "
+        "per dataset, target and settings.")
+@option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
+@option("--regen-batch-size", type=int, default=256, help="Rows decoded side by side with --regenerate (continuous "
+        "batching; capped by the GPU memory the KV cache may take).")
+@option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
+@option("--chat-template-kwargs", default="{}", help="JSON object passed to the chat template, "
+        "e.g. '{\"enable_thinking\": false}'.")
+@option("--hidden-encoding", default="raw", type=click.Choice(["raw", "fp8_e4m3_rowscale"]),
+        help="Wire encoding of hidden states: raw (model dtype) or fp8 with per-row scales (half of bf16).")
+@option("--final-hidden", is_flag=True, default=False, help="Also send each token's last hidden state after the "
+        "final norm (the LM head's input, H values per token): consumers with --distill-weight compute the "
+        "target's next-token distribution from it (docs/TRAINING.md \"Distillation\").")
+@option("--check-packing/--no-check-packing", default=True, help="At start, verify that packed sequences "
+        "do not attend to each other on this model (a few tiny forward passes).")
+@option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
+@option("--instance", default=None, help="This producer's name, unique among the run's live producers (default <host>-<device>-<pid>, "
+        "e.g. node1-cuda0-4711).")
+@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@option("--dry-run", is_flag=True, default=False, help="No broker: one pass over the local dataset, batches "
+        "discarded, summary printed.")
+@option("--limit", type=int, default=None, help="With --dry-run: only the first N samples.")
+@curve_options
+def main(**kw) -> None:
+    """Run a frozen target model on leased samples and stream hidden states to the broker."""
+    from .cli import run
+
+    run(kw)

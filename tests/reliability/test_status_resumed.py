@@ -1,0 +1,39 @@
+"""dflash-status of a resumed run counts what its parent did (issue 20: it said
+"committed 0 of 800 (2.1%)" with 84 left, ETA as if nothing was done). Real brokers and
+fake peers: a run commits part of its samples and stops, the resumed run's status map
+and dflash-status's text count the parent's samples as done."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from reliability_helpers import committed, finish, spawn, wait_until
+
+from dflash.tools.status_view import header
+
+N, EPOCHS = 40, 1
+
+
+def test_a_resumed_runs_progress_counts_the_inherited_samples(brokers):
+    b1 = brokers("--lease-size", "4", "--epochs", str(EPOCHS))
+    peers = [spawn("consumer", b1, "--instance", "c", "--train-s", "0.05", "--commit-every", "2"),
+             spawn("producer", b1, "--instance", "p", "--n-samples", str(N), "--delay-s", "0.05")]
+    wait_until(lambda: (b1.ask() or {}).get("samples", {}).get("committed", 0) >= 8, 60, "8 committed samples")
+    b1.proc.kill()
+    b1.proc.wait(5)
+    finish(peers, 20)
+    parent = len(set(committed(b1.run_dir)))
+    assert 0 < parent < N
+
+    b2 = brokers("--resume", b1.run_id)
+    st = b2.ask()
+    p = st["progress"]
+    assert p["inherited"] == parent and p["done"] == parent, p
+    assert p["fraction"] == round(parent / N, 4)
+    text = "\n".join(header(st))
+    assert f"(+{parent} from the resumed run) of {N}" in text, text
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b2.control], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0 and f"+{parent} from the resumed run" in r.stdout, r.stdout + r.stderr
+    assert b2.stop() == 0
