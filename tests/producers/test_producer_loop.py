@@ -62,7 +62,7 @@ def test_every_sample_once_per_epoch_in_valid_batches(target, tokenizer, tmp_pat
             off += n
 
 
-BAD = ['{"messages": [{"role": "user", "content": "no answer"}]}', '{"broken json']
+BAD = ['{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "no answer"}]}', '{"broken json']
 
 
 def test_bad_row_stops_the_run_naming_file_and_line(target, tokenizer, tmp_path):
