@@ -275,7 +275,7 @@ def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.Pa
 @click.argument("checkpoint")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @target_option("Target model folder or .gguf file, to copy its bos/eos token IDs into config.json (else null).",
-               required=False)
+               required=False, need_tokenizer=False)
 @runs_dir_option()
 @option("--force", is_flag=True, default=False, help="Replace OUT_DIR if it is not empty.")
 @option("--eval-report", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -97,7 +97,7 @@ def test_export_folder_files_modes_and_model_card(checkpoint, target_dir, tmp_pa
     r = CliRunner().invoke(main, [str(checkpoint), str(out), "--target", str(target_dir),
                                   "--eval-report", str(tmp_path / "eval.json")])
     assert r.exit_code == 0, r.output
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "dflash.py", "README.md"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "dflash.py", "README.md", "manifest.json"}
     for p in out.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o644, p.name
     assert (out / "dflash.py").read_text() == open(hf_dflash.__file__).read()
