@@ -179,6 +179,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
         run_config = link.welcome.get("run_config") or {}
+        # Refused at start (another run's checkpoint), before any wait for the run's layers
+        resume = resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id)
         if tcfg.target_layers is None:  # auto: never build the drafter on layers guessed here
             early["state"] = "waiting"  # for a producer, as a starved consumer does
             run_config = await_run_facts(link, run_config)
@@ -187,8 +189,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             return TrainState(end_reason="end_of_stream" if reason == "done" else "stop"), Dist(device=device)
         check_run_target(run_config, heads.identity)
         tcfg = run_layers(tcfg, run_config, heads.spec.hidden_size)
-        tcfg = replace(tcfg, resume=resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id),
-                       skip_held=True)
+        tcfg = replace(tcfg, resume=resume, skip_held=True)
         with collective_failures_named():
             dist = (_own_dist(cfg, device) if own else arranged_dist(run_config, device, cfg.instance, cfg.broker)
                     ) or Dist(device=device)
