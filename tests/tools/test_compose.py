@@ -19,7 +19,9 @@ COMMANDS = {"dflash-broker": broker_main, "dflash-produce": produce_main, "dflas
 @pytest.fixture
 def mounts(tmp_path):
     (tmp_path / "models" / "target").mkdir(parents=True)
-    (tmp_path / "models" / "target" / "config.json").write_text("{}")  # --target must be a model folder
+    # --target must look like a model folder: config, weights and tokenizer files (not read here)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / "models" / "target" / name).write_text("{}")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("")
     return tmp_path
