@@ -134,10 +134,11 @@ def test_broker_survives_malformed_floods_on_both_sockets_during_a_real_run(brok
     lines = [e for name in REFUSAL_EVENTS for e in b.events(name)]
     suppressed = sum(e["suppressed"] for e in lines) + sum(e["total"] for e in b.events("broker.log_suppressed"))
     assert 0 < len(lines) < n_sent / 10, len(lines)  # logged, and rate-limited
-    # Every refusal is a line or counted in one (oversize frames never reach the broker's
-    # code: ZeroMQ drops them and the connection).
+    # Every refusal is a line or counted in one. Oversize frames over twice --max-message-bytes
+    # never reach the broker's code (ZeroMQ drops them and the connection); those between the
+    # limit and that cap are refused in Python (broker/config.py data_in_frame_cap) and counted.
     expected = n_sent - sent["oversize"]
-    assert 0.99 * expected <= len(lines) + suppressed <= expected, (len(lines), suppressed, expected)
+    assert 0.99 * expected <= len(lines) + suppressed <= n_sent, (len(lines), suppressed, expected, n_sent)
     assert all(len(str(e.get("reason", ""))) < 600 for e in lines)  # clipped: peers choose what is quoted
     print(f"fuzz: {n_sent} messages ({len(sent)} kinds), {len(lines)} refusal lines + {suppressed} suppressed, "
           f"RSS {rss0 // 1024} -> {rss1 // 1024} MiB, {time.monotonic() - t0:.1f}s")
