@@ -7,6 +7,7 @@ The GGUF file loads in the consumer as the converted folder does, with the same 
 Short sequences keep it well under a minute on two cores; the GGUF test reads the whole
 file's metadata in Python (slow), so it runs with DFLASH_LONG=1."""
 
+import json
 import os
 
 import pytest
@@ -134,3 +135,11 @@ def test_the_producer_captures_the_same_from_the_gguf_file(target, batches):
     b = batches[0]
     positions = torch.cat([torch.arange(n) for n in b.seq_lens])
     assert torch.equal(g.capture(b.input_ids.long(), positions), b.hidden)
+
+
+def test_the_converted_folder_reads_alike_in_transformers_4_and_5(folder):
+    """transformers 4.x (the DFlash reference code's pin) reads only a top-level rope_theta
+    and would silently use 10000; the folder holds float weights, so no GGUF quantisation."""
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 100000.0
+    assert "quantization_config" not in cfg

