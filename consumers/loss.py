@@ -29,12 +29,15 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 
 
 class ChunkedCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i), and argmax predictions, in row chunks.
+    """sum_i w_i * CE(h_i @ W^T, y_i), and argmax predictions, in row chunks; with target
+    hidden states t (--distill-weight a > 0) the loss of `distill_chunk` instead.
 
-    h [Q, D] (grad), W [V, D] frozen, y long [Q], w float [Q] (0 = no loss)."""
+    h [Q, D] (grad), W [V, D] frozen, y long [Q], w float [Q] (0 = no loss), t [Q, D] or None:
+    the target's final hidden states that predict each row's label, turned into its
+    distribution through the same frozen LM head W, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h, W, y, w, chunk: int):
+    def forward(ctx, h, W, y, w, chunk: int, t=None, alpha: float = 0.0):
         need_grad = ctx.needs_input_grad[0]
         grad_h = torch.zeros_like(h) if need_grad else None
         acc = torch.promote_types(h.dtype, torch.float32)  # at least fp32 for softmax sums
@@ -43,8 +46,12 @@ class ChunkedCE(torch.autograd.Function):
         chunk_fn = fused.get("ce_chunk")
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            logits = h[s:e].to(W.dtype) @ W.T  # [c, V]: the only vocab-sized tensor
-            part, preds[s:e], g = chunk_fn(logits, y[s:e], w[s:e], need_grad)
+            logits = h[s:e].to(W.dtype) @ W.T  # [c, V]: the only vocab-sized tensor (two with t)
+            if t is None:
+                part, preds[s:e], g = chunk_fn(logits, y[s:e], w[s:e], need_grad)
+            else:
+                part, preds[s:e], g = distill_chunk(logits, t[s:e].to(W.dtype) @ W.T, y[s:e], w[s:e], alpha,
+                                                    need_grad)
             loss += part
             if need_grad:
                 grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)  # [c, D]
@@ -55,7 +62,7 @@ class ChunkedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_preds):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None
 
 
 def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, alpha: float,
@@ -77,35 +84,6 @@ def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Te
         soft[torch.arange(y.shape[0], device=y.device), y] += 1.0 - alpha
         g = w.to(acc)[:, None] * (logp.exp() - soft)
     return part, z.argmax(dim=-1), g
-
-
-class ChunkedDistill(torch.autograd.Function):
-    """ChunkedCE with the target's own next-token distribution mixed in (--distill-weight):
-    t [Q, D] are the target's final hidden states that predict each row's label, turned
-    into its distribution through the same frozen LM head W, chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx, h, W, y, w, t, alpha: float, chunk: int):
-        need_grad = ctx.needs_input_grad[0]
-        grad_h = torch.zeros_like(h) if need_grad else None
-        loss = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
-        preds = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            e = min(s + chunk, h.shape[0])
-            logits = h[s:e].to(W.dtype) @ W.T  # [c, V]
-            target_logits = t[s:e].to(W.dtype) @ W.T  # [c, V]: the second vocab-sized tensor
-            part, preds[s:e], g = distill_chunk(logits, target_logits, y[s:e], w[s:e], alpha, need_grad)
-            loss += part
-            if need_grad:
-                grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)
-        ctx.save_for_backward(grad_h)
-        ctx.mark_non_differentiable(preds)
-        return loss, preds
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_preds):
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None
 
 
 @dataclass
@@ -156,11 +134,9 @@ def block_loss(
     # Only positions with loss go through the LM head: the anchors (1 in B) and labels
     # outside the response would cost vocab-sized work for a weight of 0.
     rows = valid.nonzero()[:, 0]
-    if distill > 0:
-        loss_sum, scored = ChunkedDistill.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows],
-                                                soft.index_select(0, rows), float(distill), chunk)
-    else:
-        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk)
+    t = soft.index_select(0, rows) if distill > 0 else None
+    loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk, t,
+                                       float(distill))
     preds = torch.full_like(labels, -1).index_copy_(0, rows, scored)
     with torch.no_grad():
         ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]

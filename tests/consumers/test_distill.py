@@ -9,7 +9,7 @@ from structlog.testing import capture_logs
 
 from consumer_helpers import MASK_ID, rule_batch
 from dflash.consumers.batch import Batch, BatchMismatch
-from dflash.consumers.loss import ChunkedCE, ChunkedDistill
+from dflash.consumers.loss import ChunkedCE
 from dflash.consumers.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.chat import ChatEncoder
@@ -31,7 +31,7 @@ def test_soft_label_loss_and_gradient_equal_a_hand_computed_reference(alpha):
     h = torch.randn(Q, D, generator=g, dtype=torch.float64, requires_grad=True)
     W, t = torch.randn(V, D, generator=g, dtype=torch.float64), torch.randn(Q, D, generator=g, dtype=torch.float64)
     y, w = torch.randint(0, V, (Q,), generator=g), torch.rand(Q, generator=g, dtype=torch.float64)
-    loss, preds = ChunkedDistill.apply(h, W, y, w, t, alpha, 2)  # chunks of 2 rows: 2 + 2 + 1
+    loss, preds = ChunkedCE.apply(h, W, y, w, 2, t, alpha)  # chunks of 2 rows: 2 + 2 + 1
     loss.backward()
     got_grad, h.grad = h.grad.clone(), None
 
