@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.protocol import targets
-from dflash.protocol.config import command, fail, option, runs_dir_option, target_option
+from dflash.protocol.config import fail
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import write_json_atomic
 
@@ -271,19 +271,9 @@ def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.Pa
 # ---------------------------------------------------------------- CLI
 
 
-@command("EXPORT", max_content_width=100)
-@click.argument("checkpoint")
-@click.argument("out_dir", type=click.Path(file_okay=False))
-@target_option("Target model folder or .gguf file, to copy its bos/eos token IDs into config.json (else null).",
-               required=False, need_tokenizer=False)
-@runs_dir_option()
-@option("--force", is_flag=True, default=False, help="Replace OUT_DIR if it is not empty.")
-@option("--eval-report", default=None, type=click.Path(exists=True, dir_okay=False),
-        help="A dflash-eval --json report of this drafter: its tau goes into README.md.")
-def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force: bool,
-         eval_report: str | None) -> None:
-    """Export CHECKPOINT (a step folder, run folder, run ID or 'latest') to OUT_DIR in the
-    layout of the DFlash drafters published on Hugging Face."""
+def run(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force: bool,
+        eval_report: str | None) -> None:
+    """dflash-export (consumers/export_command.py parses its options)."""
     try:
         report = read_eval_report(eval_report) if eval_report else None
         src = resolve_checkpoint(checkpoint, runs_dir)
@@ -297,6 +287,9 @@ def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force
                f"target_layer_ids {cfg['dflash_config']['target_layer_ids']}, "
                f"mask_token_id {cfg['dflash_config']['mask_token_id']})")
 
+
+# The command (options parsed without importing torch); kept here for callers of export.main.
+from dflash.consumers.export_command import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

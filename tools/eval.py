@@ -29,7 +29,7 @@ import torch
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
-from dflash.protocol.config import command, fail, option, runs_dir_option, target_option
+from dflash.protocol.config import fail
 
 
 @dataclass
@@ -241,25 +241,9 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     return model, tokenizer, drafter
 
 
-@command("EVAL", max_content_width=100)
-@target_option("Target model folder (Hugging Face layout) or .gguf file.")
-@option("--drafter", required=True,
-        help="Drafter: a dflash-export folder (published layout), or a training checkpoint as dflash-export takes "
-        "it: a step folder, run folder, run ID or 'latest'.")
-@runs_dir_option()
-@option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False), help="JSON Lines file of prompts.")
-@option("--max-new-tokens", default=256, type=click.IntRange(1), help="Tokens to generate per prompt (fewer at a stop token).")
-@option("--limit", default=None, type=click.IntRange(1), help="Evaluate only the first N prompts.")
-@option("--device", default="cpu", help="Torch device for both models.")
-@option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Dtype of both models.")
-@option("--threads", default=None, type=click.IntRange(1), help="torch CPU threads (default: torch's choice).")
-@option("--tie-tolerance", default=None, type=float,
-        help="bfloat16/float16: a first difference where both tokens are within this logit margin of the "
-             "target's best counts as a tie-flip, not an error (default per dtype, docs/EVAL.md; float32 is exact).")
-@option("--json", "as_json", is_flag=True, default=False, help="Print the full report as one JSON object.")
-def main(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance,
-         as_json) -> None:
-    """Speculative decoding (greedy) with TARGET and DRAFTER on PROMPTS: tau, speedup, lossless check."""
+def run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance,
+        as_json) -> None:
+    """dflash-eval (tools/eval_command.py parses its options)."""
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -278,6 +262,9 @@ def main(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtyp
                    f"{', '.join(rep['mismatches'])}", err=True)
         sys.exit(1)
 
+
+# The command (options parsed without importing torch); kept here for callers of eval.main.
+from dflash.tools.eval_command import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = {ep.name: ep.value for ep in distribution("dflash-pipeline").entry_points if ep.group == "console_scripts"}
-# export and eval load models in the same module as their options (not split yet)
-LIGHT = sorted(set(SCRIPTS) - {"dflash-export", "dflash-eval"})
+LIGHT = sorted(SCRIPTS)
 
 PROBE = """
 import json, sys
