@@ -40,14 +40,25 @@ def load_components(cfg: ProducerConfig) -> Components:
     DFlashError (dataset format), ValueError (tokenizer/template), OSError (checkpoint)."""
     cfg.check()
     device = resolve_device(cfg.gpu, cfg.device)
+    if cfg.tensor_parallel and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (shard.rank_device)
     dataset = open_dataset(cfg.data)
     tokenizer = targets.load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
     encoder = ChatEncoder(tokenizer, cfg.max_length, cfg.template_kwargs())
     target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype,
                          attn_impl=cfg.attn_impl, full=cfg.regenerate, final=cfg.final_hidden,
-                         trust_remote_code=cfg.trust_remote_code)
+                         trust_remote_code=cfg.trust_remote_code, tensor_parallel=cfg.tensor_parallel)
+    if cfg.tensor_parallel:  # rank 0 (cli.py): the followers run every forward pass with us from here on
+        from .shard import Leader
+
+        target.shard = Leader(target.device)
     if cfg.check_packing:
-        err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
+        try:
+            err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
+        except BaseException:
+            if target.shard is not None:
+                target.shard.stop()
+            raise
         log.info("produce.packing_check", ok=not target.per_sequence, rel_err=err, leak_rel_err=leak,
                  attn_impl=target.info.attn_impl, per_sequence=target.per_sequence)
     regenerator = None
