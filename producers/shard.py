@@ -59,10 +59,10 @@ def world_from_env() -> tuple[int, int, int]:
     return rank, size, local
 
 
-def init(device: torch.device, timeout_s: float = 1800.0) -> World:
+def init(device: torch.device, timeout_s: float = 24 * 3600.0) -> World:
     """Join the process group of this torchrun launch (NCCL for CUDA devices, else gloo).
     The timeout bounds how long a follower may wait for rank 0's next forward pass: rank 0
-    may wait that long for a lease from the broker, so it is long."""
+    may wait long for a lease or for room in the broker's queue (docs/SHARDING.md)."""
     rank, size, local = world_from_env()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():

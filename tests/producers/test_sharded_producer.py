@@ -142,3 +142,37 @@ def test_a_run_with_a_sharded_producer_trains_to_the_end(tmp_path):
     consumer = [json.loads(x) for x in (run_dir / "logs" / "consumer-c0.jsonl").read_text().splitlines()]
     end = next(e for e in consumer if e["event"] == "consume.done")
     assert end["samples"] == n_rows and end["step"] > 0
+
+
+def test_what_cannot_be_sharded_is_refused_naming_why(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash.producers.command import main
+    from dflash.producers.config import ProducerConfig
+    from dflash.producers.shard import ShardError, world_from_env
+    from dflash.producers.target import TargetError
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ShardError, match="needs a torchrun launch"):
+        world_from_env()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ShardError, match="WORLD_SIZE 1: launch 2 or more processes"):
+        world_from_env()
+    with pytest.raises(ValueError, match="--regenerate is not supported with --tensor-parallel"):
+        ProducerConfig(target="t", data="d", tensor_parallel=True, regenerate=True).check()
+    with pytest.raises(ValueError, match="--tensor-parallel takes no --gpu"):
+        ProducerConfig(target="t", data="d", tensor_parallel=True, gpu=1).check()
+    folder = tmp_path / "gpt2"
+    build(tiny_config("gpt2", vocab=512)).save_pretrained(folder)
+    with pytest.raises(TargetError, match="gpt2: transformers has no tensor-parallel plan"):
+        load_target(str(folder), "0,1", device=torch.device("cpu"), tensor_parallel=True)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    from dflash.producers.sample_data import CHATS_PATH
+    from dflash.tools.tiny import tiny_target
+
+    res = CliRunner().invoke(main, ["--tensor-parallel", "--device", "cpu", "--target", str(tiny_target()), "--data",
+                                    str(CHATS_PATH), "--dry-run"])
+    assert res.exit_code != 0 and "--tensor-parallel needs a torchrun launch" in res.output
