@@ -64,6 +64,11 @@ def init(device: torch.device, timeout_s: float = 24 * 3600.0) -> World:
     The timeout bounds how long a follower may wait for rank 0's next forward pass: rank 0
     may wait long for a lease or for room in the broker's queue (docs/SHARDING.md)."""
     rank, size, local = world_from_env()
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    mesh = acc.type if acc is not None else "cpu"
+    if mesh != device.type:  # transformers builds its device mesh on the machine's accelerator, whatever we ask
+        raise ShardError(f"--tensor-parallel on {device.type}: transformers shards onto this machine's {mesh} "
+                         f"devices; run it on {mesh} (or where torch sees no {mesh}, for {device.type})")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

@@ -1,9 +1,11 @@
-"""Run under torchrun (2 processes, CPU, gloo) by test_sharded_producer.py: load the target
-at argv[1] sharded (--tensor-parallel's code path), rank 0 captures the packed batch saved
-in argv[2] (through the start-up packing check first, as a producer does) and writes its
-features and what its shards look like to argv[3]; the other rank follows."""
+"""Run under torchrun (2 processes, CPU, gloo) by test_sharded_producer.py: for each target
+folder in argv[3:], load it sharded (--tensor-parallel's code path); rank 0 runs the
+start-up packing check, as a producer does, captures the packed batch saved in argv[1]
+and writes its features and what its shards look like to argv[2]/<folder name>.pt; the
+other rank follows."""
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -12,14 +14,19 @@ from dflash.producers.build import _check_packing
 from dflash.producers.target import load_target
 
 
-def main(folder: str, batch_file: str, out_file: str) -> None:
+def main(batch_file: str, out_dir: str, *folders: str) -> None:
     torch.set_num_threads(1)
+    world = shard.init(torch.device("cpu"))
+    for folder in folders:
+        one(world, folder, batch_file, Path(out_dir) / f"{Path(folder).name}.pt")
+    shard.close()
+
+
+def one(world, folder: str, batch_file: str, out_file: Path) -> None:
     cpu = torch.device("cpu")
-    world = shard.init(cpu)
     target = load_target(folder, "0,1,2", device=cpu, dtype="float32", attn_impl="auto", tensor_parallel=True)
     if not world.leader:
         shard.follow(target)
-        shard.close()
         return
     target.shard = shard.Leader(cpu)
     try:
@@ -33,8 +40,7 @@ def main(folder: str, batch_file: str, out_file: str) -> None:
                     "attn_impl": target.info.attn_impl}, out_file)
     finally:
         target.shard.stop()
-        shard.close()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

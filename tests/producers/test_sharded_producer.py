@@ -44,24 +44,33 @@ def _packed_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, pos
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_two_process_capture_equals_the_single_process_capture(family, tmp_path):
-    torch.set_num_threads(1)
-    folder = tmp_path / family
-    build(tiny_config(family, vocab=512)).save_pretrained(folder)
-    ids, pos = _packed_batch(512)
-    torch.save({"input_ids": ids, "position_ids": pos}, tmp_path / "batch.pt")
+FAMILIES = ["llama", "qwen3_moe"]
 
-    single = load_target(str(folder), ",".join(map(str, LAYERS)), device=torch.device("cpu"), dtype="float32")
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Both targets captured by one 2-process torchrun launch: (folder, batch, results dir)."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        build(tiny_config(family, vocab=512)).save_pretrained(tmp / family)
+    ids, pos = _packed_batch(512)
+    torch.save({"input_ids": ids, "position_ids": pos}, tmp / "batch.pt")
+    res = subprocess.run(_torchrun(str(WORKER), str(tmp / "batch.pt"), str(tmp), *(str(tmp / f) for f in FAMILIES)),
+                         env=_env(), capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return tmp, ids, pos
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_process_capture_equals_the_single_process_capture(family, sharded):
+    torch.set_num_threads(1)
+    tmp, ids, pos = sharded
+    single = load_target(str(tmp / family), ",".join(map(str, LAYERS)), device=torch.device("cpu"), dtype="float32")
     _check_packing(single, auto_attn=True)
     want = single.capture(ids, pos)
-
-    out = tmp_path / "sharded.pt"
-    res = subprocess.run(_torchrun(str(WORKER), str(folder), str(tmp_path / "batch.pt"), str(out)), env=_env(),
-                         capture_output=True, text=True, timeout=280)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    got = torch.load(out)
+    got = torch.load(tmp / f"{family}.pt")
     assert got["world"] == 2 and got["attn_impl"] == single.info.attn_impl
     # Really sharded: each rank holds half of every attention projection (and of the experts).
     q = [n for n in got["full"] if n.endswith("self_attn.q_proj.weight")]
