@@ -139,7 +139,8 @@ def follow(target) -> int:
             with target.lock:
                 target._capture(ids, pos)
         except Exception as e:  # noqa: BLE001  (rank 0 met the same failure and decides)
-            log.warning("produce.follower_pass_failed", rank=dist.get_rank(), error=f"{type(e).__name__}: {str(e)[:300]}")
+            log.warning("produce.follower_pass_failed", rank=dist.get_rank(),
+                        error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def close() -> None:

@@ -103,7 +103,8 @@ def test_family_trains_exports_and_decodes_losslessly(family, tie, tokenizer, tm
     for fields, tensors in pushed:
         assert fields["layer_ids"] == LAYERS
         hidden, start = tensors["hidden"], 0
-        assert hidden.dtype == torch.float32 and hidden.shape[1] == len(LAYERS) * reference.config.get_text_config().hidden_size
+        width = len(LAYERS) * reference.config.get_text_config().hidden_size
+        assert hidden.dtype == torch.float32 and hidden.shape[1] == width
         for n in fields["seq_lens"]:
             ids = tensors["input_ids"][start:start + n].long()[None]
             with torch.no_grad():
