@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dflash.protocol import targets
 from dflash.protocol.logs import get_logger
 
@@ -38,14 +40,25 @@ def load_components(cfg: ProducerConfig) -> Components:
     DFlashError (dataset format), ValueError (tokenizer/template), OSError (checkpoint)."""
     cfg.check()
     device = resolve_device(cfg.gpu, cfg.device)
+    if cfg.tensor_parallel and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (shard.rank_device)
     dataset = open_dataset(cfg.data)
     tokenizer = targets.load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
     encoder = ChatEncoder(tokenizer, cfg.max_length, cfg.template_kwargs())
     target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype,
                          attn_impl=cfg.attn_impl, full=cfg.regenerate, final=cfg.final_hidden,
-                         trust_remote_code=cfg.trust_remote_code)
+                         trust_remote_code=cfg.trust_remote_code, tensor_parallel=cfg.tensor_parallel)
+    if cfg.tensor_parallel:  # rank 0 (cli.py): the followers run every forward pass with us from here on
+        from .shard import Leader
+
+        target.shard = Leader(target.device)
     if cfg.check_packing:
-        err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
+        try:
+            err, leak = _check_packing(target, auto_attn=cfg.attn_impl == "auto")
+        except BaseException:
+            if target.shard is not None:
+                target.shard.stop()
+            raise
         log.info("produce.packing_check", ok=not target.per_sequence, rel_err=err, leak_rel_err=leak,
                  attn_impl=target.info.attn_impl, per_sequence=target.per_sequence)
     regenerator = None
@@ -91,6 +104,12 @@ def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
     tried: dict[str, str] = {}
     runs: list[tuple[str, float, float]] = []  # implementations that ran (and leaked)
     for i, impl in enumerate(order):
+        known = _cannot_run(target, impl)
+        if known:
+            tried[impl] = error = known
+            if i + 1 < len(order):
+                log.warning("produce.attn_fallback", attn_impl=impl, to=order[i + 1], error=error)
+            continue
         if impl != target.info.attn_impl:
             target.set_attn(impl)
         try:
@@ -114,12 +133,22 @@ def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
     return err, leak
 
 
+def _cannot_run(target: Target, impl: str) -> str | None:
+    """Why `impl` cannot run on this target here, where that is known without running it:
+    transformers' flex attention refuses attention sinks (GPT-OSS's `sinks`) on CPU, but
+    only after compiling the block mask, which takes longer than loading the model."""
+    if impl == "flex_attention" and target.device.type == "cpu" and any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in target.decoder.modules()):
+        return "attention sinks cannot run on CPU with flex attention (transformers refuses them)"
+    return None
+
+
 def _advice(target: Target, options: list[str], current: str) -> str:
     """What packs correctly on this model here (each other supported implementation is
     tried once), for the error of an explicit --attn-impl that leaks."""
     good = []
     try:
-        for impl in (o for o in options if o != current):
+        for impl in (o for o in options if o != current and not _cannot_run(target, o)):
             try:
                 target.set_attn(impl)
                 check_packing(target.capture, target.info.vocab_size)

@@ -37,12 +37,26 @@ def run(kw: dict) -> None:
         cfg.check()
     except ValueError as e:
         fail(str(e))
+    world = _join_world(cfg) if cfg.tensor_parallel else None
     instance = cfg.instance or _default_instance(cfg)
+    if world is not None and not world.leader:
+        return _follow(cfg, world, f"{instance}-rank{world.rank}")
     setup_logging("producer", instance, gpu=cfg.gpu, level=cfg.log_level)
     log.info("produce.start", config=as_dict(cfg))
+    if world is not None:
+        log.info("produce.sharded", world_size=world.size, backend=world.backend, tp_plan="auto")
+    components = None
     try:
-        components = load_components(cfg)
-        summary = _dry_run(cfg, components) if cfg.dry_run else _serve(cfg, components, instance)
+        try:
+            components = load_components(cfg)
+            summary = _dry_run(cfg, components) if cfg.dry_run else _serve(cfg, components, instance)
+        finally:
+            if components is not None and components.target.shard is not None:
+                components.target.shard.stop()  # the followers leave their loop (every exit path)
+            if world is not None:
+                from . import shard
+
+                shard.close()
     except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("produce.broker_lost" if isinstance(e, BrokerLost) else "produce.failed",
@@ -65,7 +79,48 @@ def _default_instance(cfg: ProducerConfig) -> str:
         device = resolve_device(cfg.gpu, cfg.device)
     except ValueError as e:
         fail(str(e))
+    if cfg.tensor_parallel and device.type == "cuda":
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's (_join_world set it)
     return default_instance(f"cuda{device.index or 0}" if device.type == "cuda" else device.type)
+
+
+def _join_world(cfg: ProducerConfig):
+    """--tensor-parallel: join this torchrun launch's process group, on this rank's device."""
+    from . import shard
+
+    try:
+        device = resolve_device(None, cfg.device)
+        world = shard.init(device)
+        shard.rank_device(world, device)
+    except ValueError as e:  # ShardError, TargetError
+        fail(str(e))
+    return world
+
+
+def _follow(cfg: ProducerConfig, world, instance: str) -> None:
+    """A rank other than 0: load this rank's shard of the target, then run the forward
+    passes rank 0 broadcasts until it says stop. No broker, no data, no run logs."""
+    from . import shard
+    from .target import load_target
+
+    setup_logging("producer", instance, gpu=cfg.gpu, level=cfg.log_level)
+    try:
+        device = resolve_device(None, cfg.device)
+        device = shard.rank_device(world, device)
+        target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype, attn_impl=cfg.attn_impl,
+                             full=cfg.regenerate, final=cfg.final_hidden, trust_remote_code=cfg.trust_remote_code,
+                             tensor_parallel=True)
+        passes = shard.follow(target)
+    except (DFlashError, ValueError, OSError) as e:
+        log.error("produce.failed", error=f"{type(e).__name__}: {e}", rank=world.rank)
+        close_logging()
+        fail(str(e), code=1)
+    finally:
+        shard.close()
+    log.info("produce.follower_done", rank=world.rank, passes=passes)
+    close_logging()
 
 
 def _dry_run(cfg: ProducerConfig, c) -> dict:

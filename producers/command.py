@@ -55,6 +55,10 @@ from .config import DEFAULT_REGEN_CACHE
 @option("--check-packing/--no-check-packing", default=True, help="At start, verify that packed sequences "
         "do not attend to each other on this model (a few tiny forward passes).")
 @option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
+@option("--tensor-parallel", is_flag=True, default=False, help="One producer over all processes of a torchrun "
+        "launch (torchrun --nproc-per-node N -m dflash.producers.cli --tensor-parallel ...): the target is sharded "
+        "by transformers' tensor parallelism (tp_plan auto; NCCL on GPUs, gloo on CPU), rank 0 talks to the broker, "
+        "the other ranks follow its forward passes (docs/SHARDING.md).")
 @option("--instance", default=None, help="This producer's name, unique among the run's live producers (default <host>-<device>-<pid>, "
         "e.g. node1-cuda0-4711).")
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")

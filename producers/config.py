@@ -36,6 +36,7 @@ class ProducerConfig:
     final_hidden: bool = False  # also send the final-norm output (the consumer's --distill-weight needs it)
     check_packing: bool = True
     trust_remote_code: bool = False
+    tensor_parallel: bool = False  # one producer over the processes of a torchrun launch (producers/shard.py)
     instance: str | None = None
     runs_dir: str | None = None
     log_level: str = "info"
@@ -67,4 +68,10 @@ class ProducerConfig:
             raise ValueError(f"--hidden-encoding {self.hidden_encoding!r}: raw or fp8_e4m3_rowscale")
         if self.limit is not None and not self.dry_run:
             raise ValueError("--limit only applies to --dry-run (the broker decides which samples to produce)")
+        if self.tensor_parallel and self.regenerate:
+            raise ValueError("--regenerate is not supported with --tensor-parallel (generation is not sharded): "
+                             "regenerate with a producer that holds the whole target, the cache is shared")
+        if self.tensor_parallel and self.gpu is not None:
+            raise ValueError("--tensor-parallel takes no --gpu: each rank runs on cuda:LOCAL_RANK (choose the GPUs "
+                             "with CUDA_VISIBLE_DEVICES), or give --device cpu")
         self.template_kwargs()

@@ -97,9 +97,10 @@ _HAS_PACKED = _register_packed()
 def decode_attention(model: nn.Module) -> str:
     """The attention implementation decoding runs with: sdpa without K/V repetition
     (`_sdpa_packed`), or eager where the model needs what sdpa lacks (logit soft-capping,
-    Gemma 2). Both take the core's additive 4D masks."""
+    Gemma 2; attention sinks, GPT-OSS, whose class refuses sdpa). Both take the core's
+    additive 4D masks."""
     cfg = _text_config(model)
-    if getattr(cfg, "attn_logit_softcapping", None):
+    if getattr(cfg, "attn_logit_softcapping", None) or not getattr(type(model), "_supports_sdpa", True):
         return "eager"
     return _PACKED if _HAS_PACKED else "sdpa"
 

@@ -195,6 +195,9 @@ class Target:
         # One sequence per forward pass: set by the start-up check when no attention
         # implementation of this model keeps packed sequences apart (build.py).
         self.per_sequence = False
+        # --tensor-parallel, rank 0: the followers (producers/shard.py Leader), told of every
+        # forward pass and attention switch before this rank runs it
+        self.shard = None
         # final: capture also the last layer's output after the final norm (the LM head's
         # input, HF hidden_states[-1]) as one more slot: every layer is then needed.
         self.final_norm = _final_norm(self.decoder) if final else None
@@ -211,6 +214,8 @@ class Target:
 
     def set_attn(self, name: str) -> None:
         """Switch the attention implementation in place (the start-up fallback to sdpa)."""
+        if self.shard is not None:
+            self.shard.set_attn(name)
         (self.model or self.decoder).set_attn_implementation(name)
         self.info.attn_impl = getattr(self.config, "_attn_implementation", name)
 
@@ -241,6 +246,8 @@ class Target:
         crosses a sequence boundary). Returns [T, n_layers*H] (with `final`: [T, (n_layers+1)*H],
         the final-norm output last) in the model dtype, on the model's device. Raises torch.OutOfMemoryError as is (the caller splits and retries)."""
         with self.lock:
+            if self.shard is not None:
+                self.shard.capture(input_ids, position_ids)
             return self._capture(input_ids.to(self.device), position_ids.to(self.device))
 
     def _capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -279,6 +286,16 @@ class Target:
         raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list (or final norm)")
 
 
+def _check_tp_plan(name: str, trust_remote_code: bool) -> None:
+    """Refuse (TargetError) a model whose transformers class has no tensor-parallel plan:
+    loading it with tp_plan auto would give every rank the whole model, unsharded."""
+    config = targets.load_config(name, trust_remote_code=trust_remote_code)
+    plan = getattr(config.get_text_config(), "base_model_tp_plan", None)
+    if not plan:
+        raise TargetError(f"{getattr(config, 'model_type', name)}: transformers has no tensor-parallel plan for this "
+                          "model (config base_model_tp_plan), so --tensor-parallel cannot shard it")
+
+
 def load_target(
     name: str,
     layer_spec: str | None = None,
@@ -289,9 +306,12 @@ def load_target(
     full: bool = False,
     final: bool = False,
     trust_remote_code: bool = False,
+    tensor_parallel: bool = False,
 ) -> Target:
     """Load a local folder, hub ID or .gguf file (protocol/targets.py) as a frozen,
-    eval-mode target on `device`.
+    eval-mode target on `device`. `tensor_parallel`: this process's shard of it, by
+    transformers' tensor-parallel plan over the initialised torch.distributed group
+    (producers/shard.py).
 
     Raises TargetError (bad layers, dtype, device), and whatever transformers raises for an
     unreadable checkpoint (OSError, ValueError)."""
@@ -303,7 +323,12 @@ def load_target(
     options = attn_candidates(attn_impl, device, model_cls)
     t0 = time.monotonic()
     kw: dict = {}
-    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+    if tensor_parallel:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        _check_tp_plan(name, trust_remote_code)
+        kw["distributed_config"] = DistributedConfig(tp_plan="auto")  # each rank loads its slices only
+    elif device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = {"": str(device)}  # straight to the GPU, no full CPU copy
     for i, attn in enumerate(options):
         try:
@@ -314,7 +339,9 @@ def load_target(
             if i + 1 == len(options):
                 raise
             log.warning("produce.attn_fallback", attn_impl=attn, to=options[i + 1], error=str(e)[:300])
-    model.to(device).eval().requires_grad_(False)
+    if not tensor_parallel:  # sharded weights are on this rank's device already
+        model.to(device)
+    model.eval().requires_grad_(False)
     num_layers = model.config.get_text_config().num_hidden_layers
     target = Target(model, name, parse_layer_ids(layer_spec, num_layers), full=full, final=final)
     del model

@@ -1,0 +1,148 @@
+"""One producer spread over several processes (`--tensor-parallel`, launched by torchrun):
+the target is sharded by transformers' tensor parallelism (`DistributedConfig(tp_plan=
+"auto")`, torch.distributed: NCCL on GPUs, gloo on CPU), each rank holding its slice of
+every layer, so a target larger than one GPU fits.
+
+Rank 0 is the producer: it alone talks to the broker, reads and packs the data and logs
+into the run. The other ranks follow: every forward pass rank 0 runs (a capture, or a
+switch of attention implementation during the start-up packing check) is first broadcast
+to them, and all ranks run it together; the collectives inside the sharded layers leave
+the full hidden states on every rank, and rank 0 sends its copy. Followers ignore
+SIGINT/SIGTERM (torchrun forwards them to every rank): rank 0 finishes the batch in hand
+and then tells them to stop, so no collective is left half-joined.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dflash.protocol.logs import get_logger
+
+log = get_logger()
+
+_STOP, _CAPTURE, _ATTN = 0, 1, 2
+
+
+class ShardError(ValueError):
+    """--tensor-parallel cannot run here (reason in the message)."""
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    backend: str
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them. Raises ShardError outside torchrun."""
+    try:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise ShardError("--tensor-parallel needs a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR set), e.g. "
+                         "torchrun --nproc-per-node 2 -m dflash.producers.cli --tensor-parallel ...") from None
+    if size < 2:
+        raise ShardError(f"--tensor-parallel with WORLD_SIZE {size}: launch 2 or more processes "
+                         "(torchrun --nproc-per-node N)")
+    return rank, size, local
+
+
+def init(device: torch.device, timeout_s: float = 24 * 3600.0) -> World:
+    """Join the process group of this torchrun launch (NCCL for CUDA devices, else gloo).
+    The timeout bounds how long a follower may wait for rank 0's next forward pass: rank 0
+    may wait long for a lease or for room in the broker's queue (docs/SHARDING.md)."""
+    rank, size, local = world_from_env()
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    mesh = acc.type if acc is not None else "cpu"
+    if mesh != device.type:  # transformers builds its device mesh on the machine's accelerator, whatever we ask
+        raise ShardError(f"--tensor-parallel on {device.type}: transformers shards onto this machine's {mesh} "
+                         f"devices; run it on {mesh} (or where torch sees no {mesh}, for {device.type})")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return World(rank, size, local, backend)
+
+
+def rank_device(world: World, device: torch.device) -> torch.device:
+    """The device of this rank: cuda:LOCAL_RANK for CUDA (one GPU per process), else `device`."""
+    if device.type != "cuda":
+        return device
+    if torch.cuda.device_count() <= world.local_rank:
+        raise ShardError(f"rank {world.rank} (local rank {world.local_rank}) has no GPU: torch sees "
+                         f"{torch.cuda.device_count()} (launch at most that many processes per node)")
+    torch.cuda.set_device(world.local_rank)
+    return torch.device("cuda", world.local_rank)
+
+
+class Leader:
+    """Rank 0's side: tells the followers what to run before running it itself."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stopped = False
+
+    def _header(self, op: int, n: int = 0) -> None:
+        dist.broadcast(torch.tensor([op, n], dtype=torch.long, device=self.device), src=0)
+
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        self._header(_CAPTURE, input_ids.numel())
+        dist.broadcast(input_ids.to(self.device, torch.long).contiguous(), src=0)
+        dist.broadcast(position_ids.to(self.device, torch.long).contiguous(), src=0)
+
+    def set_attn(self, name: str) -> None:
+        self._header(_ATTN)
+        dist.broadcast_object_list([name], src=0, device=self.device)
+
+    def stop(self) -> None:
+        """Release the followers (once; every exit path of rank 0 calls it)."""
+        if not self.stopped:
+            self.stopped = True
+            self._header(_STOP)
+
+
+def follow(target) -> int:
+    """A follower's whole life after loading: run what rank 0 broadcasts until it says stop.
+    Returns the number of forward passes followed. A pass that fails here fails the same way
+    on rank 0 (same model, same input), which handles it; the follower goes on."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    device, passes = target.device, 0
+    header = torch.empty(2, dtype=torch.long, device=device)
+    while True:
+        dist.broadcast(header, src=0)
+        op, n = int(header[0]), int(header[1])
+        if op == _STOP:
+            return passes
+        if op == _ATTN:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, device=device)
+            target.set_attn(box[0])
+            continue
+        ids = torch.empty(n, dtype=torch.long, device=device)
+        pos = torch.empty(n, dtype=torch.long, device=device)
+        dist.broadcast(ids, src=0)
+        dist.broadcast(pos, src=0)
+        passes += 1
+        try:
+            with target.lock:
+                target._capture(ids, pos)
+        except Exception as e:  # noqa: BLE001  (rank 0 met the same failure and decides)
+            log.warning("produce.follower_pass_failed", rank=dist.get_rank(),
+                        error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
