@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
-from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
 from dflash.protocol.sockets import AUTO_DATA_STREAMS, AUTO_TWO_IO_CPUS, usable_cpus
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
@@ -14,8 +14,6 @@ from dflash.protocol.sockets import AUTO_DATA_STREAMS, AUTO_TWO_IO_CPUS, usable_
 # for a consumer that takes batches and never acks them.
 MAX_CREDIT = 64
 MAX_UNACKED = 2 * MAX_CREDIT
-# ZMQ_MAXMSGSIZE on the control socket: the 1 MiB header limit plus framing margin.
-CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 
 
 def data_in_frame_cap(max_message_bytes: int) -> int:

@@ -41,10 +41,10 @@ from .staging import BatchStager
 from .step import batch_loss
 from .target_heads import TargetHeads
 from . import train_checkpoint
-from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, default_target_layers, lr_at, noise_at,
+from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
                            resolve_signal)
 
-__all__ = ["Hooks", "TrainConfig", "TrainState", "default_target_layers", "lr_at", "noise_at", "resolve_signal",
+__all__ = ["Hooks", "TrainConfig", "TrainState", "lr_at", "noise_at", "resolve_signal",
            "train", "START_WAIT_S"]
 
 log = get_logger()
