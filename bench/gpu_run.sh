@@ -83,16 +83,16 @@ import json, torch
 from dflash.protocol.gpu import matmul_ceiling_tflops
 r = [round(matmul_ceiling_tflops(torch.device('cuda', $G0), n), 1) for n in (4096, 8192, 16384)]
 print(json.dumps({'gpu': $G0, 'bf16_matmul_tflops_4k_8k_16k': r}))"
-  stage a capture_uniform_sdpa 200 python3 -m dflash.producers.bench_capture --shape qwen3-8b --tokens 49152 \
+  stage a capture_uniform_sdpa 200 python3 bench/capture_gpu.py --shape qwen3-8b --tokens 49152 \
       --seq-len 3072 --attn sdpa --reps 3
-  stage a capture_packed_flex 240 python3 -m dflash.producers.bench_capture --target "$T8" --data "$W/packed.jsonl" \
+  stage a capture_packed_flex 240 python3 bench/capture_gpu.py --target "$T8" --data "$W/packed.jsonl" \
       --token-budget 49152 --attn flex_attention --batches 12
   stage a producer_dry_run_packed 200 python3 bench/gpu_pipeline.py --target "$T8" --data "$W/packed.jsonl" \
       --producer-gpu $G0 --parts producer_alone --token-budget 49152 --limit 2500 --seconds 170
 }
 
 part1_drafter() {  # GPU1 (or GPU0 after the capture on one GPU)
-  local d="python3 -m dflash.consumers.bench --gpu $G1 --block-size 16 --anchors 512 --seq-len 3072 --steps 10"
+  local d="python3 bench/drafter_step.py --gpu $G1 --block-size 16 --anchors 512 --seq-len 3072 --steps 10"
   stage b drafter_sdpa_4x3072 150 $d --seqs 4 --attn sdpa --skip-check
   stage b drafter_sdpa_8x3072 150 $d --seqs 8 --attn sdpa --skip-check
   stage b drafter_flex_4x3072 180 $d --seqs 4 --attn flex --skip-check
@@ -112,7 +112,7 @@ part3() {
 }
 
 part4() {  # the drafter step with fused elementwise kernels (--fuse on), both attention kernels
-  local d="python3 -m dflash.consumers.bench --block-size 16 --anchors 512 --seq-len 3072 --steps 10 --skip-check --fuse on"
+  local d="python3 bench/drafter_step.py --block-size 16 --anchors 512 --seq-len 3072 --steps 10 --skip-check --fuse on"
   (stage b drafter_flex_fuse_4x3072 200 $d --gpu $G1 --seqs 4 --attn flex
    stage b drafter_sdpa_fuse_4x3072 120 $d --gpu $G1 --seqs 4 --attn sdpa) &
   stage a drafter_flex_fuse_8x3072 200 $d --gpu $G0 --seqs 8 --attn flex
@@ -135,7 +135,7 @@ part6() {  # three independent tracks at once: GPU1, GPU0, CPU
    stage c regen_speed 150 python3 bench/gpu_regen.py --target "$T06" --gpu $G1 --batches 1,16,64 --new-tokens 64
    stage c tau 400 python3 bench/gpu_tau.py --target "$T06" --producer-gpu $G1 --consumer-gpu $G1 --epochs 60 \
        --train-timeout-s 200 --eval-rows 20 --max-new-tokens 64 --eval-dtype float32) &
-  local d="python3 -m dflash.consumers.bench --gpu $G0 --block-size 16 --anchors 512 --seq-len 3072 --steps 12 --skip-check --fuse on --vary"
+  local d="python3 bench/drafter_step.py --gpu $G0 --block-size 16 --anchors 512 --seq-len 3072 --steps 12 --skip-check --fuse on --vary"
   (stage d drafter_flex_fuse_vary 180 $d --seqs 4 --attn flex
    stage d drafter_sdpa_fuse_vary 150 $d --seqs 4 --attn sdpa) &
   stage g transport_io 420 python3 bench/transport.py --sizes 16,64,256 --repeat 2 --broker-io-threads 1,2 \
