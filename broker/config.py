@@ -42,7 +42,7 @@ MAX_HELLO_CONFIG_BYTES = 64 * 1024
 # queue plus at most this many messages per producer connection (--data-streams of them).
 DATA_IN_RCVHWM = 2
 # The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
-# both saturates one core at ~2-4 GB/s (docs/BENCHMARKS.md). With two, data-in runs on
+# both saturates one core (docs/BENCHMARKS.md, transport). With two, data-in runs on
 # one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY). One consumer's
 # batches travel on one connection, so one thread; with several consumers their pipes
 # spread over the threads after the first, up to MAX_AUTO_OUT_THREADS of them, one per 8
@@ -53,7 +53,7 @@ MAX_AUTO_OUT_THREADS = 4
 
 
 def auto_broker_io_threads(cpus: int) -> int:
-    """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread measured slower), else the
+    """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread is slower: docs/BENCHMARKS.md), else the
     first thread plus one per 8 cores for the consumers' pipes (at most MAX_AUTO_OUT_THREADS)."""
     if cpus < AUTO_TWO_IO_CPUS:
         return 1

@@ -2,8 +2,8 @@
 step trains, so converting it and copying it to the GPU leave the critical path.
 
 Without it, between two steps the training thread took the next message, cloned its
-~500 MB `hidden` on the CPU (dequantising fp8 there), and the step then copied it to the
-GPU from pageable memory: ~0.1-0.2 s of a ~0.6 s H200 step. `BatchStager` wraps the
+`hidden` on the CPU (dequantising fp8 there), and the step then copied it to the GPU from
+pageable memory: a sizeable part of a step (docs/BENCHMARKS.md). `BatchStager` wraps the
 batch source (items: a decoded codec `Message`, a `Batch`, or None for "nothing now")
 and hands out, in the source's order, `Batch`es that are ready to train:
 
