@@ -9,7 +9,7 @@ the LM head dropped) against the naive pass (`output_hidden_states=True` + logit
 cat of the wanted layers) on the same packed batch (several sequences, positions restart
 at 0: varlen packing). Each (mode, T) runs in a fresh process so its peak is its own:
 peak = the process's peak RSS during the first pass minus its RSS just before (model and
-inputs loaded). The GPU version of this is producers/bench_capture.py.
+inputs loaded). The GPU version of this is bench/capture_gpu.py.
 """
 
 from __future__ import annotations

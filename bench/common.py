@@ -23,8 +23,8 @@ from dflash.protocol.sockets import free_port_block  # noqa: F401  (bench script
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 
-# Qwen3-8B capture: 5 layers x 4096 hidden, bf16 (DFLASH.md "Sizes that matter for the
-# wire": 40 KiB per token). Batch sizes in the tables are MiB of tensor payload.
+# Qwen3-8B capture: 5 layers x 4096 hidden, bf16 (hidden size x layers x 2
+# bytes: 40 KiB per token). Batch sizes in the tables are MiB of tensor payload.
 HIDDEN, N_LAYERS = 4096, 5
 LAYER_IDS = [1, 9, 17, 25, 33]
 BYTES_PER_TOKEN = N_LAYERS * HIDDEN * 2 + 4 + 1  # hidden bf16 + input_ids int32 + loss_mask uint8

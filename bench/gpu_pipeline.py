@@ -5,7 +5,7 @@
 Three measurements, all through the real commands (`dflash-produce`, `dflash-broker`,
 `dflash-consume`), rates read from their JSON log lines on stdout:
 1. **producer alone**: `dflash-produce --dry-run` on the same data and settings;
-2. **consumer alone**: `python -m dflash.consumers.bench` (the training loop of
+2. **consumer alone**: `python bench/drafter_step.py` (the training loop of
    `dflash-consume` on batches made up front) with batches of the same shape: token budget
    / max length sequences of max length tokens, which is what the long rows pack to;
 3. **pipeline**: broker + producer + consumer, the producer's batches flowing through the
@@ -131,7 +131,8 @@ def main(target, data, producer_gpu, consumer_gpu, seconds, token_budget, max_le
     alone = [(name, argv) for name, argv in [
                  ("producer_alone", [command_path("dflash-produce"), *prod, "--dry-run", *limit_args,
                                      "--runs-dir", str(work / "p")]),
-                 ("consumer_alone", [sys.executable, "-m", "dflash.consumers.bench", "--gpu", str(consumer_gpu),
+                 ("consumer_alone", [sys.executable, str(Path(__file__).with_name("drafter_step.py")),
+                                     "--gpu", str(consumer_gpu),
                                      "--seqs", str(seqs), "--seq-len", str(max_length), "--steps", "12",
                                      "--attn", attn, "--fuse", fuse, "--skip-check", "--block-size", "16",
                                      "--anchors", "512"])]

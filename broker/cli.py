@@ -8,7 +8,6 @@ options; 1 if the broker could not start (e.g. a port in use) or crashed.
 from __future__ import annotations
 
 import shutil
-import signal
 import sys
 
 import click
@@ -19,6 +18,7 @@ from dflash.protocol import curve
 from dflash.protocol.config import as_dict, fail
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest
+from dflash.protocol.stop import GracefulStop
 
 from . import resume, runinfo, security
 from .config import BrokerConfig, parse_bytes, parse_port_range
@@ -96,12 +96,10 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         log.info("broker.resume", **lineage["resumed_from"], left=resume.left_to_do(parent, cfg.epochs),
                  epochs=cfg.epochs, seed=cfg.seed)
 
-    def on_signal(signum, _frame):
-        broker.signal = signal.Signals(signum).name  # acted on by the loop, never here
-        broker.signals += 1
+    def on_signal(stop: GracefulStop) -> None:  # acted on by the loop, never here
+        broker.signal, broker.signals = stop.signal_name, stop.count
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    GracefulStop(hard_second=False, on_signal=on_signal).install()
     log.info("broker.start", config=as_dict(cfg), endpoints=broker.endpoints, run_dir=str(run_dir),
              io_threads=broker.io_threads, data_streams=broker.streams, producer_streams=broker.producer_streams)
     outcome, error = "crashed", None

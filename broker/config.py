@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
-from dflash.protocol.messages import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
 from dflash.protocol.sockets import AUTO_DATA_STREAMS, AUTO_TWO_IO_CPUS, usable_cpus
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
@@ -14,8 +14,6 @@ from dflash.protocol.sockets import AUTO_DATA_STREAMS, AUTO_TWO_IO_CPUS, usable_
 # for a consumer that takes batches and never acks them.
 MAX_CREDIT = 64
 MAX_UNACKED = 2 * MAX_CREDIT
-# ZMQ_MAXMSGSIZE on the control socket: the 1 MiB header limit plus framing margin.
-CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 
 
 def data_in_frame_cap(max_message_bytes: int) -> int:
@@ -44,7 +42,7 @@ MAX_HELLO_CONFIG_BYTES = 64 * 1024
 # queue plus at most this many messages per producer connection (--data-streams of them).
 DATA_IN_RCVHWM = 2
 # The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
-# both saturates one core at ~2-4 GB/s (docs/BENCHMARKS.md). With two, data-in runs on
+# both saturates one core (docs/BENCHMARKS.md, transport). With two, data-in runs on
 # one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY). One consumer's
 # batches travel on one connection, so one thread; with several consumers their pipes
 # spread over the threads after the first, up to MAX_AUTO_OUT_THREADS of them, one per 8
@@ -55,7 +53,7 @@ MAX_AUTO_OUT_THREADS = 4
 
 
 def auto_broker_io_threads(cpus: int) -> int:
-    """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread measured slower), else the
+    """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread is slower: docs/BENCHMARKS.md), else the
     first thread plus one per 8 cores for the consumers' pipes (at most MAX_AUTO_OUT_THREADS)."""
     if cpus < AUTO_TWO_IO_CPUS:
         return 1

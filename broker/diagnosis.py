@@ -4,7 +4,7 @@
 the broker fills `status.diagnosis` with it, tests feed it hand-written maps. Checks run
 most urgent first and the first that fires wins: the run is stopping, a peer was lost, a
 role has nobody, an OOM backoff, an idle GPU with work waiting, then the balance between
-targets (producers) and drafters (consumers). In the field (FIELD-NOTES incident 6)
+targets (producers) and drafters (consumers). In the field (docs/DESIGN.md incident 6)
 throughput fell to a quarter with two drafter GPUs idle and nothing said why; this is
 the line that says why.
 

@@ -3,7 +3,7 @@
 The rule (PROTOCOL.md 4.5, 5): a batch goes to a consumer only against its credit; when
 several consumers have credit, the one served least recently gets the oldest batch; a
 batch returned by a lost consumer goes back to the front. This is what fixes the field's
-static round-robin assignment (FIELD-NOTES incident 1): a slow consumer never holds
+static round-robin assignment (docs/DESIGN.md incident 1): a slow consumer never holds
 batches it has not asked for, so a fast one never waits behind it.
 """
 

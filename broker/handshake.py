@@ -136,7 +136,7 @@ def welcome(b, p: Peer) -> None:
     if p.role == "producer":
         fields["data_in"] = b.endpoints["data_in"]
         # The same endpoint once per connection to open: their batches in spread over the
-        # broker's I/O threads for batches in (one thread received ~5.5 GB/s at most).
+        # broker's I/O threads for batches in (one thread is a ceiling: docs/BENCHMARKS.md).
         fields["data_streams"] = [b.endpoints["data_in"]] * b.producer_streams
     else:
         fields["data_out"] = p.data_out
@@ -293,7 +293,7 @@ def pipe_thread(threads: list[int], in_use: list[int]) -> int:
     """The I/O thread (an affinity mask) for a new data stream: of the broker's pipe
     threads, the one fewest open streams use. One thread per stream, chosen here: given the
     whole mask, libzmq counted each pipe's idle listener as load and put every connection
-    on one thread (bench/scaling.py 5x3 with --io-threads 5)."""
+    on one thread (seen in bench/scaling.py with several I/O threads)."""
     return min(threads, key=in_use.count)
 
 

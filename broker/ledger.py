@@ -14,8 +14,8 @@ disjoint in their committed rows (that is the exactly-once check).
 Writes are queued and flushed in one transaction every `flush_s` or `max_ops` rows, so the
 broker keeps up with thousands of samples per second; a `commit` flushes at once. A flush is
 written by a thread of its own (`dflash-ledger`), in order, while the loop goes on: SQLite
-lets go of the GIL while it writes, and a 10 ms flush in the loop stalled every producer
-and consumer of the broker (their buffers hold ~1 ms of small batches). WAL
+lets go of the GIL while it writes, and a flush in the loop stalled every producer and
+consumer of the broker (a flush takes longer than their buffers hold of small batches). WAL
 with synchronous=NORMAL survives a crash of the broker process: what was flushed is
 there; what was not flushed (at most `flush_s` of transitions) is at worst made again.
 A commit's transaction is written with synchronous=FULL (fsync): the checkpoint it

@@ -1,7 +1,7 @@
 """`dflash-broker --resume RUN`: what a new run takes over from the run it continues.
 
 A resumed run gets a NEW run ID and its own run folder and ledger; nothing of the parent
-run is written (FIELD-NOTES incident 5). From the parent it takes:
+run is written (docs/DESIGN.md incident 5). From the parent it takes:
 
 - the order of work: `seed`, `epochs` (may be raised, never lowered), and the run's
   facts (target, layer IDs, hidden size, dataset), which its producers must match;

@@ -9,36 +9,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
-from dflash.protocol.run import hostname, versions, write_json_atomic
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+from dflash.protocol.run import hostname, iso_utc, write_json_atomic, write_run_json
 
 
 def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: str,
           parent_run: str | None = None, resumed_from: dict | None = None) -> dict:
-    """Write the first run.json of a new run; returns what was written."""
-    info = {
-        "run_id": run_id,
-        "parent_run": parent_run,
-        "resumed_from": resumed_from,
-        "started_at": _iso(time.time()),
-        "ended_at": None,
-        "outcome": "running",
-        "protocol_version": PROTOCOL_VERSION,
-        "config": config,
-        "versions": versions(),
-        "broker": {"host": hostname(), "pid": os.getpid(), "instance": instance, "endpoints": endpoints},
-        "facts": {},
-    }
-    write_json_atomic(run_dir / "run.json", info)
-    return info
+    """Write the first run.json of a new run (with the broker's own fields); returns it."""
+    return write_run_json(run_dir, run_id, config=config, parent_run=parent_run, resumed_from=resumed_from,
+                          ended_at=None, outcome="running", protocol_version=PROTOCOL_VERSION,
+                          broker={"host": hostname(), "pid": os.getpid(), "instance": instance,
+                                  "endpoints": endpoints},
+                          facts={})
 
 
 def update(run_dir: Path, **fields) -> None:
@@ -50,7 +35,7 @@ def update(run_dir: Path, **fields) -> None:
 
 
 def finish(run_dir: Path, outcome: str, **fields) -> None:
-    update(run_dir, outcome=outcome, ended_at=_iso(time.time()), **fields)
+    update(run_dir, outcome=outcome, ended_at=iso_utc(time.time()), **fields)
 
 
 def end_of_stream_outcome(b) -> tuple[str, str | None]:

@@ -117,8 +117,8 @@ class Broker:
     # there, so control (a connection per peer) shares a thread with data only where there
     # are two: then control and batches in on the first, the consumers' pipes on the second.
     # From three up control has the first alone, batches in the next (n-1)//2, pipes the
-    # rest. With five producers on one thread, that thread was the limit (0.98 of a core at
-    # 6.9 GB/s, bench/scaling.py 5x3 on 32 cores).
+    # rest: with many producers, one thread for batches in became the relay's limit
+    # (docs/BENCHMARKS.md, scaling).
 
     @property
     def control_affinity(self) -> int:

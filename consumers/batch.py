@@ -40,20 +40,28 @@ class Batch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def from_message(cls, msg: Any, hidden_dtype: torch.dtype = torch.bfloat16) -> "Batch":
-        """From a `codec.Message` of type batch (already validated by the codec).
-        Raises TypeError for anything else (a batch source yielding the wrong thing)."""
+    def from_message(cls, msg: Any, hidden_dtype: torch.dtype = torch.bfloat16,
+                     device: torch.device | None = None) -> "Batch":
+        """From a `codec.Message` of type batch (already validated by the codec), with
+        tensors of its own: on `device` if given (the copy there is the only copy; fp8 is
+        dequantised there), else copies on the CPU. Raises TypeError for anything else (a
+        batch source yielding the wrong thing)."""
         h = getattr(msg, "header", None)
         if not isinstance(h, dict) or h.get("type") != "batch":
             raise TypeError(f"expected a batch message, a Batch or None from the batch source, got "
                             f"{type(msg).__name__}" + (f" of type {h.get('type')!r}" if isinstance(h, dict) else ""))
         t = msg.tensors
-        hidden = hidden_from_batch(h, t, hidden_dtype)
+
+        def own(frame: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+            x = frame if device is None else frame.to(device)
+            x = x if dtype is None else x.to(dtype)
+            return x.clone() if x.data_ptr() == frame.data_ptr() else x  # still a view of the frame
+
+        hidden = hidden_from_batch(h, t, hidden_dtype, device)
         if hidden.data_ptr() == t["hidden"].data_ptr():
-            hidden = hidden.clone()  # same dtype: still a view of the frame
-        final = t.get("final_hidden")
-        final = None if final is None else final.to(hidden_dtype, copy=True)
-        return cls.from_header(h, t["input_ids"].clone(), t["loss_mask"].clone(), hidden, final)
+            hidden = hidden.clone()
+        final = own(t["final_hidden"], hidden_dtype) if "final_hidden" in t else None
+        return cls.from_header(h, own(t["input_ids"]), own(t["loss_mask"]), hidden, final)
 
     @classmethod
     def from_header(cls, h: dict, input_ids: torch.Tensor, loss_mask: torch.Tensor,

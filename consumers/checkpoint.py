@@ -48,7 +48,7 @@ class SignalMismatch(DFlashError):
 
 @dataclass(frozen=True)
 class Signal:
-    """The training signal (DESIGN.md "Configuration"): never changed silently."""
+    """The training signal (docs/DESIGN.md "The contract between roles"): never changed silently."""
 
     anchors: int
     block_size: int

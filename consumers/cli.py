@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -27,8 +26,9 @@ from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from
 from dflash.protocol.peer import BrokerLost, PeerLink, exit_broker_lost, exit_when_stuck
-from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, versions, write_json_atomic
+from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.protocol.run import run_dir as run_folder
+from dflash.protocol.stop import GracefulStop
 
 from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
@@ -82,7 +82,7 @@ def run(cfg: ConsumerConfig) -> None:
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist, previous = None, {}
+    dist, stop = None, None
     try:
         if cfg.eval_prompts and not cfg.eval_every:
             raise ValueError("--eval-prompts is used by the live evaluation: give --eval-every N too")
@@ -96,8 +96,11 @@ def run(cfg: ConsumerConfig) -> None:
         elif tcfg.resume and tcfg.resume != "latest":
             resolve_checkpoint(tcfg.resume, cfg.runs_dir)  # a wrong path fails before connecting
         resolve_signal(tcfg, heads)  # bad settings fail here, before anything connects
-        stop = threading.Event()
-        previous = _stop_on_signals(stop)
+        # First SIGINT/SIGTERM: finish the step, write the final checkpoint, exit 0. Second:
+        # die. Until training starts (`stop.armed` unset: loading, the broker handshake, the
+        # ranks' rendezvous, which can wait minutes for a rank that never comes) a signal
+        # ends us at once: there is nothing to save yet. The loop logs the stop.
+        stop = GracefulStop(armed=False).install()
         if cfg.synthetic_batches:
             dist = _own_dist(cfg, device) or Dist(device=device)
             state = _local(cfg, tcfg, heads, dist, stop)
@@ -119,8 +122,8 @@ def run(cfg: ConsumerConfig) -> None:
                   traceback=traceback.format_exc())
         raise
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if stop is not None:
+            stop.restore()
         if dist is not None:
             dist.close()
         close_logging()
@@ -287,31 +290,10 @@ def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
     bind_run(run_id, cfg.runs_dir)
     if dist.rank == 0:
         parent = Path(tcfg.resume).parent.parent.name if tcfg.resume else None
-        write_json_atomic(run_dir / "run.json", {
-            "run_id": run_id, "role": "consumer", "config": _json_config(cfg), "versions": versions(),
-            "hosts": [hostname()], "parent_run": parent, "resumed_from": tcfg.resume, "pid": os.getpid(),
-        })
+        write_run_json(run_dir, run_id, config=_json_config(cfg), parent_run=parent, resumed_from=tcfg.resume,
+                       role="consumer", hosts=[hostname()], pid=os.getpid())
         point_latest(run_id, cfg.runs_dir, local=True)
     return run_dir
-
-
-def _stop_on_signals(stop: threading.Event) -> dict:
-    """First SIGINT/SIGTERM: finish the step, write the final checkpoint, exit 0. Second: die.
-    Before training starts (`stop.armed` unset: loading, the broker handshake, the ranks'
-    rendezvous, which can wait minutes for a rank that never comes) a signal ends us at
-    once: there is nothing to save yet. Returns the previous handlers, to put back afterwards.
-
-    The handler must not log: it runs between two bytecodes of the main thread, which may
-    hold the log file's lock at that moment (a deadlock); the loop logs the stop instead."""
-    stop.armed = False
-
-    def handler(signum, _frame):
-        if stop.is_set() or not stop.armed:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        stop.set()
-
-    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 from .command import main  # noqa: E402  (the click command; `dflash.consumers.cli:main` as before)

@@ -62,9 +62,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--seed", default=0, type=int, help="Seed for initialisation, anchors and noise.")
 @option("--loss-chunk", default=2048, type=click.IntRange(1), help="Block positions per logits chunk (memory vs speed).")
 @option("--attn", default="auto", type=click.Choice(["auto", "sdpa", "flex"]),
-        help="Attention kernel; auto: flex on GPU (sdpa if no C compiler can build it), sdpa on CPU. flex: block-sparse, 2.6x faster steps than sdpa on "
-             "an H200 with varying batch shapes (docs/BENCHMARKS.md), compiles ~1 min on the first step; sdpa: one "
-             "masked call per sequence.")
+        help="Attention kernel; auto: flex on GPU (sdpa if no C compiler can build it), sdpa on CPU. flex: "
+             "block-sparse attention over the blocks, compiled on the first step (faster steps, slower start); "
+             "sdpa: one masked call per sequence.")
 @option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
         help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
              "faster steps, slower start; auto: on on GPU (off if no C compiler can build the kernels).")

@@ -105,7 +105,7 @@ def export_config(ckpt: dict, *, bos_token_id=None, eos_token_id=None) -> dict:
         "rope_scaling": None,
         "rope_theta": _rope_theta(ckpt),
         "sliding_window": None,
-        # The drafter has no embedding or LM head, so nothing is tied (DFLASH.md layout).
+        # The drafter has no embedding or LM head, so nothing is tied (docs/EXPORT.md).
         "tie_word_embeddings": False,
         "transformers_version": tf_version,
         "use_cache": True,

@@ -8,7 +8,7 @@ Every N steps rank 0 measures the weights of that step, before the next step tra
   have not trained on (in the first epoch never; later epochs' samples were seen in an
   earlier epoch, which `unseen_frac` says). For each anchor the block is drafted from
   the context before it, and the correct prefix of the block (`streak`) is the number of
-  drafts a greedy verifier would accept, so tau = streak + 1 (DFLASH.md "Metrics").
+  drafts a greedy verifier would accept, so tau = streak + 1 (docs/DESIGN.md, docs/EVAL.md).
   Anchors are drawn with a fixed seed and no feature noise, unlike training's. Nothing is
   held back from training, so the broker's exactly-once accounting is untouched;
 - real tau (`--eval-prompts`): speculative decoding of the whole target with this drafter

@@ -1,6 +1,6 @@
 """The DFlash loss, computed in chunks so [Q, vocab] logits never exist all at once.
 
-512 anchors x 16 positions x 151,936 vocab is 1.25e9 logits per sample (DFLASH.md). A
+512 anchors x 16 positions x 151,936 vocab is 1.25e9 logits per sample (Qwen3-8B). A
 plain chunked loop does not help on its own: autograd would keep every chunk's logits for
 the backward pass. `ChunkedCE` therefore computes the gradient with respect to the
 drafter's output chunk by chunk during the forward pass (the LM head is frozen, so that

@@ -1,5 +1,5 @@
 """What a training step logs: one `train.step` line per step with the field report's
-content (FIELD-NOTES.md), and `train.position_acc` every N steps.
+content (the compact step line users of the earlier pipeline relied on), and `train.position_acc` every N steps.
 
 Every figure is a sum over ranks (one all-reduce of a short vector per step), so every
 rank logs the same global loss, accuracy and throughput.

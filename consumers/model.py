@@ -1,4 +1,4 @@
-"""The DFlash drafter (DFLASH.md "What a DFlash drafter is").
+"""The DFlash drafter (docs/DESIGN.md "The DFlash model").
 
 Qwen3-style decoder layers shaped like the target's. The target features of the context
 are fused (`fc` over the n concatenated layers, then `hidden_norm`) and injected as extra
@@ -170,7 +170,7 @@ class DFlashDraft(nn.Module):
 def published_config(
     cfg: DrafterConfig, spec: TargetSpec, *, block_size: int, mask_token_id: int, target_layer_ids: list[int]
 ) -> dict:
-    """config.json in the published DFlash layout (DFLASH.md), for export and checkpoints.
+    """config.json in the published DFlash layout (docs/EXPORT.md), for export and checkpoints.
 
     The drafter always uses plain RoPE with the target's theta, and says so here, so an
     engine applies to the drafter exactly what training used."""

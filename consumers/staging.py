@@ -2,8 +2,8 @@
 step trains, so converting it and copying it to the GPU leave the critical path.
 
 Without it, between two steps the training thread took the next message, cloned its
-~500 MB `hidden` on the CPU (dequantising fp8 there), and the step then copied it to the
-GPU from pageable memory: ~0.1-0.2 s of a ~0.6 s H200 step. `BatchStager` wraps the
+`hidden` on the CPU (dequantising fp8 there), and the step then copied it to the GPU from
+pageable memory: a sizeable part of a step (docs/BENCHMARKS.md). `BatchStager` wraps the
 batch source (items: a decoded codec `Message`, a `Batch`, or None for "nothing now")
 and hands out, in the source's order, `Batch`es that are ready to train:
 
@@ -40,7 +40,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dflash.protocol.fp8 import ENCODING, decode_fp8
+from dflash.protocol.fp8 import FP8_DECODE_ROWS  # noqa: F401  (bench/gpu_checks.py reads it here)
 from dflash.protocol.logs import get_logger
 from dflash.protocol.threads import name_this_thread
 
@@ -53,9 +53,6 @@ log = get_logger()
 # on the (daemon) thread, which then drops what it read and ends.
 CLOSE_WAIT_S = 2.0
 
-# fp8 is dequantised on the GPU this many rows at a time: the float32 temporaries of a
-# whole 12,288-token batch would take 2 GB next to a running step; of 2048 rows, 170 MB.
-FP8_DECODE_ROWS = 2048
 
 
 @dataclass
@@ -205,19 +202,12 @@ class BatchStager:
         Synchronised before returning, so the copy is complete when the batch is handed
         over (and the frames may go)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            batch = item.to(self.device) if isinstance(item, Batch) else self._message_to_device(item)
+            if isinstance(item, Batch):
+                batch = item.to(self.device)
+            else:
+                batch = Batch.from_message(item, self.hidden_dtype, self.device)
         self._stream.synchronize()
         return batch
-
-    def _message_to_device(self, msg: Any) -> Batch:
-        h, t = msg.header, msg.tensors
-        dev = self.device
-        if h.get("hidden_encoding", "raw") == ENCODING:
-            hidden = _decode_fp8_rows(t["hidden"].to(dev), t["hidden_scale"].to(dev), self.hidden_dtype)
-        else:
-            hidden = t["hidden"].to(dev).to(self.hidden_dtype)  # the same dtype: no second copy
-        final = t["final_hidden"].to(dev).to(self.hidden_dtype) if "final_hidden" in t else None
-        return Batch.from_header(h, t["input_ids"].to(dev), t["loss_mask"].to(dev), hidden, final)
 
 
 def _with_index(device: torch.device) -> torch.device:
@@ -226,12 +216,3 @@ def _with_index(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _decode_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """decode_fp8 (the very function the CPU path uses, so the values are the same) a
-    block of FP8_DECODE_ROWS rows at a time into one output tensor."""
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    for a in range(0, q.shape[0], FP8_DECODE_ROWS):
-        out[a : a + FP8_DECODE_ROWS] = decode_fp8(q[a : a + FP8_DECODE_ROWS], scale[a : a + FP8_DECODE_ROWS], dtype)
-    return out

@@ -50,7 +50,7 @@ class TargetLoadError(DFlashError):
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """The target's shape fields a drafter copies (DFLASH.md: draft layers mirror the target)."""
+    """The target's shape fields a drafter copies (docs/DESIGN.md: draft layers mirror the target)."""
 
     model_type: str
     hidden_size: int

@@ -41,10 +41,10 @@ from .staging import BatchStager
 from .step import batch_loss
 from .target_heads import TargetHeads
 from . import train_checkpoint
-from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, default_target_layers, lr_at, noise_at,
+from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
                            resolve_signal)
 
-__all__ = ["Hooks", "TrainConfig", "TrainState", "default_target_layers", "lr_at", "noise_at", "resolve_signal",
+__all__ = ["Hooks", "TrainConfig", "TrainState", "lr_at", "noise_at", "resolve_signal",
            "train", "START_WAIT_S"]
 
 log = get_logger()
@@ -95,9 +95,9 @@ class _StepLoop:
         self.ckpt_root, self.run_config = ckpt_root, run_config
         self.device = device = heads.embed.device
         self.signal = resolve_signal(cfg, heads)
-        # auto = flex and fused kernels on GPU: on an H200, with a new batch shape every step,
-        # flex + --fuse ran at 56% MFU against 21% for SDPA (docs/BENCHMARKS.md); the first step
-        # compiles for ~1 min. On CPU, or where nothing can be compiled: SDPA, eager.
+        # auto = flex and fused kernels on GPU, much faster than SDPA even with a new batch
+        # shape every step (docs/BENCHMARKS.md); the first step compiles. On CPU, or where
+        # nothing can be compiled: SDPA, eager.
         compiled = "auto" in (cfg.attn, cfg.fuse) and auto_compiles(device)  # asked (and warned) only for auto
         self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if compiled else "sdpa")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
@@ -391,8 +391,8 @@ def auto_compiles(device: torch.device) -> bool:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         log.warning("train.compile_unavailable", device=str(device), attn="sdpa", fuse="off",
-                    hint="install a C compiler (e.g. gcc) for flex attention and fused kernels: ~2.6x faster "
-                         "steps on an H200 (docs/BENCHMARKS.md)")
+                    hint="install a C compiler (e.g. gcc) for flex attention and fused kernels: much faster "
+                         "steps on a GPU (docs/BENCHMARKS.md)")
     return compiler is not None
 
 

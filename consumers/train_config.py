@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from dflash.protocol.targets import default_layer_ids
+
 from .batch import Batch
 from .checkpoint import Signal
 from .loss import default_gamma
@@ -120,22 +122,10 @@ class TrainState:
 # ---------------------------------------------------------------- setup
 
 
-def default_target_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
-    """n layers evenly spaced from 1 to L-3 (DFLASH.md; Qwen3-8B: 1, 9, 17, 25, 33).
-
-    The producers' rule exactly (producers/target.py default_layer_ids), so both sides'
-    `auto` agree: small targets get the distinct layers rounding yields (6 layers ->
-    1, 2, 3), and below 4 layers the range is 0..L-2."""
-    start, end = (1, num_target_layers - 3) if num_target_layers >= 4 else (0, max(0, num_target_layers - 2))
-    if n == 1:
-        return ((start + end) // 2,)
-    return tuple(sorted({int(round(start + i * (end - start) / (n - 1))) for i in range(n)}))
-
-
 def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
     """Fill the defaults that depend on the target. Raises ValueError on bad values."""
     spec = heads.spec
-    layers = tuple(cfg.target_layers or default_target_layers(spec.num_hidden_layers))
+    layers = tuple(cfg.target_layers or default_layer_ids(spec.num_hidden_layers))  # the producers' rule
     if any(not 0 <= i < spec.num_hidden_layers - 1 for i in layers):
         # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
         raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")

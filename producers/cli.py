@@ -8,10 +8,7 @@ batches away: a check of data, template, memory and throughput before a real run
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
-import threading
 import traceback
 
 import click
@@ -21,6 +18,7 @@ from dflash.protocol.config import as_dict, default_instance, fail
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.logs import close_logging, get_logger, setup_logging
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
+from dflash.protocol.stop import GracefulStop
 
 from .build import hello_config, load_components, make_producer
 from .config import ProducerConfig
@@ -153,8 +151,9 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
                     runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"},
                     on_lost=exit_when_stuck("producer"))
     link.start()  # until we are welcome, a signal ends us at once: nothing is ours to hand back
-    stop = threading.Event()
-    previous = _stop_on_signals(stop)
+    # First SIGINT/SIGTERM: finish the batch in hand, say bye (the broker takes back our
+    # leases), exit 0. Second: die (PROTOCOL.md 4.6).
+    stop = GracefulStop().install()
     reason, flush_s = "failed", 60.0
     try:
         producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size, stop), link_sink(link, stop))
@@ -172,24 +171,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
         return summary
     finally:
         link.close(reason=reason, flush_timeout_s=flush_s)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _stop_on_signals(stop: threading.Event) -> dict:
-    """First SIGINT/SIGTERM: finish the batch in hand, say bye (the broker takes back our
-    leases), exit 0. Second: die. The handler only sets a flag: it runs between two
-    bytecodes of the main thread, which may hold the log's lock (PROTOCOL.md 4.6)."""
-    stop.signal_name = None
-
-    def handler(signum, _frame):
-        if stop.is_set():
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        stop.signal_name = signal.Signals(signum).name
-        stop.set()
-
-    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        stop.restore()
 
 
 from .command import main  # noqa: E402  (the click command; `dflash.producers.cli:main` as before)

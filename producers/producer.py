@@ -37,9 +37,8 @@ BatchSink = Callable[[dict, dict], "str | None"]
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of `t` through pinned memory. A pageable copy ran at ~1.5 GB/s on an H200
-    host (215 ms for a 16K-token batch of a 2048-wide model, longer than its forward pass);
-    pinned memory copies at PCIe speed. Pinned blocks come from torch's caching host
+    """A CPU copy of `t` through pinned memory: a pageable copy can take longer than the
+    batch's forward pass (docs/BENCHMARKS.md); pinned memory copies at PCIe speed. Pinned blocks come from torch's caching host
     allocator and are reused once the sink (ZeroMQ) has let go of the batch."""
     if not t.is_cuda:
         return t.contiguous()

@@ -2,9 +2,9 @@
 
 ZeroMQ mallocs every received message. glibc serves any block above 32 MiB (its highest
 mmap threshold) with a fresh mmap and unmaps it on free, so every large message pays a
-page fault per 4 KiB page on first touch. On a 2-core EPYC (bench/transport.py) that made
-the broker spend 0.6-0.7 CPU s per GB relayed at 64-256 MiB batches instead of ~0.3, and
-a 256 MiB copy into fresh memory runs at ~1.3 GB/s against ~5 GB/s into reused memory.
+page fault per 4 KiB page on first touch: the broker spent about twice the CPU per GB
+relayed at large batches, and a copy into fresh memory is several times slower than into
+reused memory (docs/BENCHMARKS.md; bench/reports/2026-11-29-cpu-vm.md).
 
 With mmap off for malloc, one arena (the others are mmap'd heaps of at most 64 MiB, too
 small for a batch) and trimming only above 2 GiB of free top-of-heap, a freed message's

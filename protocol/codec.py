@@ -217,7 +217,7 @@ def _shape_elements(shape) -> int:
 
 # ZeroMQ frames are read-only, and receivers treat tensors as read-only (PROTOCOL.md), so
 # torch's "buffer is not writable" warning says nothing here. One targeted filter, set
-# once: `warnings.catch_warnings()` per view cost 5 us a tensor and is not thread-safe
+# once: `warnings.catch_warnings()` per view costs time per tensor and is not thread-safe
 # (the consumer's I/O thread decodes while the training thread runs).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 

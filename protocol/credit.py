@@ -7,7 +7,7 @@ against it, so what the consumer grants is what it may be sent. Two bounds decid
 - more while batches are small, up to `max_bytes` of them (never above `max_batches`):
   the credit must cover the round trip credit -> broker -> batch. With 640 MiB batches
   two are plenty; with 1 MiB batches two let the round trip, not the wire, set the rate
-  (bench/transport.py: 0.26-0.38 of direct at credit 2, docs/BENCHMARKS.md).
+  (bench/transport.py at small credits, docs/BENCHMARKS.md).
 
 The window follows the largest of the recent batches, so a mix of sizes is bounded by
 its biggest. Credit is granted in lumps of a quarter window (at least one batch): with a

@@ -2,7 +2,7 @@
 
 Producers and consumers put these in their heartbeat `stats` (PROTOCOL.md 4.2), so
 `dflash-status` shows every GPU of the run without anyone running nvidia-smi by hand
-(FIELD-NOTES incident 6: two drafter GPUs sat at 0% and nothing said so).
+(docs/DESIGN.md incident 6: two idle drafter GPUs that nothing reported).
 
 NVML (`pip install nvidia-ml-py`, imported as `pynvml`) gives device-wide memory like
 nvidia-smi and the utilisation; without it `torch.cuda.mem_get_info` gives the memory

@@ -1,6 +1,6 @@
 """What an out-of-memory log line says about memory, for producers and consumers alike.
 
-An OOM is logged with its cause (DESIGN.md "Logs"): how much the failed allocation asked
+An OOM is logged with its cause (docs/LOGS.md): how much the failed allocation asked
 for, and how much the device had. On a CUDA device the figures come from the caching
 allocator; on a CPU device from the operating system (the free figure only), so the same
 fields are filled, or nil, whatever the device.

@@ -13,7 +13,10 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a batch header lists sample IDs, nothing bulky
 MAX_TENSORS = 16
 MAX_NDIM = 8
-MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: DESIGN keeps one message well under this
+MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: docs/DESIGN.md keeps one message well under this
+# ZMQ_MAXMSGSIZE on both ends of the control socket: the header limit plus framing margin
+# (a control message is a header only, so this is the largest frame either side accepts).
+CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 
 # type -> {field: accepted python types}. Fields listed here are required; others
 # are optional and ignored by receivers that do not know them (forward compatible).

@@ -32,14 +32,13 @@ from .credit import CreditWindow
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
 from .logs import bind_run, close_logging, get_logger
-from .messages import CONTROL_FROM_BROKER, DATA, MAX_HEADER_BYTES, header
+from .messages import CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, DATA, MAX_HEADER_BYTES, header
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
                       other_threads, readable, recv_frames, send_frames)
 from .threads import name_this_thread
 
 log = get_logger()
 
-CONTROL_MAX_BYTES = (1 << 20) + 4096
 MAX_AUTO_CREDIT = 16  # the deepest inbox small batches get (credit.py); the broker caps at max_credit
 
 

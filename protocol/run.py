@@ -2,7 +2,7 @@
 
 A run ID is a sortable UTC timestamp plus a random suffix (`20261129T154812Z-7f3a`). A
 resumed run gets a NEW ID and records its parent, so no file is ever appended to by two
-runs (FIELD-NOTES incident 5).
+runs (docs/DESIGN.md, incident 5: a new run's log read as an old run's failure).
 """
 
 from __future__ import annotations
@@ -97,6 +97,22 @@ def write_json_atomic(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def iso_utc(t: float) -> str:
+    """`2026-11-29T15:48:12.345Z`: the time format of run.json and the logs."""
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def write_run_json(run_dir: Path, run_id: str, *, config: dict, parent_run: str | None = None,
+                   resumed_from=None, **role_fields) -> dict:
+    """The first run.json of a new run, whichever role starts it (the broker, or a consumer's
+    local run): what every run records (ID, parent, start, config, versions) plus that role's
+    own fields. Written atomically; returns what was written."""
+    info = {"run_id": run_id, "parent_run": parent_run, "resumed_from": resumed_from,
+            "started_at": iso_utc(time.time()), "config": config, "versions": versions(), **role_fields}
+    write_json_atomic(run_dir / "run.json", info)
+    return info
 
 
 def versions() -> dict:

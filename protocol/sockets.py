@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # One ZeroMQ I/O thread moves every byte of a process's connections on one core. Two let a
 # data connection have a thread of its own (ZMQ_AFFINITY), away from control traffic:
 # the broker's relay (docs/BENCHMARKS.md) and the peers' links. Auto picks two only where
-# cores are to spare: on a 2-core machine a second thread measured slower.
+# cores are to spare: on a 2-core machine a second thread is slower (docs/BENCHMARKS.md).
 AUTO_TWO_IO_CPUS = 8
 
 
@@ -30,9 +30,8 @@ def usable_cpus() -> int:
 
 
 # A consumer's batches may come over several TCP connections ("data streams"), each
-# moved by its own I/O thread at both ends: one thread sending 1 MiB batches tops out at
-# ~5 GB/s on the GPU host (0.2 CPU s/GB), below what a direct connection from a sender's
-# cache reaches. The broker opens this many per consumer where it has the threads.
+# moved by its own I/O thread at both ends: one thread sending small batches tops out
+# below what a direct connection from a sender's cache reaches (docs/BENCHMARKS.md). The broker opens this many per consumer where it has the threads.
 AUTO_DATA_STREAMS = 2
 
 
@@ -109,8 +108,8 @@ def make_socket(
 
 # Frame by frame, with plain int flags: pyzmq's send_multipart/recv_multipart check every
 # part's type, combine enum flags per frame and ask RCVMORE with a getsockopt per frame.
-# At thousands of batches a second that was 40% of the broker's relay time (a 4-frame
-# batch: 21.6 -> 13 us to receive, 14 -> 8 us to send; bench/transport.py at small sizes).
+# At thousands of batches a second that was a large share of the broker's relay time
+# (bench/transport.py at small sizes; bench/reports/2026-12-01-code-figures.md).
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
@@ -130,8 +129,8 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 def readable(sock: zmq.Socket) -> bool:
-    """A whole message waits on `sock`. Draining a socket until zmq.Again cost 5.7 us
-    (the exception) per drain; this asks ZeroMQ in 2 us."""
+    """A whole message waits on `sock`. Cheaper than draining the socket until zmq.Again:
+    raising that exception costs more than asking ZeroMQ."""
     return bool(sock.get(_EVENTS) & _POLLIN)
 
 

@@ -1,6 +1,7 @@
 """Every role's one way to a target model: producer, consumer, export and eval load the
 target's config, tokenizer, whole model or (consumer) its two vocabulary tensors here,
-whatever `--target` names:
+whatever `--target` names (and the default choice of its layers that feed the drafter,
+which producer and consumer must agree on):
 
   - a Hugging Face model folder (config.json, safetensors, tokenizer files) or hub ID;
   - a `.gguf` file (llama.cpp's format: config, tokenizer and quantised weights in one
@@ -118,3 +119,20 @@ def gguf_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
             arr = dequantize(t.data, t.tensor_type)  # numpy [rows, cols]
             out[t.name] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     return out
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """DFlash spacing: `n` layers uniformly from layer 1 to layer L-3 (36 -> [1, 9, 17, 25, 33]).
+    The one rule behind both roles' default, so a producer's and a consumer's `auto` agree.
+
+    Small models (tests, demos) get the distinct layers that rounding yields, so a 6-layer
+    model gets [1, 2, 3] and a 4-layer one [1]; below 4 layers the range is 0..L-2, since
+    the last layer is never a feature (its HF hidden state is post-norm).
+    Raises ValueError for a target of fewer than 2 decoder layers."""
+    if num_layers < 2:
+        raise ValueError(f"a target needs at least 2 decoder layers, this one has {num_layers}")
+    start, end = (1, num_layers - 3) if num_layers >= 4 else (0, num_layers - 2)
+    if n == 1:
+        return [(start + end) // 2]
+    ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    return sorted(set(ids))

@@ -1,7 +1,7 @@
 """dflash-logs: one run's logs from every role, merged in time order.
 
 Defaults to the latest run and always says which run it shows, so an old run's lines are
-never mistaken for the live one's (FIELD-NOTES incident 5).
+never mistaken for the live one's (docs/DESIGN.md incident 5).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a run's files say about it, for `dflash-status --run`: did it finish, stop or die,
 when, and at which step. Never presents a run as live unless its broker answers with
-that very run ID (FIELD-NOTES incidents 3 and 5: a dead terminal read as a dead run, an
+that very run ID (docs/DESIGN.md incidents 3 and 5: a dead terminal read as a dead run, an
 old run's lines read as the new run's).
 
 Verdicts:

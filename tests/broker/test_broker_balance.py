@@ -1,8 +1,8 @@
-"""Demand-driven balance (FIELD-NOTES incident 1): three consumers that take 1x, 2x and
+"""Demand-driven balance (docs/DESIGN.md incident 1): three consumers that take 1x, 2x and
 4x as long per batch get shares of the batches within 10% of their speed shares (4/7,
 2/7, 1/7), and none waits for a batch while the queue holds one.
 
-The same three consumers behind a plain round-robin ZeroMQ PUSH (what DESIGN.md rejects)
+The same three consumers behind a plain round-robin ZeroMQ PUSH (what docs/DESIGN.md rejects)
 fail that: PUSH deals batches 1:1:1 into the pipes up front, so the shares come out near
 1/3 each (measured on the 2-core dev machine, 105 batches: 35/35/35 = 0.333 each against
 0.571/0.286/0.143) and the fast consumer sits idle for most of the run while the slow

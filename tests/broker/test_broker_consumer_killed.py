@@ -1,4 +1,4 @@
-"""A consumer SIGKILLed mid-run (FIELD-NOTES incident 4, the OOM-killed drafter): the
+"""A consumer SIGKILLed mid-run (docs/DESIGN.md incident 4, the OOM-killed drafter): the
 broker declares it lost within the heartbeat timeout, logs what it held, and its
 unacked batches are trained by the others; no sample is lost."""
 

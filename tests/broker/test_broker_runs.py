@@ -1,4 +1,4 @@
-"""Run identity (FIELD-NOTES incident 5): a producer holding an old run's ID is refused
+"""Run identity (docs/DESIGN.md incident 5): a producer holding an old run's ID is refused
 and says why; two consecutive runs never share a log file; the handshake refuses
 duplicates and mismatched producers; SIGTERM shuts down cleanly."""
 

@@ -14,7 +14,7 @@ LAYERS, B, STEPS = [1, 2], 4, 300
 
 
 def _draft_like_an_engine(model, heads, ids, feats, a):
-    """DFLASH.md "Inference": the drafter gets target features of the tokens already
+    """As an inference engine runs it: the drafter gets target features of the tokens already
     verified (positions < a) and [x_a, MASK x (B-1)]; it proposes tokens a+1..a+B-1."""
     layout = build_layout([a], [torch.tensor([a])], B, torch.device("cpu"))  # the whole context is visible
     x = F.embedding(torch.tensor([int(ids[a])] + [MASK_ID] * (B - 1)), heads.embed)

@@ -111,5 +111,5 @@ def test_parameter_names_match_the_published_layout(heads):
                  "input_layernorm", "post_attention_layernorm"]
     want = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     want |= {f"layers.{i}.{p}.weight" for i in range(5) for p in per_layer}
-    assert names == want and len(names) == 58  # DFLASH.md: 5 layers -> 58 tensors
+    assert names == want and len(names) == 58  # docs/EXPORT.md: 5 layers -> 58 tensors
     assert _model(heads).state_dict()["fc.weight"].shape == (64, 2 * 64)

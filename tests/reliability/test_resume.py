@@ -1,4 +1,4 @@
-"""Broker resume (FIELD-NOTES: "restarting from a checkpoint is one flag ... neither
+"""Broker resume (docs/DESIGN.md: "restarting from a checkpoint is one flag ... neither
 repeats nor skips data"): a broker SIGKILLed mid-run is resumed as a new run with other
 numbers of producers and consumers; counted from the two ledgers, every (epoch, sample)
 is committed exactly once, and the parent run's files are not touched."""

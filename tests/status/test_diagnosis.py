@@ -34,7 +34,7 @@ def status(producers, consumers, *, batches=10, reading=True, full_frac=0.0, gon
 
 
 def field_run(**kw) -> dict:
-    """The field's topology (FIELD-NOTES): 5 targets at 4.34 Ktok/s, 3 drafters at 7.23."""
+    """The field's topology (docs/DESIGN.md incidents): 5 targets at 4.34 Ktok/s, 3 drafters at 7.23."""
     return status([producer(i, 4.34 * K) for i in range(5)], [consumer(i, 7.23 * K) for i in range(3)], **kw)
 
 

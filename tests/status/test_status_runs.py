@@ -1,4 +1,4 @@
-"""Live state and history are never confused (FIELD-NOTES incidents 3 and 5): after a
+"""Live state and history are never confused (docs/DESIGN.md incidents 3 and 5): after a
 restart in the same runs folder, status and logs show only the new run, and the old run's
 OOM never appears in its view; `dflash-status --run` says plainly that a run finished,
 stopped or died, when, and at which step, and never presents it as live."""

@@ -1,6 +1,6 @@
 """Drafter-only step throughput and memory on one GPU, without producers or a real target.
 
-    python -m dflash.consumers.bench --gpu 0 --seqs 4 --seq-len 3072 --steps 12
+    python bench/drafter_step.py --gpu 0 --seqs 4 --seq-len 3072 --steps 12
 
 Builds a target folder shaped like Qwen3-8B (config.json plus random embed_tokens and
 lm_head, nothing else: that is all a consumer reads), then trains on the synthetic
@@ -24,13 +24,13 @@ from structlog.testing import capture_logs
 
 from dflash.protocol.gpu import matmul_ceiling_tflops
 
-from .blocks import build_layout
-from .flops import step_flops, step_shape
-from .model import DrafterConfig
-from .step import draft_states, make_layout
-from .synthetic import rule_batch, synthetic_stream
-from .target_heads import load_target_heads
-from .train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.blocks import build_layout
+from dflash.consumers.flops import step_flops, step_shape
+from dflash.consumers.model import DrafterConfig
+from dflash.consumers.step import draft_states, make_layout
+from dflash.consumers.synthetic import rule_batch, synthetic_stream
+from dflash.consumers.target_heads import load_target_heads
+from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
@@ -56,7 +56,7 @@ def fake_target(folder: Path, cfg: dict = QWEN3_8B) -> Path:
 
 def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
     """Max |flex - sdpa| / max |sdpa| of the drafter's states on a small packed batch."""
-    from .model import DFlashDraft, DrafterConfig
+    from dflash.consumers.model import DFlashDraft, DrafterConfig
 
     signal = resolve_signal(cfg, heads)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Benchmark: layer capture vs the naive `output_hidden_states=True` + logits forward pass.
 
-    python -m dflash.producers.bench_capture --shape qwen3-8b --tokens 8192,16384 --attn sdpa
-    python -m dflash.producers.bench_capture --target DIR --data chats.jsonl --token-budget 49152 --attn flex_attention
+    python bench/capture_gpu.py --shape qwen3-8b --tokens 8192,16384 --attn sdpa
+    python bench/capture_gpu.py --target DIR --data chats.jsonl --token-budget 49152 --attn flex_attention
 
 With `--target` and `--data`, the model is loaded from DIR (`from_pretrained`) and the
 batches are the producer's own: the dataset's rows through the chat template, truncation
@@ -26,8 +26,8 @@ import time
 import click
 import torch
 
-from .packing import check_packing, position_ids
-from .target import Target, default_layer_ids
+from dflash.producers.packing import check_packing, position_ids
+from dflash.producers.target import Target, default_layer_ids
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -75,9 +75,9 @@ def _real_batches(target_dir: str, data: str, budget: int, max_length: int, max_
     """The producer's first `n` batches of `data`: (input_ids, position_ids, seq_lens) on the GPU."""
     from transformers import AutoTokenizer
 
-    from .chat import ChatEncoder
-    from .data import open_dataset
-    from .packing import pack
+    from dflash.producers.chat import ChatEncoder
+    from dflash.producers.data import open_dataset
+    from dflash.producers.packing import pack
 
     ds, enc = open_dataset(data), ChatEncoder(AutoTokenizer.from_pretrained(target_dir), max_length)
     out, row, lease = [], 0, 256

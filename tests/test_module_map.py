@@ -1,0 +1,46 @@
+"""docs/DESIGN.md's module map names every module of the installed folders, and only those:
+a module added, removed or renamed without the map fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("broker", "producers", "consumers", "protocol", "tools")
+ENTRY = re.compile(r"^- `([\w./]+)`: \S")
+
+
+def _on_disk(folder: str) -> set[str]:
+    d = ROOT / folder
+    names = {p.name for p in d.glob("*.py") if p.name != "__init__.py"}
+    return names | {p.parent.name + "/" for p in d.glob("*/__init__.py")}
+
+
+def _in_map() -> dict[str, list[str]]:
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    section = text.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, list[str]] = {}
+    folder = None
+    for line in section.splitlines():
+        head = re.match(r"^### (\w+)/$", line)
+        if head:
+            folder = head.group(1)
+            out[folder] = []
+        elif line.startswith("- "):
+            m = ENTRY.match(line)
+            assert m and folder, f"docs/DESIGN.md module map: malformed line {line!r}"
+            out[folder].append(m.group(1))
+    return out
+
+
+def test_every_module_is_in_the_map_and_every_entry_exists():
+    listed = _in_map()
+    assert sorted(listed) == sorted(FOLDERS), f"module map sections {sorted(listed)}, want {sorted(FOLDERS)}"
+    for folder in FOLDERS:
+        names = listed[folder]
+        assert len(names) == len(set(names)), f"{folder}/ lists a module twice: {names}"
+        missing = sorted(_on_disk(folder) - set(names))
+        stale = sorted(set(names) - _on_disk(folder))
+        assert not missing, f"docs/DESIGN.md module map lacks {folder}/{missing}: add a line for each"
+        assert not stale, f"docs/DESIGN.md module map names {folder}/{stale}, which do not exist"
