@@ -400,13 +400,20 @@ class GreedyDecoder:
         conversation's next turn) and hand each result to `on_done` as it finishes.
         Returns the jobs whose prompt is longer than `max_prompt` (not decoded: the caller
         sizes a decoder for them). Raises ValueError for an empty prompt."""
+        leftover: list[Job] = []
         with self.core.attending():
-            return self._run(jobs, on_done)
+            for _ in self.rounds(jobs, on_done, leftover):
+                pass
+        return leftover
 
-    def _run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
+    def rounds(self, jobs: deque, on_done: Callable[[Job, list[int]], None], leftover: list[Job]):
+        """`run` one round at a time: a generator that refills free rows and runs
+        `sync_every` steps per `next()`, until `jobs` and the rows are empty. Between
+        rounds the caller may add jobs to `jobs` (other threads too: deque appends are
+        atomic) and release the model; every `next()` must run inside `core.attending()`
+        and `torch.inference_mode()`. Too-long prompts go to `leftover`."""
         busy: dict[int, Job] = {}
         free = list(range(self.rows))
-        leftover: list[Job] = []
         while jobs or busy:
             if jobs and free and (len(free) >= self.refill_min or not busy or len(jobs) <= len(free)):
                 take = []
@@ -437,7 +444,12 @@ class GreedyDecoder:
                     job = busy.pop(r)
                     free.append(r)
                     on_done(job, o[:n])
-        return leftover
+            yield len(busy)
+
+    @property
+    def busy_rows(self) -> int:
+        """Rows decoding now (between rounds)."""
+        return int((~self.done).sum())
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
         """Prefill the prompts of `take` into their rows and set the rows' state."""
