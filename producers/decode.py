@@ -128,13 +128,19 @@ class StaticKV:
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self._rows: torch.Tensor | None = None  # fresh: which rows; step: all
-        self._index: torch.Tensor | None = None  # step: [B, q] slots written
+        self._index: torch.Tensor | None = None  # step: [B, q] slots written; packed: [T]
+        self._packed = False
 
     def begin_fresh(self, rows: torch.Tensor) -> None:
-        self._rows, self._index = rows, None
+        self._rows, self._index, self._packed = rows, None, False
 
     def begin_step(self, index: torch.Tensor) -> None:
-        self._rows, self._index = None, index
+        self._rows, self._index, self._packed = None, index, False
+
+    def begin_packed(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Packed prefill: token t of the one packed sequence goes to (rows[t], slots[t])."""
+        self._rows, self._index = rows, slots
+        self._packed = True
 
     def _alloc(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         while len(self.k) <= layer:
@@ -149,6 +155,10 @@ class StaticKV:
         self._alloc(layer_idx, key_states, value_states)
         K, V = self.k[layer_idx], self.v[layer_idx]
         q = key_states.shape[2]
+        if self._packed:  # [1, H, T, hd]: each token to its row and slot; attention over the pack
+            K[self._rows, :, self._index] = key_states[0].transpose(0, 1)  # [T, H, hd]
+            V[self._rows, :, self._index] = value_states[0].transpose(0, 1)
+            return key_states, value_states
         if self._index is None:  # fresh rows: slots 0..q-1
             K[self._rows, :, :q] = key_states
             V[self._rows, :, :q] = value_states
@@ -247,6 +257,29 @@ class Core:
         mask = self._masks(qslot, off, torch.full_like(off, W), W)
         self.cache.begin_fresh(rows)
         return self._run(ids, (qslot - off[:, None]).clamp_min(0), mask, layer_ids, 1 if last_only else 0)
+
+    def fresh_packed(self, rows: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
+        """Start new sequences in `rows` [R] from `prompts` in one forward of them packed back
+        to back (no padding: a block-diagonal causal mask keeps them apart), each written to
+        slots 0..len-1 of its row. Returns the logits at each prompt's last token [R, V]."""
+        lens = [len(p) for p in prompts]
+        if max(lens) > self.slots:
+            raise ValueError(f"a prompt of {max(lens)} tokens does not fit the cache's {self.slots} slots")
+        dev = self.device
+        n = torch.tensor(lens, device=dev)
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), n)  # [T] which prompt
+        pos = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)[None]
+        vis = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
+        masks = {}
+        for w in self.kinds:
+            v = vis if w is None else vis & (pos[:, None] - pos[None, :] < w)
+            masks[_FULL if w is None else _SLIDING] = torch.where(v, 0.0, self._neg).to(self.dtype)[None, None]
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
+        self.cache.begin_packed(rows[seg], pos)
+        last = torch.cumsum(n, 0) - 1
+        logits, _ = self._run(ids, pos[None], mask, None, last)
+        return logits[0]
 
     def step(self, ids: torch.Tensor, start: torch.Tensor, off: torch.Tensor, *,
              layer_ids: list[int] | None = None, last_only: bool = False):
@@ -347,7 +380,8 @@ class GreedyDecoder:
     `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
-                 graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None):
+                 graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
+                 prefill_tokens: int = 2048):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
@@ -366,6 +400,8 @@ class GreedyDecoder:
         self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
         self._ar = torch.arange(rows, device=dev)
         self.steps = 0  # decode steps run (figures for benchmarks)
+        self.prefills = 0  # prefill forwards run
+        self.prefill_tokens = max(1, prefill_tokens)
         with self.core.attending(), torch.inference_mode():
             self.core.allocate()
             self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
@@ -452,25 +488,34 @@ class GreedyDecoder:
         return int((~self.done).sum())
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
-        """Prefill the prompts of `take` into their rows and set the rows' state."""
+        """Prefill the prompts of `take` into their rows and set the rows' state: packed
+        back to back, `prefill_tokens` tokens per forward (a longer prompt alone), so that
+        refilling many rows costs a few forwards and no padding."""
+        parts: list[list[tuple[int, Job]]] = [[]]
+        size = 0
+        for r, j in take:
+            if parts[-1] and size + len(j.prompt) > self.prefill_tokens:
+                parts.append([])
+                size = 0
+            parts[-1].append((r, j))
+            size += len(j.prompt)
+        for part in parts:
+            self._prefill(part)
+
+    def _prefill(self, part: list[tuple[int, Job]]) -> None:
         dev = self.core.device
-        take = sorted(take, key=lambda t: len(t[1].prompt))  # similar widths share a forward
-        for i in range(0, len(take), 64):
-            part = take[i:i + 64]
-            W = max(len(j.prompt) for _, j in part)
-            rows = torch.tensor([r for r, _ in part], device=dev)
-            ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
-            off = torch.tensor([W - len(j.prompt) for _, j in part], device=dev)
-            lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
-            logits, _ = self.core.fresh(rows, ids, off)
-            first = logits[:, -1].argmax(-1)
-            self.tok[rows] = first
-            self.start[rows] = W
-            self.off[rows] = off
-            self.n[rows] = 1
-            self.out[rows, 0] = first
-            self.limit[rows] = lim
-            self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
+        rows = torch.tensor([r for r, _ in part], device=dev)
+        lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
+        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
+        first = self.core.fresh_packed(rows, [j.prompt for _, j in part]).argmax(-1)
+        self.prefills += 1
+        self.tok[rows] = first
+        self.start[rows] = lens
+        self.off[rows] = 0
+        self.n[rows] = 1
+        self.out[rows, 0] = first
+        self.limit[rows] = lim
+        self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
 
 
 def greedy_generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],

@@ -7,7 +7,8 @@ its first batch, so in epoch 1 the drafters wait for every lease's longest answe
 - the thread decodes continuously (decode.py's continuous batching, never drained between
   leases): first the rows of the leases in hand (`request`), in the free rows of the batch
   the next rows of the run's sample order (epoch 1's shuffle, which the broker leases in
-  order), up to `ahead` rows past the furthest row leased so far;
+  order), up to `ahead` rows past the furthest row leased so far (the first `ahead` rows
+  from the start, before any lease: while the drafters load);
 - each conversation goes to the shared cache (regenerate.py `RegenCache`) the moment it is
   finished, so a crash loses only the rows being decoded and a restart reads the rest back;
 - the prefetch thread takes a lease's rows as they become ready (`wait`) and packs and
@@ -20,8 +21,9 @@ its first batch, so in epoch 1 the drafters wait for every lease's longest answe
   taken over.
 
 The model is shared with the capture in the main thread: the thread holds the target's
-lock for at most `slice_s` at a time (then lets the capture in), and switches the model to
-the decoding attention only while it holds the lock.
+lock for at most `slice_s` at a time and less when a capture waits (it lets the capture in
+after the current round of decode steps: feeding the drafters comes first), and switches
+the model to the decoding attention only while it holds the lock.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class RegenAhead:
         self._order = list(order or [])
         self._pos = {s: i for i, s in enumerate(self._order)}
         self._cursor = 0  # next order index the look-ahead considers
-        self._horizon = 0  # order indices below this may be regenerated ahead
+        self._horizon = self.ahead  # order indices below this may be made ahead: from the start on
         self._cond = threading.Condition()
         self._wanted: deque[Row] = deque()  # leased rows to start, first come first
         self._want: set[int] = set()  # leased samples not yet handed out
@@ -217,7 +219,7 @@ class RegenAhead:
             t0 = time.monotonic()
             with self.regen.target.lock, dec.core.attending(), torch.inference_mode():
                 try:
-                    while time.monotonic() - t0 < self.slice_s:
+                    while time.monotonic() - t0 < self.slice_s and not self.regen.target.capture_waiting:
                         next(rounds)
                         if not leftover:  # a too-long prompt: drain, then size a decoder for it
                             self._intake()

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from producer_helpers import chat, write_jsonl
+from producer_helpers import chat, tiny_dir, write_jsonl
 
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row, open_dataset
@@ -54,10 +54,10 @@ def _one_by_one(target, tokenizer, data, folder) -> dict[int, tuple[list[int], l
 
 def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, tokenizer, tmp_path):
     target = load_target(str(tiny), None, device=CPU, full=True)
-    path = write_jsonl(tmp_path / "d.jsonl", _rows(20) + [{"text": "plain text row"}])
+    path = write_jsonl(tmp_path / "d.jsonl", _rows(12) + [{"text": "plain text row"}])
     data = open_dataset(path)
     sent: list[tuple[dict, dict]] = []
-    source = LocalWorkSource(len(data), lease_size=7, epochs=2)
+    source = LocalWorkSource(len(data), lease_size=5, epochs=2)
     regen = _regenerator(target, tokenizer, tmp_path / "cache")
     prod = Producer(target, data, ChatEncoder(tokenizer, 4096), source, lambda f, t: sent.append((f, t)),
                     token_budget=200, max_batch_size=3, regenerator=regen, regen_ahead=64)
@@ -75,12 +75,12 @@ def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, toke
             k += n
     assert all(sorted(v) == list(range(len(data))) for v in by_epoch.values())  # each sample once per epoch
     assert sorted(lease) == list(range(6)) and all(v == [] for v in lease.values())
-    assert summary["samples"] == 2 * len(data) and prod.ahead.rows_done == 20  # generated once, epoch 2 cached
+    assert summary["samples"] == 2 * len(data) and prod.ahead.rows_done == 12  # generated once, epoch 2 cached
 
     ref = _one_by_one(target, tokenizer, data, tmp_path / "ref")
-    for s in range(20):
+    for s in range(12):
         assert got[s] == ref[s], s
-    assert sum(got[20][1]) == len(got[20][1])  # the text row: every token has loss, untouched
+    assert sum(got[12][1]) == len(got[12][1])  # the text row: every token has loss, untouched
 
 
 def _dead_pid() -> int:
@@ -102,11 +102,15 @@ def test_claims_of_a_live_producer_are_respected_and_a_dead_ones_taken_over(tmp_
     assert me.claim([1]) == ([1], {})
 
 
-def test_a_producer_killed_mid_regeneration_resumes_from_the_cache(tiny, tokenizer, tmp_path):
+def test_a_producer_killed_mid_regeneration_resumes_from_the_cache(tmp_path):
     """A real process regenerates ahead and is killed (SIGKILL) once part of the rows are
     cached; a new engine makes only the rest (taking over the dead one's claims), and every
     row equals regenerating it alone."""
-    n = 16
+    from transformers import AutoTokenizer
+
+    tiny = tiny_dir("qwen3", False)  # one family: the subject is the cache, not the model
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    n = 10
     path = write_jsonl(tmp_path / "d.jsonl", _rows(n))
     folder = tmp_path / "cache"
     script = f"""
@@ -121,7 +125,6 @@ t = load_target({str(tiny)!r}, None, device=torch.device("cpu"), full=True)
 tok = AutoTokenizer.from_pretrained({str(tiny)!r})
 r = Regenerator(t, tok, RegenCache({str(folder)!r}, "k"), max_new_tokens={NEW}, batch_size=2)
 e = RegenAhead(r, open_dataset({path!r}), ahead={n}, order=list(range({n})), slice_s=0.05)
-e._horizon = {n}
 e.start()
 time.sleep(600)
 """
