@@ -46,9 +46,8 @@ def main() -> None:
 
     import dflash.producers.sample_data as sd
     from dflash.producers.data import open_dataset
-    from dflash.producers.decode import GreedyDecoder, Job
     from dflash.producers.regen_ahead import RegenAhead
-    from dflash.producers.regenerate import RegenCache, Regenerator
+    from dflash.producers.regenerate import RegenCache, Regenerator, stop_ids
     from dflash.producers.target import load_target
     from dflash.tools.tiny import tiny_target
 
@@ -107,12 +106,13 @@ def main() -> None:
         if a.old_decode:
             spec = importlib.util.spec_from_file_location("old_decode", a.old_decode)
             old = importlib.util.module_from_spec(spec)
+            sys.modules["old_decode"] = old  # its dataclasses look their module up
             spec.loader.exec_module(old)
             mods["padded"] = old
         outs = {}
         for name, mod in mods.items():
             dec = mod.GreedyDecoder(target.model, rows=a.batch, max_prompt=max(map(len, prompts)),
-                                    max_new_tokens=a.new, stop_ids=r.stop_ids, refill_min=4)
+                                    max_new_tokens=a.new, stop_ids=stop_ids(target.model, tok), refill_min=4)
             lens = [8 + (7 * i) % a.new for i in range(len(prompts))]  # answers of varied length: refills
             res = {}
             t0 = time.monotonic()

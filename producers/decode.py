@@ -401,6 +401,7 @@ class GreedyDecoder:
         self._ar = torch.arange(rows, device=dev)
         self.steps = 0  # decode steps run (figures for benchmarks)
         self.prefills = 0  # prefill forwards run
+        self.packed_prefills = 0  # of which packed (Core.fresh_packed)
         self.prefill_tokens = max(1, prefill_tokens)
         with self.core.attending(), torch.inference_mode():
             self.core.allocate()
@@ -488,30 +489,39 @@ class GreedyDecoder:
         return int((~self.done).sum())
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
-        """Prefill the prompts of `take` into their rows and set the rows' state: packed
-        back to back, `prefill_tokens` tokens per forward (a longer prompt alone), so that
-        refilling many rows costs a few forwards and no padding."""
-        parts: list[list[tuple[int, Job]]] = [[]]
-        size = 0
-        for r, j in take:
-            if parts[-1] and size + len(j.prompt) > self.prefill_tokens:
-                parts.append([])
-                size = 0
-            parts[-1].append((r, j))
-            size += len(j.prompt)
-        for part in parts:
-            self._prefill(part)
+        """Prefill the prompts of `take` into their rows and set the rows' state, in as few
+        forwards as fit: sorted by length, up to 64 rows each. A part goes packed back to
+        back (no padding, at most `prefill_tokens` tokens) where that computes fewer
+        attention scores than left padding to its longest prompt (T^2 < R * W^2: lengths
+        that differ a lot), else left padded (with a dense mask, packed attention is
+        quadratic in the total length)."""
+        take = sorted(take, key=lambda t: len(t[1].prompt))  # similar widths share a forward
+        for i in range(0, len(take), 64):
+            part = take[i:i + 64]
+            lens = [len(j.prompt) for _, j in part]
+            t = sum(lens)
+            self._prefill(part, packed=t * t < len(lens) * max(lens) ** 2 and t <= self.prefill_tokens)
 
-    def _prefill(self, part: list[tuple[int, Job]]) -> None:
+    def _prefill(self, part: list[tuple[int, Job]], packed: bool) -> None:
         dev = self.core.device
         rows = torch.tensor([r for r, _ in part], device=dev)
         lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
         lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
-        first = self.core.fresh_packed(rows, [j.prompt for _, j in part]).argmax(-1)
+        if packed:
+            first = self.core.fresh_packed(rows, [j.prompt for _, j in part]).argmax(-1)
+            off = torch.zeros_like(lens)
+        else:
+            W = int(lens.max())
+            ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
+            off = W - lens
+            logits, _ = self.core.fresh(rows, ids, off)
+            first = logits[:, -1].argmax(-1)
+            lens = torch.full_like(lens, W)
+        self.packed_prefills += packed
         self.prefills += 1
         self.tok[rows] = first
         self.start[rows] = lens
-        self.off[rows] = 0
+        self.off[rows] = off
         self.n[rows] = 1
         self.out[rows, 0] = first
         self.limit[rows] = lim

@@ -1,8 +1,8 @@
-"""Batched prefills in the decoding core (producers/decode.py `Core.fresh_packed`): the
-prompts of several refilled rows go through one forward, packed back to back with no
-padding, and decoding stays exactly transformers' greedy generate(), for every family
-the producer supports (sliding windows crossed), with rows refilled mid-run several at a
-time and passes split by `prefill_tokens`."""
+"""Batched prefills in the decoding core (producers/decode.py): the prompts of several
+refilled rows go through one forward, packed back to back with no padding
+(`Core.fresh_packed`, where lengths differ a lot) or left padded, and decoding stays
+exactly transformers' greedy generate(), for every family the producer supports (sliding
+windows crossed), with rows refilled mid-run several at a time."""
 
 import pytest
 import torch
@@ -42,13 +42,13 @@ def test_packed_prefill_logits_equal_each_prompt_alone(model):
 
 
 def test_rows_refilled_several_at_a_time_decode_exactly_like_generate(model):
-    # 9 prompts on 4 rows: refills wait for 2 free rows and take them in one pass (or two,
-    # when their prompts exceed prefill_tokens); lengths cross the sliding window.
+    # 9 prompts on 4 rows: refills wait for 2 free rows and take them in one pass, packed
+    # where the lengths differ enough, else left padded; lengths cross the sliding window.
     prompts = _prompts(model.config.vocab_size, (3, 2 * WINDOW + 5, 7, 1, 11, WINDOW + 2, 4, 2 * WINDOW, 6))
     lens = [NEW, 3, NEW, 5, 2, NEW, 7, 4, NEW]  # per-job lengths: rows finish at different steps
     want = [_reference(model, p, n, set()) for p, n in zip(prompts, lens)]
     dec = GreedyDecoder(model, rows=4, max_prompt=max(map(len, prompts)), max_new_tokens=NEW, stop_ids=[],
-                        sync_every=2, refill_min=2, prefill_tokens=2 * WINDOW + 8)
+                        sync_every=2, refill_min=2, prefill_tokens=4 * WINDOW + 32)
     from collections import deque
 
     from dflash.producers.decode import Job
@@ -57,5 +57,6 @@ def test_rows_refilled_several_at_a_time_decode_exactly_like_generate(model):
     left = dec.run(deque(Job(i, p, n) for i, (p, n) in enumerate(zip(prompts, lens))),
                    lambda job, out: got.__setitem__(job.key, out))
     assert left == [] and [got[i] for i in range(len(prompts))] == want
-    # fewer prefill passes than prompts: rows were filled together
-    assert dec.prefills < len(prompts)
+    # fewer prefill passes than prompts: rows were filled together, packed where the
+    # lengths differ enough, else left padded
+    assert dec.prefills < len(prompts) and 0 < dec.packed_prefills < dec.prefills
