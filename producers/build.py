@@ -180,4 +180,4 @@ def make_producer(cfg: ProducerConfig, c: Components, source: WorkSource, sink: 
     return Producer(c.target, c.dataset, c.encoder, source, sink, token_budget=cfg.token_budget,
                     max_batch_size=1 if c.target.per_sequence else cfg.max_batch_size, prefetch=cfg.prefetch,
                     skip_bad_rows=cfg.skip_bad_rows, hidden_encoding=cfg.hidden_encoding,
-                    regenerator=c.regenerator)
+                    regenerator=c.regenerator, regen_ahead=cfg.regen_ahead)

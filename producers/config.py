@@ -31,6 +31,7 @@ class ProducerConfig:
     max_new_tokens: int = 1024
     regen_batch_size: int = 256
     regen_cache: str = DEFAULT_REGEN_CACHE
+    regen_ahead: int = 1024
     chat_template_kwargs: str = "{}"
     hidden_encoding: str = "raw"
     final_hidden: bool = False  # also send the final-norm output (the consumer's --distill-weight needs it)
@@ -62,6 +63,8 @@ class ProducerConfig:
         if self.max_length > self.token_budget:
             raise ValueError(f"--max-length {self.max_length} exceeds --token-budget {self.token_budget}: "
                              "a full-length sequence would never fit in one forward pass")
+        if self.regen_ahead < 0:
+            raise ValueError(f"--regen-ahead {self.regen_ahead}: a count of rows, 0 or more")
         if self.lease_size < 1 or self.prefetch < 1:
             raise ValueError("--lease-size and --prefetch must be positive")
         if self.hidden_encoding not in ("raw", "fp8_e4m3_rowscale"):

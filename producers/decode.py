@@ -129,13 +129,19 @@ class StaticKV:
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self._rows: torch.Tensor | None = None  # fresh: which rows; step: all
-        self._index: torch.Tensor | None = None  # step: [B, q] slots written
+        self._index: torch.Tensor | None = None  # step: [B, q] slots written; packed: [T]
+        self._packed = False
 
     def begin_fresh(self, rows: torch.Tensor) -> None:
-        self._rows, self._index = rows, None
+        self._rows, self._index, self._packed = rows, None, False
 
     def begin_step(self, index: torch.Tensor) -> None:
-        self._rows, self._index = None, index
+        self._rows, self._index, self._packed = None, index, False
+
+    def begin_packed(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Packed prefill: token t of the one packed sequence goes to (rows[t], slots[t])."""
+        self._rows, self._index = rows, slots
+        self._packed = True
 
     def _alloc(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         while len(self.k) <= layer:
@@ -150,6 +156,10 @@ class StaticKV:
         self._alloc(layer_idx, key_states, value_states)
         K, V = self.k[layer_idx], self.v[layer_idx]
         q = key_states.shape[2]
+        if self._packed:  # [1, H, T, hd]: each token to its row and slot; attention over the pack
+            K[self._rows, :, self._index] = key_states[0].transpose(0, 1)  # [T, H, hd]
+            V[self._rows, :, self._index] = value_states[0].transpose(0, 1)
+            return key_states, value_states
         if self._index is None:  # fresh rows: slots 0..q-1
             K[self._rows, :, :q] = key_states
             V[self._rows, :, :q] = value_states
@@ -248,6 +258,29 @@ class Core:
         mask = self._masks(qslot, off, torch.full_like(off, W), W)
         self.cache.begin_fresh(rows)
         return self._run(ids, (qslot - off[:, None]).clamp_min(0), mask, layer_ids, 1 if last_only else 0)
+
+    def fresh_packed(self, rows: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
+        """Start new sequences in `rows` [R] from `prompts` in one forward of them packed back
+        to back (no padding: a block-diagonal causal mask keeps them apart), each written to
+        slots 0..len-1 of its row. Returns the logits at each prompt's last token [R, V]."""
+        lens = [len(p) for p in prompts]
+        if max(lens) > self.slots:
+            raise ValueError(f"a prompt of {max(lens)} tokens does not fit the cache's {self.slots} slots")
+        dev = self.device
+        n = torch.tensor(lens, device=dev)
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), n)  # [T] which prompt
+        pos = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)[None]
+        vis = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
+        masks = {}
+        for w in self.kinds:
+            v = vis if w is None else vis & (pos[:, None] - pos[None, :] < w)
+            masks[_FULL if w is None else _SLIDING] = torch.where(v, 0.0, self._neg).to(self.dtype)[None, None]
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
+        self.cache.begin_packed(rows[seg], pos)
+        last = torch.cumsum(n, 0) - 1
+        logits, _ = self._run(ids, pos[None], mask, None, last)
+        return logits[0]
 
     def step(self, ids: torch.Tensor, start: torch.Tensor, off: torch.Tensor, *,
              layer_ids: list[int] | None = None, last_only: bool = False):
@@ -348,7 +381,8 @@ class GreedyDecoder:
     `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
-                 graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None):
+                 graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
+                 prefill_tokens: int = 2048):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
@@ -367,6 +401,9 @@ class GreedyDecoder:
         self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
         self._ar = torch.arange(rows, device=dev)
         self.steps = 0  # decode steps run (figures for benchmarks)
+        self.prefills = 0  # prefill forwards run
+        self.packed_prefills = 0  # of which packed (Core.fresh_packed)
+        self.prefill_tokens = max(1, prefill_tokens)
         with self.core.attending(), torch.inference_mode():
             self.core.allocate()
             self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
@@ -401,13 +438,20 @@ class GreedyDecoder:
         conversation's next turn) and hand each result to `on_done` as it finishes.
         Returns the jobs whose prompt is longer than `max_prompt` (not decoded: the caller
         sizes a decoder for them). Raises ValueError for an empty prompt."""
+        leftover: list[Job] = []
         with self.core.attending():
-            return self._run(jobs, on_done)
+            for _ in self.rounds(jobs, on_done, leftover):
+                pass
+        return leftover
 
-    def _run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
+    def rounds(self, jobs: deque, on_done: Callable[[Job, list[int]], None], leftover: list[Job]):
+        """`run` one round at a time: a generator that refills free rows and runs
+        `sync_every` steps per `next()`, until `jobs` and the rows are empty. Between
+        rounds the caller may add jobs to `jobs` (other threads too: deque appends are
+        atomic) and release the model; every `next()` must run inside `core.attending()`
+        and `torch.inference_mode()`. Too-long prompts go to `leftover`."""
         busy: dict[int, Job] = {}
         free = list(range(self.rows))
-        leftover: list[Job] = []
         while jobs or busy:
             if jobs and free and (len(free) >= self.refill_min or not busy or len(jobs) <= len(free)):
                 take = []
@@ -438,28 +482,51 @@ class GreedyDecoder:
                     job = busy.pop(r)
                     free.append(r)
                     on_done(job, o[:n])
-        return leftover
+            yield len(busy)
+
+    @property
+    def busy_rows(self) -> int:
+        """Rows decoding now (between rounds)."""
+        return int((~self.done).sum())
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
-        """Prefill the prompts of `take` into their rows and set the rows' state."""
-        dev = self.core.device
+        """Prefill the prompts of `take` into their rows and set the rows' state, in as few
+        forwards as fit: sorted by length, up to 64 rows each. A part goes packed back to
+        back (no padding, at most `prefill_tokens` tokens) where that computes fewer
+        attention scores than left padding to its longest prompt (T^2 < R * W^2: lengths
+        that differ a lot), else left padded (with a dense mask, packed attention is
+        quadratic in the total length)."""
         take = sorted(take, key=lambda t: len(t[1].prompt))  # similar widths share a forward
         for i in range(0, len(take), 64):
             part = take[i:i + 64]
-            W = max(len(j.prompt) for _, j in part)
-            rows = torch.tensor([r for r, _ in part], device=dev)
+            lens = [len(j.prompt) for _, j in part]
+            t = sum(lens)
+            self._prefill(part, packed=t * t < len(lens) * max(lens) ** 2 and t <= self.prefill_tokens)
+
+    def _prefill(self, part: list[tuple[int, Job]], packed: bool) -> None:
+        dev = self.core.device
+        rows = torch.tensor([r for r, _ in part], device=dev)
+        lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
+        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
+        if packed:
+            first = self.core.fresh_packed(rows, [j.prompt for _, j in part]).argmax(-1)
+            off = torch.zeros_like(lens)
+        else:
+            W = int(lens.max())
             ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
-            off = torch.tensor([W - len(j.prompt) for _, j in part], device=dev)
-            lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
+            off = W - lens
             logits, _ = self.core.fresh(rows, ids, off)
             first = logits[:, -1].argmax(-1)
-            self.tok[rows] = first
-            self.start[rows] = W
-            self.off[rows] = off
-            self.n[rows] = 1
-            self.out[rows, 0] = first
-            self.limit[rows] = lim
-            self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
+            lens = torch.full_like(lens, W)
+        self.packed_prefills += packed
+        self.prefills += 1
+        self.tok[rows] = first
+        self.start[rows] = lens
+        self.off[rows] = off
+        self.n[rows] = 1
+        self.out[rows, 0] = first
+        self.limit[rows] = lim
+        self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
 
 
 def greedy_generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],

@@ -38,6 +38,17 @@ class BrokerWorkSource:
     def lease_done(self, lease: int, skipped: list[tuple[int, str]]) -> None:
         self.link.lease_done(lease, skipped)
 
+    def order(self) -> list[int] | None:
+        """Epoch 1's sample order as the broker leases it (its shuffle of the welcome's seed
+        and dataset size), for --regenerate to work ahead; None if the welcome lacks them."""
+        from dflash.broker.leases import epoch_order
+
+        cfg = self.link.welcome.get("run_config") or {}
+        n = (cfg.get("dataset") or {}).get("n_samples")
+        if not isinstance(n, int) or cfg.get("seed") is None:
+            return None
+        return epoch_order(cfg["seed"], 0, n)
+
 
 def link_sink(link, stop: threading.Event | None = None) -> BatchSink:
     """Push to the link; while backpressure holds a batch, look at `stop` every 0.5 s and

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -27,6 +27,7 @@ from .data import BadRow, DataSource, Row
 from .oom import OomSplitter
 from .packing import PackedBatch, pack
 from .prefetch import Item, Lease, Prefetcher
+from .regen_ahead import RegenAhead
 from .regenerate import Regenerator
 from .target import Target
 
@@ -68,6 +69,12 @@ class LocalWorkSource:
     def next_lease(self) -> Lease | None:
         return self._leases.pop(0) if self._leases else None
 
+    def order(self) -> list[int]:
+        """The samples in the order they will be leased (first epoch): what --regenerate
+        makes ahead of the leases."""
+        return [s for le in self._leases if le.epoch == self._leases[0].epoch for s in le.samples] \
+            if self._leases else []
+
     def lease_done(self, lease: int, skipped: list[tuple[int, str]]) -> None:
         self.done[lease] = list(skipped)
 
@@ -78,12 +85,14 @@ class Producer:
     def __init__(self, target: Target, dataset: DataSource, encoder: ChatEncoder, source: WorkSource,
                  sink: BatchSink, *, token_budget: int, max_batch_size: int, prefetch: int = 4,
                  skip_bad_rows: bool = False, hidden_encoding: str = "raw",
-                 regenerator: Regenerator | None = None,
+                 regenerator: Regenerator | None = None, regen_ahead: int = 0,
                  forward: Callable[[PackedBatch], torch.Tensor] | None = None):
         self.target, self.dataset, self.encoder = target, dataset, encoder
         self.source, self.sink, self.regenerator = source, sink, regenerator
         self.token_budget, self.max_batch_size = token_budget, max_batch_size
         self.skip_bad_rows, self.hidden_encoding = skip_bad_rows, hidden_encoding
+        self.regen_ahead = regen_ahead
+        self.ahead: RegenAhead | None = None  # the regeneration thread, with regen_ahead > 0 (run)
         # `forward` is replaceable so tests can inject failures around the real capture.
         self.splitter = OomSplitter(forward or self._forward, target.device)
         self.prefetcher = Prefetcher(source.next_lease, self.prepare, depth=prefetch)
@@ -110,23 +119,59 @@ class Producer:
                 rows.append(row)
             except BadRow as e:
                 skipped.append(self._bad_row(e))
+        if self.ahead is not None:
+            return self._stream(lease, rows, skipped), skipped
         if self.regenerator is not None:
             rows = self.regenerator.apply(rows)
-        encoded = []
-        for row in rows:
-            try:
-                enc = self.encoder.encode(row)
-            except BadRow as e:
-                skipped.append(self._bad_row(e))
-                continue
-            if not any(enc.loss_mask):
-                # Legal but useless: truncation cut every assistant token. Reported, not dropped.
-                log.warning("produce.empty_row", sample=row.sample, source=row.source, tokens=len(enc.input_ids),
-                            truncated=enc.truncated, reason="no_loss_tokens")
-                skipped.append((row.sample, "no_loss_tokens: no assistant token within --max-length"))
-                continue
-            encoded.append(enc)
+        encoded = [e for e in (self._encode(row, skipped) for row in rows) if e is not None]
         return pack(encoded, self.token_budget, self.max_batch_size, lease=lease.lease, epoch=lease.epoch), skipped
+
+    def _encode(self, row: Row, skipped: list[tuple[int, str]]):
+        """The row's Encoded, or None (reported in `skipped`)."""
+        try:
+            enc = self.encoder.encode(row)
+        except BadRow as e:
+            skipped.append(self._bad_row(e))
+            return None
+        if not any(enc.loss_mask):
+            # Legal but useless: truncation cut every assistant token. Reported, not dropped.
+            log.warning("produce.empty_row", sample=row.sample, source=row.source, tokens=len(enc.input_ids),
+                        truncated=enc.truncated, reason="no_loss_tokens")
+            skipped.append((row.sample, "no_loss_tokens: no assistant token within --max-length"))
+            return None
+        return enc
+
+    def _stream(self, lease: Lease, rows: list[Row], skipped: list[tuple[int, str]]) -> Iterator[PackedBatch]:
+        """A lease's batches as its rows get regenerated (regen_ahead.py): a batch goes as
+        soon as ready rows fill one, while the lease's other rows decode. Each row is taken
+        once; `skipped` is complete when the iterator ends."""
+        t0 = time.monotonic()
+        chats = {r.sample: r for r in rows if r.messages is not None}
+        have = self.ahead.request(list(chats.values()))
+        cached = len(have)
+        acc = [e for e in (self._encode(r, skipped) for r in rows if r.messages is None) if e is not None]
+        waiting = set(chats) - set(have)
+        ready = have
+        while True:
+            for s, reg in ready.items():
+                enc = self._encode(reg.row(chats[s]), skipped)
+                if enc is not None:
+                    acc.append(enc)
+            if not waiting:
+                break
+            if sum(len(e.input_ids) for e in acc) >= self.token_budget or len(acc) >= self.max_batch_size:
+                batches = pack(acc, self.token_budget, self.max_batch_size, lease=lease.lease, epoch=lease.epoch)
+                keep = min(batches, key=lambda b: b.tokens)  # the emptiest waits for more rows
+                for b in batches:
+                    if b is not keep:
+                        yield b
+                acc = [e for e in acc if e.sample in set(keep.samples)]
+            ready = self.ahead.wait(waiting, timeout_s=1.0)
+            waiting -= set(ready)
+        made, new_tokens = self.ahead.made_here(chats)
+        log.info("produce.regen", rows=len(chats), cached=len(chats) - made, generated=made, new_tokens=new_tokens,
+                 gen_s=round(time.monotonic() - t0, 3), ready=cached)
+        yield from pack(acc, self.token_budget, self.max_batch_size, lease=lease.lease, epoch=lease.epoch)
 
     def _bad_row(self, e: BadRow) -> tuple[int, str]:
         if not self.skip_bad_rows:
@@ -149,6 +194,10 @@ class Producer:
 
         Raises BadRow (without --skip-bad-rows), and whatever the source or sink raise."""
         self.state = "producing"
+        if self.regenerator is not None and self.regen_ahead > 0:
+            order = getattr(self.source, "order", lambda: None)()
+            self.ahead = RegenAhead(self.regenerator, self.dataset, ahead=self.regen_ahead, order=order)
+            self.ahead.start()
         self.prefetcher.start()
         oom_skipped: dict[int, list[tuple[int, str]]] = defaultdict(list)
         try:
@@ -180,6 +229,8 @@ class Producer:
         finally:
             self.state = "done"
             self.prefetcher.stop()
+            if self.ahead is not None:
+                self.ahead.stop()
         return self.summary()
 
     def _emit(self, batch: PackedBatch, hidden: torch.Tensor, wait_s: float, fwd_s: float) -> None:

@@ -116,6 +116,8 @@ class _Conversation:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     generated: list[list[int]] = field(default_factory=list)  # each turn's IDs, as generated
+    first: bool = False  # regen_ahead.py: a lease waits for it (its turns go before look-ahead rows)
+    new_tokens: int = 0
 
     @property
     def done(self) -> bool:

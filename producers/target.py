@@ -181,6 +181,7 @@ class Target:
         # Capture hooks live on shared layer modules: a generation pass (--regenerate, in the
         # prefetch thread) must not run while they are registered.
         self.lock = threading.Lock()
+        self.capture_waiting = 0  # captures waiting for `lock` (the regeneration thread yields to them)
         # One sequence per forward pass: set by the start-up check when no attention
         # implementation of this model keeps packed sequences apart (build.py).
         self.per_sequence = False
@@ -234,7 +235,9 @@ class Target:
         no attention mask and no cache, transformers turns that into attention that never
         crosses a sequence boundary). Returns [T, n_layers*H] (with `final`: [T, (n_layers+1)*H],
         the final-norm output last) in the model dtype, on the model's device. Raises torch.OutOfMemoryError as is (the caller splits and retries)."""
+        self.capture_waiting += 1  # only the producer's main thread captures: no race on the count
         with self.lock:
+            self.capture_waiting -= 1
             if self.shard is not None:
                 self.shard.capture(input_ids, position_ids)
             return self._capture(input_ids.to(self.device), position_ids.to(self.device))
