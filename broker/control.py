@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import time
 
-from dflash.protocol import codec, curve
-from dflash.protocol.errors import ProtocolError
 from dflash.protocol.logs import get_logger
-from dflash.protocol.messages import CONTROL_TO_BROKER, PROTOCOL_VERSION
+from dflash.protocol.messages import PROTOCOL_VERSION
 
 from . import handshake, runinfo
 from .replies import bad_message, refuse
 from .config import CONTROL_MAX_BYTES, MAX_CREDIT
+from .inbound import CONTROL, Ack, Bye, Commit, Credit, Done, Heartbeat, Hello, LeaseAsk, LineageStart
 from .leases import Lease
 from .lineage import DEFAULT, MAX_LINEAGE, TrainedBatch
 from .peers import Peer
+from .phase import JobLost, Phase
 from .status import build_status, sanitize_stats
 
 log = get_logger()
@@ -29,33 +29,28 @@ ROLE_ONLY = ROLE_TYPES["producer"] | ROLE_TYPES["consumer"]  # messages one role
 RETRY_MS = 500  # "nothing to lease now, ask again in" (grant.retry_ms)
 
 
-def handle(b, identity: bytes, frames: list) -> None:
-    """One control message from ROUTER `identity`. Never raises on bad input."""
+def handle(b, identity: bytes, h: dict | None, error: str | None, key: str | None, now: float) -> None:
+    """One control message from ROUTER `identity`, its header parsed by the server (`h`
+    None when it did not parse; `error` when the codec refused it). Never raises on bad input."""
     peer = b.peers.by_identity.get(identity)
     who = peer.id if peer else identity.hex()
     if peer is not None:
-        peer.last_seen = time.monotonic()  # any message counts as a heartbeat
-    try:
-        if not frames:
-            raise ProtocolError("empty message")
-        h = codec.unpack_header(frames[0])
-    except ProtocolError as e:
-        return bad_message(b, identity, who, e.reason)
+        peer.last_seen = now  # any message counts as a heartbeat
+    if h is None:
+        return bad_message(b, identity, who, error or "empty message")
     if h.get("v") != PROTOCOL_VERSION:
         return refuse(b, identity, "version", f"protocol version {h.get('v')!r} is not supported: "
                       f"this broker speaks version {PROTOCOL_VERSION}; upgrade or downgrade dflash", h)
     if "run" in h and h["run"] != b.run_id:
         return refuse(b, identity, "run_mismatch", f"run {h['run']!r} is not the run this broker serves "
                       f"({b.run_id}); that run is over or served elsewhere: leave out --run-id to join this one", h)
-    try:
-        msg = codec.decode(frames, allowed=CONTROL_TO_BROKER, run=b.run_id, peer=who, parsed=h)
-    except ProtocolError as e:
-        return bad_message(b, identity, who, e.reason, h)
-    t, h = msg.type, msg.header
+    if error is not None:
+        return bad_message(b, identity, who, error, h)
+    t = h["type"]
     if t == "status":
         return b.send(identity, "status_reply", status=build_status(b))
     if t == "hello":
-        return handshake.hello(b, identity, h, key=curve.key_name(frames[0]))
+        return handshake.hello(b, identity, Hello.from_header(h), key=key)
     if peer is None:
         return refuse(b, identity, "unknown_peer", "this connection has no live session (never said hello, "
                       "was declared lost, or its connection was closed and reopened: ZeroMQ closes a connection "
@@ -63,36 +58,37 @@ def handle(b, identity: bytes, frames: list) -> None:
                       "again to rejoin", h)
     if t in ROLE_ONLY and t not in ROLE_TYPES[peer.role]:
         return bad_message(b, identity, who, f"{t!r} is not accepted from a {peer.role}", h)
-    HANDLERS[t](b, peer, h)
+    msg = CONTROL[t].from_header(h)
+    HANDLERS[type(msg)](b, peer, msg)
 
 
 # ---------------------------------------------------------------- producers
 
 
-def on_lease(b, p: Peer, h: dict) -> None:
+def on_lease(b, p: Peer, m: LeaseAsk) -> None:
     epoch_before = b.leases.epoch
-    lease = None if b.stopping is not None else b.leases.grant(p.id, min(h["want"], b.cfg.lease_size))
+    lease = None if b.end is not None else b.leases.grant(p.id, min(m.want, b.cfg.lease_size))
     if lease is None:
         # Elastic consumers may restart the training from a checkpoint, sending samples
         # already made back to the pool (on_lineage): producers stay until end of stream.
-        end = b.stopping is not None or (b.leases.finished() and getattr(b, "lighthouse", None) is None)
+        end = b.end is not None or (b.leases.finished() and b.lighthouse is None)
         return b.send(p.identity, "grant", lease=0, epoch=b.leases.epoch, samples=[], end=end, retry_ms=RETRY_MS)
     if b.leases.epoch != epoch_before or lease.id == 1:
         b.ledger.epoch_started(b.leases.epoch, b.cfg.seed, b.leases.n_samples)
         log.info("broker.epoch_started", epoch=b.leases.epoch, epochs=b.cfg.epochs, n_samples=b.leases.n_samples)
     b.ledger.leased(lease.id, lease.epoch, p.id, lease.samples)
     log.info("broker.lease_granted", lease=lease.id, peer=p.id, epoch=lease.epoch, n=len(lease.samples),
-             want=h["want"], pending=b.leases.pending())
+             want=m.want, pending=b.leases.pending())
     b.send(p.identity, "grant", lease=lease.id, epoch=lease.epoch, samples=lease.samples, end=False)
 
 
-def on_done(b, p: Peer, h: dict) -> None:
-    lease = b.leases.open.get(h["lease"])
+def on_done(b, p: Peer, m: Done) -> None:
+    lease = b.leases.open.get(m.lease)
     if lease is None or lease.producer != p.id:
         # Already complete (every sample arrived before `done`), or not this producer's.
-        log.debug("broker.done_ignored", peer=p.id, lease=h["lease"])
+        log.debug("broker.done_ignored", peer=p.id, lease=m.lease)
         return
-    skipped = b.leases.skip(lease, h["skipped"])
+    skipped = b.leases.skip(lease, m.skipped)
     if skipped:
         b.ledger.skipped(lease.epoch, skipped)
         log.info("broker.samples_skipped", peer=p.id, lease=lease.id, n=len(skipped),
@@ -120,19 +116,19 @@ def lease_incomplete(b, lease: Lease) -> None:
 # ---------------------------------------------------------------- consumers
 
 
-def on_credit(b, p: Peer, h: dict) -> None:
-    if h["credit"] < 0:
-        return bad_message(b, p.identity, p.id, f"credit {h['credit']} is negative", h)
-    p.credit = min(MAX_CREDIT, p.credit + h["credit"])
+def on_credit(b, p: Peer, m: Credit) -> None:
+    if m.credit < 0:
+        return bad_message(b, p.identity, p.id, f"credit {m.credit} is negative", m.raw)
+    p.credit = min(MAX_CREDIT, p.credit + m.credit)
 
 
-def on_ack(b, p: Peer, h: dict) -> None:
-    lineage, step = lineage_of(h), h["step"]
+def on_ack(b, p: Peer, m: Ack) -> None:
+    lineage, step = lineage_of(m.lineage), m.step
     kept = b.lineages.refused(lineage, step)
     if kept is not None:
         return superseded(b, p, "ack", lineage, step, kept)
     unknown, trained = [], []
-    for bid in h["batch_ids"]:
+    for bid in m.batch_ids:
         qb = p.in_flight.pop(bid, None) if isinstance(bid, str) else None
         if qb is None:
             unknown.append(bid)
@@ -160,9 +156,8 @@ def on_ack(b, p: Peer, h: dict) -> None:
             commit_late(b, p, step, late, last)
 
 
-def lineage_of(h: dict) -> str:
+def lineage_of(lin) -> str:
     """The lineage an ack or commit names ("" when it names none, or not as a string)."""
-    lin = h.get("lineage")
     return lin[:MAX_LINEAGE] if isinstance(lin, str) else DEFAULT
 
 
@@ -178,25 +173,25 @@ def commit_late(b, p: Peer, step: int, late: list[TrainedBatch], last: tuple[int
              batch_ids=[x.batch_id for x in batches[:16]], samples=n, committed=b.ledger.counts["committed"])
 
 
-def on_commit(b, p: Peer, h: dict) -> None:
+def on_commit(b, p: Peer, m: Commit) -> None:
     """Commit exactly the trained batches the checkpoint's weights hold (lineage.py)."""
-    lineage, step = lineage_of(h), h["step"]
+    lineage, step = lineage_of(m.lineage), m.step
     kept = b.lineages.refused(lineage, step)
     if kept is not None:
         return superseded(b, p, "commit", lineage, step, kept)
     held = [t for t in b.trained.values() if b.lineages.holds(lineage, step, t)]
-    n = b.ledger.committed(step, h["checkpoint"], p.id, [t.batch for t in held])
+    n = b.ledger.committed(step, m.checkpoint, p.id, [t.batch for t in held])
     for t in held:
         del b.trained[t.batch.batch_id]
     b.lineages.last_commit_lineage = lineage
-    log.info("broker.commit", peer=p.id, step=step, checkpoint=h["checkpoint"], samples=n,
+    log.info("broker.commit", peer=p.id, step=step, checkpoint=m.checkpoint, samples=n,
              committed=b.ledger.counts["committed"], lineage=lineage or None, trained_left=len(b.trained))
 
 
-def on_lineage(b, p: Peer, h: dict) -> None:
+def on_lineage(b, p: Peer, m: LineageStart) -> None:
     """A consumer starts a new lineage (fresh, or from a checkpoint): what was trained that
     its weights do not hold goes back to the lease pool, to be made and trained again."""
-    lineage, parent, step = h["lineage"][:MAX_LINEAGE], h.get("parent"), h["step"]
+    lineage, parent, step = m.lineage[:MAX_LINEAGE], m.parent, m.step
     parent = parent[:MAX_LINEAGE] if isinstance(parent, str) and parent else None
     if b.lineages.known(lineage):
         log.debug("broker.lineage_again", peer=p.id, lineage=lineage)
@@ -205,12 +200,12 @@ def on_lineage(b, p: Peer, h: dict) -> None:
     if last is not None:  # the newest commit must be in the new weights, or its samples are lost
         lin = b.lineages.last_commit_lineage or DEFAULT
         if parent is None or b.lineages.caps(parent, step).get(lin, -1) < last[0]:
-            reason = (f"this consumer started from {h.get('checkpoint') or 'no checkpoint'} (step {step}), but the "
+            reason = (f"this consumer started from {m.checkpoint or 'no checkpoint'} (step {step}), but the "
                       f"run has committed step {last[0]} ({last[1]}) since: its weights would miss those samples; "
                       "start it again (it then starts from the newest commit)")
             log.warning("broker.lineage_stale", peer=p.id, lineage=lineage, parent=parent, step=step,
-                        checkpoint=h.get("checkpoint"), commit_step=last[0], commit_checkpoint=last[1])
-            refuse(b, p.identity, "stale_checkpoint", reason, h)
+                        checkpoint=m.checkpoint, commit_step=last[0], commit_checkpoint=last[1])
+            refuse(b, p.identity, "stale_checkpoint", reason, m.raw)
             return drop(b, p, "lost", "started from a checkpoint older than the newest commit")
     b.lineages.start(lineage, parent, step)
     rewound = []
@@ -222,7 +217,7 @@ def on_lineage(b, p: Peer, h: dict) -> None:
             b.leases.rewind(t.batch.epoch, t.batch.samples)
     n = sum(len(t.batch.samples) for t in rewound)
     log.info("broker.lineage_started", peer=p.id, lineage=lineage, parent=parent, step=step,
-             checkpoint=h.get("checkpoint"), rewound_samples=n)
+             checkpoint=m.checkpoint, rewound_samples=n)
     if rewound:
         log.warning("broker.samples_rewound", peer=p.id, lineage=lineage, step=step, samples=n,
                     batch_ids=[t.batch.batch_id for t in rewound[:16]], n_batches=len(rewound),
@@ -231,6 +226,8 @@ def on_lineage(b, p: Peer, h: dict) -> None:
     if b.job_lost is not None and not b.trained:  # what only the dead weights held is being made again
         log.info("broker.job_resumed", peer=p.id, lineage=lineage, step=step, rewound_samples=n)
         b.job_lost = None
+        if b.phase is Phase.JOB_LOST:
+            b.phase = Phase.RUNNING
 
 
 def superseded(b, p: Peer, what: str, lineage: str, step: int, kept: int) -> None:
@@ -256,16 +253,16 @@ def last_commit(b) -> dict | None:
 # ---------------------------------------------------------------- everyone
 
 
-def on_heartbeat(b, p: Peer, h: dict) -> None:
-    p.stats, p.stats_at = sanitize_stats(h["stats"]), time.time()
+def on_heartbeat(b, p: Peer, m: Heartbeat) -> None:
+    p.stats, p.stats_at = sanitize_stats(m.stats), time.time()
 
 
-def on_bye(b, p: Peer, h: dict) -> None:
-    drop(b, p, "left", h["reason"][:200])
+def on_bye(b, p: Peer, m: Bye) -> None:
+    drop(b, p, "left", m.reason[:200])
 
 
-HANDLERS = {"lease": on_lease, "done": on_done, "credit": on_credit, "ack": on_ack,
-            "commit": on_commit, "lineage": on_lineage, "heartbeat": on_heartbeat, "bye": on_bye}
+HANDLERS = {LeaseAsk: on_lease, Done: on_done, Credit: on_credit, Ack: on_ack,
+            Commit: on_commit, LineageStart: on_lineage, Heartbeat: on_heartbeat, Bye: on_bye}
 
 
 def drop(b, p: Peer, state: str, reason: str) -> None:
@@ -277,7 +274,7 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
         for qb in back:
             b.ledger.requeued(qb)
         b.queue.requeue(back)  # returned batches are the oldest: they go first
-        p.close_pipes()
+        b.close_pipes(p)
         held = {"in_flight": len(back), "batch_ids": [x.batch_id for x in back[:16]], "credit": p.credit,
                 "delivered": p.delivered, "acked": p.acked, "rank": p.rank}
     else:
@@ -324,8 +321,9 @@ def check_job(b, p: Peer, state: str, reason: str) -> None:
     everything not committed. After a clean stop (everything committed) consumers may join
     and start from the newest commit (handshake.welcome)."""
     trained = b.ledger.counts["trained"]
-    if b.stopping is None and b.job_lost is None and trained > 0 and not b.peers.live("consumer"):
-        b.job_lost = {"peer": p.id, "state": state, "reason": reason, "trained": trained}
+    if b.phase is Phase.RUNNING and b.job_lost is None and trained > 0 and not b.peers.live("consumer"):
+        b.job_lost = JobLost(p.id, state, reason, trained)
+        b.phase = Phase.JOB_LOST
         log.warning("broker.job_lost", peer=p.id, state=state, reason=reason, trained=trained,
                     last_commit=list(b.ledger.last_commit) if b.ledger.last_commit else None,
                     hint=f"restart with dflash-broker --resume {b.run_id}")
@@ -333,17 +331,16 @@ def check_job(b, p: Peer, state: str, reason: str) -> None:
 
 def check_end_of_stream(b) -> None:
     """PROTOCOL.md 4.6: all produced or skipped, queue empty, everything acked -> stop."""
-    if b.stopping is None:
+    if b.phase in (Phase.RUNNING, Phase.JOB_LOST):
         consumers = b.peers.live("consumer")
         if b.leases.finished() and not b.queue and not any(c.in_flight for c in consumers):
-            b.stopping = {p.id for p in b.peers.live()}
             log.info("broker.end_of_stream", consumers=[c.id for c in consumers],
                      producers=[p.id for p in b.peers.live("producer")], batches=b.rate_in.total,
                      samples=dict(b.ledger.counts))
-            for p in b.peers.live():
-                b.send(p.identity, "stop", reason="end_of_stream")
-    elif not any(pid in b.peers.by_id for pid in b.stopping):
+            b.stop_all("end_of_stream")
+            b.phase = Phase.ENDING
+    elif b.phase is Phase.ENDING and not any(pid in b.peers.by_id for pid in b.end.told):
         b.ledger.flush()
-        outcome, b.outcome_why = runinfo.end_of_stream_outcome(b)  # `nothing_to_train` when it trained nothing
+        outcome, why = runinfo.end_of_stream_outcome(b)  # `nothing_to_train` when it trained nothing
         log.info("broker.stop", reason="end_of_stream", outcome=outcome)
-        b.outcome = outcome
+        b.finish(outcome, why)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 
-import zmq
-
 from dflash.protocol.logs import get_logger
-from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 from dflash.protocol.target_id import describe_target, same_target
 
 from . import runinfo
 from .config import MAX_CREDIT, MAX_HELLO_CONFIG_BYTES
+from .inbound import Hello
 from .peers import Peer
+from .phase import Phase
 from .replies import refuse
 
 log = get_logger()
@@ -27,9 +26,9 @@ FACT_KEYS = ("target", "layer_ids", "hidden_size")
 KEPT_KEYS = ("target_id",)
 
 
-def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
+def hello(b, identity: bytes, m: Hello, key: str | None = None) -> None:
     """`key`: the authorised Curve key's name this connection used (None without Curve)."""
-    role, instance, config = h["role"], h["instance"], h.get("config") or {}
+    role, instance, config, h = m.role, m.instance, m.config, m.raw
     if role not in ("producer", "consumer"):
         return refuse(b, identity, "bad_message", f"role {role!r}: hello is for 'producer' or 'consumer'", h)
     if not instance or len(instance) > 128 or not isinstance(config, dict):
@@ -45,13 +44,13 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
     if len(b.peers.by_id) >= b.cfg.max_peers:  # every session costs memory: a flood of hellos must not
         return refuse(b, identity, "full", f"{b.cfg.max_peers} live peers already (--max-peers)", h)
     other = b.peers.instance_taken(role, instance)
-    if other is not None and same_process(other, h, key):
+    if other is not None and same_process(other, m, key):
         return reconnected(b, other, identity)
     if other is not None:
         return refuse(b, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
                       f"{other.pid}); give this one another name (--instance)", h)
-    if role == "consumer" and b.job_lost is not None and b.stopping is None and not takes_over(b, config):
+    if role == "consumer" and b.phase is Phase.JOB_LOST and not takes_over(b, config):
         return refuse(b, identity, "job_lost", job_lost_reason(b), h)
     facts, pipe, port, rank = None, None, None, None
     wrong_target = target_mismatch(b, role, config)
@@ -78,14 +77,14 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
             lo, hi = b.cfg.data_out_ports
             return refuse(b, identity, "full", f"not {b.streams} free data-out port(s) in {lo}-{hi} "
                           f"(--data-out-ports; {b.streams} per consumer, --data-streams)", h)
-        pipes, ports = opened
+        pipes, threads, ports = opened
     p = b.peers.add(role, identity, h)
     p.curve_key = key
     if role == "producer":
         set_facts(b, facts, p.id)
     else:
-        p.pipes, p.ports, p.rank = pipes, ports, rank
-        p.data_streams = [tcp_endpoint(b.advertise, port) for port in ports]
+        p.pipes, p.pipe_threads, p.ports, p.rank = pipes, threads, ports, rank
+        p.data_streams = [f"tcp://{b.advertise}:{port}" for port in ports]
         p.data_out = p.data_streams[0]
         if rank == 0:
             b.dist = dist_endpoint(config.get("dist_addr"))
@@ -94,19 +93,18 @@ def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
              data_streams=p.data_streams or None, config=_brief(config),
              curve_key=key)
     welcome(b, p)
-    if b.stopping is not None:  # joined after end of stream (or during a shutdown): nothing left to do
-        b.stopping.add(p.id)
-        b.send(p.identity, "stop", reason=b.stop_reason)
+    if b.end is not None:  # joined after end of stream (or during a shutdown): nothing left to do
+        b.end.told.add(p.id)
+        b.send(p.identity, "stop", reason=b.end.reason)
 
 
-def same_process(p: Peer, h: dict, key: str | None) -> bool:
+def same_process(p: Peer, m: Hello, key: str | None) -> bool:
     """Whether a hello comes from the very process of live session `p`, on a new
     connection: same role and instance, host and pid, and the same Curve key. A DEALER
     that reconnects (ZeroMQ closed its connection, e.g. for a frame over the control limit)
     gets a new ROUTER identity unless it set one, and its old connection is gone: a pid
     lives on one host once, so that session cannot be answering anyone else."""
-    return (h.get("host") == p.host and h.get("pid") == p.pid and isinstance(h.get("pid"), int)
-            and getattr(p, "curve_key", None) == key)
+    return m.host == p.host and m.pid == p.pid and isinstance(m.pid, int) and p.curve_key == key
 
 
 def reconnected(b, p: Peer, identity: bytes) -> None:
@@ -120,8 +118,8 @@ def reconnected(b, p: Peer, identity: bytes) -> None:
                 hint="its control connection was closed and reopened (a network reset, or a frame over the "
                      "control limit)")
     welcome(b, p)
-    if b.stopping is not None and p.id in b.stopping:
-        b.send(p.identity, "stop", reason=b.stop_reason)
+    if b.end is not None and p.id in b.end.told:
+        b.send(p.identity, "stop", reason=b.end.reason)
 
 
 def welcome(b, p: Peer) -> None:
@@ -143,8 +141,8 @@ def welcome(b, p: Peer) -> None:
         fields["data_streams"] = p.data_streams
         if b.cfg.consumers:
             run_config.update(rank=p.rank, world_size=b.cfg.consumers, dist=b.dist)
-            if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
-                run_config["lighthouse"] = b.lighthouse.address
+            if b.lighthouse is not None:  # elastic: world_size is the most at once
+                run_config["lighthouse"] = b.lighthouse
     b.send(p.identity, "welcome", run_config=run_config, **fields)
 
 
@@ -172,13 +170,13 @@ def takes_over(b, config: dict) -> bool:
     the job died: starting from the newest commit, its `lineage` message sends what only the
     dead weights held back to the lease pool (control.on_lineage), and the producers are
     still there to make it (an elastic run keeps them until end of stream)."""
-    return getattr(b, "lighthouse", None) is not None and config.get("lineages") is True
+    return b.lighthouse is not None and config.get("lineages") is True
 
 
 def job_lost_reason(b) -> str:
     lost = b.job_lost
-    return (f"this run's training job ended with {lost['trained']} trained samples not committed (its last "
-            f"consumer {lost['peer']} {lost['state']}: {lost['reason'][:80]}); only the weights that died with "
+    return (f"this run's training job ended with {lost.trained} trained samples not committed (its last "
+            f"consumer {lost.peer} {lost.state}: {lost.reason[:80]}); only the weights that died with "
             f"it held them, and this run will not make them again: stop the run and restart it with "
             f"dflash-broker --resume {b.run_id}")
 
@@ -253,9 +251,10 @@ def set_facts(b, facts: dict, peer_id: str) -> None:
     log.info("broker.run_facts", peer=peer_id, **facts)
 
 
-def open_pipes(b) -> tuple[list[zmq.Socket], list[int]] | None:
-    """Bind a new consumer's data streams: one PUSH each on the next free ports of the
+def open_pipes(b) -> tuple[list, list[int], list[int]] | None:
+    """Bind a new consumer's data streams: one pipe each on the next free ports of the
     range (b.streams of them), or None (nothing left bound) if there are not enough.
+    Returns (pipes, their I/O threads, ports).
 
     Ports rotate through the range rather than reusing the lowest: a consumer declared
     lost but still running reconnects to its old ports, and must not find someone
@@ -264,8 +263,8 @@ def open_pipes(b) -> tuple[list[zmq.Socket], list[int]] | None:
     lo, hi = b.cfg.data_out_ports
     n = hi - lo + 1
     used = {port for c in b.peers.live("consumer") for port in c.ports}
-    in_use = [sock.getsockopt(zmq.AFFINITY) for c in b.peers.live("consumer") for sock in c.pipes]
-    socks, ports = [], []
+    in_use = [t for c in b.peers.live("consumer") for t in c.pipe_threads]
+    socks, threads, ports = [], [], []
     for i in range(n):
         if len(socks) == b.streams:
             break
@@ -273,20 +272,18 @@ def open_pipes(b) -> tuple[list[zmq.Socket], list[int]] | None:
         if port in used:
             continue
         thread = pipe_thread(b.pipe_threads, in_use)
-        try:
-            sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
-                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve, affinity=thread))
-        except zmq.ZMQError:
+        sock = b.bind_pipe(port, thread)
+        if sock is None:
             continue  # another process holds it
         socks.append(sock)
+        threads.append(thread)
         ports.append(port)
         in_use.append(thread)
     if len(socks) < b.streams:
-        for sock in socks:
-            sock.close(linger=0)
+        b.discard_pipes(socks)
         return None
     b.next_port = lo + (ports[-1] + 1 - lo) % n
-    return socks, ports
+    return socks, threads, ports
 
 
 def pipe_thread(threads: list[int], in_use: list[int]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 
 from dflash.protocol.logs import get_logger
@@ -20,6 +21,7 @@ from dflash.protocol.messages import PROTOCOL_VERSION
 from .config import MAX_CREDIT
 from .diagnosis import HOLD_TICKS, Steady, diagnose, result
 from .handshake import job_lost_reason
+from .phase import Phase
 
 log = get_logger()
 
@@ -73,7 +75,7 @@ def samples(b) -> dict:
 
 def _peer_state(b, p) -> str:
     reported = p.stats.get("state")
-    if b.stopping is not None and p.id in b.stopping:
+    if b.end is not None and p.id in b.end.told:
         return "stopping"
     if isinstance(reported, str):
         return reported
@@ -136,7 +138,7 @@ def progress(b, now: float) -> dict:
     sps = b.rate_samples.rate(now)
     left = None if s["total"] is None else max(0, s["total"] - s["done"])
     eta = round(left / sps) if left is not None and sps > 0 else None
-    if getattr(b, "job_lost", None):  # nothing more is trained in this run: no end to foresee
+    if b.job_lost is not None:  # nothing more is trained in this run: no end to foresee
         eta = None
     return {
         "epoch": s["epoch"], "epochs": s["epochs"],
@@ -153,13 +155,13 @@ def build_status(b) -> dict:
     now = time.monotonic()
     consumers = b.peers.live("consumer")
     # job_lost: the training job died with uncommitted work; new consumers are refused
-    state = "stopping" if b.stopping is not None else "job_lost" if getattr(b, "job_lost", None) else "running"
+    state = "stopping" if b.end is not None else "job_lost" if b.phase is Phase.JOB_LOST else "running"
     st = {
         "run_id": b.run_id,
         "protocol_version": PROTOCOL_VERSION,
         "broker": {
             "instance": b.cfg.instance, "host": b.hostname, "pid": os.getpid(), "state": state,
-            "stop_reason": b.stop_reason if b.stopping is not None else None,  # end_of_stream | shutdown
+            "stop_reason": b.end.reason if b.end is not None else None,  # end_of_stream | shutdown
             "started_at": _iso(b.started_at), "uptime_s": round(now - b.started_mono, 3),
             "endpoints": b.endpoints, "run_dir": str(b.run_dir), "now": _iso(time.time()),
         },
@@ -182,7 +184,7 @@ def build_status(b) -> dict:
         "leases": {"open": len(b.leases.open)},
         "ledger": {"path": str(b.ledger.path), "write_s": round(b.ledger.flush_seconds, 3)},
         "peers": [peer_row(b, p, now) for p in b.peers.live()],
-        "job_lost": ({**b.job_lost, "text": job_lost_reason(b)} if state == "job_lost" else None),
+        "job_lost": ({**asdict(b.job_lost), "text": job_lost_reason(b)} if state == "job_lost" else None),
         "gone": [gone_row(p) for p in b.peers.gone],
     }
     try:
@@ -216,7 +218,7 @@ def log_progress(b, now: float) -> None:
     d, p = st["diagnosis"], st["progress"]
     fields = progress_fields(b, now)
     log.info("broker.progress", **fields, samples_per_s=p["samples_per_s"], eta_s=p["eta_s"], diagnosis=d["code"])
-    sink = getattr(b, "metric_sink", None)  # --tensorboard
+    sink = b.metric_sink  # --tensorboard
     if sink is not None:
         sink(int(fields["uptime_s"]), {**fields, "samples_per_s": p["samples_per_s"], "eta_s": p["eta_s"]})
     if d["code"] != b.last_diagnosis:
