@@ -24,7 +24,7 @@ from . import control, handshake, intake, resume
 from .actions import Action, ClosePipes, Publish, Send
 from .config import MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
-from .inbound import CONTROL, Batch, Hello
+from .inbound import Ack, Batch, Bye, Commit, Credit, Done, Heartbeat, Hello, LeaseAsk, LineageStart
 from .leases import LeasePool
 from .ledger import Ledger
 from .lineage import Lineages, TrainedBatch
@@ -161,14 +161,40 @@ class BrokerCore:
     def on_status(self, identity: bytes) -> None:
         self.send(identity, "status_reply", status=self.status())
 
-    @entry
-    def on_message(self, p: Peer, msg) -> None:
-        """A typed message (inbound.CONTROL) from live session `p`."""
-        control.HANDLERS[type(msg)](self, p, msg)
+    # One typed message each from live session `p`, after the checks of on_control (which
+    # routes here through control.HANDLERS); what each does is in control.py.
 
-    def message(self, p: Peer, type_: str, h: dict) -> list[Action]:
-        """`on_message` from a validated header of `type_`."""
-        return self.on_message(p, CONTROL[type_].from_header(h))
+    @entry
+    def on_lease(self, p: Peer, m: LeaseAsk) -> None:
+        control.on_lease(self, p, m)
+
+    @entry
+    def on_done(self, p: Peer, m: Done) -> None:
+        control.on_done(self, p, m)
+
+    @entry
+    def on_credit(self, p: Peer, m: Credit) -> None:
+        control.on_credit(self, p, m)
+
+    @entry
+    def on_ack(self, p: Peer, m: Ack) -> None:
+        control.on_ack(self, p, m)
+
+    @entry
+    def on_commit(self, p: Peer, m: Commit) -> None:
+        control.on_commit(self, p, m)
+
+    @entry
+    def on_lineage(self, p: Peer, m: LineageStart) -> None:
+        control.on_lineage(self, p, m)
+
+    @entry
+    def on_heartbeat(self, p: Peer, m: Heartbeat) -> None:
+        control.on_heartbeat(self, p, m)
+
+    @entry
+    def on_bye(self, p: Peer, m: Bye) -> None:
+        control.on_bye(self, p, m)
 
     # ------------------------------------------------------------ data in
 

@@ -18,9 +18,9 @@ import pytest
 
 from dflash.broker import runinfo
 from dflash.broker.actions import ClosePipes, Send
-from dflash.broker.config import BrokerConfig
+from dflash.broker.config import MAX_CREDIT, BrokerConfig
 from dflash.broker.core import BrokerCore, Phase
-from dflash.broker.inbound import Batch
+from dflash.broker.inbound import Batch, Bye, Credit
 from dflash.broker.leases import epoch_order
 
 RUN = "run-core-test"
@@ -523,3 +523,46 @@ def test_heartbeats_carry_the_last_commit_and_the_run_facts(rig):
     stats = beats[0].fields["stats"]
     assert stats["run_facts"]["layer_ids"] == [1, 2] and stats["last_commit"] is None
     assert stats["samples_total"] == N and stats["max_credit"] == 64
+
+
+# ---------------------------------------------------------------- typed entry points, data-in checks
+
+
+def test_the_typed_entry_points_do_what_the_routed_messages_do(rig):
+    rig.hello(b"cons", "consumer")
+    c = rig.peer(b"cons")
+    assert rig.core.on_credit(c, Credit(5)) == [] and c.credit == 5
+    rig.core.on_credit(c, Credit(500))
+    assert c.credit == MAX_CREDIT  # capped
+    out = rig.core.on_credit(c, Credit(-1, raw={"type": "credit", "credit": -1}))
+    assert codes(out) == ["bad_message"] and c.credit == MAX_CREDIT
+    out = rig.core.on_bye(c, Bye("done"))
+    assert "c1" not in rig.core.peers.by_id and rig.core.peers.gone[-1].state == "left"
+    assert any(isinstance(a, ClosePipes) for a in out)
+
+
+def test_status_is_answered_before_any_handshake(rig):
+    out = rig.control(b"dflash-status", "status", run=None)
+    st = sent(out, "status_reply")[0].fields["status"]
+    assert st["run_id"] == RUN and st["broker"]["state"] == "running" and st["samples"]["total"] == N
+
+
+def test_a_batch_over_max_message_bytes_is_dropped_and_its_producer_told(tmp_path):
+    r = Rig(tmp_path, max_message_bytes=50)  # the rig's batches carry 100 tensor bytes
+    try:
+        r.hello(b"prod", "producer")
+        g = sent(r.control(b"prod", "lease", want=4), "grant")[0].fields
+        out = r.batch(r.peer(b"prod").id, g["lease"], 0, g["samples"])
+        rej = sent(out, "reject")
+        assert [a.fields["code"] for a in rej] == ["too_large"] and rej[0].identity == b"prod"
+        assert rej[0].fields["answers"]["type"] == "batch"
+        assert len(r.core.queue) == 0 and r.core.leases.open[g["lease"]].outstanding == set(g["samples"])
+    finally:
+        r.core.close()
+
+
+def test_a_batch_of_other_target_layers_is_dropped(rig):
+    rig.hello(b"prod", "producer", layer_ids=[3, 4])
+    g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
+    rig.batch(rig.peer(b"prod").id, g["lease"], 0, g["samples"])  # the rig's batches say [1, 2]
+    assert len(rig.core.queue) == 0 and rig.core.ledger.counts["produced"] == 0
