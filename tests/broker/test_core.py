@@ -482,7 +482,7 @@ def test_a_first_signal_during_end_of_stream_changes_nothing_a_second_drains(rig
     assert rig.core.outcome == "interrupted"
 
 
-def test_the_job_lost_with_uncommitted_work_refuses_consumers_until_resumed(tmp_path):
+def test_the_job_lost_with_uncommitted_work_refuses_consumers(tmp_path):
     r = Rig(tmp_path, num_samples=16)
     try:
         r.produce()
@@ -566,3 +566,25 @@ def test_a_batch_of_other_target_layers_is_dropped(rig):
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
     rig.batch(rig.peer(b"prod").id, g["lease"], 0, g["samples"])  # the rig's batches say [1, 2]
     assert len(rig.core.queue) == 0 and rig.core.ledger.counts["produced"] == 0
+
+
+def test_an_elastic_consumer_announcing_its_lineage_takes_over_a_lost_job(tmp_path):
+    r = Rig(tmp_path, num_samples=16, consumers=2)
+    r.core.lighthouse = "tcp://testhost:29510"  # elastic: the server started a lighthouse
+    try:
+        r.produce()
+        r.consumer(lineages=True)
+        r.control(b"cons", "lineage", lineage="A", step=0)
+        r.core.dispatch(r.relay)
+        r.control(b"cons", "ack", batch_ids=list(r.peer(b"cons").in_flight), step=1, lineage="A")
+        r.control(b"cons", "bye", reason="crashed")
+        assert r.core.phase is Phase.JOB_LOST
+        assert codes(r.hello(b"plain", "consumer")) == ["job_lost"]  # no lineage: refused
+        pending = r.core.leases.pending()
+        r.consumer(b"new", lineages=True)  # starts from nothing: what A alone held is made again
+        r.control(b"new", "lineage", lineage="B", step=0)
+        assert r.core.phase is Phase.RUNNING and r.core.job_lost is None
+        assert r.core.leases.pending() == pending + 4 and not r.core.trained
+        assert r.core.ledger.counts["trained"] == 0
+    finally:
+        r.core.close()
