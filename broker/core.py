@@ -47,7 +47,9 @@ PipeBinder = Callable[[int, int], object | None]
 
 
 def entry(fn):
-    """An entry point: returns the actions it queued (nested entries leave them to the outer)."""
+    """An entry point: returns the actions it queued (nested entries leave them to the outer).
+    If it raises (the server logs broker.internal_error), what it queued goes out with the
+    next entry's actions, as the old loop had sent it before the error."""
 
     @functools.wraps(fn)
     def run(self, *args, **kwargs) -> list[Action]:
