@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 from dflash.protocol.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
-from dflash.protocol.sockets import AUTO_DATA_STREAMS, AUTO_TWO_IO_CPUS, usable_cpus
+
+
+def __getattr__(name: str):
+    """The socket constants, imported when first asked for: the broker core (core.py) imports
+    this module and must not import ZeroMQ (tests and the CLI import them here)."""
+    if name in ("AUTO_DATA_STREAMS", "AUTO_TWO_IO_CPUS", "usable_cpus"):
+        from dflash.protocol import sockets
+
+        return getattr(sockets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
 # batches the broker keeps for one consumer: both bound what the broker holds in memory
@@ -55,6 +65,8 @@ MAX_AUTO_OUT_THREADS = 4
 def auto_broker_io_threads(cpus: int) -> int:
     """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread is slower: docs/BENCHMARKS.md), else the
     first thread plus one per 8 cores for the consumers' pipes (at most MAX_AUTO_OUT_THREADS)."""
+    from dflash.protocol.sockets import AUTO_TWO_IO_CPUS
+
     if cpus < AUTO_TWO_IO_CPUS:
         return 1
     return 1 + min(MAX_AUTO_OUT_THREADS, cpus // 8)
@@ -145,12 +157,16 @@ class BrokerConfig:
 
     def io_thread_count(self) -> int:
         """--io-threads, or auto (auto_broker_io_threads of the cores this process may use)."""
+        from dflash.protocol.sockets import usable_cpus
+
         return self.io_threads or auto_broker_io_threads(usable_cpus())
 
     def stream_count(self, threads: int) -> int:
         """--data-streams, or auto: one per I/O thread the broker has for that direction
         (batches in, or the consumers' pipes), at most AUTO_DATA_STREAMS; one where there is
         a single thread (a second stream would only take turns on it)."""
+        from dflash.protocol.sockets import AUTO_DATA_STREAMS
+
         return self.data_streams or max(1, min(AUTO_DATA_STREAMS, threads))
 
     def host_to_advertise(self, hostname: str) -> str:

@@ -8,19 +8,23 @@ is logged with the sender (peer ID, else ROUTER identity in hex) and answered wi
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from dflash.protocol import codec, curve
-from dflash.protocol.errors import ProtocolError
 from dflash.protocol.logs import get_logger
-from dflash.protocol.messages import CONTROL_TO_BROKER, PROTOCOL_VERSION
+from dflash.protocol.messages import PROTOCOL_VERSION
 
 from . import handshake, runinfo
 from .replies import bad_message, refuse
 from .config import CONTROL_MAX_BYTES, MAX_CREDIT
+from .inbound import CONTROL, Ack, Bye, Commit, Credit, Done, Heartbeat, Hello, LeaseAsk, LineageStart
 from .leases import Lease
 from .lineage import DEFAULT, MAX_LINEAGE, TrainedBatch
 from .peers import Peer
+from .phase import JobLost, Phase
 from .status import build_status, sanitize_stats
+
+if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
+    from .core import BrokerCore
 
 log = get_logger()
 
@@ -29,120 +33,117 @@ ROLE_ONLY = ROLE_TYPES["producer"] | ROLE_TYPES["consumer"]  # messages one role
 RETRY_MS = 500  # "nothing to lease now, ask again in" (grant.retry_ms)
 
 
-def handle(b, identity: bytes, frames: list) -> None:
-    """One control message from ROUTER `identity`. Never raises on bad input."""
-    peer = b.peers.by_identity.get(identity)
+def handle(core: BrokerCore, identity: bytes, h: dict | None, error: str | None, key: str | None, now: float) -> None:
+    """One control message from ROUTER `identity`, its header parsed by the server (`h`
+    None when it did not parse; `error` when the codec refused it). Never raises on bad input."""
+    peer = core.peers.by_identity.get(identity)
     who = peer.id if peer else identity.hex()
     if peer is not None:
-        peer.last_seen = time.monotonic()  # any message counts as a heartbeat
-    try:
-        if not frames:
-            raise ProtocolError("empty message")
-        h = codec.unpack_header(frames[0])
-    except ProtocolError as e:
-        return bad_message(b, identity, who, e.reason)
+        peer.last_seen = now  # any message counts as a heartbeat
+    if h is None:
+        return bad_message(core, identity, who, error or "empty message")
     if h.get("v") != PROTOCOL_VERSION:
-        return refuse(b, identity, "version", f"protocol version {h.get('v')!r} is not supported: "
+        return refuse(core, identity, "version", f"protocol version {h.get('v')!r} is not supported: "
                       f"this broker speaks version {PROTOCOL_VERSION}; upgrade or downgrade dflash", h)
-    if "run" in h and h["run"] != b.run_id:
-        return refuse(b, identity, "run_mismatch", f"run {h['run']!r} is not the run this broker serves "
-                      f"({b.run_id}); that run is over or served elsewhere: leave out --run-id to join this one", h)
-    try:
-        msg = codec.decode(frames, allowed=CONTROL_TO_BROKER, run=b.run_id, peer=who, parsed=h)
-    except ProtocolError as e:
-        return bad_message(b, identity, who, e.reason, h)
-    t, h = msg.type, msg.header
+    if "run" in h and h["run"] != core.run_id:
+        return refuse(core, identity, "run_mismatch", f"run {h['run']!r} is not the run this broker serves "
+                      f"({core.run_id}); that run is over or served elsewhere: leave out --run-id to join this one", h)
+    if error is not None:
+        return bad_message(core, identity, who, error, h)
+    t = h["type"]
     if t == "status":
-        return b.send(identity, "status_reply", status=build_status(b))
+        return core.send(identity, "status_reply", status=build_status(core))
     if t == "hello":
-        return handshake.hello(b, identity, h, key=curve.key_name(frames[0]))
+        return handshake.hello(core, identity, Hello.from_header(h), key=key)
     if peer is None:
-        return refuse(b, identity, "unknown_peer", "this connection has no live session (never said hello, "
+        return refuse(core, identity, "unknown_peer", "this connection has no live session (never said hello, "
                       "was declared lost, or its connection was closed and reopened: ZeroMQ closes a connection "
                       f"that sends a frame over the control limit of {CONTROL_MAX_BYTES} bytes): say hello "
                       "again to rejoin", h)
     if t in ROLE_ONLY and t not in ROLE_TYPES[peer.role]:
-        return bad_message(b, identity, who, f"{t!r} is not accepted from a {peer.role}", h)
-    HANDLERS[t](b, peer, h)
+        return bad_message(core, identity, who, f"{t!r} is not accepted from a {peer.role}", h)
+    msg = CONTROL[t].from_header(h)
+    HANDLERS[type(msg)](core, peer, msg)
 
 
 # ---------------------------------------------------------------- producers
 
 
-def on_lease(b, p: Peer, h: dict) -> None:
-    epoch_before = b.leases.epoch
-    lease = None if b.stopping is not None else b.leases.grant(p.id, min(h["want"], b.cfg.lease_size))
+def on_lease(core: BrokerCore, p: Peer, m: LeaseAsk) -> None:
+    epoch_before = core.leases.epoch
+    lease = None if core.end is not None else core.leases.grant(p.id, min(m.want, core.cfg.lease_size))
     if lease is None:
         # Elastic consumers may restart the training from a checkpoint, sending samples
         # already made back to the pool (on_lineage): producers stay until end of stream.
-        end = b.stopping is not None or (b.leases.finished() and getattr(b, "lighthouse", None) is None)
-        return b.send(p.identity, "grant", lease=0, epoch=b.leases.epoch, samples=[], end=end, retry_ms=RETRY_MS)
-    if b.leases.epoch != epoch_before or lease.id == 1:
-        b.ledger.epoch_started(b.leases.epoch, b.cfg.seed, b.leases.n_samples)
-        log.info("broker.epoch_started", epoch=b.leases.epoch, epochs=b.cfg.epochs, n_samples=b.leases.n_samples)
-    b.ledger.leased(lease.id, lease.epoch, p.id, lease.samples)
+        end = core.end is not None or (core.leases.finished() and core.lighthouse is None)
+        return core.send(p.identity, "grant", lease=0, epoch=core.leases.epoch, samples=[], end=end, retry_ms=RETRY_MS)
+    if core.leases.epoch != epoch_before or lease.id == 1:
+        core.ledger.epoch_started(core.leases.epoch, core.cfg.seed, core.leases.n_samples)
+        log.info("broker.epoch_started", epoch=core.leases.epoch, epochs=core.cfg.epochs,
+                 n_samples=core.leases.n_samples)
+    core.ledger.leased(lease.id, lease.epoch, p.id, lease.samples)
     log.info("broker.lease_granted", lease=lease.id, peer=p.id, epoch=lease.epoch, n=len(lease.samples),
-             want=h["want"], pending=b.leases.pending())
-    b.send(p.identity, "grant", lease=lease.id, epoch=lease.epoch, samples=lease.samples, end=False)
+             want=m.want, pending=core.leases.pending())
+    core.send(p.identity, "grant", lease=lease.id, epoch=lease.epoch, samples=lease.samples, end=False)
 
 
-def on_done(b, p: Peer, h: dict) -> None:
-    lease = b.leases.open.get(h["lease"])
+def on_done(core: BrokerCore, p: Peer, m: Done) -> None:
+    lease = core.leases.open.get(m.lease)
     if lease is None or lease.producer != p.id:
         # Already complete (every sample arrived before `done`), or not this producer's.
-        log.debug("broker.done_ignored", peer=p.id, lease=h["lease"])
+        log.debug("broker.done_ignored", peer=p.id, lease=m.lease)
         return
-    skipped = b.leases.skip(lease, h["skipped"])
+    skipped = core.leases.skip(lease, m.skipped)
     if skipped:
-        b.ledger.skipped(lease.epoch, skipped)
+        core.ledger.skipped(lease.epoch, skipped)
         log.info("broker.samples_skipped", peer=p.id, lease=lease.id, n=len(skipped),
                  first=[list(x) for x in skipped[:8]])
     lease.done_at = time.monotonic()
-    finish_lease(b, lease)
+    finish_lease(core, lease)
 
 
-def finish_lease(b, lease: Lease) -> None:
-    if b.leases.close_if_complete(lease):
-        b.ledger.lease_closed(lease.id, "done")
+def finish_lease(core: BrokerCore, lease: Lease) -> None:
+    if core.leases.close_if_complete(lease):
+        core.ledger.lease_closed(lease.id, "done")
         log.info("broker.lease_done", lease=lease.id, peer=lease.producer, epoch=lease.epoch,
                  n=len(lease.samples), skipped=lease.skipped)
 
 
-def lease_incomplete(b, lease: Lease) -> None:
+def lease_incomplete(core: BrokerCore, lease: Lease) -> None:
     """`done` came long ago but samples never arrived: make them again elsewhere."""
-    back = b.leases.give_back(lease)
-    b.ledger.released(lease.epoch, back)
-    b.ledger.lease_closed(lease.id, "incomplete")
+    back = core.leases.give_back(lease)
+    core.ledger.released(lease.epoch, back)
+    core.ledger.lease_closed(lease.id, "incomplete")
     log.warning("broker.lease_incomplete", lease=lease.id, peer=lease.producer, missing=len(back),
-                samples=back[:16], waited_s=round(b.cfg.timeout_s, 1))
+                samples=back[:16], waited_s=round(core.cfg.timeout_s, 1))
 
 
 # ---------------------------------------------------------------- consumers
 
 
-def on_credit(b, p: Peer, h: dict) -> None:
-    if h["credit"] < 0:
-        return bad_message(b, p.identity, p.id, f"credit {h['credit']} is negative", h)
-    p.credit = min(MAX_CREDIT, p.credit + h["credit"])
+def on_credit(core: BrokerCore, p: Peer, m: Credit) -> None:
+    if m.credit < 0:
+        return bad_message(core, p.identity, p.id, f"credit {m.credit} is negative", m.raw)
+    p.credit = min(MAX_CREDIT, p.credit + m.credit)
 
 
-def on_ack(b, p: Peer, h: dict) -> None:
-    lineage, step = lineage_of(h), h["step"]
-    kept = b.lineages.refused(lineage, step)
+def on_ack(core: BrokerCore, p: Peer, m: Ack) -> None:
+    lineage, step = lineage_of(m.lineage), m.step
+    kept = core.lineages.refused(lineage, step)
     if kept is not None:
-        return superseded(b, p, "ack", lineage, step, kept)
+        return superseded(core, p, "ack", lineage, step, kept)
     unknown, trained = [], []
-    for bid in h["batch_ids"]:
+    for bid in m.batch_ids:
         qb = p.in_flight.pop(bid, None) if isinstance(bid, str) else None
         if qb is None:
             unknown.append(bid)
             continue
-        b.batch_ids.discard(bid)
-        b.queue.release(qb)
+        core.batch_ids.discard(bid)
+        core.queue.release(qb)
         qb.frames = []  # trained: never sent again (a rewind makes its samples anew)
-        b.ledger.trained(qb, p.id, step)
-        b.trained[bid] = TrainedBatch(qb, lineage, step, p.id)
-        b.rate_samples.add(len(qb.samples))  # the ETA's pace
+        core.ledger.trained(qb, p.id, step)
+        core.trained[bid] = TrainedBatch(qb, lineage, step, p.id)
+        core.rate_samples.add(len(qb.samples))  # the ETA's pace
         p.acked += 1
         trained.append(qb)
     now = time.monotonic()
@@ -150,148 +151,149 @@ def on_ack(b, p: Peer, h: dict) -> None:
         if p.acked > len(trained):  # a gap between two acks: how slow this consumer's steps are
             p.slowest_ack_gap = max(p.slowest_ack_gap, now - p.progress_at)
         p.progress_at = now
-    if unknown and b.log_limit.allow(f"ack:{p.id}")[0]:
+    if unknown and core.log_limit.allow(f"ack:{p.id}")[0]:
         log.warning("broker.ack_unknown", peer=p.id, step=step, batch_ids=[str(x)[:64] for x in unknown[:16]],
                     n=len(unknown))
-    last = b.ledger.last_commit
+    last = core.ledger.last_commit
     if trained and last is not None:
-        late = [b.trained[x.batch_id] for x in trained]
-        if b.lineages.holds(b.lineages.last_commit_lineage or DEFAULT, last[0], late[0]):
-            commit_late(b, p, step, late, last)
+        late = [core.trained[x.batch_id] for x in trained]
+        if core.lineages.holds(core.lineages.last_commit_lineage or DEFAULT, last[0], late[0]):
+            commit_late(core, p, step, late, last)
 
 
-def lineage_of(h: dict) -> str:
+def lineage_of(lin) -> str:
     """The lineage an ack or commit names ("" when it names none, or not as a string)."""
-    lin = h.get("lineage")
     return lin[:MAX_LINEAGE] if isinstance(lin, str) else DEFAULT
 
 
-def commit_late(b, p: Peer, step: int, late: list[TrainedBatch], last: tuple[int, str]) -> None:
+def commit_late(core: BrokerCore, p: Peer, step: int, late: list[TrainedBatch], last: tuple[int, str]) -> None:
     """An ack that comes after the commit whose checkpoint holds it (PROTOCOL.md 4.5: each
     rank acks on its own connection): committed now, not at the next commit (a crash in
     between would train them twice)."""
     batches = [t.batch for t in late]
-    n = b.ledger.committed_late(batches)
+    n = core.ledger.committed_late(batches)
     for x in batches:
-        b.trained.pop(x.batch_id, None)
+        core.trained.pop(x.batch_id, None)
     log.info("broker.ack_committed", peer=p.id, step=step, commit_step=last[0], checkpoint=last[1],
-             batch_ids=[x.batch_id for x in batches[:16]], samples=n, committed=b.ledger.counts["committed"])
+             batch_ids=[x.batch_id for x in batches[:16]], samples=n, committed=core.ledger.counts["committed"])
 
 
-def on_commit(b, p: Peer, h: dict) -> None:
+def on_commit(core: BrokerCore, p: Peer, m: Commit) -> None:
     """Commit exactly the trained batches the checkpoint's weights hold (lineage.py)."""
-    lineage, step = lineage_of(h), h["step"]
-    kept = b.lineages.refused(lineage, step)
+    lineage, step = lineage_of(m.lineage), m.step
+    kept = core.lineages.refused(lineage, step)
     if kept is not None:
-        return superseded(b, p, "commit", lineage, step, kept)
-    held = [t for t in b.trained.values() if b.lineages.holds(lineage, step, t)]
-    n = b.ledger.committed(step, h["checkpoint"], p.id, [t.batch for t in held])
+        return superseded(core, p, "commit", lineage, step, kept)
+    held = [t for t in core.trained.values() if core.lineages.holds(lineage, step, t)]
+    n = core.ledger.committed(step, m.checkpoint, p.id, [t.batch for t in held])
     for t in held:
-        del b.trained[t.batch.batch_id]
-    b.lineages.last_commit_lineage = lineage
-    log.info("broker.commit", peer=p.id, step=step, checkpoint=h["checkpoint"], samples=n,
-             committed=b.ledger.counts["committed"], lineage=lineage or None, trained_left=len(b.trained))
+        del core.trained[t.batch.batch_id]
+    core.lineages.last_commit_lineage = lineage
+    log.info("broker.commit", peer=p.id, step=step, checkpoint=m.checkpoint, samples=n,
+             committed=core.ledger.counts["committed"], lineage=lineage or None, trained_left=len(core.trained))
 
 
-def on_lineage(b, p: Peer, h: dict) -> None:
+def on_lineage(core: BrokerCore, p: Peer, m: LineageStart) -> None:
     """A consumer starts a new lineage (fresh, or from a checkpoint): what was trained that
     its weights do not hold goes back to the lease pool, to be made and trained again."""
-    lineage, parent, step = h["lineage"][:MAX_LINEAGE], h.get("parent"), h["step"]
+    lineage, parent, step = m.lineage[:MAX_LINEAGE], m.parent, m.step
     parent = parent[:MAX_LINEAGE] if isinstance(parent, str) and parent else None
-    if b.lineages.known(lineage):
+    if core.lineages.known(lineage):
         log.debug("broker.lineage_again", peer=p.id, lineage=lineage)
         return
-    last = b.ledger.last_commit
+    last = core.ledger.last_commit
     if last is not None:  # the newest commit must be in the new weights, or its samples are lost
-        lin = b.lineages.last_commit_lineage or DEFAULT
-        if parent is None or b.lineages.caps(parent, step).get(lin, -1) < last[0]:
-            reason = (f"this consumer started from {h.get('checkpoint') or 'no checkpoint'} (step {step}), but the "
+        lin = core.lineages.last_commit_lineage or DEFAULT
+        if parent is None or core.lineages.caps(parent, step).get(lin, -1) < last[0]:
+            reason = (f"this consumer started from {m.checkpoint or 'no checkpoint'} (step {step}), but the "
                       f"run has committed step {last[0]} ({last[1]}) since: its weights would miss those samples; "
                       "start it again (it then starts from the newest commit)")
             log.warning("broker.lineage_stale", peer=p.id, lineage=lineage, parent=parent, step=step,
-                        checkpoint=h.get("checkpoint"), commit_step=last[0], commit_checkpoint=last[1])
-            refuse(b, p.identity, "stale_checkpoint", reason, h)
-            return drop(b, p, "lost", "started from a checkpoint older than the newest commit")
-    b.lineages.start(lineage, parent, step)
+                        checkpoint=m.checkpoint, commit_step=last[0], commit_checkpoint=last[1])
+            refuse(core, p.identity, "stale_checkpoint", reason, m.raw)
+            return drop(core, p, "lost", "started from a checkpoint older than the newest commit")
+    core.lineages.start(lineage, parent, step)
     rewound = []
-    for t in list(b.trained.values()):
-        if t.lineage != lineage and not (parent is not None and b.lineages.holds(parent, step, t)):
+    for t in list(core.trained.values()):
+        if t.lineage != lineage and not (parent is not None and core.lineages.holds(parent, step, t)):
             rewound.append(t)
-            del b.trained[t.batch.batch_id]
-            b.ledger.rewound(t.batch)
-            b.leases.rewind(t.batch.epoch, t.batch.samples)
+            del core.trained[t.batch.batch_id]
+            core.ledger.rewound(t.batch)
+            core.leases.rewind(t.batch.epoch, t.batch.samples)
     n = sum(len(t.batch.samples) for t in rewound)
     log.info("broker.lineage_started", peer=p.id, lineage=lineage, parent=parent, step=step,
-             checkpoint=h.get("checkpoint"), rewound_samples=n)
+             checkpoint=m.checkpoint, rewound_samples=n)
     if rewound:
         log.warning("broker.samples_rewound", peer=p.id, lineage=lineage, step=step, samples=n,
                     batch_ids=[t.batch.batch_id for t in rewound[:16]], n_batches=len(rewound),
                     lineages=sorted({t.lineage or DEFAULT for t in rewound})[:8],
                     steps=[min(t.step for t in rewound), max(t.step for t in rewound)])
-    if b.job_lost is not None and not b.trained:  # what only the dead weights held is being made again
+    if core.job_lost is not None and not core.trained:  # what only the dead weights held is being made again
         log.info("broker.job_resumed", peer=p.id, lineage=lineage, step=step, rewound_samples=n)
-        b.job_lost = None
+        core.job_lost = None
+        if core.phase is Phase.JOB_LOST:
+            core.phase = Phase.RUNNING
 
 
-def superseded(b, p: Peer, what: str, lineage: str, step: int, kept: int) -> None:
+def superseded(core: BrokerCore, p: Peer, what: str, lineage: str, step: int, kept: int) -> None:
     """An ack or commit from weights a newer lineage left behind: refused, and the
     consumer's session ends (its batches in flight go back to the queue)."""
     reason = (f"{what} of step {step} from lineage {lineage or '(none)'}: a consumer has restarted the training "
               f"from a checkpoint since, keeping this lineage's steps up to {kept} only; these weights are no "
               "longer the run's: start this consumer again (it joins the running ones)")
     log.warning("broker.lineage_superseded", peer=p.id, what=what, lineage=lineage or None, step=step, kept_step=kept,
-                head=b.lineages.head)
-    refuse(b, p.identity, "lineage_superseded", reason)
-    drop(b, p, "lost", f"{what} from a superseded lineage")
+                head=core.lineages.head)
+    refuse(core, p.identity, "lineage_superseded", reason)
+    drop(core, p, "lost", f"{what} from a superseded lineage")
 
 
-def last_commit(b) -> dict | None:
+def last_commit(core: BrokerCore) -> dict | None:
     """The run's newest commit, for the broker's heartbeat (PROTOCOL.md 4.2)."""
-    last = b.ledger.last_commit
+    last = core.ledger.last_commit
     if last is None:
         return None
-    return {"run": b.run_id, "step": last[0], "checkpoint": last[1], "lineage": b.lineages.last_commit_lineage}
+    return {"run": core.run_id, "step": last[0], "checkpoint": last[1], "lineage": core.lineages.last_commit_lineage}
 
 
 # ---------------------------------------------------------------- everyone
 
 
-def on_heartbeat(b, p: Peer, h: dict) -> None:
-    p.stats, p.stats_at = sanitize_stats(h["stats"]), time.time()
+def on_heartbeat(core: BrokerCore, p: Peer, m: Heartbeat) -> None:
+    p.stats, p.stats_at = sanitize_stats(m.stats), time.time()
 
 
-def on_bye(b, p: Peer, h: dict) -> None:
-    drop(b, p, "left", h["reason"][:200])
+def on_bye(core: BrokerCore, p: Peer, m: Bye) -> None:
+    drop(core, p, "left", m.reason[:200])
 
 
-HANDLERS = {"lease": on_lease, "done": on_done, "credit": on_credit, "ack": on_ack,
-            "commit": on_commit, "lineage": on_lineage, "heartbeat": on_heartbeat, "bye": on_bye}
+HANDLERS = {LeaseAsk: on_lease, Done: on_done, Credit: on_credit, Ack: on_ack,
+            Commit: on_commit, LineageStart: on_lineage, Heartbeat: on_heartbeat, Bye: on_bye}
 
 
-def drop(b, p: Peer, state: str, reason: str) -> None:
+def drop(core: BrokerCore, p: Peer, state: str, reason: str) -> None:
     """End a session (state 'lost' or 'left'): requeue what it held, log what that was."""
     silent_s = round(time.monotonic() - p.last_seen, 3)
     if p.role == "consumer":
         back = list(p.in_flight.values())
         p.in_flight.clear()
         for qb in back:
-            b.ledger.requeued(qb)
-        b.queue.requeue(back)  # returned batches are the oldest: they go first
-        p.close_pipes()
+            core.ledger.requeued(qb)
+        core.queue.requeue(back)  # returned batches are the oldest: they go first
+        core.close_pipes(p)
         held = {"in_flight": len(back), "batch_ids": [x.batch_id for x in back[:16]], "credit": p.credit,
                 "delivered": p.delivered, "acked": p.acked, "rank": p.rank}
     else:
-        returned = b.leases.release(p.id)
+        returned = core.leases.release(p.id)
         for lease, back in returned:
-            b.ledger.released(lease.epoch, back)
-            b.ledger.lease_closed(lease.id, "returned")
+            core.ledger.released(lease.epoch, back)
+            core.ledger.lease_closed(lease.id, "returned")
         held = {"leases": [le.id for le, _ in returned], "samples_returned": sum(len(x) for _, x in returned),
                 "batches_in": p.batches_in}
     p.held = held
-    b.peers.remove(p, state, reason)
+    core.peers.remove(p, state, reason)
     if p.role == "consumer":
-        check_job(b, p, state, reason)
-    b.ledger.peer_gone(p.id, state, reason)
+        check_job(core, p, state, reason)
+    core.ledger.peer_gone(p.id, state, reason)
     fields = dict(**p.describe(), reason=reason, silent_s=silent_s, held=held, last_stats=p.stats)
     if state == "lost":
         log.warning("broker.peer_lost", **fields)
@@ -299,51 +301,51 @@ def drop(b, p: Peer, state: str, reason: str) -> None:
         log.info("broker.peer_left", **fields)
 
 
-def check_acks(b, now: float) -> None:
+def check_acks(core: BrokerCore, now: float) -> None:
     """A consumer that holds delivered batches and acks none within its deadline (it
     heartbeats, so it is not silent: hung in a step, or a client that never acks) would
     hold them forever and block end of stream: declared lost, its batches requeued."""
-    for c in b.peers.live("consumer"):
+    for c in core.peers.live("consumer"):
         if not c.in_flight:
             continue
-        deadline = b.cfg.ack_deadline(c.slowest_ack_gap)
+        deadline = core.cfg.ack_deadline(c.slowest_ack_gap)
         waited = now - c.progress_at
         if waited > deadline:
             log.warning("broker.ack_overdue", peer=c.id, instance=c.instance, in_flight=len(c.in_flight),
                         batch_ids=list(c.in_flight)[:16], waited_s=round(waited, 1), deadline_s=round(deadline, 1),
                         acked=c.acked, last_step=c.stats.get("step"), state=c.stats.get("state"))
-            drop(b, c, "lost", f"no ack for {waited:.1f}s while holding {len(c.in_flight)} delivered batches "
+            drop(core, c, "lost", f"no ack for {waited:.1f}s while holding {len(c.in_flight)} delivered batches "
                  f"(ack deadline {deadline:.0f}s, --ack-timeout-s)")
 
 
-def check_job(b, p: Peer, state: str, reason: str) -> None:
+def check_job(core: BrokerCore, p: Peer, state: str, reason: str) -> None:
     """The last consumer is gone before end of stream while samples are trained and not
     committed: those lived only in the weights that went with the job. This run cannot
     make them again (their batches are gone once acked), so consumers joining it now would
     skip them; they are refused (`job_lost`) and the run must be resumed, which makes again
     everything not committed. After a clean stop (everything committed) consumers may join
     and start from the newest commit (handshake.welcome)."""
-    trained = b.ledger.counts["trained"]
-    if b.stopping is None and b.job_lost is None and trained > 0 and not b.peers.live("consumer"):
-        b.job_lost = {"peer": p.id, "state": state, "reason": reason, "trained": trained}
+    trained = core.ledger.counts["trained"]
+    if core.phase is Phase.RUNNING and core.job_lost is None and trained > 0 and not core.peers.live("consumer"):
+        core.job_lost = JobLost(p.id, state, reason, trained)
+        core.phase = Phase.JOB_LOST
         log.warning("broker.job_lost", peer=p.id, state=state, reason=reason, trained=trained,
-                    last_commit=list(b.ledger.last_commit) if b.ledger.last_commit else None,
-                    hint=f"restart with dflash-broker --resume {b.run_id}")
+                    last_commit=list(core.ledger.last_commit) if core.ledger.last_commit else None,
+                    hint=f"restart with dflash-broker --resume {core.run_id}")
 
 
-def check_end_of_stream(b) -> None:
+def check_end_of_stream(core: BrokerCore) -> None:
     """PROTOCOL.md 4.6: all produced or skipped, queue empty, everything acked -> stop."""
-    if b.stopping is None:
-        consumers = b.peers.live("consumer")
-        if b.leases.finished() and not b.queue and not any(c.in_flight for c in consumers):
-            b.stopping = {p.id for p in b.peers.live()}
+    if core.phase in (Phase.RUNNING, Phase.JOB_LOST):
+        consumers = core.peers.live("consumer")
+        if core.leases.finished() and not core.queue and not any(c.in_flight for c in consumers):
             log.info("broker.end_of_stream", consumers=[c.id for c in consumers],
-                     producers=[p.id for p in b.peers.live("producer")], batches=b.rate_in.total,
-                     samples=dict(b.ledger.counts))
-            for p in b.peers.live():
-                b.send(p.identity, "stop", reason="end_of_stream")
-    elif not any(pid in b.peers.by_id for pid in b.stopping):
-        b.ledger.flush()
-        outcome, b.outcome_why = runinfo.end_of_stream_outcome(b)  # `nothing_to_train` when it trained nothing
+                     producers=[p.id for p in core.peers.live("producer")], batches=core.rate_in.total,
+                     samples=dict(core.ledger.counts))
+            core.stop_all("end_of_stream")
+            core.phase = Phase.ENDING
+    elif core.phase is Phase.ENDING and not any(pid in core.peers.by_id for pid in core.end.told):
+        core.ledger.flush()
+        outcome, why = runinfo.end_of_stream_outcome(core)  # `nothing_to_train` when it trained nothing
         log.info("broker.stop", reason="end_of_stream", outcome=outcome)
-        b.outcome = outcome
+        core.finish(outcome, why)

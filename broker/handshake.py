@@ -8,17 +8,20 @@ producer fixes them), consumer rank and data-out pipe. Only then is a peer ID sp
 from __future__ import annotations
 
 import json
-
-import zmq
+from typing import TYPE_CHECKING
 
 from dflash.protocol.logs import get_logger
-from dflash.protocol.sockets import SocketOpts, make_socket, tcp_endpoint
 from dflash.protocol.target_id import describe_target, same_target
 
 from . import runinfo
 from .config import MAX_CREDIT, MAX_HELLO_CONFIG_BYTES
+from .inbound import Hello
 from .peers import Peer
+from .phase import Phase
 from .replies import refuse
+
+if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
+    from .core import BrokerCore
 
 log = get_logger()
 
@@ -27,128 +30,128 @@ FACT_KEYS = ("target", "layer_ids", "hidden_size")
 KEPT_KEYS = ("target_id",)
 
 
-def hello(b, identity: bytes, h: dict, key: str | None = None) -> None:
+def hello(core: BrokerCore, identity: bytes, m: Hello, key: str | None = None) -> None:
     """`key`: the authorised Curve key's name this connection used (None without Curve)."""
-    role, instance, config = h["role"], h["instance"], h.get("config") or {}
+    role, instance, config, h = m.role, m.instance, m.config, m.raw
     if role not in ("producer", "consumer"):
-        return refuse(b, identity, "bad_message", f"role {role!r}: hello is for 'producer' or 'consumer'", h)
+        return refuse(core, identity, "bad_message", f"role {role!r}: hello is for 'producer' or 'consumer'", h)
     if not instance or len(instance) > 128 or not isinstance(config, dict):
-        return refuse(b, identity, "bad_message", "hello needs a non-empty instance (<=128 chars) and a map config", h)
+        return refuse(core, identity, "bad_message",
+                      "hello needs a non-empty instance (<=128 chars) and a map config", h)
     if len(json.dumps(config, default=str)) > MAX_HELLO_CONFIG_BYTES:
-        return refuse(b, identity, "bad_message", f"hello config is larger than {MAX_HELLO_CONFIG_BYTES} bytes "
+        return refuse(core, identity, "bad_message", f"hello config is larger than {MAX_HELLO_CONFIG_BYTES} bytes "
                       "as JSON", {**h, "config": None})
-    same = b.peers.by_identity.get(identity)
+    same = core.peers.by_identity.get(identity)
     if same is not None:
         if same.role == role and same.instance == instance:
-            return welcome(b, same)  # the peer retried its hello: give the same answer
-        return refuse(b, identity, "bad_message", f"this connection already joined as {same.id}", h)
-    if len(b.peers.by_id) >= b.cfg.max_peers:  # every session costs memory: a flood of hellos must not
-        return refuse(b, identity, "full", f"{b.cfg.max_peers} live peers already (--max-peers)", h)
-    other = b.peers.instance_taken(role, instance)
-    if other is not None and same_process(other, h, key):
-        return reconnected(b, other, identity)
+            return welcome(core, same)  # the peer retried its hello: give the same answer
+        return refuse(core, identity, "bad_message", f"this connection already joined as {same.id}", h)
+    if len(core.peers.by_id) >= core.cfg.max_peers:  # every session costs memory: a flood of hellos must not
+        return refuse(core, identity, "full", f"{core.cfg.max_peers} live peers already (--max-peers)", h)
+    other = core.peers.instance_taken(role, instance)
+    if other is not None and same_process(other, m, key):
+        return reconnected(core, other, identity)
     if other is not None:
-        return refuse(b, identity, "duplicate_instance",
+        return refuse(core, identity, "duplicate_instance",
                       f"a live {role} is already named {instance!r} ({other.id} on {other.host}, pid "
                       f"{other.pid}); give this one another name (--instance)", h)
-    if role == "consumer" and b.job_lost is not None and b.stopping is None and not takes_over(b, config):
-        return refuse(b, identity, "job_lost", job_lost_reason(b), h)
+    if role == "consumer" and core.phase is Phase.JOB_LOST and not takes_over(core, config):
+        return refuse(core, identity, "job_lost", job_lost_reason(core), h)
     facts, pipe, port, rank = None, None, None, None
-    wrong_target = target_mismatch(b, role, config)
+    wrong_target = target_mismatch(core, role, config)
     if wrong_target is not None:
-        return refuse(b, identity, "config_mismatch", wrong_target, h)
+        return refuse(core, identity, "config_mismatch", wrong_target, h)
     if role == "producer":
-        facts = producer_facts(b.facts, config)
+        facts = producer_facts(core.facts, config)
         if isinstance(facts, str):
-            return refuse(b, identity, "config_mismatch", facts, h)
+            return refuse(core, identity, "config_mismatch", facts, h)
     else:
-        other = None if b.cfg.consumers else second_model(b, config)
+        other = None if core.cfg.consumers else second_model(core, config)
         if other is not None:
-            return refuse(b, identity, "full", f"this broker arranges no data-parallel ranks (--consumers 0) and "
+            return refuse(core, identity, "full", f"this broker arranges no data-parallel ranks (--consumers 0) and "
                           f"consumer {other.id} ({other.instance} on {other.host}) is training already: another "
                           "consumer would train a separate model into the same run; start the broker with "
                           "--consumers N to train N consumers as one model", h)
-        if b.cfg.consumers:
-            rank = b.peers.next_rank(b.cfg.consumers)
+        if core.cfg.consumers:
+            rank = core.peers.next_rank(core.cfg.consumers)
             if rank is None:
-                return refuse(b, identity, "full", f"all {b.cfg.consumers} ranks (--consumers) are held by live "
+                return refuse(core, identity, "full", f"all {core.cfg.consumers} ranks (--consumers) are held by live "
                               "consumers", h)
-        opened = open_pipes(b)
+        opened = open_pipes(core)
         if opened is None:
-            lo, hi = b.cfg.data_out_ports
-            return refuse(b, identity, "full", f"not {b.streams} free data-out port(s) in {lo}-{hi} "
-                          f"(--data-out-ports; {b.streams} per consumer, --data-streams)", h)
-        pipes, ports = opened
-    p = b.peers.add(role, identity, h)
+            lo, hi = core.cfg.data_out_ports
+            return refuse(core, identity, "full", f"not {core.streams} free data-out port(s) in {lo}-{hi} "
+                          f"(--data-out-ports; {core.streams} per consumer, --data-streams)", h)
+        pipes, threads, ports = opened
+    p = core.peers.add(role, identity, h)
     p.curve_key = key
     if role == "producer":
-        set_facts(b, facts, p.id)
+        set_facts(core, facts, p.id)
     else:
-        p.pipes, p.ports, p.rank = pipes, ports, rank
-        p.data_streams = [tcp_endpoint(b.advertise, port) for port in ports]
+        p.pipes, p.pipe_threads, p.ports, p.rank = pipes, threads, ports, rank
+        p.data_streams = [f"tcp://{core.advertise}:{port}" for port in ports]
         p.data_out = p.data_streams[0]
         if rank == 0:
-            b.dist = dist_endpoint(config.get("dist_addr"))
-    b.ledger.peer_joined(p)
+            core.dist = dist_endpoint(config.get("dist_addr"))
+    core.ledger.peer_joined(p)
     log.info("broker.peer_joined", **p.describe(), rank=p.rank, data_out=p.data_out,
              data_streams=p.data_streams or None, config=_brief(config),
              curve_key=key)
-    welcome(b, p)
-    if b.stopping is not None:  # joined after end of stream (or during a shutdown): nothing left to do
-        b.stopping.add(p.id)
-        b.send(p.identity, "stop", reason=b.stop_reason)
+    welcome(core, p)
+    if core.end is not None:  # joined after end of stream (or during a shutdown): nothing left to do
+        core.end.told.add(p.id)
+        core.send(p.identity, "stop", reason=core.end.reason)
 
 
-def same_process(p: Peer, h: dict, key: str | None) -> bool:
+def same_process(p: Peer, m: Hello, key: str | None) -> bool:
     """Whether a hello comes from the very process of live session `p`, on a new
     connection: same role and instance, host and pid, and the same Curve key. A DEALER
     that reconnects (ZeroMQ closed its connection, e.g. for a frame over the control limit)
     gets a new ROUTER identity unless it set one, and its old connection is gone: a pid
     lives on one host once, so that session cannot be answering anyone else."""
-    return (h.get("host") == p.host and h.get("pid") == p.pid and isinstance(h.get("pid"), int)
-            and getattr(p, "curve_key", None) == key)
+    return m.host == p.host and m.pid == p.pid and isinstance(m.pid, int) and p.curve_key == key
 
 
-def reconnected(b, p: Peer, identity: bytes) -> None:
+def reconnected(core: BrokerCore, p: Peer, identity: bytes) -> None:
     """Move session `p` to its new connection (same peer ID, leases, credit, pipes) and
     welcome it again; logged as broker.peer_reconnected."""
     old = p.identity
-    b.peers.by_identity.pop(old, None)
+    core.peers.by_identity.pop(old, None)
     p.identity = identity
-    b.peers.by_identity[identity] = p
+    core.peers.by_identity[identity] = p
     log.warning("broker.peer_reconnected", **p.describe(), old_identity=old.hex()[:64], identity=identity.hex()[:64],
                 hint="its control connection was closed and reopened (a network reset, or a frame over the "
                      "control limit)")
-    welcome(b, p)
-    if b.stopping is not None and p.id in b.stopping:
-        b.send(p.identity, "stop", reason=b.stop_reason)
+    welcome(core, p)
+    if core.end is not None and p.id in core.end.told:
+        core.send(p.identity, "stop", reason=core.end.reason)
 
 
-def welcome(b, p: Peer) -> None:
-    run_config = {**b.facts, "epochs": b.cfg.epochs, "seed": b.cfg.seed, "lease_size": b.cfg.lease_size,
-                  "max_message_bytes": b.cfg.max_message_bytes, "max_credit": MAX_CREDIT}
-    if b.parent is not None:  # consumers load this checkpoint, not a newer one (PROTOCOL.md 8)
-        run_config.update(parent_run=b.parent.run_id, resumed_from=b.parent.resumed_from)
-    if b.ledger.last_commit is not None:  # a consumer joining later starts from this run's newest commit
-        step, checkpoint = b.ledger.last_commit
-        run_config["resumed_from"] = {"run": b.run_id, "step": step, "checkpoint": checkpoint}
-    fields = {"run": b.run_id, "peer": p.id, "heartbeat_s": b.cfg.heartbeat_s, "timeout_s": b.cfg.timeout_s}
+def welcome(core: BrokerCore, p: Peer) -> None:
+    run_config = {**core.facts, "epochs": core.cfg.epochs, "seed": core.cfg.seed, "lease_size": core.cfg.lease_size,
+                  "max_message_bytes": core.cfg.max_message_bytes, "max_credit": MAX_CREDIT}
+    if core.parent is not None:  # consumers load this checkpoint, not a newer one (PROTOCOL.md 8)
+        run_config.update(parent_run=core.parent.run_id, resumed_from=core.parent.resumed_from)
+    if core.ledger.last_commit is not None:  # a consumer joining later starts from this run's newest commit
+        step, checkpoint = core.ledger.last_commit
+        run_config["resumed_from"] = {"run": core.run_id, "step": step, "checkpoint": checkpoint}
+    fields = {"run": core.run_id, "peer": p.id, "heartbeat_s": core.cfg.heartbeat_s, "timeout_s": core.cfg.timeout_s}
     if p.role == "producer":
-        fields["data_in"] = b.endpoints["data_in"]
+        fields["data_in"] = core.endpoints["data_in"]
         # The same endpoint once per connection to open: their batches in spread over the
         # broker's I/O threads for batches in (one thread is a ceiling: docs/BENCHMARKS.md).
-        fields["data_streams"] = [b.endpoints["data_in"]] * b.producer_streams
+        fields["data_streams"] = [core.endpoints["data_in"]] * core.producer_streams
     else:
         fields["data_out"] = p.data_out
         fields["data_streams"] = p.data_streams
-        if b.cfg.consumers:
-            run_config.update(rank=p.rank, world_size=b.cfg.consumers, dist=b.dist)
-            if getattr(b, "lighthouse", None) is not None:  # elastic: world_size is the most at once
-                run_config["lighthouse"] = b.lighthouse.address
-    b.send(p.identity, "welcome", run_config=run_config, **fields)
+        if core.cfg.consumers:
+            run_config.update(rank=p.rank, world_size=core.cfg.consumers, dist=core.dist)
+            if core.lighthouse is not None:  # elastic: world_size is the most at once
+                run_config["lighthouse"] = core.lighthouse
+    core.send(p.identity, "welcome", run_config=run_config, **fields)
 
 
-def second_model(b, config: dict):
+def second_model(core: BrokerCore, config: dict):
     """With --consumers 0 the broker arranges no ranks, so a run trains one model: a live
     drafter trainer (its hello carries config.signal) that a new one would not train with.
     Ranks the consumers arranged themselves (config.group {rank, world_size}, the same
@@ -156,7 +159,7 @@ def second_model(b, config: dict):
     if "signal" not in config:  # not a drafter trainer (a data client, a test's fake)
         return None
     mine = config.get("group") if isinstance(config.get("group"), dict) else None
-    for other in b.peers.live("consumer"):
+    for other in core.peers.live("consumer"):
         if "signal" not in other.config:
             continue
         theirs = other.config.get("group") if isinstance(other.config.get("group"), dict) else None
@@ -167,39 +170,39 @@ def second_model(b, config: dict):
     return None
 
 
-def takes_over(b, config: dict) -> bool:
+def takes_over(core: BrokerCore, config: dict) -> bool:
     """An elastic run's consumer that announces its lineage (config.lineages) may join after
     the job died: starting from the newest commit, its `lineage` message sends what only the
     dead weights held back to the lease pool (control.on_lineage), and the producers are
     still there to make it (an elastic run keeps them until end of stream)."""
-    return getattr(b, "lighthouse", None) is not None and config.get("lineages") is True
+    return core.lighthouse is not None and config.get("lineages") is True
 
 
-def job_lost_reason(b) -> str:
-    lost = b.job_lost
-    return (f"this run's training job ended with {lost['trained']} trained samples not committed (its last "
-            f"consumer {lost['peer']} {lost['state']}: {lost['reason'][:80]}); only the weights that died with "
+def job_lost_reason(core: BrokerCore) -> str:
+    lost = core.job_lost
+    return (f"this run's training job ended with {lost.trained} trained samples not committed (its last "
+            f"consumer {lost.peer} {lost.state}: {lost.reason[:80]}); only the weights that died with "
             f"it held them, and this run will not make them again: stop the run and restart it with "
-            f"dflash-broker --resume {b.run_id}")
+            f"dflash-broker --resume {core.run_id}")
 
 
-def target_mismatch(b, role: str, config: dict) -> str | None:
+def target_mismatch(core: BrokerCore, role: str, config: dict) -> str | None:
     """Why this peer's target is not the run's, or None. The run's `target_id` is fixed by
     its first producer; before one came, a producer is checked against the live
     consumers' targets (a consumer states its own in `config.signal.target`)."""
     if role == "producer":
         mine = config.get("target_id")
-        if b.facts.get("target_id") is not None:
-            theirs, whose = b.facts["target_id"], "this run's target (its first producer's)"
+        if core.facts.get("target_id") is not None:
+            theirs, whose = core.facts["target_id"], "this run's target (its first producer's)"
         else:
-            other = next((c for c in b.peers.live("consumer")
+            other = next((c for c in core.peers.live("consumer")
                           if _consumer_target(c.config) is not None and mine is not None
                           and not same_target(_consumer_target(c.config), mine)), None)
             if other is None:
                 return None
             theirs, whose = _consumer_target(other.config), f"live consumer {other.id}'s target"
     else:
-        mine, theirs = _consumer_target(config), b.facts.get("target_id")
+        mine, theirs = _consumer_target(config), core.facts.get("target_id")
         whose = "this run's target (its producers')"
         if theirs is None or mine is None:
             return None
@@ -242,51 +245,50 @@ def producer_facts(facts: dict, config: dict) -> dict | str:
     return new
 
 
-def set_facts(b, facts: dict, peer_id: str) -> None:
-    if facts == b.facts:
+def set_facts(core: BrokerCore, facts: dict, peer_id: str) -> None:
+    if facts == core.facts:
         return
-    b.facts = facts
-    if not b.leases.known:
-        b.leases.set_dataset(facts["dataset"]["n_samples"])
-    b.ledger.set_meta(facts=facts)
-    runinfo.update(b.run_dir, facts=facts)
+    core.facts = facts
+    if not core.leases.known:
+        core.leases.set_dataset(facts["dataset"]["n_samples"])
+    core.ledger.set_meta(facts=facts)
+    runinfo.update(core.run_dir, facts=facts)
     log.info("broker.run_facts", peer=peer_id, **facts)
 
 
-def open_pipes(b) -> tuple[list[zmq.Socket], list[int]] | None:
-    """Bind a new consumer's data streams: one PUSH each on the next free ports of the
-    range (b.streams of them), or None (nothing left bound) if there are not enough.
+def open_pipes(core: BrokerCore) -> tuple[list, list[int], list[int]] | None:
+    """Bind a new consumer's data streams: one pipe each on the next free ports of the
+    range (core.streams of them), or None (nothing left bound) if there are not enough.
+    Returns (pipes, their I/O threads, ports).
 
     Ports rotate through the range rather than reusing the lowest: a consumer declared
     lost but still running reconnects to its old ports, and must not find someone
     else's batches there.
     """
-    lo, hi = b.cfg.data_out_ports
+    lo, hi = core.cfg.data_out_ports
     n = hi - lo + 1
-    used = {port for c in b.peers.live("consumer") for port in c.ports}
-    in_use = [sock.getsockopt(zmq.AFFINITY) for c in b.peers.live("consumer") for sock in c.pipes]
-    socks, ports = [], []
+    used = {port for c in core.peers.live("consumer") for port in c.ports}
+    in_use = [t for c in core.peers.live("consumer") for t in c.pipe_threads]
+    socks, threads, ports = [], [], []
     for i in range(n):
-        if len(socks) == b.streams:
+        if len(socks) == core.streams:
             break
-        port = lo + (b.next_port - lo + i) % n
+        port = lo + (core.next_port - lo + i) % n
         if port in used:
             continue
-        thread = pipe_thread(b.pipe_threads, in_use)
-        try:
-            sock = make_socket(b.ctx, zmq.PUSH, tcp_endpoint(b.cfg.bind, port), bind=True,
-                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=b.curve, affinity=thread))
-        except zmq.ZMQError:
+        thread = pipe_thread(core.pipe_threads, in_use)
+        sock = core.bind_pipe(port, thread)
+        if sock is None:
             continue  # another process holds it
         socks.append(sock)
+        threads.append(thread)
         ports.append(port)
         in_use.append(thread)
-    if len(socks) < b.streams:
-        for sock in socks:
-            sock.close(linger=0)
+    if len(socks) < core.streams:
+        core.discard_pipes(socks)
         return None
-    b.next_port = lo + (ports[-1] + 1 - lo) % n
-    return socks, ports
+    core.next_port = lo + (ports[-1] + 1 - lo) % n
+    return socks, threads, ports
 
 
 def pipe_thread(threads: list[int], in_use: list[int]) -> int:

@@ -12,8 +12,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 from .dispatch import QueuedBatch
 from .liveness import RateMeter, TimeShare
 
@@ -42,11 +40,13 @@ class Peer:
     gone_at: float | None = None
     gone_reason: str | None = None
     held: dict = field(default_factory=dict)  # what it held when it went (status map)
+    curve_key: str | None = None  # the authorised Curve key it joined with (None without Curve)
     # consumer side
     credit: int = 0
     last_served: int = 0
     in_flight: OrderedDict[str, QueuedBatch] = field(default_factory=OrderedDict)
-    pipes: list[zmq.Socket] = field(default_factory=list, repr=False)  # one PUSH per data stream
+    pipes: list = field(default_factory=list, repr=False)  # one PUSH socket per data stream
+    pipe_threads: list[int] = field(default_factory=list)  # each pipe's I/O thread (affinity mask)
     ports: list[int] = field(default_factory=list)
     data_out: str | None = None  # the first stream's endpoint
     data_streams: list[str] = field(default_factory=list)  # every stream's endpoint

@@ -5,10 +5,14 @@ a log storm or a send storm."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from dflash.protocol.logs import get_logger
 
 from .liveness import Every, RateLimit
+
+if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
+    from .core import BrokerCore
 
 log = get_logger()
 
@@ -75,35 +79,35 @@ def answers(h: dict | None) -> dict | None:
     return out
 
 
-def refuse(b, identity: bytes, code: str, reason: str, h: dict | None = None) -> None:
+def refuse(core: BrokerCore, identity: bytes, code: str, reason: str, h: dict | None = None) -> None:
     """Answer `reject {code, reason, answers}` and log broker.peer_rejected."""
     key = identity.hex()[:64]
     reason = clip(reason, MAX_REASON)
-    ok, suppressed = b.log_limit.allow(f"reject:{key}")
+    ok, suppressed = core.log_limit.allow(f"reject:{key}")
     if ok:
         h = h or {}
         log.warning("broker.peer_rejected", code=code, reason=reason, identity=key, type=clip(h.get("type")),
                     peer_role=clip(h.get("role")), peer_instance=clip(h.get("instance")),
                     peer_host=clip(h.get("host")), peer_pid=clip(h.get("pid")), suppressed=suppressed)
-    if b.reply_limit.allow(key)[0]:
+    if core.reply_limit.allow(key)[0]:
         echo = answers(h)
-        b.send(identity, "reject", reason=reason, code=code, **({"answers": echo} if echo else {}))
+        core.send(identity, "reject", reason=reason, code=code, **({"answers": echo} if echo else {}))
 
 
-def bad_message(b, identity: bytes, who: str, reason: str, h: dict | None = None) -> None:
+def bad_message(core: BrokerCore, identity: bytes, who: str, reason: str, h: dict | None = None) -> None:
     """A control message failed validation: log it, answer `reject {code: bad_message}`
     (with `answers` when its header parsed)."""
-    log_bad(b, "control", who, reason)
-    if b.reply_limit.allow(identity.hex())[0]:
+    log_bad(core, "control", who, reason)
+    if core.reply_limit.allow(identity.hex())[0]:
         echo = answers(h)
-        b.send(identity, "reject", reason=f"bad message: {reason}", code="bad_message",
+        core.send(identity, "reject", reason=f"bad message: {reason}", code="bad_message",
                **({"answers": echo} if echo else {}))
 
 
-def log_bad(b, socket: str, who: str, reason: str) -> None:
+def log_bad(core: BrokerCore, socket: str, who: str, reason: str) -> None:
     """broker.bad_message, rate-limited by LogGate, with a suppressed count."""
     who = clip(who)
-    ok, suppressed = b.log_limit.allow(f"bad:{socket}:{who}")
+    ok, suppressed = core.log_limit.allow(f"bad:{socket}:{who}")
     if ok:
         log.warning("broker.bad_message", socket=socket, peer=who, reason=clip(reason, MAX_REASON),
                     suppressed=suppressed)

@@ -10,10 +10,15 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
 from dflash.protocol.run import hostname, iso_utc, write_json_atomic, write_run_json
+
+
+if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
+    from .core import BrokerCore
 
 
 def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: str,
@@ -38,20 +43,20 @@ def finish(run_dir: Path, outcome: str, **fields) -> None:
     update(run_dir, outcome=outcome, ended_at=iso_utc(time.time()), **fields)
 
 
-def end_of_stream_outcome(b) -> tuple[str, str | None]:
+def end_of_stream_outcome(core: BrokerCore) -> tuple[str, str | None]:
     """The outcome of a run that reached end of stream: `completed`, or `nothing_to_train`
     with why when no sample was trained in it or inherited (an empty dataset, or every
     sample skipped by its producer): such a run did nothing, and an exit 0 saying
     "every sample trained" hid that. Logs `broker.nothing_to_train`."""
-    counts = b.ledger.counts
+    counts = core.ledger.counts
     if counts["trained"] + counts["committed"] + counts["inherited"] > 0:
         return "completed", None
-    n = b.leases.n_samples if b.leases.known else None
+    n = core.leases.n_samples if core.leases.known else None
     if not n:
         why = "the dataset has 0 samples (an empty data file?)"
         reasons: dict = {}
     else:
-        reasons = b.ledger.skip_reasons()
+        reasons = core.ledger.skip_reasons()
         listed = ", ".join(f"{v} {k}" for k, v in sorted(reasons.items(), key=lambda x: -x[1]))
         why = (f"every sample was skipped ({listed or str(counts['skipped']) + ' skipped'}) and none trained"
                + ("; no_loss_tokens: no assistant token fits in --max-length" if "no_loss_tokens" in reasons else ""))

@@ -1,12 +1,13 @@
-"""The broker: sockets, one loop, and the few actions the loop takes.
+"""The broker's sockets and loop: BrokerCore (core.py) decides, this module does.
 
     control  ROUTER  <- hello/lease/done/credit/ack/commit/heartbeat/bye/status
     data in  PULL    <- batches from producers (read only while the queue has room)
     data out PUSH x consumers -> one pipe each, sent only against that consumer's credit
 
-What to do with each message lives in control.py / intake.py; policy in dispatch.py,
-leases.py, liveness.py and ledger.py. Everything here runs on one thread, so nothing is
-locked. Every send is NOBLOCK: a slow or dead peer never stalls the loop.
+Here: the sockets, the poller, the I/O thread affinity, decoding what comes in into the
+core's typed messages, the relay of batches, and carrying out the actions the core
+returns. Everything runs on one thread, so nothing is locked. Every send is NOBLOCK: a
+slow or dead peer never stalls the loop.
 """
 
 from __future__ import annotations
@@ -15,81 +16,48 @@ import time
 
 import zmq
 
-from dflash.protocol import codec
+from dflash.protocol import codec, curve
+from dflash.protocol.errors import ProtocolError
 from dflash.protocol.logs import get_logger
-from dflash.protocol.messages import PRE_HANDSHAKE, header
+from dflash.protocol.messages import CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 
-from . import control, intake, lighthouse, resume, security
+from . import lighthouse, security
+from .actions import ClosePipes, Publish, Send
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
-from .lineage import Lineages, TrainedBatch
-from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
-from .leases import LeasePool
-from .ledger import Ledger
-from .liveness import Every, RateLimit, RateMeter, TimeShare, silent
+from .core import BrokerCore, Phase
+from .dispatch import QueuedBatch
+from .inbound import Batch
 from .metrics import MetricsServer
-from .peers import Peer, PeerTable
-from .replies import LogGate
+from .peers import Peer
 from .resume import Parent
-from .status import build_status, log_progress, progress_fields, samples
 
 log = get_logger()
 
 POLL_MS = 100  # longest the loop sleeps: timers (heartbeats, expiry) run at this grain
 BLOCKED_POLL_MS = 5  # a batch waits on a pipe that is not connected yet: look again soon
 DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot starve the other
-# Timers run at most this often. At thousands of small batches a second the loop turns
-# once per message, and the timer checks would cost as much as the message itself.
-TICK_S = 0.005
 
 
 class Broker:
     def __init__(self, cfg: BrokerConfig, run_id: str, run_dir, hostname: str, parent: Parent | None = None):
         """Bind the control and data-in sockets. Raises zmq.ZMQError (e.g. a port in use),
         CurveKeyError (with --curve-keys: a key file missing)."""
-        self.cfg, self.run_id, self.run_dir, self.hostname = cfg, run_id, run_dir, hostname
-        self.parent = parent  # the run this one resumes (resume.py), or None
-        self.advertise = cfg.host_to_advertise(hostname)
-        self.started_at, self.started_mono = time.time(), time.monotonic()
-        self.peers = PeerTable()
-        self.queue = BatchQueue(cfg.queue_bytes)
-        self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
-        self.leases = LeasePool(cfg.epochs, cfg.seed, cfg.num_samples, parent.committed if parent else None)
-        self.ledger = Ledger(run_dir / "ledger.sqlite")
-        self.facts: dict = {}  # target, layer_ids, hidden_size, dataset: fixed by the first producer
-        if cfg.num_samples is not None:
-            self.facts["dataset"] = {"n_samples": cfg.num_samples, "fingerprint": None}
-        if parent is not None:  # before any socket exists: no work goes out before this is on disk
-            self.facts.update(parent.facts)
-            resume.inherit(self.ledger, parent)
-        self.dist: str | None = None  # rank 0's rendezvous endpoint
-        self.next_port = cfg.data_out_ports[0]
-        self.stopping: set[str] | None = None  # peers sent `stop` at end of stream
-        self.outcome: str | None = None
-        self.signal: str | None = None  # set by the signal handler, acted on in the loop
-        self.signals = 0  # SIGINT/SIGTERM received: a second one ends a shutdown's drain at once
-        self.stop_reason = "end_of_stream"  # what `stop` says: end_of_stream, or shutdown (signal)
-        self.draining: float | None = None  # a shutdown's deadline (monotonic), while it waits for peers
-        self.job_lost: dict | None = None  # the training job died with uncommitted work (control.check_job)
-        self.lineages = Lineages()  # whose weights hold what (lineage.py)
-        self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
-        self.blocked = False
-        self.last_tick = time.monotonic()
-        self.beat, self.progress = Every(cfg.heartbeat_s), Every(cfg.progress_s)
-        self.log_limit, self.reply_limit = LogGate(), RateLimit(3.0)
-        self.rate_in, self.rate_out = RateMeter(), RateMeter()
-        self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
-        self.full_share = TimeShare()  # how much of the last 10 s producers were blocked
-        self.metrics = None  # the --metrics-port HTTP endpoint (metrics.MetricsServer)
-        self.lighthouse = None  # elastic consumers' torchft lighthouse (lighthouse.py)
-        self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
+        self.cfg = cfg
         self.io_threads = cfg.io_thread_count()
-        self.ctx = zmq.Context(io_threads=self.io_threads)
         # Data connections per consumer and per producer: one per I/O thread of that direction.
         self.streams = cfg.stream_count(bin(self.out_affinity).count("1"))
         self.producer_streams = cfg.stream_count(bin(self.in_affinity).count("1"))
-        self.curve, self.auth = None, None
+        self.signal: str | None = None  # set by the signal handler, handed to the core by the loop
+        self.signals = 0  # SIGINT/SIGTERM received
+        self.curve = self.auth = self.control = self.data_in = self.metrics = self.lighthouse = None
+        self.ctx = None
+        # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
+        self.core = BrokerCore(cfg, run_id, run_dir, hostname, parent=parent, bind_pipe=self._bind_pipe,
+                               pipe_threads=self.pipe_threads, streams=self.streams,
+                               producer_streams=self.producer_streams)
+        self.ctx = zmq.Context(io_threads=self.io_threads)
         try:
             # ZAP first: libzmq admits every client while no authenticator runs.
             self.curve, self.auth = security.setup(cfg.curve_keys, self.ctx)
@@ -107,10 +75,28 @@ class Broker:
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
             if cfg.elastic and cfg.consumers >= 2:  # consumers meet there every step
-                self.lighthouse = lighthouse.start(cfg.bind, cfg.lighthouse_port, self.advertise, cfg.timeout_s)
+                self.lighthouse = lighthouse.start(cfg.bind, cfg.lighthouse_port, self.core.advertise, cfg.timeout_s)
+                self.core.lighthouse = self.lighthouse.address if self.lighthouse is not None else None
         except Exception:
             self.close()
             raise
+
+    # What callers (cli.py, tests) read of the run: the core's.
+    run_id = property(lambda self: self.core.run_id)
+    run_dir = property(lambda self: self.core.run_dir)
+    peers = property(lambda self: self.core.peers)
+    ledger = property(lambda self: self.core.ledger)
+    queue = property(lambda self: self.core.queue)
+    endpoints = property(lambda self: self.core.endpoints)
+    outcome_why = property(lambda self: self.core.end.outcome_why if self.core.end else None)
+
+    @property
+    def metric_sink(self):
+        return self.core.metric_sink
+
+    @metric_sink.setter
+    def metric_sink(self, sink) -> None:
+        self.core.metric_sink = sink
 
     # I/O threads by role (ZMQ_AFFINITY masks; 0 = any, with one thread). libzmq puts a new
     # connection on the least loaded thread of its socket's mask, counting every socket
@@ -143,14 +129,6 @@ class Broker:
         """The consumers' pipe threads, one affinity mask each ([0] = any, with one thread)."""
         return [1 << i for i in range(self.io_threads) if self.out_affinity >> i & 1] or [0]
 
-    @property
-    def endpoints(self) -> dict:
-        eps = {"control": tcp_endpoint(self.advertise, self.cfg.port),
-               "data_in": tcp_endpoint(self.advertise, self.cfg.data_in_port)}
-        if self.cfg.metrics_port:
-            eps["metrics"] = f"http://{self.advertise}:{self.cfg.metrics_port}/metrics"
-        return eps
-
     # ------------------------------------------------------------ the loop
 
     def serve(self) -> str:
@@ -158,23 +136,26 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
-        while self.outcome is None:
+        core = self.core
+        while core.phase is not Phase.DONE:
             # zguide lbbroker: read producers only while the queue has room. A full
             # broker stops reading, the producers' PUSH pipes fill, their sends block.
-            poller.modify(self.data_in, zmq.POLLIN if self.queue.has_room() else 0)
-            events = dict(poller.poll(BLOCKED_POLL_MS if self.blocked else POLL_MS))
+            poller.modify(self.data_in, zmq.POLLIN if core.queue.has_room() else 0)
+            events = dict(poller.poll(BLOCKED_POLL_MS if core.blocked else POLL_MS))
             if self.control in events:
-                self._drain(self.control, lambda f: control.handle(self, f[0].bytes, f[1:]))
+                self._drain(self.control, self._control)
             if self.data_in in events:
-                self._drain(self.data_in, lambda f: intake.handle(self, f), while_room=True)
-            self.dispatch()
-            self.tick(time.monotonic())
-        self.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
-        return self.outcome
+                self._drain(self.data_in, self._data, while_room=True)
+            core.dispatch(self._send_batch)
+            if self.signal is not None:
+                core.on_signal(self.signal, self.signals)
+            self.do(core.tick(time.monotonic()))
+        core.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
+        return core.outcome
 
     def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
         for _ in range(DRAIN_MAX):
-            if while_room and not self.queue.has_room():
+            if while_room and not self.core.queue.has_room():
                 return
             try:
                 frames = recv_frames(sock, zmq.NOBLOCK)
@@ -187,26 +168,32 @@ class Broker:
             if not readable(sock):  # cheaper than the zmq.Again a last recv would raise
                 return
 
-    def dispatch(self) -> None:
-        if self.draining is not None:  # stopping consumers train nothing more: keep batches here
-            self.blocked = False
-            return
-        consumers = self.peers.live("consumer")
-        sent = dispatch(self.queue, consumers, self._send_batch) if self.queue else ()
-        now = time.monotonic()
-        for c, b in sent:
-            self.ledger.delivered(b, c.id)
-            c.delivered += 1
-            c.rate_in.add(1, now)
-            c.rate_tokens.add(b.tokens, now)
-            self.rate_out.add(1, now)
-        # Batches left while a consumer wants one: its pipe refused (not connected yet).
-        self.blocked = bool(self.queue) and any(wants_batch(c) for c in consumers)
-        for c in consumers:  # how long a consumer has had credit and no batch
-            hungry = c.credit > 0 and not self.queue
-            c.waiting_since = (c.waiting_since or now) if hungry else None
-            c.wait_share.update(hungry, now)
-        self.full_share.update(not self.queue.has_room(), now)
+    def _control(self, frames: list) -> None:
+        """Parse one control message for the core; the core validates the rest in order."""
+        identity, frames = frames[0].bytes, frames[1:]
+        peer = self.core.peers.by_identity.get(identity)
+        try:
+            if not frames:
+                raise ProtocolError("empty message")
+            h = codec.unpack_header(frames[0])
+        except ProtocolError as e:
+            return self.do(self.core.on_control(identity, None, e.reason))
+        error = None
+        try:
+            codec.decode(frames, allowed=CONTROL_TO_BROKER, run=self.core.run_id,
+                         peer=peer.id if peer else identity.hex(), parsed=h)
+        except ProtocolError as e:
+            error = e.reason
+        key = curve.key_name(frames[0]) if h.get("type") == "hello" else None
+        self.do(self.core.on_control(identity, h, error, key))
+
+    def _data(self, frames: list) -> None:
+        try:
+            msg = codec.decode(frames, allowed=DATA, run=self.core.run_id, views=False)  # relayed, never read
+            payload = msg.payload_bytes()
+        except ProtocolError as e:
+            return self.do(self.core.on_bad_batch(sender(frames), e.reason))
+        self.do(self.core.on_batch(Batch.from_header(msg.header, payload, len(frames[0]), frames)))
 
     def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
         """Send on the consumer's next data stream that takes it (streams in turn)."""
@@ -222,114 +209,73 @@ class Broker:
             return True
         return False  # no stream took it: the batch stays queued
 
-    def tick(self, now: float) -> None:
-        if now - self.last_tick < TICK_S and self.signal is None:
-            return
-        if self.signal is not None and self.draining is None and (self.stop_reason != "end_of_stream"
-                                                                  or self.stopping is None or self.signals > 1):
-            # (a first signal during end of stream changes nothing: the run is ending anyway)
-            self.shutdown(f"signal {self.signal}")
-        if self.draining is not None and self._drained(now):
-            return
-        if not self.queue.has_room():
-            self.leases.hold_clocks(now - self.last_tick)
-        self.last_tick = now
-        for p in silent(self.peers.live(), now, self.cfg.timeout_s):
-            control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
-        control.check_acks(self, now)
-        for lease in self.leases.overdue(now, self.cfg.timeout_s):
-            control.lease_incomplete(self, lease)
-        if self.beat.due(now):
-            self.heartbeat_all()
-            if self.metrics is not None:
-                self.metrics.publish(build_status(self))
-        if self.progress.due(now):
-            log_progress(self, now)
-        self.ledger.maybe_flush(now)
-        self.log_limit.report(now)
-        if self.draining is None:
-            control.check_end_of_stream(self)
+    def _bind_pipe(self, port: int, thread: int):
+        """A consumer's data-out PUSH on `port`, on I/O thread `thread`; None if the port is taken."""
+        try:
+            return make_socket(self.ctx, zmq.PUSH, tcp_endpoint(self.cfg.bind, port), bind=True,
+                               opts=SocketOpts(sndhwm=MAX_CREDIT + 1, linger_ms=0, curve=self.curve, affinity=thread))
+        except zmq.ZMQError:
+            return None  # another process holds it
 
-    # ------------------------------------------------------------ sending
+    # ------------------------------------------------------------ the core's actions
+
+    def do(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self.send(a.identity, a.type, **a.fields)
+            elif isinstance(a, ClosePipes):
+                for sock in a.pipes:
+                    sock.close(linger=0)
+            elif isinstance(a, Publish):
+                if self.metrics is not None:
+                    self.metrics.publish(a.status)
+            else:
+                raise TypeError(f"unknown broker action {a!r}")
 
     def send(self, identity: bytes, type_: str, **fields) -> None:
         """Send a control message; a full or gone peer loses it (logged), we never block."""
         # welcome carries `run` as a field of its own; reject/status_reply carry none
-        run = None if type_ in PRE_HANDSHAKE else self.run_id
+        run = None if type_ in PRE_HANDSHAKE else self.core.run_id
         h = header(type_, run)
         h.update(fields)
         frames = [identity, *codec.encode(h)]
         try:
             send_frames(self.control, frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            ok, suppressed = self.log_limit.allow(f"send:{identity.hex()}")
+            ok, suppressed = self.core.log_limit.allow(f"send:{identity.hex()}")
             if ok:
                 log.warning("broker.send_failed", identity=identity.hex(), type=type_, error=str(e),
                             suppressed=suppressed)
 
-    def heartbeat_all(self) -> None:
-        stats = {
-            "queue_batches": len(self.queue),
-            "queue_bytes": self.queue.bytes,
-            "q_pre": {p.id: p.stats.get("q_pre") for p in self.peers.live("producer")},
-            "in_flight": {c.id: len(c.in_flight) for c in self.peers.live("consumer")},
-            "max_credit": MAX_CREDIT,
-            # a consumer that restarts from a checkpoint takes this one, newer than its welcome's
-            "last_commit": control.last_commit(self),
-        }
-        # Run progress, so consumers can log the epoch fraction and an ETA from what
-        # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.
-        s = samples(self)
-        stats.update(samples_total=s["total"], samples_done=s["done"], samples_skipped=s["skipped"],
-                     n_samples=s["n_samples"], epoch=s["epoch"], epochs=s["epochs"])
-        # The run's facts its first producer fixed: a consumer that joined before any producer
-        # waits for the target layers here rather than guess them (PROTOCOL.md 4.2).
-        stats["run_facts"] = {k: self.facts.get(k) for k in ("layer_ids", "hidden_size", "target_id")}
-        for p in self.peers.live():
-            self.send(p.identity, "heartbeat", stats=stats)
-
-    def shutdown(self, reason: str) -> None:
-        """SIGINT/SIGTERM: tell every live peer to stop, then drain (PROTOCOL.md 4.6).
-
-        Consumers answer `stop {shutdown}` by finishing their step, writing a checkpoint
-        and committing it: the broker must still be here to record that commit, or the
-        samples trained since the last one are made and trained again after resume. So it
-        keeps serving acks, commits and byes (sending no batch, granting no lease) until
-        every peer has left or was lost, at most --drain-s; a second signal ends the wait."""
-        self.stop_reason = "shutdown"
-        self.stopping = {p.id for p in self.peers.live()}  # joiners are told to stop too
-        self.draining = time.monotonic() + self.cfg.drain_s
-        for p in self.peers.live():
-            self.send(p.identity, "stop", reason="shutdown")
-        self.ledger.flush()
-        log.info("broker.draining", reason=reason, peers=sorted(self.stopping), drain_s=self.cfg.drain_s)
-        self._reason = reason
-
-    def _drained(self, now: float) -> bool:
-        """End the loop once no peer told to stop is left (or the drain is over)."""
-        left = sorted(pid for pid in self.stopping if pid in self.peers.by_id)
-        if left and now < self.draining and self.signals < 2:
-            return False
-        self.ledger.flush()
-        why = "drained" if not left else ("second signal" if self.signals >= 2 else "drain_s passed")
-        log.info("broker.stop", reason=self._reason, outcome="interrupted", drain=why, peers_left=left,
-                 **progress_fields(self, now))
-        self.outcome = "interrupted"
-        return True
-
     def close(self) -> None:
         """Release sockets and the ledger. Safe on a half-built broker."""
-        for p in list(self.peers.live()):
+        for p in list(self.core.peers.live()):
             p.close_pipes()
-        if getattr(self, "control", None) is not None:
+        if self.control is not None:
             self.control.close(linger=1000)  # let the last stop/replies out
-        if getattr(self, "data_in", None) is not None:
+        if self.data_in is not None:
             self.data_in.close(linger=0)
-        if getattr(self, "auth", None) is not None:
+        if self.auth is not None:
             self.auth.stop()  # after the sockets: none may outlive the authenticator
-        if getattr(self, "metrics", None) is not None:
+        if self.metrics is not None:
             self.metrics.close()
-        if getattr(self, "lighthouse", None) is not None:
+        if self.lighthouse is not None:
             self.lighthouse.close()
-        self.ctx.term()
-        self.ledger.close()
+        if self.ctx is not None:
+            self.ctx.term()
+        self.core.close()
+
+
+def sender(frames: list) -> str:
+    """Who sent this data message, for log lines: its `producer` field if the header
+    parses, else the TCP peer address ZeroMQ reports for the frame."""
+    try:
+        prod = codec.unpack_header(frames[0]).get("producer")
+        if isinstance(prod, str) and prod:
+            return prod[:64]
+    except (ProtocolError, IndexError):
+        pass
+    try:
+        return f"addr:{frames[0].get('Peer-Address')}"
+    except Exception:  # not a zmq.Frame, or the transport gives no address
+        return "addr:unknown"

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
@@ -20,6 +22,10 @@ from dflash.protocol.messages import PROTOCOL_VERSION
 from .config import MAX_CREDIT
 from .diagnosis import HOLD_TICKS, Steady, diagnose, result
 from .handshake import job_lost_reason
+from .phase import Phase
+
+if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
+    from .core import BrokerCore
 
 log = get_logger()
 
@@ -56,38 +62,38 @@ def sanitize_stats(stats: dict) -> dict:
     return out
 
 
-def samples(b) -> dict:
-    c = b.ledger.counts
-    n = b.leases.n_samples
-    total = None if n is None else n * b.cfg.epochs
+def samples(core: BrokerCore) -> dict:
+    c = core.ledger.counts
+    n = core.leases.n_samples
+    total = None if n is None else n * core.cfg.epochs
     return {
-        "total": total, "pending": b.leases.pending() if n is not None else None,
+        "total": total, "pending": core.leases.pending() if n is not None else None,
         "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
         "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
         # a resumed run's parent did these (committed or skipped there): never leased here
         "inherited": c.get("inherited", 0),
         "done": c["trained"] + c["committed"] + c["skipped"] + c.get("inherited", 0),
-        "epoch": b.leases.epoch, "epochs": b.cfg.epochs, "n_samples": n,
+        "epoch": core.leases.epoch, "epochs": core.cfg.epochs, "n_samples": n,
     }
 
 
-def _peer_state(b, p) -> str:
+def _peer_state(core: BrokerCore, p) -> str:
     reported = p.stats.get("state")
-    if b.stopping is not None and p.id in b.stopping:
+    if core.end is not None and p.id in core.end.told:
         return "stopping"
     if isinstance(reported, str):
         return reported
     if p.role == "producer":
-        return "producing" if b.leases.open_leases(p.id) else "idle"
+        return "producing" if core.leases.open_leases(p.id) else "idle"
     if p.waiting_since is not None:
         return "waiting"  # has credit, queue empty: starved by producers
     return "training" if p.in_flight else "idle"
 
 
-def peer_row(b, p, now: float) -> dict:
+def peer_row(core: BrokerCore, p, now: float) -> dict:
     row = {
         "peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
-        "state": _peer_state(b, p), "joined_at": _iso(p.joined_at),
+        "state": _peer_state(core, p), "joined_at": _iso(p.joined_at),
         "connected_s": round(max(0.0, time.time() - p.joined_at), 3),
         "heartbeat_age_s": round(now - p.last_seen, 3),
         "stats": p.stats, "stats_at": _iso(p.stats_at),
@@ -96,7 +102,7 @@ def peer_row(b, p, now: float) -> dict:
     }
     row.update({k: _figure(p.stats.get(k)) for k in ROW_KEYS[p.role]})
     if p.role == "producer":
-        leases = b.leases.open_leases(p.id)
+        leases = core.leases.open_leases(p.id)
         row.update(leases_open=len(leases), batches_in=p.batches_in, bytes_in=p.bytes_in,
                    samples_in=p.samples_in, stale=p.stale,
                    in_flight=sum(len(le.outstanding) for le in leases))  # leased samples not arrived yet
@@ -130,13 +136,13 @@ def gone_row(p) -> dict:
             "last_step": _number(p.stats.get("step"))}
 
 
-def progress(b, now: float) -> dict:
+def progress(core: BrokerCore, now: float) -> dict:
     """Where the run stands and when it should end, from the pace of the last minute."""
-    s = samples(b)
-    sps = b.rate_samples.rate(now)
+    s = samples(core)
+    sps = core.rate_samples.rate(now)
     left = None if s["total"] is None else max(0, s["total"] - s["done"])
     eta = round(left / sps) if left is not None and sps > 0 else None
-    if getattr(b, "job_lost", None):  # nothing more is trained in this run: no end to foresee
+    if core.job_lost is not None:  # nothing more is trained in this run: no end to foresee
         eta = None
     return {
         "epoch": s["epoch"], "epochs": s["epochs"],
@@ -149,78 +155,79 @@ def progress(b, now: float) -> dict:
     }
 
 
-def build_status(b) -> dict:
+def build_status(core: BrokerCore) -> dict:
     now = time.monotonic()
-    consumers = b.peers.live("consumer")
+    consumers = core.peers.live("consumer")
     # job_lost: the training job died with uncommitted work; new consumers are refused
-    state = "stopping" if b.stopping is not None else "job_lost" if getattr(b, "job_lost", None) else "running"
+    state = "stopping" if core.end is not None else "job_lost" if core.phase is Phase.JOB_LOST else "running"
     st = {
-        "run_id": b.run_id,
+        "run_id": core.run_id,
         "protocol_version": PROTOCOL_VERSION,
         "broker": {
-            "instance": b.cfg.instance, "host": b.hostname, "pid": os.getpid(), "state": state,
-            "stop_reason": b.stop_reason if b.stopping is not None else None,  # end_of_stream | shutdown
-            "started_at": _iso(b.started_at), "uptime_s": round(now - b.started_mono, 3),
-            "endpoints": b.endpoints, "run_dir": str(b.run_dir), "now": _iso(time.time()),
+            "instance": core.cfg.instance, "host": core.hostname, "pid": os.getpid(), "state": state,
+            "stop_reason": core.end.reason if core.end is not None else None,  # end_of_stream | shutdown
+            "started_at": _iso(core.started_at), "uptime_s": round(now - core.started_mono, 3),
+            "endpoints": core.endpoints, "run_dir": str(core.run_dir), "now": _iso(time.time()),
         },
-        "config": {k: getattr(b.cfg, k) for k in ("epochs", "seed", "queue_bytes", "lease_size", "heartbeat_s",
+        "config": {k: getattr(core.cfg, k) for k in ("epochs", "seed", "queue_bytes", "lease_size", "heartbeat_s",
                                                    "timeout_s", "consumers", "max_message_bytes")}
         | {"max_credit": MAX_CREDIT},
-        "facts": b.facts,
-        "progress": progress(b, now),
+        "facts": core.facts,
+        "progress": progress(core, now),
         "queue": {
-            "batches": len(b.queue), "bytes": b.queue.bytes, "capacity_bytes": b.queue.capacity,
-            "oldest_age_s": round(b.queue.oldest_age(now), 3), "reading": b.queue.has_room(),
-            "full_frac": round(b.full_share.share(now), 3),
+            "batches": len(core.queue), "bytes": core.queue.bytes, "capacity_bytes": core.queue.capacity,
+            "oldest_age_s": round(core.queue.oldest_age(now), 3), "reading": core.queue.has_room(),
+            "full_frac": round(core.full_share.share(now), 3),
             "in_flight_batches": sum(len(c.in_flight) for c in consumers),
             "in_flight_bytes": sum(x.nbytes for c in consumers for x in c.in_flight.values()),
         },
-        "samples": samples(b),
-        "rates": {"batches_in_per_s": round(b.rate_in.rate(now), 3),
-                  "batches_out_per_s": round(b.rate_out.rate(now), 3),
-                  "batches_in": b.rate_in.total, "batches_out": b.rate_out.total},
-        "leases": {"open": len(b.leases.open)},
-        "ledger": {"path": str(b.ledger.path), "write_s": round(b.ledger.flush_seconds, 3)},
-        "peers": [peer_row(b, p, now) for p in b.peers.live()],
-        "job_lost": ({**b.job_lost, "text": job_lost_reason(b)} if state == "job_lost" else None),
-        "gone": [gone_row(p) for p in b.peers.gone],
+        "samples": samples(core),
+        "rates": {"batches_in_per_s": round(core.rate_in.rate(now), 3),
+                  "batches_out_per_s": round(core.rate_out.rate(now), 3),
+                  "batches_in": core.rate_in.total, "batches_out": core.rate_out.total},
+        "leases": {"open": len(core.leases.open)},
+        "ledger": {"path": str(core.ledger.path), "write_s": round(core.ledger.flush_seconds, 3)},
+        "peers": [peer_row(core, p, now) for p in core.peers.live()],
+        "job_lost": ({**asdict(core.job_lost), "text": job_lost_reason(core)} if state == "job_lost" else None),
+        "gone": [gone_row(p) for p in core.peers.gone],
     }
     try:
         # hysteresis across ticks and asks: a new bottleneck holds for HOLD_TICKS progress ticks
-        steady = b.__dict__.setdefault("steady_diagnosis", Steady(HOLD_TICKS * b.cfg.progress_s))
+        steady = core.__dict__.setdefault("steady_diagnosis", Steady(HOLD_TICKS * core.cfg.progress_s))
         st["diagnosis"] = steady.update(diagnose(st), now)
     except Exception as e:  # called from the loop's tick: a diagnosis bug must not end the run
         st["diagnosis"] = result("unknown", f"diagnosis failed: {type(e).__name__}: {e}")
     return st
 
 
-def progress_fields(b, now: float) -> dict:
+def progress_fields(core: BrokerCore, now: float) -> dict:
     """The flat fields of one `broker.progress` line (a canonical periodic summary)."""
-    s = samples(b)
-    consumers = b.peers.live("consumer")
+    s = samples(core)
+    consumers = core.peers.live("consumer")
     return {
-        "uptime_s": round(now - b.started_mono, 1), "queue_batches": len(b.queue), "queue_bytes": b.queue.bytes,
-        "oldest_age_s": round(b.queue.oldest_age(now), 3), "in_flight": sum(len(c.in_flight) for c in consumers),
-        "producers": len(b.peers.live("producer")), "consumers": len(consumers),
+        "uptime_s": round(now - core.started_mono, 1), "queue_batches": len(core.queue),
+        "queue_bytes": core.queue.bytes,
+        "oldest_age_s": round(core.queue.oldest_age(now), 3), "in_flight": sum(len(c.in_flight) for c in consumers),
+        "producers": len(core.peers.live("producer")), "consumers": len(consumers),
         "waiting_consumers": [c.id for c in consumers if c.waiting_since is not None],
         "samples_total": s["total"], "samples_trained": s["trained"] + s["committed"],
         "samples_committed": s["committed"], "samples_skipped": s["skipped"], "epoch": s["epoch"],
-        "batches_in_per_s": round(b.rate_in.rate(now), 3), "batches_out_per_s": round(b.rate_out.rate(now), 3),
+        "batches_in_per_s": round(core.rate_in.rate(now), 3), "batches_out_per_s": round(core.rate_out.rate(now), 3),
     }
 
 
-def log_progress(b, now: float) -> None:
+def log_progress(core: BrokerCore, now: float) -> None:
     """The `broker.progress` line, with the diagnosis; and `broker.diagnosis` when the
     diagnosis changes, so the logs say when and why throughput changed."""
-    st = build_status(b)
+    st = build_status(core)
     d, p = st["diagnosis"], st["progress"]
-    fields = progress_fields(b, now)
+    fields = progress_fields(core, now)
     log.info("broker.progress", **fields, samples_per_s=p["samples_per_s"], eta_s=p["eta_s"], diagnosis=d["code"])
-    sink = getattr(b, "metric_sink", None)  # --tensorboard
+    sink = core.metric_sink  # --tensorboard
     if sink is not None:
         sink(int(fields["uptime_s"]), {**fields, "samples_per_s": p["samples_per_s"], "eta_s": p["eta_s"]})
-    if d["code"] != b.last_diagnosis:
-        b.last_diagnosis = d["code"]
+    if d["code"] != core.last_diagnosis:
+        core.last_diagnosis = d["code"]
         level = log.info if d["code"] in QUIET else log.warning
         level("broker.diagnosis", code=d["code"], text=d["text"], suggestion=d["suggestion"],
               limited_by=d["limited_by"])
