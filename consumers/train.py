@@ -82,10 +82,10 @@ def train(
 
     Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
     another drafter), ValueError (bad config)."""
-    loop = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
-    loop.join_or_resume(runs_dir)
-    loop.announce()
-    return loop.run(batches)
+    trainer = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
+    trainer.join_or_resume(runs_dir)
+    trainer.announce()
+    return trainer.run(batches)
 
 
 # What the ranks agreed a step is (Trainer.agree).

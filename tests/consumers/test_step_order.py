@@ -1,9 +1,12 @@
 """The order of a training step's effects (train.py `Trainer.step`), seen from the hooks of
 a real run: a batch is acked only once the optimizer step that used it changed the
 weights and the record holds its samples; its `train.step` line comes after the ack; a
-checkpoint is committed only once it is on disk, whole, and holds what was acked."""
+checkpoint is committed only once it is on disk, whole, and holds what was acked. And the
+one state form (`Trainer.state_dict`) is what a heal needs to go on as the source does."""
 
+import io
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,3 +106,44 @@ def test_a_step_with_a_non_finite_loss_is_neither_acked_nor_committed(heads, tmp
                             ("commit", 2), ("forward", 3)]
     assert [p.name for p in sorted(ckpt.iterdir())] == ["step-2"]  # nothing of step 3 reached the disk
     assert any(e["event"] == "train.non_finite" and e["step"] == 3 for e in logs)
+
+
+def test_a_trainer_healed_with_anothers_state_dict_steps_as_it_does(heads):
+    """The state a heal carries (`state_dict`, the same form a checkpoint writes) is all the
+    next step depends on: after taking it, a fresh trainer's next step equals the source's."""
+    from dflash.consumers.dist import Dist
+    from dflash.consumers.train import Trainer
+
+    batches = _batches(heads.spec, 4)
+    a = Trainer(CFG, heads, Dist(), Hooks(), None, None)
+    with capture_logs():
+        a.join_or_resume(None)
+        a.run(batches[:3])
+    b = Trainer(CFG, heads, Dist(), Hooks(), None, None)  # fresh: the weights a started from
+    sent = io.BytesIO()
+    torch.save(a.state_dict(), sent)  # as torchft's transport does: a copy, not a's live tensors
+    sent.seek(0)
+    with capture_logs() as logs:
+        b.join_or_resume(None)
+        b._heal(torch.load(sent, weights_only=True))
+    (healed,) = [e for e in logs if e["event"] == "train.healed"]
+    assert healed["step"] == 3 and healed["previous_step"] == 0 and healed["record_samples"] == 6
+    assert (b.state.step, b.state.samples, b.state.tokens) == (a.state.step, a.state.samples, a.state.tokens)
+    assert b.state.record.lineage == a.state.record.lineage and b.state.record.origin == "healed"
+    for t in (a, b):
+        with capture_logs():
+            t.run([batches[3]])
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_a_heal_from_another_signal_is_refused(heads):
+    from dflash.consumers.checkpoint import SignalMismatch
+    from dflash.consumers.dist import Dist
+    from dflash.consumers.train import Trainer
+
+    a = Trainer(replace(CFG, anchors=5), heads, Dist(), Hooks(), None, None)
+    b = Trainer(CFG, heads, Dist(), Hooks(), None, None)
+    with capture_logs(), pytest.raises(SignalMismatch, match="anchors: 5 -> 4"):
+        b._heal(a.state_dict())
+    assert b.state.step == 0
