@@ -34,10 +34,11 @@ from dflash.protocol.errors import DFlashError
 from dflash.protocol.run import is_run_id, runs_root, write_json_atomic
 
 from .integrity import CheckpointDamaged, check_finite, load_weights, verify_checkpoint, write_manifest
+from .record import save_record
 
 __all__ = ["CheckpointDamaged", "Signal", "SignalMismatch", "check_finite", "check_signal", "load_checkpoint",
-           "load_weights", "read_state", "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs",
-           "verify_checkpoint"]
+           "load_weights", "read_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs",
+           "verify_checkpoint", "write_checkpoint"]
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -130,22 +131,40 @@ def save_checkpoint(
     rng: list[torch.Tensor],
     drafter_config: dict,
     keep: int,
-    record=None,
+    record: dict | None = None,
 ) -> Path:
-    """Write step-<step>/ atomically (temp folder, fsync, rename), then prune to `keep`."""
+    """`write_checkpoint` of a live model and optimizer."""
+    return write_checkpoint(root, step, model.state_dict(), optimizer.state_dict(), state=state, rng=rng,
+                            drafter_config=drafter_config, keep=keep, record=record)
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    *,
+    state: dict,
+    rng: list[torch.Tensor],
+    drafter_config: dict,
+    keep: int,
+    record: dict | None = None,
+) -> Path:
+    """Write step-<step>/ atomically (temp folder, fsync, rename), then prune to `keep`.
+    `record`: a TrainedRecord's `to_state()` (record.py), or None for none."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     save_file(weights, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save({"rng": rng}, tmp / "rng.pt")
     write_json_atomic(tmp / "config.json", drafter_config)
     write_json_atomic(tmp / "state.json", {**state, "step": step, "saved_at": time.time()})
     if record is not None:  # in the same folder as the weights: renamed into place with them
-        record.save(tmp)
+        save_record(record, tmp)
     write_manifest(tmp)  # last: it hashes every file above
     _fsync_files(tmp)
     if final.exists():  # re-saving a step (rare: a restarted run) replaces it whole
@@ -193,18 +212,25 @@ def read_state(path: Path) -> dict:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
     """Load weights and optimizer state in place; return (state.json dict, per-rank RNG list).
+    Raises CheckpointDamaged naming the file (`read_checkpoint`)."""
+    device = next(model.parameters()).device
+    weights, opt, rng, saved = read_checkpoint(path, device)
+    model.load_state_dict(weights, strict=True)
+    optimizer.load_state_dict(opt)
+    return saved, rng
+
+
+def read_checkpoint(path: Path, device) -> tuple[dict, dict, list, dict]:
+    """(weights, optimizer state on `device`, per-rank RNG list, state.json dict), checked.
 
     Raises CheckpointDamaged naming the file: a content hash that does not match, a file
     that does not parse (truncated), non-finite weights or optimizer state."""
     verify_checkpoint(path)
     weights = load_weights(path / "model.safetensors")
-    model.load_state_dict(weights, strict=True)
-    device = next(model.parameters()).device
     opt = _torch_load(path / "optimizer.pt", device)
     check_finite(opt.get("state", {}), path / "optimizer.pt")
-    optimizer.load_state_dict(opt)
     rng = _torch_load(path / "rng.pt", "cpu")["rng"]
-    return read_state(path), rng
+    return weights, opt, rng, read_state(path)
 
 
 def _torch_load(file: Path, device) -> dict:

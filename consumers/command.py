@@ -1,5 +1,6 @@
 """dflash-consume's command line: the options and their mapping onto ConsumerConfig. Kept
-apart from cli.py so that `--help` does not import torch (cli.py and what it imports do)."""
+apart from consumer.py so that `--help` does not import torch (consumer.py and what it
+imports do)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @curve_options
 def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
-    from .cli import ConsumerConfig, run
+    from .consumer import ConsumerConfig, run
     from .train import TrainConfig
 
     train_fields = set(TrainConfig.__dataclass_fields__)

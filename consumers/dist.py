@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,16 +33,48 @@ def collective_failures_named() -> Iterator[None]:
         yield
     except RuntimeError as e:
         text = str(e)
-        if not (isinstance(e, getattr(dist, "DistError", ())) or "Connection closed by peer" in text
+        if not (isinstance(e, dist.DistError) or "Connection closed by peer" in text
                 or "Connection reset by peer" in text):
             raise
         raise RankLost(f"the data-parallel group failed: another rank went away or never came "
                        f"({text.splitlines()[0][:200]}); see that rank's log") from e
 
 
+class DistGroup(Protocol):
+    """What the training loop asks of its data-parallel group; `Dist` (fixed) and
+    elastic.ElasticDist (torchft) both are one. A step is: `begin_step` (the quorum),
+    the collectives, `intact` (none failed), `commit` (apply the step or drop it)."""
+
+    elastic: bool
+    rank: int  # this step's rank (elastic: in the quorum)
+    world_size: int  # this step's ranks
+    device: torch.device
+
+    @property
+    def arranged_rank(self) -> int: ...  # the rank the broker arranged (elastic: not the quorum's)
+    @property
+    def max_world(self) -> int: ...  # the most ranks the group can have (the broker's --consumers)
+    @property
+    def enabled(self) -> bool: ...  # collectives reach other ranks
+    def register_state(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None: ...
+    def set_step(self, step: int) -> None: ...
+    def begin_step(self) -> None: ...
+    def intact(self) -> bool: ...
+    def error(self) -> str | None: ...
+    def commit(self) -> bool: ...
+    def all_sum(self, values: list[float]) -> list[float]: ...
+    def sum_grads(self, params: Iterable[nn.Parameter]) -> None: ...
+    def broadcast_params(self, module: nn.Module) -> None: ...
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+    def gather_rows(self, rows: torch.Tensor, n_max: int) -> torch.Tensor: ...
+    def broadcast_str(self, text: str, max_bytes: int = 256) -> str: ...
+    def barrier(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class Dist:
-    """A fixed group: every rank for the whole job (a lost rank ends it: RankLost).
-    elastic.ElasticDist is the elastic one, with the same calls."""
+    """A fixed group (a DistGroup): every rank for the whole job (a lost rank ends it:
+    RankLost). elastic.ElasticDist is the elastic one."""
 
     elastic = False
 
@@ -74,6 +106,14 @@ class Dist:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def arranged_rank(self) -> int:
+        return self.rank
+
+    @property
+    def max_world(self) -> int:
+        return self.world_size
 
     @classmethod
     def init(

@@ -7,7 +7,8 @@ deciding whether the step is applied. A joining consumer is healed: it receives 
 weights, optimizer state, counters and trained record of a healthy replica over torchft's
 HTTP checkpoint transport.
 
-`ElasticDist` has `Dist`'s collectives (dist.py) plus the three calls a step makes:
+`ElasticDist` is a `DistGroup` (dist.py) as the fixed `Dist` is; the three calls a step
+makes mean something here:
   begin_step()  the quorum (may heal this replica: state replaced in place);
   intact()      False once a collective of this step failed (a peer went away);
   commit()      should_commit: apply the step or drop it.
@@ -78,6 +79,8 @@ def replica_name(rank: int, instance: str) -> str:
 
 
 class ElasticDist:
+    """An elastic group (a DistGroup, dist.py) through torchft."""
+
     elastic = True
 
     def __init__(self, manager, store, pg, device: torch.device, rank: int, max_world: int):

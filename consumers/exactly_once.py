@@ -15,12 +15,12 @@ from .batch import Batch
 from .dist import Dist
 
 if TYPE_CHECKING:
-    from .train_config import Hooks, TrainState
+    from .train_config import TrainState
 
 log = get_logger()
 
 
-def drop_held(batch: Batch, state: TrainState, hooks: Hooks) -> Batch | None:
+def drop_held(batch: Batch, state: TrainState) -> Batch | None:
     """`batch` without the sequences whose (epoch, sample) the weights already hold.
 
     A sample can come again although the weights hold it: the broker's ledger did not
@@ -28,15 +28,14 @@ def drop_held(batch: Batch, state: TrainState, hooks: Hooks) -> Batch | None:
     broker, docs/RELIABILITY.md), so a resumed run makes it again. The record is the
     truth of what the weights saw, so those sequences are left out. They are still acked
     with the batch (they are in the weights, which the next commit makes durable); a
-    batch held entirely is acked at once at the current step and is no batch at all."""
+    batch held entirely is None (no batch at all), which the loop acks at once at the
+    current step."""
     held = [i for i, s in enumerate(batch.samples) if state.record.holds(batch.epoch, s)]
     if not held:
         return batch
     log.info("train.skip_held", batch_id=batch.batch_id, epoch=batch.epoch, step=state.step,
              samples=[batch.samples[i] for i in held[:16]], n=len(held), of=len(batch.samples))
     if len(held) == len(batch.samples):
-        if hooks.on_step is not None:
-            hooks.on_step(state.step, [batch.batch_id])
         return None
     drop = set(held)
     return batch.select([i for i in range(len(batch.samples)) if i not in drop])

@@ -32,7 +32,7 @@ from dflash.protocol.logs import get_logger
 from dflash.protocol.run import is_run_id
 
 from .checkpoint import Signal, resolve_checkpoint
-from .dist import Dist
+from .dist import Dist, DistGroup
 from .elastic import ElasticDist, replica_name
 from .train import Hooks, TrainConfig
 from .train_config import TrainState
@@ -222,7 +222,7 @@ def nothing_left_to_train(link, error: FileNotFoundError) -> TrainState:
 
 
 def arranged_dist(run_config: dict, device: torch.device, instance: str = "",
-                  broker: str = "") -> Dist | ElasticDist | None:
+                  broker: str = "") -> DistGroup | None:
     """The data-parallel group the broker arranged (rank, world_size, dist or lighthouse in
     the welcome), or None if it arranges none. Elastic: joins the lighthouse at once.
     Fixed: blocks until every rank has joined (Dist.init's timeout). Raises DFlashError

@@ -1,5 +1,5 @@
 """What a training step logs: one `train.step` line per step with the field report's
-content (the compact step line users of the earlier pipeline relied on), and `train.position_acc` every N steps.
+content, and `train.position_acc` every N steps.
 
 Every figure is a sum over ranks (one all-reduce of a short vector per step), so every
 rank logs the same global loss, accuracy and throughput.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from dflash.protocol.logs import get_logger
 
@@ -17,18 +18,42 @@ from .loss import LossStats
 
 log = get_logger()
 
-FIGURES = ("loss_sum", "weight", "valid", "correct", "streak", "blocks", "tokens", "samples", "batches")
+
+@dataclass
+class StepFigures:
+    """One step's sums: this rank's, or every rank's after `summed` (one all-reduce of one
+    flat float64 vector, `as_list`, for every figure a step logs)."""
+
+    loss_sum: float = 0.0  # sum of weighted CE
+    weight: float = 0.0  # sum of loss weights: the step's gradients are divided by it
+    valid: float = 0.0
+    correct: float = 0.0
+    streak: float = 0.0
+    blocks: float = 0.0
+    tokens: float = 0.0
+    samples: float = 0.0
+    batches: float = 0.0
+    pos_correct: list[float] = field(default_factory=list)  # per block position 1..B-1
+    pos_valid: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, batch: Batch | None, s: LossStats) -> "StepFigures":
+        """This rank's figures of a step that trained `batch` (None: an empty step)."""
+        sizes = (batch.tokens, len(batch.samples), 1) if batch is not None else (0, 0, 0)
+        return cls(s.loss_sum, s.weight, s.valid, s.correct, s.streak, s.blocks, *sizes,
+                   list(s.pos_correct), list(s.pos_valid))
+
+    def as_list(self) -> list[float]:
+        return [*(getattr(self, k) for k in _SCALARS), *self.pos_correct, *self.pos_valid]
+
+    def summed(self, dist) -> "StepFigures":
+        """Every rank's sums (a collective: every rank calls it)."""
+        values = dist.all_sum(self.as_list())
+        n, k = len(_SCALARS), len(self.pos_correct)
+        return StepFigures(*values[:n], pos_correct=values[n : n + k], pos_valid=values[n + k :])
 
 
-def local_figures(batch: Batch | None, s: LossStats) -> list[float]:
-    """This rank's sums in FIGURES order, then per-position correct and valid counts:
-    everything a step logs, all-reduced in one collective."""
-    sizes = [batch.tokens, len(batch.samples), 1] if batch is not None else [0, 0, 0]
-    return [s.loss_sum, s.weight, s.valid, s.correct, s.streak, s.blocks, *sizes, *s.pos_correct, *s.pos_valid]
-
-
-def named(values: list[float]) -> dict:
-    return dict(zip(FIGURES, values))
+_SCALARS = ("loss_sum", "weight", "valid", "correct", "streak", "blocks", "tokens", "samples", "batches")
 
 
 class Meter:
@@ -43,33 +68,33 @@ class Meter:
         self.tok = self.bat = self.smp = 0
         self.pos = [0.0] * (2 * (block_size - 1))
 
-    def log_step(self, step: int, total: list[float], mine: list[float], *, lr: float, noise: float,
+    def log_step(self, step: int, total: StepFigures, mine: StepFigures, *, lr: float, noise: float,
                  grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int,
                  progress: dict | None = None, micro_batches: int = 1, ooms: int = 0) -> dict:
         """Log one `train.step` line (global figures; `rank_tokens` is this rank's share,
         `micro_batches` the parts this rank's batch ran in, more than 1 after an OOM, and
         `ooms` this rank's OOMs so far); return its fields."""
-        f = named(total)
-        weight, valid, blocks = f["weight"], f["valid"], f["blocks"]
-        self.tok += f["tokens"]
-        self.bat += f["batches"]
-        self.smp += f["samples"]
+        f = total
+        weight, valid, blocks = f.weight, f.valid, f.blocks
+        self.tok += f.tokens
+        self.bat += f.batches
+        self.smp += f.samples
         self.hist.append((time.monotonic(), self.tok, self.bat, step, self.smp))
         (t0, k0, b0, s0, m0), (t1, k1, b1, s1, m1) = self.hist[0], self.hist[-1]
         dt = max(t1 - t0, 1e-9)
         epoch, eta = self._epoch_eta(step, samples, epoch, progress or {}, dt, s1 - s0, m1 - m0)
         line = dict(
-            step=step, loss=round(f["loss_sum"] / weight, 5) if weight else None,
-            acc=round(f["correct"] / valid, 4) if valid else None,
-            streak=round(f["streak"] / blocks, 3) if blocks else None, lr=lr, noise=round(noise, 5),
+            step=step, loss=round(f.loss_sum / weight, 5) if weight else None,
+            acc=round(f.correct / valid, 4) if valid else None,
+            streak=round(f.streak / blocks, 3) if blocks else None, lr=lr, noise=round(noise, 5),
             tokens_per_s=round((k1 - k0) / dt, 1), batches_per_s=round((b1 - b0) / dt, 3),
             queue=queue, epoch=epoch, eta_s=eta, rank=rank, grad_norm=round(grad_norm, 4),
-            tokens=int(f["tokens"]), rank_tokens=int(named(mine)["tokens"]), tokens_seen=tokens_seen,
+            tokens=int(f.tokens), rank_tokens=int(mine.tokens), tokens_seen=tokens_seen,
             micro_batches=micro_batches, ooms=ooms,
         )
         log.info("train.step", **line)
         n = self.B - 1
-        self.pos = [a + b for a, b in zip(self.pos, total[len(FIGURES) :])]
+        self.pos = [a + b for a, b in zip(self.pos, [*total.pos_correct, *total.pos_valid])]
         if self.position_every > 0 and step % self.position_every == 0:
             acc = [round(c / v, 4) if v else None for c, v in zip(self.pos[:n], self.pos[n:])]
             log.info("train.position_acc", step=step, acc_by_position=acc, positions=list(range(1, self.B)))

@@ -108,14 +108,7 @@ class TrainedRecord:
         return rec
 
     def save(self, folder: Path) -> Path:
-        from safetensors.numpy import save_file
-
-        tensors = {f"epoch.{e}": self.counts(e).copy() for e in sorted(self.epochs)}
-        path = Path(folder) / FILE
-        save_file(tensors, path, metadata={"format": FORMAT, "complete": "1" if self.complete else "0",
-                                           "repeats": str(self.repeats), "lineage": self.lineage,
-                                           "parent": self.parent or "", "parent_step": str(self.parent_step)})
-        return path
+        return save_record(self.to_state(), folder)
 
     @classmethod
     def load(cls, folder: Path) -> "TrainedRecord | None":
@@ -137,3 +130,15 @@ class TrainedRecord:
             for name in f.keys():
                 rec.epochs[int(name.split(".", 1)[1])] = bytearray(f.get_tensor(name).astype(np.uint8).tobytes())
         return rec
+
+
+def save_record(state: dict, folder: Path) -> Path:
+    """Write a record's `to_state()` as `trained.safetensors` in `folder` (the format above)."""
+    from safetensors.numpy import save_file
+
+    tensors = {f"epoch.{e}": state["epochs"][e].numpy() for e in sorted(state["epochs"])}
+    path = Path(folder) / FILE
+    save_file(tensors, path, metadata={"format": FORMAT, "complete": "1" if state["complete"] else "0",
+                                       "repeats": str(state["repeats"]), "lineage": state["lineage"],
+                                       "parent": state["parent"] or "", "parent_step": str(state["parent_step"])})
+    return path

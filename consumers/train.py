@@ -1,5 +1,9 @@
-"""The drafter training loop, top to bottom: setup, resume, one loop (its config, hooks,
-state and schedules are in train_config.py, and importable from here).
+"""The drafter training loop: `Trainer` holds one run's model, optimizer and state;
+`Trainer.step` is one optimizer step, readable top to bottom (schedule, forward/backward,
+all-reduce, commit decision, clip, optimizer step, ack, log, checkpoint, commit);
+`state_dict`/`load_state_dict` are the one form of the state that checkpoints
+(train_checkpoint.py) and elastic heals (elastic.py) carry. Its config, hooks, state and
+schedules are in train_config.py, and importable from here.
 
 The loop knows nothing about the network. It takes
   - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
@@ -9,8 +13,9 @@ The loop knows nothing about the network. It takes
     the device while the current step runs (staging.py; `stage_batches` off: not);
   - `Hooks`: `on_step(step, batch_ids)` after the optimizer step that used those batches
     (the broker `ack`), `on_checkpoint(step, path)` on rank 0 once a checkpoint is durable
-    (the broker `commit`), `queue()` for the queue figures to log, `progress()` for the
-    run's sample counts (epoch fraction, ETA), `stop` to end early.
+    (the broker `commit`), both called by the loop itself; `queue()` for the queue
+    figures to log, `progress()` for the run's sample counts (epoch fraction, ETA),
+    `stop` to end early.
 Every rank runs this same loop; ranks agree each step on whether anyone still has data.
 """
 
@@ -29,14 +34,15 @@ from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import finite, fused
-from .dist import Dist
+from .checkpoint import SignalMismatch, signal_differences
+from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
 from .mask_token import mask_in_batch
-from .metrics import Meter, local_figures, named
+from .metrics import Meter, StepFigures
 from .model import DFlashDraft, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
-from .replica import replica_state, take_replica_state
+from .record import TrainedRecord
 from .staging import BatchStager
 from .step import batch_loss
 from .target_heads import TargetHeads
@@ -44,8 +50,8 @@ from . import train_checkpoint
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
                            resolve_signal)
 
-__all__ = ["Hooks", "TrainConfig", "TrainState", "lr_at", "noise_at", "resolve_signal",
-           "train", "START_WAIT_S"]
+__all__ = ["Hooks", "TrainConfig", "TrainState", "Trainer", "lr_at", "noise_at",
+           "resolve_signal", "train", "START_WAIT_S"]
 
 log = get_logger()
 
@@ -66,7 +72,7 @@ def train(
     heads: TargetHeads,
     batches: Iterable,
     *,
-    dist: Dist | None = None,
+    dist: DistGroup | None = None,
     ckpt_root: Path | None = None,
     runs_dir: str | Path | None = None,
     run_config: dict | None = None,
@@ -76,20 +82,21 @@ def train(
 
     Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
     another drafter), ValueError (bad config)."""
-    loop = _StepLoop(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
-    loop.join_or_resume(runs_dir)
-    loop.announce()
-    return loop.run(batches)
+    trainer = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
+    trainer.join_or_resume(runs_dir)
+    trainer.announce()
+    return trainer.run(batches)
 
 
-# What the ranks agreed a step is (_StepLoop.agree).
+# What the ranks agreed a step is (Trainer.agree).
 _STEP, _SKIP, _END = "step", "skip", "end"
 
 
-class _StepLoop:
-    """One run's model, optimizer and loop state; `run` is the loop, one method a phase."""
+class Trainer:
+    """One run's model, optimizer and loop state: `run` is the loop, `step` one optimizer
+    step, `state_dict`/`load_state_dict` the state a checkpoint or a heal carries."""
 
-    def __init__(self, cfg: TrainConfig, heads: TargetHeads, dist: Dist, hooks: Hooks,
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, dist: DistGroup, hooks: Hooks,
                  ckpt_root: Path | None, run_config: dict | None):
         self.cfg, self.heads, self.dist, self.hooks = cfg, heads, dist, hooks
         self.ckpt_root, self.run_config = ckpt_root, run_config
@@ -124,6 +131,45 @@ class _StepLoop:
                                              mask_token_id=signal.mask_token_id,
                                              target_layer_ids=list(signal.target_layers))
 
+    # ------------------------------------------------ the state (checkpoints and heals)
+
+    def state_dict(self) -> dict:
+        """Everything the next step depends on, in one form: an elastic replica serves it
+        to a joining one (torchft sends it before our next optimizer step: the tensors are
+        the live ones), and a checkpoint writes it to disk (train_checkpoint.py)."""
+        s = self.state
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "signal": self.signal.as_dict(),
+                "counters": {"step": s.step, "tokens": s.tokens, "samples": s.samples, "epoch": s.epoch,
+                             "saved_step": s.saved_step},
+                "record": s.record.to_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Take a `state_dict()` (a healthy replica's, or a checkpoint's) in place; the
+        caller has compared its signal with ours."""
+        state, c = self.state, sd["counters"]
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        state.step, state.tokens, state.samples, state.epoch = c["step"], c["tokens"], c["samples"], c["epoch"]
+        state.saved_step = c["saved_step"]
+        state.record = TrainedRecord.from_state(sd["record"])
+
+    def _heal(self, sd: dict) -> None:
+        """Heal (elastic): replace our state with a healthy replica's. Raises SignalMismatch
+        when it trains another signal (this consumer was started with other options)."""
+        diffs = signal_differences(sd["signal"], self.signal)
+        if diffs:
+            raise SignalMismatch(f"the running consumers train another signal ({'; '.join(diffs)}): start every "
+                                 "consumer of a run with the same training options")
+        before = self.state.step
+        self.load_state_dict(sd)
+        state = self.state
+        # torchft heals every replica but one at each quorum until a first step is taken
+        # (init_sync): log the heals that change something.
+        level = log.info if state.step != before else log.debug
+        level("train.healed", step=state.step, previous_step=before, samples=state.samples,
+              record_samples=state.record.count(), rank=self.dist.rank)
+
     # ------------------------------------------------ before the first step
 
     def join_or_resume(self, runs_dir: str | Path | None) -> None:
@@ -133,8 +179,7 @@ class _StepLoop:
         # with a healthier one's; the quorum compares steps to decide who heals. The first
         # quorum comes before the resume: a consumer joining a live run is healed from a
         # running one (the checkpoint it was told may be pruned by now, and is older anyway).
-        dist.register_state(lambda: replica_state(self.model, self.optimizer, state, self.signal),
-                            lambda got: take_replica_state(got, self.model, self.optimizer, state, self.signal, dist))
+        dist.register_state(self.state_dict, self._heal)
         self.quorum_begun = dist.elastic
         if self.quorum_begun:
             dist.begin_step()
@@ -143,7 +188,7 @@ class _StepLoop:
         if dist.elastic and state.step == 0 and self.hooks.resume_point is not None:  # not healed: the newest commit
             self.cfg = replace(self.cfg, resume=self.hooks.resume_point() or self.cfg.resume)
         if self.cfg.resume and state.step == 0:  # not healed to a live step
-            train_checkpoint.resume(self.cfg, self.signal, self.model, self.optimizer, state, dist, runs_dir)
+            train_checkpoint.resume(self, runs_dir)
             dist.set_step(state.step)
         self.lineage_told = None
         self._tell_lineage()
@@ -158,7 +203,7 @@ class _StepLoop:
         """The `train.start` line, once the state to start from is taken."""
         signal, dist, state = self.signal, self.dist, self.state
         # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
-        log.info("train.start", rank=getattr(dist, "arranged_rank", dist.rank), world_size=dist.world_size,
+        log.info("train.start", rank=dist.arranged_rank, world_size=dist.world_size,
                  device=str(self.device), attn=self.backend,
                  bf16=self.bf16, params=sum(p.numel() for p in self.params), signal=signal.as_dict(),
                  elastic=dist.elastic, resumed_from=state.resumed_from, step=state.step, config=self.run_config)
@@ -195,7 +240,10 @@ class _StepLoop:
             self.begin_quorum()
             self._tell_lineage()  # a heal replaced the record: acks name the healer's lineage
             if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
-                batch = drop_held(batch, state, self.hooks)
+                kept = drop_held(batch, state)
+                if kept is None:  # the weights hold all of it: acked at once, no batch at all
+                    self._ack(state.step, batch)
+                batch = kept
             agreed = self.agree(batch, bad, want_stop)
             if agreed == _END:
                 break
@@ -265,32 +313,57 @@ class _StepLoop:
         return _STEP
 
     def step(self, batch: Batch | None) -> None:
-        """One optimizer step with every rank, or none if a collective of it fails (elastic)."""
-        dist, state, hooks = self.dist, self.state, self.hooks
+        """One optimizer step with every rank, in the order things happen; none at all if a
+        collective of it fails (elastic). The ack goes out once the optimizer step is taken,
+        the commit once the checkpoint is on disk."""
+        cfg, dist, state, hooks = self.cfg, self.dist, self.state, self.hooks
         if batch is not None:
             state.epoch = batch.epoch
-        if hooks.before_step is not None:
+        if hooks.before_step is not None:  # e.g. live evaluation, on weights that have not seen the batch
             hooks.before_step(state.step, self.model, batch, state.record)
         step = state.step + 1
+        # The schedule: its plan (the lr's value needs the step's samples, known below) and the noise
         plan = self._plan(step)
-        noise = noise_at(step, self.cfg, state.samples, plan)
-        mine, total = self._gradients(batch, step, noise)
-        # The lr of the step that brings the run to this many samples (its own included)
-        lr = lr_at(step, self.cfg, state.samples + int(named(total)["samples"]), plan)
+        noise = noise_at(step, cfg, state.samples, plan)
+        # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (oom.py)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = _no_loss(self.signal.block_size) if batch is None else \
+            self.splitter.run(batch, self._forward_backward(step, noise), step)
+        mine = StepFigures.of(batch, stats)
+        # All-reduce: every figure in one collective, then the step's samples and the gradients
+        total = mine.summed(dist)
+        lr = lr_at(step, cfg, state.samples + int(total.samples), plan)  # its own samples included
         pairs = None
         if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
-            pairs = gather_samples(dist, batch, int(named(total)["samples"]))
+            pairs = gather_samples(dist, batch, int(total.samples))
             dist.sum_grads(self.params)
-        if not dist.commit():  # elastic: a collective failed; dropped on every rank that saw it
+        # The commit decision (elastic: a collective failed; dropped on every rank that saw it)
+        if not dist.commit():
             self.held = _dropped(batch, state, dist, "step")
             return
         self.stepped_here = True
         record_samples(state, dist, pairs, step)
-        grad_norm = self._apply(named(total), step, batch, lr)
-        self._account(step, batch, total)
-        self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)
-        if self.ckpt_root is not None and self.cfg.save_every > 0 and step % self.cfg.save_every == 0:
-            self._save()
+        # Clip and the optimizer step on the averaged gradients (every rank sees the same
+        # weight: all step or all skip); a non-finite loss or norm stops the run (finite.py)
+        batch_id, grad_norm = batch.batch_id if batch is not None else None, 0.0
+        finite.check_step(step, total.loss_sum, None, batch_id, dist.rank)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if total.weight > 0:
+            for p in self.params:
+                p.grad.div_(total.weight)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+            finite.check_step(step, total.loss_sum, grad_norm, batch_id, dist.rank)
+            self.optimizer.step()
+        state.step, state.tokens, state.samples = step, state.tokens + int(total.tokens), \
+            state.samples + int(total.samples)
+        if batch is not None:  # the ack: the batch is in the weights now
+            self._ack(step, batch)
+        if hooks.after_step is not None:
+            hooks.after_step(step, self.model)
+        self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)  # the log line
+        if self.ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
+            self._commit(self._save())  # the checkpoint on disk, then its commit
 
     def _plan(self, step: int) -> Plan:
         """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""
@@ -310,47 +383,28 @@ class _StepLoop:
         state.planned_samples = plan.length if plan.by == "samples" else None
         return plan
 
-    def _gradients(self, batch: Batch | None, step: int, noise: float):
-        """This rank's gradients of `step` (summed, not yet averaged), and its figures with
-        every rank's sums."""
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = LossStats(pos_correct=[0] * (self.signal.block_size - 1), pos_valid=[0] * (self.signal.block_size - 1))
-        if batch is not None:  # split into micro-batches if memory runs out (oom.py)
-            stats = self.splitter.run(batch, _forward_backward(self.model, self.heads, self.signal, self.cfg,
-                                                               self.backend, self.bf16, step, noise), step)
-        mine = local_figures(batch, stats)
-        total = self.dist.all_sum(mine)  # one small collective for every figure a step logs
-        return mine, total
+    def _forward_backward(self, step: int, noise: float) -> Callable[[Batch], LossStats]:
+        """Forward and backward of one (micro-)batch of `step`: d(sum of weighted CE) is
+        added to every `.grad`; the step divides by the global weight once every part is in."""
+        model, heads, signal, cfg, device = self.model, self.heads, self.signal, self.cfg, self.device
 
-    def _apply(self, figures: dict, step: int, batch: Batch | None, lr: float) -> float:
-        """The optimizer step on the averaged gradients at `lr`; the gradient norm (0 when
-        skipped). A non-finite loss or gradient norm raises NonFiniteStep first (finite.py says why)."""
-        grad_norm, weight = 0.0, figures["weight"]
-        batch_id = batch.batch_id if batch is not None else None
-        finite.check_step(step, figures["loss_sum"], None, batch_id, self.dist.rank)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        if weight > 0:  # all ranks see the same weight: they all step or all skip
-            for p in self.params:
-                p.grad.div_(weight)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
-            finite.check_step(step, figures["loss_sum"], grad_norm, batch_id, self.dist.rank)
-            self.optimizer.step()
-        return grad_norm
+        def run(part: Batch) -> LossStats:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                loss_sum, stats = batch_loss(model, heads, part, signal, seed=cfg.seed, backend=self.backend,
+                                             noise=noise, loss_chunk=cfg.loss_chunk, step=step)
+            if loss_sum is not None:
+                loss_sum.backward()
+            return stats
 
-    def _account(self, step: int, batch: Batch | None, total) -> None:
-        """Count the applied step, then ack its batch and run the after-step hook."""
-        state, hooks = self.state, self.hooks
-        state.step = step
-        state.tokens += int(named(total)["tokens"])
-        state.samples += int(named(total)["samples"])
-        if batch is not None and hooks.on_step is not None:
-            hooks.on_step(step, [batch.batch_id])
-        if hooks.after_step is not None:
-            hooks.after_step(step, self.model)
+        return run
 
-    def _report(self, step: int, batch: Batch | None, total, mine, *, lr: float, noise: float,
-                grad_norm: float) -> None:
+    def _ack(self, step: int, batch: Batch) -> None:
+        """Tell the broker the weights hold `batch` as of `step` (`ack`)."""
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(step, [batch.batch_id])
+
+    def _report(self, step: int, batch: Batch | None, total: StepFigures, mine: StepFigures, *, lr: float,
+                noise: float, grad_norm: float) -> None:
         """The step's log line (metrics.Meter) and the heartbeat figures in `hooks.stats`."""
         state, hooks, dist, splitter = self.state, self.hooks, self.dist, self.splitter
         line = self.meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
@@ -364,15 +418,22 @@ class _StepLoop:
             hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
                                state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())
 
-    def _save(self) -> None:
-        train_checkpoint.save(self.cfg, self.signal, self.model, self.optimizer, self.state, self.dist,
-                              self.ckpt_root, self.drafter_json, self.hooks, self.run_config)
+    def _save(self) -> Path | None:
+        """A checkpoint of this step (every rank takes part): its folder on rank 0, else None."""
+        return train_checkpoint.save(self, self.ckpt_root)
+
+    def _commit(self, path: Path | None) -> None:
+        """Rank 0 commits the checkpoint just written (`commit`); then every rank waits, so
+        that nobody runs ahead of a checkpoint that may still fail."""
+        if path is not None and self.hooks.on_checkpoint is not None:
+            self.hooks.on_checkpoint(self.state.step, path)
+        self.dist.barrier()
 
     def finish(self) -> TrainState:
         """The last checkpoint (if steps came after the newest), the end line, the state."""
         state = self.state
         if self.ckpt_root is not None and state.step > state.saved_step:
-            self._save()
+            self._commit(self._save())
         log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank)
         state.model = self.model
         return state
@@ -396,7 +457,12 @@ def auto_compiles(device: torch.device) -> bool:
     return compiler is not None
 
 
-def _step_failed(dist: Dist) -> bool:
+def _no_loss(block_size: int) -> LossStats:
+    """The loss figures of an empty step (this rank has no batch)."""
+    return LossStats(pos_correct=[0] * (block_size - 1), pos_valid=[0] * (block_size - 1))
+
+
+def _step_failed(dist: DistGroup) -> bool:
     """True when a collective of this step failed (elastic: a peer went away). torchft is
     told (should_commit answers False), so the next quorum rebuilds the group."""
     if dist.intact():
@@ -405,7 +471,7 @@ def _step_failed(dist: Dist) -> bool:
     return True
 
 
-def _dropped(batch: Batch | None, state: TrainState, dist: Dist, at: str) -> Batch | None:
+def _dropped(batch: Batch | None, state: TrainState, dist: DistGroup, at: str) -> Batch | None:
     """Log a dropped step; return our batch, trained again in the next step (not acked:
     nothing of it reached the weights or the record here)."""
     log.warning("train.step_dropped", step=state.step + 1, at=at, rank=dist.rank, world_size=dist.world_size,
@@ -414,10 +480,9 @@ def _dropped(batch: Batch | None, state: TrainState, dist: Dist, at: str) -> Bat
     return batch
 
 
-def _short_at_start(dist: Dist, n_starting: float) -> bool:
+def _short_at_start(dist: DistGroup, n_starting: float) -> bool:
     """Elastic start: every rank of the quorum is new and not all N have joined yet."""
-    max_world = getattr(dist, "max_world", dist.world_size)
-    return dist.elastic and n_starting == dist.world_size and dist.world_size < max_world
+    return dist.elastic and n_starting == dist.world_size and dist.world_size < dist.max_world
 
 
 def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
@@ -448,19 +513,3 @@ def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
                     mask_token_id=signal.mask_token_id, tokens=hits, rule=(signal.mask_choice or {}).get("rule"),
                     hint="choose another --mask-token-id: a row the data never contains")
     return bool(hits)
-
-
-def _forward_backward(model, heads, signal, cfg, backend, bf16, step, noise) -> Callable[[Batch], LossStats]:
-    """Forward and backward of one (micro-)batch of `step`: d(sum of weighted CE) is added
-    to every `.grad`; the loop divides by the global weight once every part is in."""
-    device = heads.embed.device
-
-    def run(part: Batch) -> LossStats:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss_sum, stats = batch_loss(model, heads, part, signal, seed=cfg.seed, backend=backend, noise=noise,
-                                         loss_chunk=cfg.loss_chunk, step=step)
-        if loss_sum is not None:
-            loss_sum.backward()
-        return stats
-
-    return run

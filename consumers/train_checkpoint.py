@@ -1,7 +1,9 @@
-"""The training loop's checkpoints: resume its state from one, and save one.
+"""The trainer's state on disk: its `state_dict()` (train.py, the same form an elastic
+replica serves a joining one) as a checkpoint folder, and back.
 
-The file format is checkpoint.py's; this module decides what of the loop's state goes in
-and comes back out (counters, the record, every rank's RNG state).
+The file format is checkpoint.py's. A checkpoint adds what only a later run needs: every
+rank's RNG state, the schedule, the run config, the world size. Sending the commit is
+the loop's (train.py), once `save` has returned: this module only writes and reads.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import torch
 
 from dflash.protocol.logs import get_logger
 
-from .checkpoint import Signal, check_signal, load_checkpoint, resolve_checkpoint, save_checkpoint
-from .dist import Dist
+from .checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
 from .record import TrainedRecord
 
 if TYPE_CHECKING:
-    from .train_config import Hooks, TrainConfig, TrainState
+    from .train import Trainer
 
 log = get_logger()
 
@@ -39,50 +40,63 @@ def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[n:].clone(), device)
 
 
-def resume(cfg: TrainConfig, signal: Signal, model, optimizer, state: TrainState, dist: Dist, runs_dir) -> None:
-    path = resolve_checkpoint(cfg.resume, runs_dir)
-    saved, rng = load_checkpoint(path, model, optimizer)
-    diffs = check_signal(saved["signal"], signal, force=cfg.force, where=str(path))
-    if diffs:
-        log.warning("train.signal_changed", checkpoint=str(path), differences=diffs)
-    state.step, state.tokens, state.samples = saved["step"], saved["tokens"], saved["samples"]
+def save(t: Trainer, root: Path) -> Path | None:
+    """A checkpoint of the trainer's step; every rank takes part (the RNG states are
+    gathered), rank 0 writes and gets the folder back, the others None."""
+    cfg, state, dist = t.cfg, t.state, t.dist
+    rng = dist.all_gather(_rng_state(t.device))  # collective: every rank takes part
+    path = None
+    if dist.rank == 0:
+        t0 = time.monotonic()
+        sd = t.state_dict()
+        c = sd["counters"]
+        body = {"tokens": c["tokens"], "samples": c["samples"], "epoch": c["epoch"],
+                "signal": sd["signal"], "world_size": dist.world_size, "config": t.run_config,
+                "scheduler": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
+                              "total_steps": cfg.total_steps, "planned_samples": state.planned_samples,
+                              "by": "steps" if cfg.total_steps else "samples" if state.planned_samples else
+                              "constant"}}
+        path = write_checkpoint(root, c["step"], sd["model"], sd["optimizer"], state=body, rng=rng,
+                                drafter_config=t.drafter_json, keep=cfg.keep, record=sd["record"])
+        state.last_checkpoint = path
+        log.info("train.checkpoint", step=state.step, path=str(path), seconds=round(time.monotonic() - t0, 3))
     state.saved_step = state.step
-    state.epoch, state.resumed_from = saved.get("epoch", 0), str(path)
-    state.planned_samples = (saved.get("scheduler") or {}).get("planned_samples")
+    return path
+
+
+def read(path: Path, device: torch.device) -> tuple[dict, list[torch.Tensor], dict]:
+    """(a `state_dict()` as the trainer takes it, every saved rank's RNG state, the
+    checkpoint's state.json). Raises CheckpointDamaged naming the damaged file."""
+    weights, optimizer, rng, saved = read_checkpoint(path, device)
     record = TrainedRecord.load(path)
     if record is None:  # an older checkpoint: its weights hold samples nobody listed
         log.warning("train.record_missing", checkpoint=str(path))
         record = TrainedRecord(complete=False)
-    record.fork(state.record.lineage, state.step)  # these weights go on as a new lineage (record.py)
-    state.record = record
-    device = next(model.parameters()).device
+    sd = {"model": weights, "optimizer": optimizer, "signal": saved["signal"],
+          "counters": {"step": saved["step"], "tokens": saved["tokens"], "samples": saved["samples"],
+                       "epoch": saved.get("epoch", 0), "saved_step": saved["step"]},
+          "record": record.to_state()}
+    return sd, rng, saved
+
+
+def resume(t: Trainer, runs_dir) -> None:
+    """Take the state of the checkpoint `t.cfg.resume` names; its weights go on as a new
+    lineage (record.py), each rank takes its saved RNG state."""
+    cfg, state, dist = t.cfg, t.state, t.dist
+    path = resolve_checkpoint(cfg.resume, runs_dir)
+    sd, rng, saved = read(path, t.device)
+    diffs = check_signal(sd["signal"], t.signal, force=cfg.force, where=str(path))
+    if diffs:
+        log.warning("train.signal_changed", checkpoint=str(path), differences=diffs)
+    previous = state.record.lineage
+    t.load_state_dict(sd)
+    state.resumed_from = str(path)
+    state.planned_samples = (saved.get("scheduler") or {}).get("planned_samples")
+    state.record.fork(previous, state.step)  # these weights go on as a new lineage (record.py)
     if dist.rank < len(rng):
-        _set_rng_state(rng[dist.rank], device)
+        _set_rng_state(rng[dist.rank], t.device)
     else:  # more ranks than when saved: a fresh, reproducible stream for the new rank
         torch.manual_seed(cfg.seed + 1 + dist.rank + 1000 * state.step)
         log.info("train.rng_reseeded", rank=dist.rank, saved_ranks=len(rng))
     log.info("train.resumed", checkpoint=str(path), step=state.step, tokens=state.tokens,
              record_samples=state.record.count(), record_complete=state.record.complete)
-
-
-def save(cfg: TrainConfig, signal: Signal, model, optimizer, state: TrainState, dist: Dist, root: Path,
-         drafter_json, hooks: Hooks, run_config) -> None:
-    """A checkpoint of `state.step` (rank 0 writes it, every rank takes part)."""
-    device = next(model.parameters()).device
-    rng = dist.all_gather(_rng_state(device))  # collective: every rank takes part
-    if dist.rank == 0:
-        t0 = time.monotonic()
-        body = {"tokens": state.tokens, "samples": state.samples, "epoch": state.epoch,
-                "signal": signal.as_dict(), "world_size": dist.world_size, "config": run_config,
-                "scheduler": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup,
-                              "total_steps": cfg.total_steps, "planned_samples": state.planned_samples,
-                              "by": "steps" if cfg.total_steps else "samples" if state.planned_samples else
-                              "constant"}}
-        path = save_checkpoint(root, state.step, model, optimizer, state=body, rng=rng,
-                               drafter_config=drafter_json, keep=cfg.keep, record=state.record)
-        state.last_checkpoint = path
-        log.info("train.checkpoint", step=state.step, path=str(path), seconds=round(time.monotonic() - t0, 3))
-        if hooks.on_checkpoint is not None:
-            hooks.on_checkpoint(state.step, path)
-    state.saved_step = state.step
-    dist.barrier()  # nobody runs ahead of a checkpoint that may still fail
