@@ -100,6 +100,8 @@ def test_consumers_get_ranks_in_hello_order_and_rank_0s_rendezvous(start_broker)
     with pytest.raises(Rejected, match="full.*2 ranks"):
         FakeConsumer(b.control, "g2")
     c0.send("bye", reason="test")
+    # c0's bye and c3's hello come on two connections: c3 may only ask once the bye is in
+    b.wait_event("broker.peer_left", 30, lambda e: e["peer_instance"] == "g0")
     c3 = FakeConsumer(b.control, "g3", config={"dist_addr": "tcp://10.0.0.9:29501"})
     assert c3.welcome["run_config"]["rank"] == 0 and c3.welcome["run_config"]["dist"] == "tcp://10.0.0.9:29501"
     assert c3.welcome["data_out"] != c0.welcome["data_out"]  # ports rotate, never handed straight back
