@@ -56,7 +56,12 @@ class BrokerProc:
         self.stderr: list[str] = []
         threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
         threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True).start()
-        self.status = self._wait_up()
+        try:
+            self.status = self._wait_up()
+        except BaseException:  # nobody holds this broker yet: it would outlive the test
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
         self.run_id = self.status["run_id"]
 
     @staticmethod
@@ -64,7 +69,9 @@ class BrokerProc:
         for line in stream:
             out.append(line.rstrip("\n"))
 
-    def _wait_up(self, timeout_s: float = 20.0) -> dict:
+    def _wait_up(self, timeout_s: float = 90.0) -> dict:
+        # A deadline for a broker that never comes up, not a speed check: on a loaded
+        # 2-core machine its imports alone can take tens of seconds.
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
