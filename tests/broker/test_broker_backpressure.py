@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from broker_fakes import FakeConsumer, FakeProducer, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
 
 # What the queue counts for one batch: every frame, header included (a header may carry
 # unknown fields, so it is held memory too). 2 samples x 4 tokens: int32 ids 32 B + uint8

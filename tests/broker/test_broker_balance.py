@@ -19,7 +19,7 @@ import time
 
 import msgpack
 import zmq
-from broker_fakes import FakeConsumer, FakeProducer, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
 
 UNIT_S = 0.03  # the fastest consumer's time per batch: well above a round trip under load
 SLOWNESS = (1, 2, 4)

@@ -10,7 +10,7 @@ import sqlite3
 import time
 from datetime import datetime
 
-from broker_harness import spawn_fake
+from tests.harness.spawn import FAKES, spawn
 
 N_SAMPLES = 80
 TIMEOUT_S = 1.5  # conftest starts brokers with --timeout-s 1.5 --heartbeat-s 0.2
@@ -23,10 +23,10 @@ def _ts(ev: dict) -> float:
 
 def test_killed_consumer_is_lost_and_its_batches_go_to_others(start_broker):
     b = start_broker("--lease-size", "8")
-    victim = spawn_fake("consumer", b, "--instance", "victim", "--prefetch", "4", "--train-s", "0.5")
+    victim = spawn(FAKES, "consumer", b, "--instance", "victim", "--prefetch", "4", "--train-s", "0.5")
     time.sleep(0.3)  # the victim joins first, so it fills its credit before the others exist
-    prod = spawn_fake("producer", b, "--n-samples", str(N_SAMPLES), "--delay-s", "0.02")
-    others = [spawn_fake("consumer", b, "--instance", f"ok{i}", "--train-s", "0.01") for i in range(2)]
+    prod = spawn(FAKES, "producer", b, "--n-samples", str(N_SAMPLES), "--delay-s", "0.02")
+    others = [spawn(FAKES, "consumer", b, "--instance", f"ok{i}", "--train-s", "0.01") for i in range(2)]
     try:
         deadline = time.monotonic() + 15
         held = 0

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from broker_harness import BrokerProc
+from tests.harness.broker import BrokerProc
 
 HOST = socket.gethostname()
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 
 import pytest
 
-from broker_fakes import FakeProducer
-from broker_harness import HERE
+from tests.harness.fakes import FakeProducer
+from tests.harness.spawn import child_env, module_argv
 
 N = 40
 
@@ -23,9 +22,9 @@ def test_inbox_depth_follows_batch_size_and_is_never_exceeded(start_broker, tmp_
     floor, 2. Then it takes and acks every batch: each arrives exactly once."""
     b = start_broker("--num-samples", str(N), "--lease-size", "8", "--queue-bytes", "1GiB")
     with open(tmp_path / "hold.stderr", "w") as err:
-        cons = subprocess.Popen([sys.executable, str(HERE / "link_peers.py"), "hold", b.control, str(b.runs_dir),
-                                 str(N), str(inbox_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err, text=True)
+        cons = subprocess.Popen(module_argv("tests.broker.link_peers", "hold", b.control, str(b.runs_dir), str(N),
+                                            str(inbox_bytes)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=child_env())
     prod = FakeProducer(b.control, "credit-prod", n_samples=N, per_batch=1, width=width)
     t = threading.Thread(target=prod.run_to_end, daemon=True)
     t.start()

@@ -8,7 +8,7 @@ import signal
 import sqlite3
 import time
 
-from broker_fakes import FakeConsumer, FakeProducer, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
 
 
 def _pump(peers, seconds: float) -> None:

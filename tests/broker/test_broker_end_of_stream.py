@@ -8,7 +8,7 @@ import json
 import sqlite3
 
 import pytest
-from broker_harness import spawn_fake
+from tests.harness.spawn import FAKES, spawn
 
 N_SAMPLES = 60
 COMMON = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
@@ -16,11 +16,11 @@ COMMON = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
 
 @pytest.fixture(scope="module")
 def eos_run(tmp_path_factory):
-    from broker_harness import BrokerProc
+    from tests.harness.broker import BrokerProc
 
     b = BrokerProc(tmp_path_factory.mktemp("eos") / "runs", ["--lease-size", "8"])
-    procs = [spawn_fake("producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}") for i in range(2)]
-    procs += [spawn_fake("consumer", b, "--instance", f"cons{i}", "--train-s", "0.005") for i in range(3)]
+    procs = [spawn(FAKES, "producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}") for i in range(2)]
+    procs += [spawn(FAKES, "consumer", b, "--instance", f"cons{i}", "--train-s", "0.005") for i in range(3)]
     results = []
     try:
         for p in procs:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
-from broker_fakes import FakeConsumer, FakeProducer, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
 
 
 def _take(c: FakeConsumer, n: int, others, timeout_s: float = 10.0) -> list[str]:

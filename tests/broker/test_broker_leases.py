@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
-from broker_fakes import FakeProducer, Pumping, batch_frames
+from tests.harness.fakes import FakeProducer, Pumping, batch_frames
 
 
 def test_lost_producer_leases_go_to_another_and_its_late_batch_is_stale(start_broker):

@@ -10,7 +10,7 @@ import time
 
 import msgpack
 import pytest
-from broker_fakes import FakeConsumer, FakeProducer, Rejected, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected, batch_frames
 
 
 def _pump_until(peers, pred, timeout_s: float, what: str):

@@ -6,20 +6,19 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
-import sys
 
-from broker_harness import HERE
+from tests.harness.spawn import child_env, module_argv
 
 N_SAMPLES = 24
 
 
 def _run_pair(b, n: int, consumer_io_threads: int = 0) -> tuple[dict, dict]:
     """A link_peers.py producer of `n` samples and consumer, to the end; their result lines."""
-    script = str(HERE / "link_peers.py")
-    procs = [subprocess.Popen([sys.executable, script, "producer", b.control, str(b.runs_dir), str(n)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-             subprocess.Popen([sys.executable, script, "consumer", b.control, str(b.runs_dir),
-                               str(consumer_io_threads)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    script = "tests.broker.link_peers"
+    procs = [subprocess.Popen(module_argv(script, "producer", b.control, str(b.runs_dir), str(n)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()),
+             subprocess.Popen(module_argv(script, "consumer", b.control, str(b.runs_dir), str(consumer_io_threads)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())]
     try:
         outs = [p.communicate(timeout=90) for p in procs]
     finally:

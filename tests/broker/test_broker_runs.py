@@ -11,8 +11,8 @@ import time
 
 import msgpack
 import pytest
-from broker_fakes import FakeConsumer, FakeProducer, Rejected
-from broker_harness import spawn_fake
+from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
+from tests.harness.spawn import FAKES, spawn
 
 
 def test_old_run_id_refused_and_runs_never_share_a_log_file(start_broker):
@@ -25,7 +25,7 @@ def test_old_run_id_refused_and_runs_never_share_a_log_file(start_broker):
 
     b = start_broker()
     assert b.run_id != a.run_id and b.run_dir != a.run_dir
-    prod = spawn_fake("producer", b, "--run", a.run_id, "--instance", "stale")
+    prod = spawn(FAKES, "producer", b, "--run", a.run_id, "--instance", "stale")
     out, err = prod.communicate(timeout=20)
     assert prod.returncode == 3
     assert "run_mismatch" in err and a.run_id in err and b.run_id in err  # says why, to a human

@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from broker_fakes import FakeConsumer, FakeProducer, Pumping
-from broker_harness import free_port_block
+from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping
+from dflash.protocol.sockets import free_port_block
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:

@@ -28,11 +28,8 @@ def test_broker_progress_scalars_are_the_json_lines(start_broker, tmp_path):
 
 def test_broker_progress_in_an_offline_wandb_run(start_broker, tmp_path):
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "consumers"))
-    from test_wandb_offline import read_records
+    from tests.consumers.test_wandb_offline import read_records
 
     b = start_broker("--progress-s", "0.3", "--wandb", "dflash-test",
                      env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "w")})

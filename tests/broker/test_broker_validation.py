@@ -10,7 +10,7 @@ import time
 
 import msgpack
 import zmq
-from broker_fakes import FakeConsumer, FakeProducer, batch_frames, pack
+from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames, pack
 
 N_SAMPLES = 40
 

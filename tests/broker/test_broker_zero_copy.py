@@ -18,8 +18,8 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from broker_fakes import FakeConsumer, FakeProducer, batch_frames
-from broker_harness import free_port_block
+from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
+from dflash.protocol.sockets import free_port_block
 from dflash.broker import runinfo
 from dflash.broker.config import BrokerConfig
 from dflash.broker.server import Broker

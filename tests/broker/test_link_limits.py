@@ -18,7 +18,7 @@ import pytest
 import torch
 import zmq
 
-from broker_harness import BrokerProc
+from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
 from dflash.protocol.logs import close_logging, setup_logging

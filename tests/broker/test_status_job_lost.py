@@ -8,8 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from broker_fakes import FakeConsumer, FakeProducer
-from test_broker_job_lost import _one_batch_each
+from tests.harness.fakes import FakeConsumer, FakeProducer
+from tests.broker.test_broker_job_lost import _one_batch_each
 
 from dflash.tools.status_view import header
 

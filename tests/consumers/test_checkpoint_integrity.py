@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import CheckpointDamaged, verify_checkpoint
 from dflash.consumers.export import export_checkpoint, load_exported
 from dflash.consumers.export import main as export_main

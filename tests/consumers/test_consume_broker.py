@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
-from broker_fakes import FakeProducer  # noqa: E402  (a hand-written producer, from PROTOCOL.md)
-from broker_harness import BrokerProc  # noqa: E402
+from tests.harness.fakes import FakeProducer  # a hand-written producer, from PROTOCOL.md
+from tests.harness.broker import BrokerProc
 
 
 class Consumer:

@@ -9,7 +9,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
 
 STEP_FIELDS = ("step", "loss", "acc", "streak", "lr", "noise", "tokens_per_s", "batches_per_s", "queue",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.batch import Batch, BatchMismatch
 from dflash.consumers.loss import ChunkedCE, ChunkedDistill
 from dflash.consumers.target_heads import load_target_heads

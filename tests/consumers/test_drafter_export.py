@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import ExportError, export_checkpoint, load_exported, main
 from dflash.consumers.train import TrainConfig, train

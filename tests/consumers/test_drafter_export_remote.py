@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers import hf_dflash
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import export_checkpoint, load_exported, main

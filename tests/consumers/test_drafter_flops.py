@@ -5,7 +5,7 @@ work, and the attention masks the step builds for the attended keys."""
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.blocks import _seq_mask
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.flops import StepShape, step_flops, step_shape

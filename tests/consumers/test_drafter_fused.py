@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers import fused
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DFlashDraft, DrafterConfig

@@ -3,7 +3,7 @@ held-out simulated acceptance, rising as the drafter learns, equal to an offline
 
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.live_eval import eval_hook, simulated_acceptance
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
 

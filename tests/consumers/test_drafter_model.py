@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DecoderLayer, DFlashDraft, DrafterConfig

@@ -13,7 +13,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
 from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train

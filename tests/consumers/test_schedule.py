@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
 from dflash.consumers.train_config import Plan, TrainConfig, choose_plan, lr_at
 

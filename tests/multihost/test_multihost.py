@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns import Hosts, NetnsUnavailable  # noqa: E402
+from tests.multihost.netns import Hosts, NetnsUnavailable
 
 from dflash.tools.tiny import tiny_target  # noqa: E402
 

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from producer_helpers import tiny_dir, write_jsonl
+from tests.harness.tiny import tiny_dir
+from tests.producers.helpers import write_jsonl
 
 from dflash.producers.sample_data import generate_chats
 from dflash.protocol.sockets import free_port_block as _free_ports

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from producer_helpers import chat, write_jsonl
+from tests.producers.helpers import chat, write_jsonl
 
 from dflash.producers.data import BadRow, JsonlSource, build_line_index, open_dataset
 from dflash.protocol.errors import DFlashError

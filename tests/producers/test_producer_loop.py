@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from producer_helpers import chat, write_jsonl
+from tests.producers.helpers import chat, write_jsonl
 from structlog.testing import capture_logs
 
 from dflash.producers.chat import ChatEncoder

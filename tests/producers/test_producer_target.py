@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from producer_helpers import tiny_dir
+from tests.harness.tiny import tiny_dir
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.producers.target import TargetError, default_layer_ids, load_target, parse_layer_ids

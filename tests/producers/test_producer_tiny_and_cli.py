@@ -9,7 +9,8 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from producer_helpers import chat, tiny_dir, write_jsonl
+from tests.producers.helpers import chat, write_jsonl
+from tests.harness.tiny import tiny_dir
 
 from dflash.producers.cli import main
 from dflash.producers.sample_data import CHATS_PATH, generate_chats

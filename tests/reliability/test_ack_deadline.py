@@ -10,7 +10,7 @@ import time
 
 import msgpack
 import pytest
-from broker_fakes import FakeConsumer, FakeProducer, Rejected
+from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
 
 from dflash.broker.config import BrokerConfig
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_pipeline import Pipeline
 
 TIMEOUT_S = 3
 

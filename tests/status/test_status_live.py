@@ -11,8 +11,9 @@ import signal
 import time
 from datetime import datetime
 
-from broker_harness import ask_status
-from status_helpers import rows, status, status_json, wait_for
+from tests.harness.broker import ask_status
+from tests.status.helpers import rows, status, status_json
+from tests.harness.wait import wait_for
 
 TIMEOUT_S = 1.5  # the harness starts brokers with --heartbeat-s 0.2 --timeout-s 1.5
 GiB = 1 << 30

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 from dflash.tools.runstate import count_errors, tail_events
-from status_helpers import status_json, wait_for
+from tests.status.helpers import status_json
+from tests.harness.wait import wait_for
 
 CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.cli import main; main()"
 

@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 
-from broker_harness import ask_status
-from status_helpers import rows, status, status_json, wait_for
+from tests.harness.broker import ask_status
+from tests.status.helpers import rows, status, status_json
+from tests.harness.wait import wait_for
 
 
 def _logs(runs_dir, *args) -> subprocess.CompletedProcess:

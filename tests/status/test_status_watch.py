@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from status_helpers import wait_for
+from tests.harness.wait import wait_for
 
 CLEAR = b"\x1b[H\x1b[2J"
 

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 from click.testing import CliRunner
 

@@ -1,10 +1,10 @@
-"""Wire fakes (tests/broker/broker_fakes.py) that also report what real peers put in their
+"""Wire fakes (tests/harness/fakes.py) that also report what real peers put in their
 heartbeats (producers/producer.py `stats`, consumers' Hooks.stats) and log what a real
 consumer logs (`train.step`), so `dflash-status` can be tested against a live broker
 with real sockets while the real consumer CLI is being wired. GPU figures are given
 numbers: these machines have no GPU.
 
-    python tests/status/status_fakes.py consumer --broker tcp://... --runs-dir R --train-s 0.5
+    python -m tests.harness.stats_fakes consumer --broker tcp://... --runs-dir R --train-s 0.5
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ import os
 import sys
 import time
 from collections import deque
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
+from .fakes import FakeConsumer, FakeProducer, fake_parser, serve
 
-from broker_fakes import FakeConsumer, FakeProducer, fake_parser, serve  # noqa: E402
-
-TOKENS_PER_BATCH = 8  # broker_fakes.batch_frames: seq_len 4 x per_batch 2
+TOKENS_PER_BATCH = 8  # fakes.batch_frames: seq_len 4 x per_batch 2
 GiB = 1 << 30
 
 

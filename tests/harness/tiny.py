@@ -1,4 +1,4 @@
-"""Tiny real targets and hand-made batches for the consumer tests (no mocks, no network)."""
+"""Tiny real targets and hand-made batches (no mocks, no network)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def tiny_target(path: Path, *, tie: bool = False, layers: int = 4, seed: int = 0
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(path, **shard)
     return path
+
+
+def tiny_dir(family: str, tie: bool, **kw):
+    """The product's tiny target of `family` (dflash.tools.tiny: cached, with a tokenizer)."""
+    from dflash.tools.tiny import tiny_target
+
+    return tiny_target(family=family, tie=tie, **kw)
 
 
 def random_batch(

@@ -1,13 +1,13 @@
-"""The broker tests' wire fakes (tests/broker/broker_fakes.py) as processes, plus what the
+"""The broker tests' wire fakes (tests/harness/fakes.py) as processes, plus what the
 reliability tests need of them: a consumer that commits every N steps (so a run killed
 mid-way has committed, trained-not-committed and in-flight samples at once), and CurveZMQ
 keys for every socket (set as context defaults, so the fakes' own code stays as written
 from PROTOCOL.md).
 
-    python tests/reliability/rel_fakes.py consumer --broker ... --runs-dir R --commit-every 5
-    python tests/reliability/rel_fakes.py producer --broker ... --curve-keys K --curve-name p0
+    python -m tests.harness.committing_fakes consumer --broker ... --runs-dir R --commit-every 5
+    python -m tests.harness.committing_fakes producer --broker ... --curve-keys K --curve-name p0
 
-Exit codes as broker_fakes: 0 after stop / grant end, 3 rejected, 4 broker silent.
+Exit codes as fakes.py: 0 after stop / grant end, 3 rejected, 4 broker silent.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
-
-from broker_fakes import FakeConsumer, FakeProducer, fake_parser, serve  # noqa: E402
+from .fakes import FakeConsumer, FakeProducer, fake_parser, serve
 
 
 class CommittingConsumer(FakeConsumer):

@@ -1,14 +1,8 @@
-"""Helpers for the producer tests (a unique module name: test folders are not packages)."""
+"""Helpers for the producer tests: data files and chats."""
 
 from __future__ import annotations
 
 import json
-
-
-def tiny_dir(family: str, tie: bool, **kw):
-    from dflash.tools.tiny import tiny_target
-
-    return tiny_target(family=family, tie=tie, **kw)
 
 
 def write_jsonl(path, rows, raw_lines=()) -> str:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from producer_helpers import tiny_dir
+from tests.harness.tiny import tiny_dir
 
 torch.set_num_threads(1)
 

@@ -2,8 +2,8 @@
 zmq + msgpack (no torch, no dflash codec): if the broker and these disagree, one of us
 misread the spec. Usable in threads (tests) or as processes:
 
-    python tests/broker/broker_fakes.py producer --broker tcp://127.0.0.1:5555 --runs-dir R
-    python tests/broker/broker_fakes.py consumer --broker ... --train-s 0.01
+    python -m tests.harness.fakes producer --broker tcp://127.0.0.1:5555 --runs-dir R
+    python -m tests.harness.fakes consumer --broker ... --train-s 0.01
 
 Processes log through dflash.protocol.logs (JSON, into the run folder) and exit 0 after
 `stop` / `grant end`, 3 when rejected, 4 when the broker goes silent.
@@ -261,8 +261,8 @@ class Pumping:
 
 
 # ---------------------------------------------------------------- as a process
-# The runner below is shared with the other folders' fake processes (rel_fakes.py,
-# status_fakes.py): they add options and build their own peer classes.
+# The runner below is shared with the other fake processes (committing_fakes.py,
+# stats_fakes.py): they add options and build their own peer classes.
 
 
 def fake_parser(**defaults) -> argparse.ArgumentParser:

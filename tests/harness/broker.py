@@ -1,6 +1,5 @@
-"""Broker test harness: a real `dflash-broker` process on loopback ports chosen free, its
-stdout collected, a status probe, and wire fakes spawned as processes. (Not in conftest.py:
-several test folders have a conftest, and `from conftest import` picks whichever came first.)"""
+"""A real `dflash-broker` process on loopback ports chosen free, its stdout collected, and a
+status probe."""
 
 from __future__ import annotations
 
@@ -19,10 +18,6 @@ import msgpack
 import pytest
 import zmq
 from dflash.protocol.sockets import free_port_block
-
-HERE = Path(__file__).resolve().parent
-FAKES = str(HERE / "broker_fakes.py")
-sys.path.insert(0, str(HERE))
 
 
 
@@ -112,14 +107,6 @@ class BrokerProc:
         return self.runs_dir / self.run_id
 
 
-def spawn_fake(role: str, broker: BrokerProc, *args: str, script: str = FAKES, stdout=subprocess.PIPE
-               ) -> subprocess.Popen:
-    """A fake peer process (`script`: broker_fakes.py or another folder's fakes built on it)
-    attached to `broker`."""
-    return subprocess.Popen([sys.executable, script, role, "--broker", broker.control, "--runs-dir",
-                             str(broker.runs_dir), *args], stdout=stdout, stderr=subprocess.PIPE, text=True)
-
-
 @contextmanager
 def broker_procs(runs_dir: Path, make=BrokerProc) -> Iterator:
     """`start(*args, **kw)` -> make(runs_dir, list(args), **kw), a broker process; every one
@@ -143,6 +130,6 @@ def broker_procs(runs_dir: Path, make=BrokerProc) -> Iterator:
 @pytest.fixture
 def start_broker(tmp_path):
     """`start_broker(*args, n_out=8, env=None)` starts a broker on free loopback ports under
-    tmp_path/runs (import it into a conftest.py to use it)."""
+    tmp_path/runs."""
     with broker_procs(tmp_path / "runs") as start:
         yield start
