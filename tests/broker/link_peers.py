@@ -1,5 +1,5 @@
 """A minimal producer and consumer on the project's own client, `protocol.peer.PeerLink`
-(tiny tensors, no model), run as processes by test_broker_peerlink.py:
+(tiny tensors, no model), run as processes by test_peerlink.py:
 
     python -m tests.broker.link_peers producer BROKER RUNS_DIR N_SAMPLES
     python -m tests.broker.link_peers consumer BROKER RUNS_DIR [IO_THREADS]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.harness.fakes import FakeConsumer, FakeProducer
-from tests.broker.test_broker_job_lost import _one_batch_each
+from tests.broker.test_job_lost import _one_batch_each
 
 from dflash.tools.status_view import header
 

@@ -48,7 +48,7 @@ def test_duplicate_instance_and_mismatched_producer_refused(start_broker):
     b = start_broker()
     c1 = FakeConsumer(b.control, "gpu5")
     with pytest.raises(Rejected, match="duplicate_instance.*gpu5"):
-        # Another process: the same pid and host on a new connection is a reconnect (test_broker_control_blind_spots)
+        # Another process: the same pid and host on a new connection is a reconnect (test_control_blind_spots)
         FakeConsumer(b.control, "gpu5", pid=os.getpid() + 1)
     p1 = FakeProducer(b.control, "t0", n_samples=100)
     with pytest.raises(Rejected, match="config_mismatch.*100"):

@@ -1,7 +1,7 @@
 """Lineages (PROTOCOL.md 4.5, issue 19 finding 2): the broker commits only samples whose
 training the committing checkpoint's lineage holds, and a consumer that restarts from a
 checkpoint sends what was trained after it back to the lease pool, to be made and trained
-again exactly once. Raw clients from broker_fakes.py (written from the spec alone)."""
+again exactly once. Raw clients from tests/harness/fakes.py (written from the spec alone)."""
 
 from __future__ import annotations
 
