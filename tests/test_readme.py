@@ -30,6 +30,8 @@ from tests.harness.hub_cache import put_in_hub_cache
 
 from dflash.tools.tiny import tiny_target  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 N_ROWS, EPOCHS = 40, 6
 NOISE = ("Loading weights", "NCCL flight recorder", '"GET /checkpoint')

@@ -8,6 +8,9 @@ import threading
 import time
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
+import pytest
+
+pytestmark = pytest.mark.integration
 
 # What the queue counts for one batch: every frame, header included (a header may carry
 # unknown fields, so it is held memory too). 2 samples x 4 tokens: int32 ids 32 B + uint8

@@ -20,6 +20,9 @@ import time
 import msgpack
 import zmq
 from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
+import pytest
+
+pytestmark = pytest.mark.integration
 
 UNIT_S = 0.03  # the fastest consumer's time per batch: well above a round trip under load
 SLOWNESS = (1, 2, 4)

@@ -11,6 +11,9 @@ import time
 from datetime import datetime
 
 from tests.harness.spawn import FAKES, spawn
+import pytest
+
+pytestmark = pytest.mark.integration
 
 N_SAMPLES = 80
 TIMEOUT_S = 1.5  # conftest starts brokers with --timeout-s 1.5 --heartbeat-s 0.2

@@ -15,6 +15,8 @@ import zmq
 
 from tests.harness.broker import BrokerProc
 
+pytestmark = pytest.mark.integration
+
 HOST = socket.gethostname()
 
 

@@ -12,6 +12,8 @@ import pytest
 from tests.harness.fakes import FakeProducer
 from tests.harness.spawn import child_env, module_argv
 
+pytestmark = pytest.mark.integration
+
 N = 40
 
 

@@ -10,6 +10,8 @@ import sqlite3
 import pytest
 from tests.harness.spawn import FAKES, spawn
 
+pytestmark = pytest.mark.integration
+
 N_SAMPLES = 60
 COMMON = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
 

@@ -12,6 +12,8 @@ import msgpack
 import pytest
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected, batch_frames
 
+pytestmark = pytest.mark.integration
+
 
 def _one_batch_each(b, prod: FakeProducer, consumers: list[FakeConsumer]) -> list[str]:
     """Lease len(consumers) samples, push them as one-sample batches, take one per consumer."""

@@ -9,6 +9,9 @@ import sqlite3
 import time
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def _take(c: FakeConsumer, n: int, others, timeout_s: float = 10.0) -> list[str]:

@@ -8,6 +8,9 @@ import sqlite3
 import time
 
 from tests.harness.fakes import FakeProducer, Pumping, batch_frames
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def test_lost_producer_leases_go_to_another_and_its_late_batch_is_stale(start_broker):

@@ -12,6 +12,8 @@ import msgpack
 import pytest
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected, batch_frames
 
+pytestmark = pytest.mark.integration
+
 
 def _pump_until(peers, pred, timeout_s: float, what: str):
     end = time.monotonic() + timeout_s

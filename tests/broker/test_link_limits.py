@@ -25,6 +25,8 @@ from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.messages import header
 from dflash.protocol.peer import PeerLink
 
+pytestmark = pytest.mark.integration
+
 LIMIT = 4096
 CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": 8, "fingerprint": "x"}}
 

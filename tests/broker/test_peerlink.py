@@ -8,6 +8,9 @@ import sqlite3
 import subprocess
 
 from tests.harness.spawn import child_env, module_argv
+import pytest
+
+pytestmark = pytest.mark.integration
 
 N_SAMPLES = 24
 

@@ -18,6 +18,8 @@ from dflash.broker.leases import LeasePool, StaleBatch, epoch_order
 from dflash.broker.ledger import Ledger
 from dflash.broker.liveness import RateLimit, RateMeter
 
+pytestmark = pytest.mark.integration
+
 
 # ---------------------------------------------------------------- leases
 

@@ -14,6 +14,8 @@ import pytest
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
 from tests.harness.spawn import FAKES, spawn
 
+pytestmark = pytest.mark.integration
+
 
 def test_old_run_id_refused_and_runs_never_share_a_log_file(start_broker):
     a = start_broker()

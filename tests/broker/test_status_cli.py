@@ -9,6 +9,9 @@ import sys
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping
 from dflash.protocol.sockets import free_port_block
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:

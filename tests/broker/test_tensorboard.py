@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                         reason="the tensorboard extra is not installed")
 

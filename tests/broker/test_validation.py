@@ -11,6 +11,9 @@ import time
 import msgpack
 import zmq
 from tests.harness.fakes import FakeConsumer, FakeProducer, batch_frames, pack
+import pytest
+
+pytestmark = pytest.mark.integration
 
 N_SAMPLES = 40
 

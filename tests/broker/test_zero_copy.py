@@ -26,6 +26,8 @@ from dflash.broker.server import Broker
 from dflash.protocol.config import as_dict
 from dflash.protocol.run import make_run_dir, new_run_id
 
+pytestmark = pytest.mark.integration
+
 MIB = 1 << 20
 SEQ, WIDTH = 1024, 32 * 1024  # hidden bf16 [1024, 32768] = 64 MiB
 

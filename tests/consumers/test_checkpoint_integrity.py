@@ -18,6 +18,8 @@ from dflash.consumers.export import main as export_main
 from dflash.consumers.finite import NonFiniteStep
 from dflash.consumers.train import Hooks, TrainConfig, train
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
                   lr=2e-3, save_every=2, keep=3, log_position_every=0)

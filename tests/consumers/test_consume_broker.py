@@ -21,6 +21,8 @@ from tests.harness.tiny import MASK_ID
 from tests.harness.fakes import FakeProducer  # a hand-written producer, from PROTOCOL.md
 from tests.harness.broker import BrokerProc
 
+pytestmark = pytest.mark.integration
+
 
 class Consumer:
     """A dflash-consume process; output goes to a file, read when needed."""

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
 
+pytestmark = pytest.mark.integration
+
 STEP_FIELDS = ("step", "loss", "acc", "streak", "lr", "noise", "tokens_per_s", "batches_per_s", "queue",
                "epoch", "eta_s")
 

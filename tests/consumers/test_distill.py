@@ -23,6 +23,8 @@ from dflash.protocol.messages import header
 from dflash.protocol.targets import load_tokenizer
 from dflash.tools.tiny import tiny_target
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 def test_soft_label_loss_and_gradient_equal_a_hand_computed_reference(alpha):

@@ -12,6 +12,8 @@ from tests.consumers.dp_common import CFG, rank_batches, union
 from tests.harness.spawn import child_env, module_argv
 from dflash.consumers.train import Hooks, train
 
+pytestmark = pytest.mark.integration
+
 
 
 def _free_port() -> int:

@@ -25,6 +25,8 @@ from dflash.tools.eval import Prompt, evaluate, prompt_ids, stop_ids
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 from tests.consumers.eval_helpers import epochs, regenerated_batches, sample_chats
 
+pytestmark = pytest.mark.unit
+
 LONG = os.environ.get("DFLASH_LONG") == "1"
 B, NEW_TOKENS = 8, (48 if LONG else 32)
 

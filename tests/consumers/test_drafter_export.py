@@ -15,6 +15,8 @@ from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import ExportError, export_checkpoint, load_exported, main
 from dflash.consumers.train import TrainConfig, train
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 DRAFT_LAYERS = 5  # the paper's drafter depth: 5 layers -> 58 tensors, as published
 

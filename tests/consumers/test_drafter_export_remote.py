@@ -19,6 +19,8 @@ from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import export_checkpoint, load_exported, main
 from dflash.consumers.train import TrainConfig, train
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 B = 4
 

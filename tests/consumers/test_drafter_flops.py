@@ -11,6 +11,9 @@ from dflash.consumers.checkpoint import Signal
 from dflash.consumers.flops import StepShape, step_flops, step_shape
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss, make_layout
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS, B, ANCHORS, SEED = [1, 2], 4, 6, 3
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm"}

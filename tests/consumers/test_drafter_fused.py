@@ -12,6 +12,8 @@ from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss
 
+pytestmark = pytest.mark.unit
+
 LAYERS, B = [1, 2], 4
 
 

@@ -9,6 +9,9 @@ from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.train import TrainConfig, train
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS, B, STEPS = [1, 2], 4, 300
 

@@ -9,6 +9,8 @@ from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DecoderLayer, DFlashDraft, DrafterConfig
 from dflash.consumers.step import draft_states
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 B = 4
 

@@ -19,6 +19,8 @@ from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, m
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
 from dflash.protocol.memory import bytes_asked
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,
                   lr=2e-3, total_steps=8, log_position_every=0)

@@ -13,6 +13,8 @@ from dflash.consumers.checkpoint import SignalMismatch, resolve_checkpoint
 from dflash.consumers.train import Hooks, TrainConfig, train
 from dflash.protocol.run import make_run_dir, new_run_id
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,
                   lr=2e-3, total_steps=20, save_every=10, keep=3, feature_noise=0.05, log_position_every=0)

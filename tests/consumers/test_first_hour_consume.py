@@ -13,6 +13,8 @@ from dflash.consumers.cli import main
 
 from tests.harness.hub_cache import put_in_hub_cache
 
+pytestmark = pytest.mark.integration
+
 
 def _args(target, runs, *extra):
     return ["--target", str(target), "--runs-dir", str(runs), "--draft-layers", "1", "--target-layers", "1,2",

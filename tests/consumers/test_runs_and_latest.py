@@ -26,6 +26,8 @@ from dflash.protocol.run import make_run_dir, new_run_id, point_latest
 from tests.harness.broker import BrokerProc
 from tests.consumers.test_consume_broker import Consumer
 
+pytestmark = pytest.mark.integration
+
 LAYERS = [1, 2]
 
 

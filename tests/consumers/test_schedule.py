@@ -12,6 +12,8 @@ from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
 from dflash.consumers.train_config import Plan, TrainConfig, choose_plan, lr_at
 
+pytestmark = pytest.mark.unit
+
 PEAK, MIN, NOISE = 1e-3, 1e-5, 0.1
 PLANNED = 50  # samples: the warmup (4%) is the first 2
 

@@ -16,6 +16,8 @@ from dflash.consumers.oom import micro_batches
 from dflash.consumers.staging import CLOSE_WAIT_S, BatchStager
 from dflash.consumers.train import TrainConfig, train
 
+pytestmark = pytest.mark.unit
+
 LAYERS = [1, 2]
 CPU = torch.device("cpu")
 

@@ -14,6 +14,8 @@ from dflash.consumers.step import batch_loss
 from dflash.consumers.target_heads import TargetLoadError, identity_of, load_target_heads
 from tests.harness.families import HEADS, HIDDEN, LAYERS, VOCAB, family_target
 
+pytestmark = pytest.mark.unit
+
 FAMILIES = [("gpt2", None), ("gpt_neox", None), ("falcon", None), ("gpt2", False), ("gpt_neox", True)]
 
 

@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 from tests.harness.tiny import tiny_target
 from dflash.consumers.target_heads import TargetLoadError, load_target_heads
 
+pytestmark = pytest.mark.unit
+
 
 def _reference(folder):
     """All tensors of a checkpoint, read before anything is broken."""

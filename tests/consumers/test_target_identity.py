@@ -23,6 +23,8 @@ from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
 from tests.harness.broker import BrokerProc
 from tests.consumers.test_consume_broker import Consumer  # a dflash-consume process
 
+pytestmark = pytest.mark.integration
+
 LAYERS = [1, 2]
 
 

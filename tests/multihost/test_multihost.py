@@ -18,6 +18,8 @@ from tests.multihost.netns import Hosts, NetnsUnavailable
 
 from dflash.tools.tiny import tiny_target  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 PORT = 5555
 
 

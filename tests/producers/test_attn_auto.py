@@ -17,6 +17,8 @@ from dflash.producers.target import attn_candidates, causal_lm_class, load_targe
 
 from tests.harness.families import family_config, family_target
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 
 

@@ -21,6 +21,8 @@ from tests.producers.helpers import write_jsonl
 from dflash.producers.sample_data import generate_chats
 from dflash.protocol.sockets import free_port_block as _free_ports
 
+pytestmark = pytest.mark.integration
+
 N = 1000
 
 

@@ -8,6 +8,8 @@ import pytest
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import BadRow, Row
 
+pytestmark = pytest.mark.unit
+
 CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is 3 plus 4?"},

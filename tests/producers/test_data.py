@@ -11,6 +11,8 @@ from tests.producers.helpers import chat, write_jsonl
 from dflash.producers.data import BadRow, JsonlSource, build_line_index, open_dataset
 from dflash.protocol.errors import DFlashError
 
+pytestmark = pytest.mark.unit
+
 
 def test_formats_parse_to_the_same_turns(tmp_path):
     rows = [

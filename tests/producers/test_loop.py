@@ -20,6 +20,8 @@ from dflash.protocol import codec
 from dflash.protocol.fp8 import hidden_from_batch
 from dflash.protocol.messages import header
 
+pytestmark = pytest.mark.unit
+
 
 def make(target, tokenizer, path, source, sink, **kw) -> Producer:
     kw.setdefault("token_budget", 256)

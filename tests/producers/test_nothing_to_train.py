@@ -17,6 +17,8 @@ from tests.harness.tiny import tiny_dir
 
 from tests.harness.broker import BrokerProc
 
+pytestmark = pytest.mark.integration
+
 
 def _produce(b: BrokerProc, data: str, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}

@@ -9,6 +9,9 @@ from structlog.testing import capture_logs
 
 from dflash.producers.oom import OomSplitter, bytes_asked
 from dflash.producers.packing import PackedBatch
+import pytest
+
+pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 

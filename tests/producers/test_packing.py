@@ -10,6 +10,8 @@ from dflash.producers.chat import Encoded
 from dflash.producers.packing import PackingError, check_packing, pack, position_ids
 from dflash.producers.target import load_target
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 
 

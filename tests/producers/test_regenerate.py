@@ -13,6 +13,9 @@ from dflash.producers.data import Row
 from dflash.producers.regenerate import RegenCache, Regenerator, cache_key, stop_ids
 from dflash.producers.target import load_target
 from dflash.producers.sample_data import generate_chats
+import pytest
+
+pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 CHAT = [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "7"},

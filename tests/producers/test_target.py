@@ -13,6 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash.producers.target import TargetError, default_layer_ids, load_target, parse_layer_ids
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 
 

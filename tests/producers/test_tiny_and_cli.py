@@ -16,6 +16,8 @@ from dflash.producers.cli import main
 from dflash.producers.sample_data import CHATS_PATH, generate_chats
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
+pytestmark = pytest.mark.integration
+
 
 def test_tiny_target_loads_like_a_checkpoint_and_is_cached(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer

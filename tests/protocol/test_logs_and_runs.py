@@ -7,6 +7,9 @@ import sys
 import textwrap
 
 from dflash.protocol.run import is_run_id, make_run_dir, new_run_id, point_latest, resolve_run
+import pytest
+
+pytestmark = pytest.mark.integration
 
 REQUIRED = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
 

@@ -14,6 +14,8 @@ from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
 
 from dflash.broker.config import BrokerConfig
 
+pytestmark = pytest.mark.integration
+
 
 def test_a_consumer_that_beats_but_never_acks_loses_its_batches_to_another(brokers):
     b = brokers("--ack-timeout-s", "2", "--lease-size", "4")

@@ -17,6 +17,8 @@ from dflash.broker.config import CONTROL_MAX_BYTES, data_in_frame_cap
 from dflash.broker.leases import MAX_OPEN_LEASES
 from dflash.broker.replies import LogGate
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("sock", ["control", "data_in"])
 def test_maxmsgsize_closes_a_connection_that_declares_a_huge_frame(brokers, sock):

@@ -27,6 +27,8 @@ from tests.reliability.chaos_audit import audit
 from tests.reliability.chaos_operator import ROLES, Operator
 from tests.reliability.chaos_pipeline import Pipeline
 
+pytestmark = pytest.mark.integration
+
 LONG = os.environ.get("DFLASH_LONG") == "1"
 KILLS = int(os.environ.get("DFLASH_CHAOS_KILLS", "10" if LONG else "3"))
 N_ROWS = 400 if LONG or KILLS > 3 else 200

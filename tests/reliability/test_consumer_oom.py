@@ -13,6 +13,8 @@ import pytest
 from tests.reliability.chaos_audit import audit
 from tests.reliability.chaos_pipeline import Pipeline
 
+pytestmark = pytest.mark.integration
+
 N_ROWS, EPOCHS = 40, 2
 OOM_ABOVE = 150  # tokens: the chats are 49..148 tokens, so any one fits alone and most pairs do not
 

@@ -28,6 +28,8 @@ from tests.reliability.zmtp_raw import RawZmtp
 
 from dflash.protocol.curve import client_keys
 
+pytestmark = pytest.mark.integration
+
 N_SAMPLES = 40
 
 

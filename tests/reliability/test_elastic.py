@@ -28,6 +28,8 @@ import pytest
 from tests.reliability.chaos_audit import audit
 from tests.reliability.chaos_pipeline import Pipeline
 
+pytestmark = pytest.mark.integration
+
 LONG = os.environ.get("DFLASH_LONG") == "1"
 N_ROWS = 400 if LONG else 320
 EPOCHS = 4 if LONG else 2

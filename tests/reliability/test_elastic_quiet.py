@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from tests.reliability.chaos_pipeline import Pipeline
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT_S = 3
 
 

@@ -20,6 +20,8 @@ from tests.reliability.fuzz_messages import control_message, data_message
 from tests.harness.ledger import committed
 from tests.harness.spawn import COMMITTING, finish, rss_kib, spawn
 
+pytestmark = pytest.mark.integration
+
 LONG = os.environ.get("DFLASH_LONG") == "1"
 N_MESSAGES = 200_000 if LONG else 10_000
 N_SAMPLES = 40

@@ -23,6 +23,8 @@ import pytest
 from tests.reliability.chaos_audit import audit, final_commit
 from tests.reliability.chaos_pipeline import Pipeline
 
+pytestmark = pytest.mark.integration
+
 N_ROWS, EPOCHS = 400, 2  # long enough to stop it mid-training 3 times
 
 

@@ -13,6 +13,8 @@ import sys
 import pytest
 from tests.harness.fakes import FakeConsumer, Rejected
 
+pytestmark = pytest.mark.integration
+
 SIGNAL = {"anchors": 8, "block_size": 4, "target_layers": None, "gamma": 1.0, "draft_layers": 1,
           "mask_token_id": 1, "target": "tiny"}
 

@@ -20,6 +20,8 @@ import pytest
 from tests.reliability.chaos_audit import audit
 from tests.reliability.chaos_pipeline import Pipeline
 
+pytestmark = pytest.mark.integration
+
 N_ROWS, EPOCHS = 96, 2
 TIMEOUT_S = 15  # the restarted consumer must say hello within it while the other is frozen
 DEADLINE_S = 300

@@ -16,6 +16,8 @@ from tests.harness.wait import wait_until
 
 from dflash.broker.leases import epoch_order
 
+pytestmark = pytest.mark.integration
+
 N, EPOCHS, SEED = 60, 2, 7
 ALL = {(e, s) for e in range(EPOCHS) for s in range(N)}
 

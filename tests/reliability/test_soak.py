@@ -16,6 +16,8 @@ import pytest
 
 from tests.harness.spawn import child_env, module_argv
 
+pytestmark = pytest.mark.integration
+
 LONG = os.environ.get("DFLASH_LONG") == "1"
 RUN = LONG or os.environ.get("DFLASH_SOAK") == "1"
 ARGS = (["--minutes", "5", "--kill-every", "20-40", "--rows", "400", "--epochs", "8"] if LONG else

@@ -13,6 +13,9 @@ from tests.harness.spawn import COMMITTING, finish, spawn
 from tests.harness.wait import wait_until
 
 from dflash.tools.status_view import header
+import pytest
+
+pytestmark = pytest.mark.integration
 
 N, EPOCHS = 40, 1
 

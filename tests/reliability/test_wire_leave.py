@@ -14,6 +14,9 @@ from tests.harness.spawn import COMMITTING, finish, spawn
 from tests.harness.wait import wait_until
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping, batch_frames
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_producer_bye_returns_its_leases_at_once_and_its_late_batch_is_stale(brokers):

@@ -10,6 +10,9 @@ import copy
 from tests.status.test_diagnosis import K, consumer, field_run, producer, status
 
 from dflash.broker.diagnosis import HOLD_S, Steady, diagnose
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def _starved():

@@ -14,6 +14,9 @@ from datetime import datetime
 from tests.harness.broker import ask_status
 from tests.status.helpers import rows, status, status_json
 from tests.harness.wait import wait_for
+import pytest
+
+pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 1.5  # the harness starts brokers with --heartbeat-s 0.2 --timeout-s 1.5
 GiB = 1 << 30

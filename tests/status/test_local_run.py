@@ -12,6 +12,9 @@ import sys
 from dflash.tools.runstate import count_errors, tail_events
 from tests.status.helpers import status_json
 from tests.harness.wait import wait_for
+import pytest
+
+pytestmark = pytest.mark.integration
 
 CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.cli import main; main()"
 

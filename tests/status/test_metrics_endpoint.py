@@ -16,6 +16,8 @@ from dflash.protocol.sockets import free_port_block
 from dflash.broker.metrics import render
 from tests.harness.wait import wait_for
 
+pytestmark = pytest.mark.integration
+
 LINE = re.compile(r'^([a-z_]+)(\{(?:[a-z_]+="(?:[^"\\]|\\.)*",?)*\})? (-?[0-9.e+-]+|NaN)$')
 
 

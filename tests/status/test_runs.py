@@ -14,6 +14,9 @@ import sys
 from tests.harness.broker import ask_status
 from tests.status.helpers import rows, status, status_json
 from tests.harness.wait import wait_for
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def _logs(runs_dir, *args) -> subprocess.CompletedProcess:

@@ -14,6 +14,9 @@ import sys
 import time
 
 from tests.harness.wait import wait_for
+import pytest
+
+pytestmark = pytest.mark.integration
 
 CLEAR = b"\x1b[H\x1b[2J"
 

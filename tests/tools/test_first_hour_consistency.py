@@ -12,6 +12,9 @@ import sys
 from click.testing import CliRunner
 
 from dflash.tools.tiny import tiny_target
+import pytest
+
+pytestmark = pytest.mark.integration
 
 CLEAN = {k: None for k in os.environ if k.startswith("DFLASH_")}
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 SCRIPTS = {ep.name: ep.value for ep in distribution("dflash-pipeline").entry_points if ep.group == "console_scripts"}
 # export and eval load models in the same module as their options (not split yet)
 LIGHT = sorted(set(SCRIPTS) - {"dflash-export", "dflash-eval"})
