@@ -4,7 +4,8 @@
 Every line carries ts, level, event, run_id, role, instance, host, pid (and gpu where the
 process has one). Lines logged before the run ID is known (before the broker's welcome)
 are held in a bounded buffer and written to the run file, stamped with the run ID, once
-`bind_run` is called; if the process never joins a run they only reach stdout.
+`bind_run` is called; if the process never joins a run, or logs after `close_logging`, they
+only reach stdout.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ class _RunFile:
         self.path: Path | None = None
         self.run_id: str | None = None
         self.pending: deque[dict] = deque(maxlen=_PENDING_MAX)
+        self.closed = False  # the run is over: later lines are not the next run's
 
     def write(self, ev: dict) -> None:
         with self.lock:
             if self.file is None:
-                self.pending.append(ev)
+                if not self.closed:
+                    self.pending.append(ev)
             else:
                 self.file.write(_dumps(ev) + "\n")
                 self.file.flush()
@@ -53,7 +56,7 @@ class _RunFile:
             # "a": a peer restarted within the same run continues its own file; a new run
             # always has a new folder, so two runs never share a file.
             self.file = open(path, "a", buffering=1)
-            self.path, self.run_id = path, run_id
+            self.path, self.run_id, self.closed = path, run_id, False
             for ev in self.pending:
                 ev["run_id"] = run_id
                 self.file.write(_dumps(ev) + "\n")
@@ -64,6 +67,16 @@ class _RunFile:
             if self.file is not None:
                 self.file.close()
                 self.file = None
+            self.pending.clear()
+            self.closed = True
+
+    def reset(self) -> None:
+        """A new configuration starts with nothing held from an earlier one in this
+        process (a run made in-process, as tests and embedders do, after another)."""
+        with self.lock:
+            self.close()
+            self.path = self.run_id = None
+            self.closed = False
 
 
 _run_file = _RunFile()
@@ -106,6 +119,7 @@ def _render_stdout(_logger, _method, ev: dict) -> str:
 def setup_logging(role: str, instance: str, *, gpu: int | None = None, level: str = "info", stream=None) -> None:
     """Configure structlog for this process. Call once at start, before logging."""
     stream = stream or sys.stdout
+    _run_file.reset()
     _static.clear()
     _static.update(role=role, instance=instance, host=socket.gethostname(), pid=os.getpid())
     if gpu is not None:

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 DEMO = [sys.executable, "-m", "dflash.tools.demo"]
 
 

@@ -30,6 +30,8 @@ from dflash.tools import eval as dflash_eval
 from dflash.tools.families import WINDOW, build, tiny_config
 from dflash.tools.tiny import build_tokenizer
 
+pytestmark = pytest.mark.unit
+
 # (family, tied embeddings): the 16, each as its real checkpoints usually come
 MATRIX = [("qwen3", False), ("qwen3_moe", False), ("qwen2", False), ("qwen2_sliding", False), ("llama", True),
           ("llama", False), ("mistral", False), ("gemma2", False), ("gemma3", False), ("phi3", False),

@@ -25,6 +25,9 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "LOGS.md"

@@ -3,8 +3,11 @@ a module added, removed or renamed without the map fails here."""
 
 from __future__ import annotations
 
+import pytest
 import re
 from pathlib import Path
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("broker", "producers", "consumers", "protocol", "tools")

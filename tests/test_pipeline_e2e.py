@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from dflash.protocol.sockets import free_port_block as _free_port_block
 
+pytestmark = pytest.mark.integration
+
 N_ROWS = 120  # chats per epoch: enough steps for the loss to move, small enough for 2 cores
 EPOCHS = 2
 STEP_FIELDS = ("step", "loss", "acc", "streak", "lr", "noise", "tokens_per_s", "batches_per_s", "queue",

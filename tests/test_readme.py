@@ -20,18 +20,17 @@ import re
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "broker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from broker_harness import free_port_block  # noqa: E402
-from hub_cache import put_in_hub_cache  # noqa: E402
+from dflash.protocol.sockets import free_port_block
+from tests.harness.hub_cache import put_in_hub_cache
 
 from dflash.tools.tiny import tiny_target  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 N_ROWS, EPOCHS = 40, 6

@@ -25,7 +25,7 @@ from dflash.producers.target import load_target
 from dflash.protocol.targets import load_tokenizer
 from dflash.tools import real_target
 
-pytestmark = pytest.mark.real_target
+pytestmark = [pytest.mark.real_target, pytest.mark.unit]
 LONG = os.environ.get("DFLASH_LONG") == "1"
 
 CHATS = [

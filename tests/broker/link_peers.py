@@ -1,9 +1,9 @@
 """A minimal producer and consumer on the project's own client, `protocol.peer.PeerLink`
-(tiny tensors, no model), run as processes by test_broker_peerlink.py:
+(tiny tensors, no model), run as processes by test_peerlink.py:
 
-    python tests/broker/link_peers.py producer BROKER RUNS_DIR N_SAMPLES
-    python tests/broker/link_peers.py consumer BROKER RUNS_DIR [IO_THREADS]
-    python tests/broker/link_peers.py hold BROKER RUNS_DIR N_SAMPLES INBOX_BYTES
+    python -m tests.broker.link_peers producer BROKER RUNS_DIR N_SAMPLES
+    python -m tests.broker.link_peers consumer BROKER RUNS_DIR [IO_THREADS]
+    python -m tests.broker.link_peers hold BROKER RUNS_DIR N_SAMPLES INBOX_BYTES
 
 Exit 0 after a clean end of stream; the consumer prints one JSON line with what it got.
 """

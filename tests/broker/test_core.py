@@ -23,6 +23,8 @@ from dflash.broker.core import BrokerCore, Phase
 from dflash.broker.inbound import Batch, Bye, Credit
 from dflash.broker.leases import epoch_order
 
+pytestmark = pytest.mark.unit
+
 RUN = "run-core-test"
 N = 8  # samples in the dataset
 PORTS = (7000, 7009)

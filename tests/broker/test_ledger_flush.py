@@ -13,6 +13,8 @@ from dflash.broker import ledger as ledger_mod
 from dflash.broker.dispatch import QueuedBatch
 from dflash.broker.ledger import Ledger
 
+pytestmark = pytest.mark.unit
+
 
 def _transitions(led: Ledger, seed: int, flush_each: bool = False) -> None:
     """A random run's worth of moves: leases, arrivals, deliveries, losses and acks, in

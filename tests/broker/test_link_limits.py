@@ -18,12 +18,14 @@ import pytest
 import torch
 import zmq
 
-from broker_harness import BrokerProc
+from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
 from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.messages import header
 from dflash.protocol.peer import PeerLink
+
+pytestmark = pytest.mark.integration
 
 LIMIT = 4096
 CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": 8, "fingerprint": "x"}}

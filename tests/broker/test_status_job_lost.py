@@ -8,10 +8,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from broker_fakes import FakeConsumer, FakeProducer
-from test_broker_job_lost import _one_batch_each
+from tests.harness.fakes import FakeConsumer, FakeProducer
+from tests.broker.test_job_lost import _one_batch_each
 
 from dflash.tools.status_view import header
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_lost_job_is_not_running_has_no_eta_and_says_resume(start_broker):

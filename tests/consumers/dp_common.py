@@ -2,7 +2,7 @@
 
 import torch
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.batch import Batch
 from dflash.consumers.train import TrainConfig
 

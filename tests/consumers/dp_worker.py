@@ -1,6 +1,6 @@
 """One data-parallel consumer rank, run as its own process by test_drafter_dp.py.
 
-usage: dp_worker.py TARGET_DIR OUT_DIR RANK WORLD_SIZE PORT
+usage: python -m tests.consumers.dp_worker TARGET_DIR OUT_DIR RANK WORLD_SIZE PORT
 Trains on this rank's batches (dp_batches) over a real gloo TCP rendezvous and writes
 its flattened parameters and gradients after every step to OUT_DIR/rank<R>.safetensors.
 """
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
-from dp_common import CFG, rank_batches
+from tests.consumers.dp_common import CFG, rank_batches
 from dflash.consumers.dist import Dist
 from dflash.consumers.target_heads import load_target_heads
 from dflash.consumers.train import Hooks, train

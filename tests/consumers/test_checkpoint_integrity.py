@@ -11,12 +11,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import CheckpointDamaged, verify_checkpoint
 from dflash.consumers.export import export_checkpoint, load_exported
 from dflash.consumers.export import main as export_main
 from dflash.consumers.finite import NonFiniteStep
 from dflash.consumers.train import Hooks, TrainConfig, train
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,

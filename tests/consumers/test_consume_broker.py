@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
-from broker_fakes import FakeProducer  # noqa: E402  (a hand-written producer, from PROTOCOL.md)
-from broker_harness import BrokerProc  # noqa: E402
+from tests.harness.fakes import FakeProducer  # a hand-written producer, from PROTOCOL.md
+from tests.harness.broker import BrokerProc
+
+pytestmark = pytest.mark.integration
 
 
 class Consumer:
@@ -128,7 +129,9 @@ def test_refused_or_lost_broker_exits_1_with_the_reason(target_dir, tmp_path):
         refused = Consumer(b, target_dir, tmp_path / "refused.out", "--instance", "r",
                            "--run-id", "20200101T000000Z-dead")
         lost = Consumer(b, target_dir, tmp_path / "lost.out", "--instance", "l")
-        code, out = refused.wait(60)
+        # Both consumers start at once and each imports torch and transformers (about
+        # 10 s of CPU): a deadline for a hang, with room for a loaded 2-core machine.
+        code, out = refused.wait(180)
         assert code == 1
         assert _last_line(out).startswith("error: broker rejected us: run '20200101T000000Z-dead' is not the run")
         assert "[run_mismatch]" in _last_line(out)

@@ -9,8 +9,10 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
+
+pytestmark = pytest.mark.integration
 
 STEP_FIELDS = ("step", "loss", "acc", "streak", "lr", "noise", "tokens_per_s", "batches_per_s", "queue",
                "epoch", "eta_s")
@@ -78,10 +80,17 @@ def test_sigterm_finishes_the_step_and_writes_a_final_checkpoint(target_dir, tmp
     p = subprocess.Popen([sys.executable, "-c", code, *_args(target_dir, runs, "--synthetic-batches", "100000",
                                                              "--save-every", "0")],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    for line in p.stdout:  # wait for training to be under way
-        if '"train.step"' in line and '"step": 3' in line or time.monotonic() > deadline:
+    # Wait for training to be under way: a SIGTERM before the handler is set kills the
+    # process (-15), which is not what this checks. A deadline for a hang, with room for
+    # a loaded machine (the imports alone take seconds of CPU).
+    deadline, seen = time.monotonic() + 180, []
+    for line in p.stdout:
+        seen.append(line)
+        if '"train.step"' in line and '"step": 3' in line:
             break
+        if time.monotonic() > deadline:
+            p.kill()
+            pytest.fail("no train.step 3 within 180 s: " + "".join(seen)[-2000:])
     p.send_signal(signal.SIGTERM)
     out = p.stdout.read()
     assert p.wait(timeout=60) == 0, out[-2000:]

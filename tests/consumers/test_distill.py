@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.batch import Batch, BatchMismatch
 from dflash.consumers.loss import ChunkedCE
 from dflash.consumers.target_heads import load_target_heads
@@ -22,6 +22,8 @@ from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import header
 from dflash.protocol.targets import load_tokenizer
 from dflash.tools.tiny import tiny_target
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])

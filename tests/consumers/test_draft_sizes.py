@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import export_checkpoint, load_exported
 from dflash.consumers.train import TrainConfig, train
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 

@@ -2,18 +2,18 @@
 
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from structlog.testing import capture_logs
 
-from dp_common import CFG, rank_batches, union
+from tests.consumers.dp_common import CFG, rank_batches, union
+from tests.harness.spawn import child_env, module_argv
 from dflash.consumers.train import Hooks, train
 
-HERE = Path(__file__).parent
+pytestmark = pytest.mark.integration
+
 
 
 def _free_port() -> int:
@@ -25,8 +25,9 @@ def _free_port() -> int:
 @pytest.mark.timeout(240)
 def test_two_ranks_stay_identical_and_equal_single_process_on_the_union(heads, target_dir, tmp_path):
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(target_dir), str(tmp_path),
-                               str(rank), "2", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(module_argv("tests.consumers.dp_worker", str(target_dir), str(tmp_path), str(rank), "2",
+                                          str(port)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=child_env())
              for rank in (0, 1)]
     for p in procs:
         out, _ = p.communicate(timeout=180)

@@ -23,7 +23,9 @@ from dflash.consumers.train import TrainConfig, train
 from dflash.producers.target import load_target
 from dflash.tools.eval import Prompt, evaluate, prompt_ids, stop_ids
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
-from eval_helpers import epochs, regenerated_batches, sample_chats
+from tests.consumers.eval_helpers import epochs, regenerated_batches, sample_chats
+
+pytestmark = pytest.mark.unit
 
 LONG = os.environ.get("DFLASH_LONG") == "1"
 B, NEW_TOKENS = 8, (48 if LONG else 32)

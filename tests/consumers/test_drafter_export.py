@@ -10,10 +10,12 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import ExportError, export_checkpoint, load_exported, main
 from dflash.consumers.train import TrainConfig, train
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 DRAFT_LAYERS = 5  # the paper's drafter depth: 5 layers -> 58 tensors, as published

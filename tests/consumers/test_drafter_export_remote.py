@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers import hf_dflash
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.export import export_checkpoint, load_exported, main
 from dflash.consumers.train import TrainConfig, train
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 B = 4

@@ -5,12 +5,15 @@ work, and the attention masks the step builds for the attended keys."""
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.blocks import _seq_mask
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.flops import StepShape, step_flops, step_shape
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss, make_layout
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS, B, ANCHORS, SEED = [1, 2], 4, 6, 3
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm"}

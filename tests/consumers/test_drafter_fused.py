@@ -6,11 +6,13 @@ import shutil
 import pytest
 import torch
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers import fused
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss
+
+pytestmark = pytest.mark.unit
 
 LAYERS, B = [1, 2], 4
 

@@ -5,10 +5,13 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.train import TrainConfig, train
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS, B, STEPS = [1, 2], 4, 300
 

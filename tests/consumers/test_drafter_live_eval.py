@@ -3,9 +3,12 @@ held-out simulated acceptance, rising as the drafter learns, equal to an offline
 
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, rule_batch
+from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.live_eval import eval_hook, simulated_acceptance
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS, B, STEPS, EVERY = [1, 2], 4, 120, 40
 

@@ -7,6 +7,9 @@ import torch.nn.functional as F
 
 from dflash.consumers.blocks import anchor_seed, build_layout, sample_anchors
 from dflash.consumers.loss import ChunkedCE, block_loss, default_gamma, position_weights
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_anchors_are_response_tokens_that_leave_room_for_a_block():

@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DecoderLayer, DFlashDraft, DrafterConfig
 from dflash.consumers.step import draft_states
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 B = 4

@@ -13,11 +13,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
 from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
 from dflash.protocol.memory import bytes_asked
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,

@@ -31,6 +31,8 @@ from dflash.consumers.train import TrainConfig, _prepare, resolve_signal
 from dflash.producers.target import load_target
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
+pytestmark = pytest.mark.unit
+
 B, NEW = 8, 28
 PROMPTS = ("Count from 3 to 9.", "What is 4 plus 7?")
 

@@ -7,10 +7,13 @@ import numpy as np
 from safetensors.numpy import load_file
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.record import FILE, TrainedRecord
 from dflash.consumers.train import Hooks, TrainConfig, train
 from dflash.protocol.run import make_run_dir, new_run_id
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,

@@ -8,10 +8,12 @@ import torch
 from safetensors.torch import load_file
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import SignalMismatch, resolve_checkpoint
 from dflash.consumers.train import Hooks, TrainConfig, train
 from dflash.protocol.run import make_run_dir, new_run_id
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,

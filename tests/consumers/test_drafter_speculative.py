@@ -18,6 +18,8 @@ from dflash.producers.target import load_target
 from dflash.tools.eval import Prompt, main, prompt_report, summarise
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
+pytestmark = pytest.mark.unit
+
 B = 8
 FAMILIES = [("qwen3", False), ("llama", True)]
 

@@ -3,9 +3,12 @@
 import torch
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, batch_message, random_batch
+from tests.harness.tiny import MASK_ID, batch_message, random_batch
 from dflash.consumers.batch import Batch
 from dflash.consumers.train import Hooks, TrainConfig, train
+import pytest
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 

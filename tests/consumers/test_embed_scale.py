@@ -20,7 +20,9 @@ from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.speculative import propose
 from dflash.consumers.step import draft_states
 from dflash.consumers.target_heads import embed_block, load_target_heads
-from family_targets import HIDDEN, VOCAB, family_target
+from tests.harness.families import HIDDEN, VOCAB, family_target
+
+pytestmark = pytest.mark.unit
 
 B, LAYERS, MASK = 6, [0, 1, 2], VOCAB - 1
 

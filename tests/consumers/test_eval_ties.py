@@ -14,6 +14,8 @@ from dflash.producers.decode import TIE_TOLERANCE
 from dflash.tools.eval import Prompt, format_report, main, prompt_report, resolve_tie_tolerance, summarise
 from dflash.tools.families import tiny_model
 
+pytestmark = pytest.mark.unit
+
 B = 4
 
 

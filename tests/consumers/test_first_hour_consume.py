@@ -3,17 +3,17 @@ as --target, --device like the producer's, a default instance name of its own pe
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hub_cache import put_in_hub_cache  # noqa: E402
+from tests.harness.hub_cache import put_in_hub_cache
+
+pytestmark = pytest.mark.integration
 
 
 def _args(target, runs, *extra):

@@ -20,6 +20,8 @@ import pytest
 from dflash.protocol.sockets import free_port_block
 from dflash.tools.procs import ProcessGroup
 
+pytestmark = pytest.mark.integration
+
 N_ROWS, EPOCHS, EVERY, B, PROMPTS, NEW, REGEN_NEW = 48, 2, 4, 4, 3, 16, 24
 
 

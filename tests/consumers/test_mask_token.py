@@ -17,6 +17,8 @@ from dflash.producers.target import load_target
 from dflash.protocol.targets import load_tokenizer
 from dflash.tools.tiny import tiny_target
 
+pytestmark = pytest.mark.unit
+
 # family, tied, extra embedding rows past the tokenizer, the rule that must pick the row
 CASES = [("llama", True, 0, "reserved"), ("qwen3", False, 64, "beyond_tokenizer"), ("gemma", True, 0, "tokenizer_mask")]
 

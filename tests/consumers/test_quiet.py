@@ -11,6 +11,9 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler
 
 from dflash.consumers.quiet import quiet_library_noise
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 class _Handler(BaseHTTPRequestHandler):

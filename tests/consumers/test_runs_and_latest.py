@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,16 +16,17 @@ import torch
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import save_checkpoint, step_dirs
 from dflash.consumers.cli import main
 from dflash.consumers.link import RunConfigMismatch, resume_point
 from dflash.consumers.train import TrainConfig, train
 from dflash.protocol.run import make_run_dir, new_run_id, point_latest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
-from broker_harness import BrokerProc  # noqa: E402
-from test_consume_broker import Consumer  # noqa: E402
+from tests.harness.broker import BrokerProc
+from tests.consumers.test_consume_broker import Consumer
+
+pytestmark = pytest.mark.integration
 
 LAYERS = [1, 2]
 

@@ -8,9 +8,11 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from consumer_helpers import MASK_ID
+from tests.harness.tiny import MASK_ID
 from dflash.consumers.cli import main
 from dflash.consumers.train_config import Plan, TrainConfig, choose_plan, lr_at
+
+pytestmark = pytest.mark.unit
 
 PEAK, MIN, NOISE = 1e-3, 1e-5, 0.1
 PLANNED = 50  # samples: the warmup (4%) is the first 2

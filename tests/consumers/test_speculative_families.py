@@ -10,6 +10,8 @@ from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.speculative import Speculative, TargetGreedy
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
+pytestmark = pytest.mark.unit
+
 B, NEW = 4, 30
 
 

@@ -10,11 +10,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, batch_message, random_batch
+from tests.harness.tiny import MASK_ID, batch_message, random_batch
 from dflash.consumers.batch import Batch
 from dflash.consumers.oom import micro_batches
 from dflash.consumers.staging import CLOSE_WAIT_S, BatchStager
 from dflash.consumers.train import TrainConfig, train
+
+pytestmark = pytest.mark.unit
 
 LAYERS = [1, 2]
 CPU = torch.device("cpu")

@@ -7,12 +7,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from consumer_helpers import random_batch
+from tests.harness.tiny import random_batch
 from dflash.consumers.checkpoint import Signal
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss
 from dflash.consumers.target_heads import TargetLoadError, identity_of, load_target_heads
-from family_targets import HEADS, HIDDEN, LAYERS, VOCAB, family_target
+from tests.harness.families import HEADS, HIDDEN, LAYERS, VOCAB, family_target
+
+pytestmark = pytest.mark.unit
 
 FAMILIES = [("gpt2", None), ("gpt_neox", None), ("falcon", None), ("gpt2", False), ("gpt_neox", True)]
 

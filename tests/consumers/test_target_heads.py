@@ -6,8 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from consumer_helpers import tiny_target
+from tests.harness.tiny import tiny_target
 from dflash.consumers.target_heads import TargetLoadError, load_target_heads
+
+pytestmark = pytest.mark.unit
 
 
 def _reference(folder):

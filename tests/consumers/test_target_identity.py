@@ -6,25 +6,24 @@ and checked by dflash-eval; token IDs outside the vocabulary are refused naming 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, batch_message, random_batch, tiny_target
+from tests.harness.tiny import MASK_ID, batch_message, random_batch, tiny_target
 from dflash.consumers.batch import BatchMismatch
 from dflash.consumers.export import ExportError, check_drafter_target, export_checkpoint
 from dflash.consumers.link import RunConfigMismatch, check_run_target
 from dflash.consumers.target_heads import identity_of, load_target_heads
 from dflash.consumers.train import TrainConfig, train
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
-from broker_fakes import FakeConsumer, FakeProducer, Rejected  # noqa: E402
-from broker_harness import BrokerProc  # noqa: E402
-from test_consume_broker import Consumer  # noqa: E402  (a dflash-consume process)
+from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
+from tests.harness.broker import BrokerProc
+from tests.consumers.test_consume_broker import Consumer  # a dflash-consume process
+
+pytestmark = pytest.mark.integration
 
 LAYERS = [1, 2]
 

@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from dflash.consumers.cli import main
 from dflash.tools.tiny import tiny_target
 
+pytestmark = pytest.mark.unit
+
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                         reason="the tensorboard extra is not installed")
 

@@ -8,6 +8,9 @@ import torch
 from structlog.testing import capture_logs
 
 from dflash.consumers.train import auto_compiles
+import pytest
+
+pytestmark = pytest.mark.unit
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
 

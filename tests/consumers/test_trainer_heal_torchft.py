@@ -11,8 +11,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from consumer_helpers import MASK_ID, random_batch
+from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.train import Hooks, TrainConfig, train
+
+pytestmark = pytest.mark.integration
 
 pytest.importorskip("torchft")
 

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from dflash.consumers.cli import main
 from dflash.tools.tiny import tiny_target
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("wandb", reason="the wandb extra is not installed")
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns import Hosts, NetnsUnavailable  # noqa: E402
+from tests.multihost.netns import Hosts, NetnsUnavailable
 
 from dflash.tools.tiny import tiny_target  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 PORT = 5555
 

@@ -4,8 +4,6 @@ CPU and it packs; GPT-OSS has no sdpa, its eager masks ignore position IDs (a le
 flex refuses its attention sinks on CPU, so auto runs one sequence per forward pass, with
 a warning, never a silent leak."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,9 @@ from dflash.producers.packing import PackingError, check_packing
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.target import attn_candidates, causal_lm_class, load_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "consumers"))
-from family_targets import family_config, family_target  # noqa: E402
+from tests.harness.families import family_config, family_target
+
+pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 

@@ -9,6 +9,8 @@ from dflash.producers.decode import (Core, GreedyDecoder, divergence, greedy_gen
                                      layer_windows)
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
+pytestmark = pytest.mark.unit
+
 NEW = 20
 
 

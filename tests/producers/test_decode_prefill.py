@@ -10,6 +10,8 @@ import torch
 from dflash.producers.decode import Core, GreedyDecoder
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
+pytestmark = pytest.mark.unit
+
 NEW = 12
 
 

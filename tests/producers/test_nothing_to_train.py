@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from producer_helpers import chat, tiny_dir, write_jsonl
+from tests.producers.helpers import chat, write_jsonl
+from tests.harness.tiny import tiny_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "broker"))
-from broker_harness import BrokerProc  # noqa: E402
+from tests.harness.broker import BrokerProc
+
+pytestmark = pytest.mark.integration
 
 
 def _produce(b: BrokerProc, data: str, *extra: str) -> subprocess.CompletedProcess:

@@ -12,9 +12,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
-from producer_helpers import chat, tiny_dir, write_jsonl
+from tests.harness.tiny import tiny_dir
+from tests.producers.helpers import chat, write_jsonl
 
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row, open_dataset
@@ -22,6 +24,8 @@ from dflash.producers.producer import LocalWorkSource, Producer
 from dflash.producers.regen_ahead import Claims, RegenAhead
 from dflash.producers.regenerate import RegenCache, Regenerator, cache_key
 from dflash.producers.target import load_target
+
+pytestmark = pytest.mark.integration
 
 CPU = torch.device("cpu")
 NEW = 12

@@ -24,6 +24,8 @@ import torch
 from dflash.protocol.sockets import free_port_block
 from dflash.tools.procs import ProcessGroup
 
+pytestmark = pytest.mark.integration
+
 # A drafter deep and wide enough to train slower than the regeneration thread makes rows on
 # CPU (and the regeneration outlasting the drafter's start): then nothing should starve it.
 N_ROWS, LEASE, NEW, REGEN_ROWS = 96, 4, 16, 64

@@ -22,6 +22,8 @@ from dflash.producers.target import load_target
 from dflash.protocol.sockets import free_port_block
 from dflash.tools.families import build, tiny_config
 
+pytestmark = pytest.mark.integration
+
 WORKER = Path(__file__).with_name("shard_capture_worker.py")
 LAYERS = [0, 1, 2]
 

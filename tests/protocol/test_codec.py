@@ -15,6 +15,8 @@ from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import header
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def pair():

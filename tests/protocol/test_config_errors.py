@@ -9,6 +9,9 @@ from click.testing import CliRunner
 
 from dflash.broker.cli import main as broker_main
 from dflash.producers.cli import main as produce_main
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def _clean_env(monkeypatch):

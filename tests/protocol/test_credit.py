@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dflash.protocol.credit import CreditWindow
+import pytest
+
+pytestmark = pytest.mark.unit
 
 MIB = 1 << 20
 

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from dflash.protocol.config import SHARED_ENV
 from dflash.tools import clidoc
 
+pytestmark = pytest.mark.unit
+
 
 def _envvars(cmd: click.Command) -> set[str]:
     out = set()

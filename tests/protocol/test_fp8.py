@@ -5,6 +5,8 @@ from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8, hidden_from_batch
 
+pytestmark = pytest.mark.unit
+
 
 def test_fp8_rowscale_roundtrip_error_is_small_and_relative():
     torch.manual_seed(0)

@@ -4,10 +4,13 @@ at once with that signal, and the broker's form only counts."""
 
 from __future__ import annotations
 
+import pytest
 import signal
 import subprocess
 import sys
 import textwrap
+
+pytestmark = pytest.mark.integration
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time

@@ -14,6 +14,8 @@ from structlog.testing import capture_logs
 from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.peer import PeerLink
 
+pytestmark = pytest.mark.integration
+
 RUN = "20261130T000000Z-abcd"
 
 

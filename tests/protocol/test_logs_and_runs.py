@@ -7,6 +7,9 @@ import sys
 import textwrap
 
 from dflash.protocol.run import is_run_id, make_run_dir, new_run_id, point_latest, resolve_run
+import pytest
+
+pytestmark = pytest.mark.integration
 
 REQUIRED = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
 
@@ -74,3 +77,37 @@ def test_two_runs_never_share_a_log_file(tmp_path):
     assert f1 != f2
     assert {json.loads(l)["run_id"] for l in f1.read_text().splitlines()} == {r1}
     assert {json.loads(l)["run_id"] for l in f2.read_text().splitlines()} == {r2}
+
+
+def test_lines_of_a_closed_run_never_reach_the_next_runs_file(tmp_path):
+    """Two runs made one after the other in one process (as CliRunner tests do): a line
+    logged after the first run's close_logging (a direct train() call, say) stayed in the
+    buffer of lines before any run and was written into the second run's file."""
+    code = textwrap.dedent(f"""
+        import io
+        from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+        log = get_logger()
+        setup_logging("consumer", "a", stream=io.StringIO())
+        bind_run({new_run_id(1_700_000_000)!r}, {str(tmp_path)!r})
+        log.info("test.in_first")
+        close_logging()
+        log.info("test.after_first")  # reaches stdout only: no run is open
+        setup_logging("consumer", "b", stream=io.StringIO())
+        log.info("test.held")  # before the run is known: held for its file
+        bind_run({new_run_id(1_700_000_500)!r}, {str(tmp_path)!r})
+        log.info("test.in_second")
+        close_logging()
+        # a configuration made anew also drops what an earlier one held unbound
+        setup_logging("consumer", "c", stream=io.StringIO())
+        log.info("test.never_bound")
+        setup_logging("consumer", "c", stream=io.StringIO())
+        bind_run({new_run_id(1_700_001_000)!r}, {str(tmp_path)!r})
+        log.info("test.in_third")
+        close_logging()
+    """)
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    events = {}
+    for f in sorted(tmp_path.glob("*/logs/*.jsonl")):
+        events[f.name] = [json.loads(l)["event"] for l in f.read_text().splitlines()]
+    assert events == {"consumer-a.jsonl": ["test.in_first"], "consumer-b.jsonl": ["test.held", "test.in_second"],
+                      "consumer-c.jsonl": ["test.in_third"]}

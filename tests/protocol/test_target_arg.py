@@ -16,6 +16,8 @@ from dflash.producers.cli import main as produce_main
 from dflash.tools.eval import main as eval_main
 from dflash.tools.tiny import tiny_target
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):

@@ -19,7 +19,7 @@ import random
 import time
 from collections import Counter
 
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_pipeline import Pipeline
 
 ROLES = ("broker", "producer", "consumer")
 

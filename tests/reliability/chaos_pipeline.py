@@ -15,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "broker"))
 
-from broker_harness import ask_status, free_port_block  # noqa: E402
+from tests.harness.broker import ask_status
+from dflash.protocol.sockets import free_port_block
 
 N_OUT = 8  # data-out ports: rotated through as consumers come and go
 

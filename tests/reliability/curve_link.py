@@ -1,6 +1,6 @@
 """The project's own client (protocol.peer.PeerLink) over CurveZMQ, as a process:
 
-    python tests/reliability/curve_link.py BROKER RUNS_DIR KEYS NAME
+    python -m tests.reliability.curve_link BROKER RUNS_DIR KEYS NAME
 
 Prints one JSON line: {"run": ..., "lease": n} after a handshake and one lease, or
 {"error": "<exception type>", "message": ...} if it could not join.

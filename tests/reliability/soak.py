@@ -15,8 +15,8 @@ record (chaos_audit.py): no committed sample missing from the final weights, non
 or committed twice; after a completed run, every (epoch, sample) trained exactly once. The
 final checkpoint is exported and loaded back (dflash-export, load_exported).
 
-    python tests/reliability/soak.py --minutes 30            # the long form, by hand
-    python tests/reliability/soak.py --minutes 3 --finish    # a short one
+    python -m tests.reliability.soak --minutes 30            # the long form, by hand
+    python -m tests.reliability.soak --minutes 3 --finish    # a short one
 
 The last line on stdout is a JSON summary (`ok`, lost, duplicated, kills and restarts by
 role, samples trained, checkpoint_load_ok, ...); the exit status is 0 only when `ok`.
@@ -36,13 +36,10 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "broker"))
 
-from chaos_audit import audit  # noqa: E402
-from chaos_operator import ROLES, Operator, progress  # noqa: E402
-from chaos_pipeline import Pipeline  # noqa: E402
+from tests.reliability.chaos_audit import audit
+from tests.reliability.chaos_operator import ROLES, Operator, progress
+from tests.reliability.chaos_pipeline import Pipeline
 
 BUNDLED_ROWS = 400  # chats bundled with the producer (dflash/producers/sample_data)
 # Epochs per soak minute: generous, so that the chaos phase never runs out of data on a fast

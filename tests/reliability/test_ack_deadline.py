@@ -2,7 +2,7 @@
 its batches forever and blocked end of stream. Now a consumer holding delivered batches
 that acks none within --ack-timeout-s is declared lost (`broker.ack_overdue`), its batches
 go back to the queue, and another consumer trains them. The misbehaving client is a raw
-one from broker_fakes.py: it takes batches and keeps beating."""
+one from tests/harness/fakes.py: it takes batches and keeps beating."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import time
 
 import msgpack
 import pytest
-from broker_fakes import FakeConsumer, FakeProducer, Rejected
+from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
 
 from dflash.broker.config import BrokerConfig
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_consumer_that_beats_but_never_acks_loses_its_batches_to_another(brokers):

@@ -8,13 +8,16 @@ from __future__ import annotations
 import time
 
 import pytest
-from reliability_helpers import rss_kib, wait_until
-from zmtp_raw import RawZmtp
+from tests.harness.spawn import rss_kib
+from tests.harness.wait import wait_until
+from tests.reliability.zmtp_raw import RawZmtp
 
-from broker_fakes import FakeConsumer, FakeProducer, Pumping, Rejected, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping, Rejected, batch_frames
 from dflash.broker.config import CONTROL_MAX_BYTES, data_in_frame_cap
 from dflash.broker.leases import MAX_OPEN_LEASES
 from dflash.broker.replies import LogGate
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("sock", ["control", "data_in"])

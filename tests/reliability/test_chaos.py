@@ -23,9 +23,11 @@ import random
 import time
 
 import pytest
-from chaos_audit import audit
-from chaos_operator import ROLES, Operator
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_audit import audit
+from tests.reliability.chaos_operator import ROLES, Operator
+from tests.reliability.chaos_pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
 
 LONG = os.environ.get("DFLASH_LONG") == "1"
 KILLS = int(os.environ.get("DFLASH_CHAOS_KILLS", "10" if LONG else "3"))

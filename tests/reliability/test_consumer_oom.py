@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from chaos_audit import audit
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_audit import audit
+from tests.reliability.chaos_pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
 
 N_ROWS, EPOCHS = 40, 2
 OOM_ABOVE = 150  # tokens: the chats are 49..148 tokens, so any one fits alone and most pairs do not

@@ -18,13 +18,17 @@ import random
 import msgpack
 import pytest
 import zmq
-from broker_harness import broker_procs
-from fuzz_messages import batch
-from reliability_helpers import (CurveBrokerProc, committed, curve_dealer, curve_status, finish, rss_kib, spawn,
-                                 wait_until)
-from zmtp_raw import RawZmtp
+from tests.harness.broker import broker_procs
+from tests.reliability.fuzz_messages import batch
+from tests.harness.curve import CurveBrokerProc, curve_dealer, curve_status
+from tests.harness.ledger import committed
+from tests.harness.spawn import COMMITTING, child_env, finish, module_argv, rss_kib, spawn
+from tests.harness.wait import wait_until
+from tests.reliability.zmtp_raw import RawZmtp
 
 from dflash.protocol.curve import client_keys
+
+pytestmark = pytest.mark.integration
 
 N_SAMPLES = 40
 
@@ -67,7 +71,7 @@ def test_only_authorised_keys_connect_send_or_read(curve_broker, keys):
         assert _silent(s, 2.0), f"the broker answered {name or 'a plain client'}"
         s.close()
 
-    cons = spawn("consumer", b, "--instance", "c", "--train-s", "0.05", "--curve-keys", str(keys),
+    cons = spawn(COMMITTING, "consumer", b, "--instance", "c", "--train-s", "0.05", "--curve-keys", str(keys),
                  "--curve-name", "good-c")
     row = wait_until(lambda: [r for r in (b.ask() or {}).get("peers", []) if r["instance"] == "c"], 20, "consumer")
     # data out: an intruder PULL on the consumer's own pipe would get every other batch
@@ -80,7 +84,7 @@ def test_only_authorised_keys_connect_send_or_read(curve_broker, keys):
     reader = threading.Thread(target=_drain, args=(thief, stolen, stop), daemon=True)
     reader.start()
     time.sleep(0.3)
-    prod = spawn("producer", b, "--instance", "p", "--n-samples", str(N_SAMPLES), "--delay-s", "0.01",
+    prod = spawn(COMMITTING, "producer", b, "--instance", "p", "--n-samples", str(N_SAMPLES), "--delay-s", "0.01",
                  "--curve-keys", str(keys), "--curve-name", "good-p")
     b.wait_event("broker.lease_granted", 20)
 
@@ -136,8 +140,8 @@ def test_peerlink_with_curve_joins_and_an_unknown_key_gets_a_named_error(curve_b
     b = curve_broker()
 
     def link(name: str) -> dict:
-        out = subprocess.run([sys.executable, str(Path(__file__).with_name("curve_link.py")), b.control,
-                              str(tmp_path / "runs"), str(keys), name], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(module_argv("tests.reliability.curve_link", b.control, str(tmp_path / "runs"), str(keys),
+                                         name), capture_output=True, text=True, timeout=60, env=child_env())
         said = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         return next(d for d in said if "event" not in d)  # the script's answer, not a log line
 

@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
-from chaos_audit import audit
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_audit import audit
+from tests.reliability.chaos_pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
 
 LONG = os.environ.get("DFLASH_LONG") == "1"
 N_ROWS = 400 if LONG else 320

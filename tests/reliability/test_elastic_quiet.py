@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 3
 

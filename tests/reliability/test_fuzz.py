@@ -16,8 +16,11 @@ from collections import Counter
 import msgpack
 import pytest
 import zmq
-from fuzz_messages import control_message, data_message
-from reliability_helpers import committed, finish, rss_kib, spawn
+from tests.reliability.fuzz_messages import control_message, data_message
+from tests.harness.ledger import committed
+from tests.harness.spawn import COMMITTING, finish, rss_kib, spawn
+
+pytestmark = pytest.mark.integration
 
 LONG = os.environ.get("DFLASH_LONG") == "1"
 N_MESSAGES = 200_000 if LONG else 10_000
@@ -111,8 +114,8 @@ def _oversize(ctx, b) -> None:
 def test_broker_survives_malformed_floods_on_both_sockets_during_a_real_run(brokers):
     t0 = time.monotonic()
     b = brokers("--lease-size", "4", "--max-message-bytes", MAX_MESSAGE)
-    cons = spawn("consumer", b, "--instance", "real-c", "--train-s", "0.05", "--commit-every", "3", "--max-s", "300")
-    prod = spawn("producer", b, "--instance", "real-p", "--n-samples", str(N_SAMPLES), "--delay-s", "0.02")
+    cons = spawn(COMMITTING, "consumer", b, "--instance", "real-c", "--train-s", "0.05", "--commit-every", "3", "--max-s", "300")
+    prod = spawn(COMMITTING, "producer", b, "--instance", "real-p", "--n-samples", str(N_SAMPLES), "--delay-s", "0.02")
     b.wait_event("broker.lease_granted", 20)
     time.sleep(0.5)  # let imports and first allocations settle before the baseline
     rss0 = rss_kib(b.proc.pid)

@@ -20,8 +20,10 @@ import signal
 import time
 
 import pytest
-from chaos_audit import audit, final_commit
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_audit import audit, final_commit
+from tests.reliability.chaos_pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
 
 N_ROWS, EPOCHS = 400, 2  # long enough to stop it mid-training 3 times
 

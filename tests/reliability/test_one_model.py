@@ -11,7 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from broker_fakes import FakeConsumer, Rejected
+from tests.harness.fakes import FakeConsumer, Rejected
+
+pytestmark = pytest.mark.integration
 
 SIGNAL = {"anchors": 8, "block_size": 4, "target_layers": None, "gamma": 1.0, "draft_layers": 1,
           "mask_token_id": 1, "target": "tiny"}

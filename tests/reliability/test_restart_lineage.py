@@ -17,8 +17,10 @@ import json
 import time
 
 import pytest
-from chaos_audit import audit
-from chaos_pipeline import Pipeline
+from tests.reliability.chaos_audit import audit
+from tests.reliability.chaos_pipeline import Pipeline
+
+pytestmark = pytest.mark.integration
 
 N_ROWS, EPOCHS = 96, 2
 TIMEOUT_S = 15  # the restarted consumer must say hello within it while the other is frozen

@@ -10,9 +10,13 @@ import json
 import time
 
 import pytest
-from reliability_helpers import committed, finish, ledger_rows, spawn, wait_until
+from tests.harness.ledger import committed, ledger_rows
+from tests.harness.spawn import COMMITTING, finish, spawn
+from tests.harness.wait import wait_until
 
 from dflash.broker.leases import epoch_order
+
+pytestmark = pytest.mark.integration
 
 N, EPOCHS, SEED = 60, 2, 7
 ALL = {(e, s) for e in range(EPOCHS) for s in range(N)}
@@ -34,12 +38,12 @@ def test_sigkilled_broker_resumes_with_other_peer_counts_and_commits_each_sample
     # Paced so the kill finds every state at once: a fast producer fills the queue
     # (produced), a slow one holds leases (leased), both consumers prefetch (delivered),
     # and the fast consumer's acks run ahead of the slow one's commits (trained).
-    run1 = [spawn("consumer", b1, "--instance", "fast", "--train-s", "0.05", "--prefetch", "2"),
-            spawn("consumer", b1, "--instance", "slow", "--train-s", "0.1", "--prefetch", "2",
+    run1 = [spawn(COMMITTING, "consumer", b1, "--instance", "fast", "--train-s", "0.05", "--prefetch", "2"),
+            spawn(COMMITTING, "consumer", b1, "--instance", "slow", "--train-s", "0.1", "--prefetch", "2",
                   "--commit-every", "2")]
-    run1.append(spawn("producer", b1, "--instance", "slow", "--n-samples", str(N), "--delay-s", "2"))
+    run1.append(spawn(COMMITTING, "producer", b1, "--instance", "slow", "--n-samples", str(N), "--delay-s", "2"))
     b1.wait_event("broker.lease_granted", 20)  # the slow producer holds leases before the fast one joins
-    run1.append(spawn("producer", b1, "--instance", "fast", "--n-samples", str(N), "--delay-s", "0.005"))
+    run1.append(spawn(COMMITTING, "producer", b1, "--instance", "fast", "--n-samples", str(N), "--delay-s", "0.005"))
     wait_until(lambda: (b1.ask() or {}).get("samples", {}).get("committed", 0) >= 30, 60, "30 committed samples")
     b1.proc.kill()  # SIGKILL: no shutdown, no last flush
     b1.proc.wait(5)
@@ -57,8 +61,8 @@ def test_sigkilled_broker_resumes_with_other_peer_counts_and_commits_each_sample
     assert info["parent_run"] == b1.run_id and info["resumed_from"]["committed_samples"] == len(parent)
     assert info["resumed_from"]["checkpoint"]["run"] == b1.run_id
     assert info["config"]["seed"] == SEED and info["config"]["epochs"] == EPOCHS
-    run2 = [spawn("consumer", b2, "--instance", "solo", "--train-s", "0.01", "--commit-every", "3")]
-    run2 += [spawn("producer", b2, "--instance", f"q{i}", "--n-samples", str(N)) for i in range(3)]
+    run2 = [spawn(COMMITTING, "consumer", b2, "--instance", "solo", "--train-s", "0.01", "--commit-every", "3")]
+    run2 += [spawn(COMMITTING, "producer", b2, "--instance", f"q{i}", "--n-samples", str(N)) for i in range(3)]
     assert finish(run2, 60) == [0, 0, 0, 0]
     assert b2.proc.wait(15) == 0
 
@@ -117,11 +121,11 @@ def test_resume_refuses_what_would_repeat_or_skip_data(brokers, tmp_path):
 
 def test_resume_of_a_finished_run_refuses_unless_epochs_are_added(brokers):
     b1 = brokers("--lease-size", "4")
-    procs = [spawn("consumer", b1, "--instance", "c"), spawn("producer", b1, "--n-samples", "8")]
+    procs = [spawn(COMMITTING, "consumer", b1, "--instance", "c"), spawn(COMMITTING, "producer", b1, "--n-samples", "8")]
     assert finish(procs, 30) == [0, 0] and b1.proc.wait(10) == 0
     with pytest.raises(RuntimeError, match="nothing is left to train"):
         brokers("--resume", b1.run_id)
     b2 = brokers("--resume", b1.run_id, "--epochs", "2")
-    procs = [spawn("consumer", b2, "--instance", "c"), spawn("producer", b2, "--n-samples", "8")]
+    procs = [spawn(COMMITTING, "consumer", b2, "--instance", "c"), spawn(COMMITTING, "producer", b2, "--n-samples", "8")]
     assert finish(procs, 30) == [0, 0] and b2.proc.wait(10) == 0
     assert set(committed(b2.run_dir)) == {(1, s) for s in range(8)}  # only the added epoch

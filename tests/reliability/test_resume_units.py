@@ -15,6 +15,8 @@ from dflash.broker import resume
 from dflash.broker.leases import LeasePool, epoch_order
 from dflash.broker.ledger import Ledger
 
+pytestmark = pytest.mark.integration
+
 
 def _drain(pool: LeasePool, want: int = 5) -> list[tuple[int, list[int]]]:
     out = []

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from tests.harness.spawn import child_env, module_argv
+
+pytestmark = pytest.mark.integration
+
 LONG = os.environ.get("DFLASH_LONG") == "1"
 RUN = LONG or os.environ.get("DFLASH_SOAK") == "1"
 ARGS = (["--minutes", "5", "--kill-every", "20-40", "--rows", "400", "--epochs", "8"] if LONG else
@@ -29,8 +30,9 @@ TIMEOUT_S = 1500 if LONG else 420
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_soak_short_form_loses_nothing_and_the_checkpoint_loads(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-    p = subprocess.run([sys.executable, str(HERE / "soak.py"), *ARGS, "--finish", "--finish-minutes", "5",
-                        "--out", str(tmp_path / "soak")], capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    p = subprocess.run(module_argv("tests.reliability.soak", *ARGS, "--finish", "--finish-minutes", "5", "--out",
+                                   str(tmp_path / "soak")), capture_output=True, text=True, timeout=TIMEOUT_S,
+                       env=child_env(env))
     print(p.stdout[-3000:], p.stderr[-3000:])
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert p.returncode == (0 if summary["ok"] else 1)

@@ -8,17 +8,22 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from reliability_helpers import committed, finish, spawn, wait_until
+from tests.harness.ledger import committed
+from tests.harness.spawn import COMMITTING, finish, spawn
+from tests.harness.wait import wait_until
 
 from dflash.tools.status_view import header
+import pytest
+
+pytestmark = pytest.mark.integration
 
 N, EPOCHS = 40, 1
 
 
 def test_a_resumed_runs_progress_counts_the_inherited_samples(brokers):
     b1 = brokers("--lease-size", "4", "--epochs", str(EPOCHS))
-    peers = [spawn("consumer", b1, "--instance", "c", "--train-s", "0.05", "--commit-every", "2"),
-             spawn("producer", b1, "--instance", "p", "--n-samples", str(N), "--delay-s", "0.05")]
+    peers = [spawn(COMMITTING, "consumer", b1, "--instance", "c", "--train-s", "0.05", "--commit-every", "2"),
+             spawn(COMMITTING, "producer", b1, "--instance", "p", "--n-samples", str(N), "--delay-s", "0.05")]
     wait_until(lambda: (b1.ask() or {}).get("samples", {}).get("committed", 0) >= 8, 60, "8 committed samples")
     b1.proc.kill()
     b1.proc.wait(5)

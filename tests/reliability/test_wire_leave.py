@@ -9,9 +9,14 @@ import json
 import signal
 import time
 
-from reliability_helpers import committed, finish, spawn, wait_until
+from tests.harness.ledger import committed
+from tests.harness.spawn import COMMITTING, finish, spawn
+from tests.harness.wait import wait_until
 
-from broker_fakes import FakeConsumer, FakeProducer, Pumping, batch_frames
+from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping, batch_frames
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_producer_bye_returns_its_leases_at_once_and_its_late_batch_is_stale(brokers):
@@ -45,8 +50,8 @@ def test_a_producer_bye_returns_its_leases_at_once_and_its_late_batch_is_stale(b
 def test_sigterm_then_resume_commits_each_sample_exactly_once(brokers):
     n = 40
     b1 = brokers("--lease-size", "4")
-    run1 = [spawn("consumer", b1, "--instance", "c", "--train-s", "0.05", "--commit-every", "3"),
-            spawn("producer", b1, "--instance", "p", "--n-samples", str(n), "--delay-s", "0.02")]
+    run1 = [spawn(COMMITTING, "consumer", b1, "--instance", "c", "--train-s", "0.05", "--commit-every", "3"),
+            spawn(COMMITTING, "producer", b1, "--instance", "p", "--n-samples", str(n), "--delay-s", "0.02")]
     wait_until(lambda: (b1.ask() or {}).get("samples", {}).get("committed", 0) >= 9, 60, "9 committed samples")
     b1.proc.send_signal(signal.SIGTERM)
     assert b1.proc.wait(60) == 0
@@ -61,8 +66,8 @@ def test_sigterm_then_resume_commits_each_sample_exactly_once(brokers):
     assert 0 < len(parent) < n
 
     b2 = brokers("--resume", b1.run_id)
-    run2 = [spawn("consumer", b2, "--instance", "c", "--train-s", "0.01"),
-            spawn("producer", b2, "--instance", "p", "--n-samples", str(n))]
+    run2 = [spawn(COMMITTING, "consumer", b2, "--instance", "c", "--train-s", "0.01"),
+            spawn(COMMITTING, "producer", b2, "--instance", "p", "--n-samples", str(n))]
     assert finish(run2, 60) == [0, 0]
     assert b2.proc.wait(15) == 0
     child = committed(b2.run_dir)

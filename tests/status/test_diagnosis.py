@@ -9,6 +9,8 @@ import pytest
 
 from dflash.broker.diagnosis import best_move, diagnose
 
+pytestmark = pytest.mark.integration
+
 K = 1000.0
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import copy
 
-from test_diagnosis import K, consumer, field_run, producer, status
+from tests.status.test_diagnosis import K, consumer, field_run, producer, status
 
 from dflash.broker.diagnosis import HOLD_S, Steady, diagnose
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def _starved():

@@ -12,9 +12,11 @@ import urllib.request
 
 import pytest
 
-from broker_harness import free_port_block
+from dflash.protocol.sockets import free_port_block
 from dflash.broker.metrics import render
-from status_helpers import wait_for
+from tests.harness.wait import wait_for
+
+pytestmark = pytest.mark.integration
 
 LINE = re.compile(r'^([a-z_]+)(\{(?:[a-z_]+="(?:[^"\\]|\\.)*",?)*\})? (-?[0-9.e+-]+|NaN)$')
 

@@ -16,6 +16,9 @@ import click
 
 from dflash.protocol.config import option
 from dflash.tools import clidoc
+import pytest
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_MD = ROOT / "docs" / "CLI.md"

@@ -12,6 +12,8 @@ from dflash.broker.cli import main as broker_main
 from dflash.consumers.cli import main as consume_main
 from dflash.producers.cli import main as produce_main
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"dflash-broker": broker_main, "dflash-produce": produce_main, "dflash-consume": consume_main}
 

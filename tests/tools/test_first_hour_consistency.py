@@ -8,11 +8,13 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 from click.testing import CliRunner
 
 from dflash.tools.tiny import tiny_target
+import pytest
+
+pytestmark = pytest.mark.integration
 
 CLEAN = {k: None for k in os.environ if k.startswith("DFLASH_")}
 

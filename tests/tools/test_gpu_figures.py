@@ -10,6 +10,8 @@ import torch
 
 from dflash.protocol.gpu import gpu_figures
 
+pytestmark = pytest.mark.unit
+
 HAS_NVML = importlib.util.find_spec("pynvml") is not None
 
 

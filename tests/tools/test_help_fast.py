@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 SCRIPTS = {ep.name: ep.value for ep in distribution("dflash-pipeline").entry_points if ep.group == "console_scripts"}
 LIGHT = sorted(SCRIPTS)
 

@@ -9,6 +9,9 @@ from click.testing import CliRunner
 
 from dflash.protocol.run import make_run_dir, new_run_id, point_latest
 from dflash.tools.logs import main
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def _write_role_logs(runs_dir, run_id, role, instance, events):

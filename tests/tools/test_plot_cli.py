@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 STEPS = 12
 CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.cli import main; main()"
 

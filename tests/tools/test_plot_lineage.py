@@ -14,6 +14,8 @@ from dflash.tools.plot import lineage_series
 from dflash.tools.plot import main as plot
 from dflash.tools.tiny import tiny_target
 
+pytestmark = pytest.mark.unit
+
 CLEAN = {k: None for k in os.environ if k.startswith("DFLASH_")}
 
 

@@ -1,0 +1,270 @@
+"""The broker's policy pieces on their own: leases, dispatch, the ledger, pacing, the
+relay's zero-copy send, and option parsing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import pytest
+import zmq
+
+from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
+from dflash.broker.dispatch import BatchQueue, QueuedBatch, dispatch
+from dflash.broker.leases import LeasePool, StaleBatch, epoch_order
+from dflash.broker.ledger import Ledger
+from dflash.broker.liveness import RateLimit, RateMeter
+
+pytestmark = pytest.mark.integration
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_epochs_cover_every_sample_once_in_a_seeded_order():
+    pool = LeasePool(epochs=2, seed=7, n_samples=10)
+    got = {0: [], 1: []}
+    while (lease := pool.grant("p1", 3)) is not None:
+        got[lease.epoch] += lease.samples
+        pool.arrived(lease.id, "p1", lease.epoch, lease.samples)
+        assert pool.close_if_complete(lease)
+    assert sorted(got[0]) == sorted(got[1]) == list(range(10))
+    assert got[0] == epoch_order(7, 0, 10) and got[0] != got[1]  # reshuffled per epoch
+    assert epoch_order(7, 0, 10) == epoch_order(7, 0, 10) != epoch_order(8, 0, 10)
+    assert pool.finished()
+
+
+def test_lost_producer_samples_go_to_the_front_and_late_batches_are_stale():
+    pool = LeasePool(epochs=1, seed=0, n_samples=20)
+    a = pool.grant("p1", 4)
+    b = pool.grant("p1", 4)
+    pool.arrived(a.id, "p1", 0, a.samples[:1])
+    returned = pool.release("p1")
+    assert [le.id for le, _ in returned] == [a.id, b.id]
+    c = pool.grant("p2", 7)
+    assert c.samples == a.samples[1:] + b.samples  # oldest lease first, ahead of fresh ones
+    with pytest.raises(StaleBatch):
+        pool.arrived(a.id, "p1", 0, a.samples[1:2])  # the lost producer's late batch
+    with pytest.raises(StaleBatch):
+        pool.arrived(c.id, "p2", 0, [a.samples[0]])  # a sample c does not hold
+    pool.arrived(c.id, "p2", 0, c.samples[:2])
+    with pytest.raises(StaleBatch):
+        pool.arrived(c.id, "p2", 0, c.samples[:1])  # already received
+
+
+def test_lease_completes_with_skipped_samples_and_caps_open_leases():
+    pool = LeasePool(epochs=1, seed=0, n_samples=100)
+    le = pool.grant("p1", 4)
+    pool.arrived(le.id, "p1", 0, le.samples[:2])
+    assert not pool.close_if_complete(le)
+    skipped = pool.skip(le, [[le.samples[2], "too long"], [le.samples[3], "bad row"], [999, "not mine"]])
+    assert [s for s, _ in skipped] == le.samples[2:] and pool.close_if_complete(le)
+    leases = [pool.grant("p1", 1) for _ in range(5)]
+    assert leases[-1] is None  # MAX_OPEN_LEASES = 4
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+@dataclass(eq=False)
+class FakeConsumer:
+    name: str
+    credit: int = 0
+    last_served: int = 0
+    in_flight: OrderedDict = field(default_factory=OrderedDict)
+    connected: bool = True
+
+
+def _batch(i: int, nbytes: int = 10) -> QueuedBatch:
+    return QueuedBatch(f"p1-{i}", "p1", 1, 0, [i], 4, nbytes, [])
+
+
+def test_dispatch_oldest_first_least_recently_served_first_and_only_against_credit():
+    q = BatchQueue(capacity_bytes=35)
+    for i in range(4):
+        q.push(_batch(i))
+    assert not q.has_room()  # 40 bytes > 35: data in stops being read
+    a, b, c = FakeConsumer("a", credit=2), FakeConsumer("b", credit=1), FakeConsumer("c", connected=False, credit=5)
+    sent = dispatch(q, [a, b, c], lambda con, _b: con.connected)
+    assert [(con.name, bt.batch_id) for con, bt in sent] == [("a", "p1-0"), ("b", "p1-1"), ("a", "p1-2")]
+    assert (a.credit, b.credit, c.credit) == (0, 0, 5) and len(q) == 1
+    # delivered but not acked is still held (for redelivery), so it still counts: 10 + 30
+    assert not q.has_room() and (q.bytes, q.in_flight_bytes) == (10, 30)
+    q.release(b.in_flight.pop("p1-1"))  # b acked
+    assert q.has_room()
+    # a lost consumer's batches go back in front of everything, oldest first
+    q.requeue(list(a.in_flight.values()))
+    assert (q.bytes, q.in_flight_bytes) == (30, 0)
+    assert [q.pop().batch_id for _ in range(3)] == ["p1-0", "p1-2", "p1-3"]
+
+
+# ---------------------------------------------------------------- ledger
+
+
+def test_ledger_keeps_up_with_thousands_of_samples_per_second(tmp_path):
+    led = Ledger(tmp_path / "ledger.sqlite")
+    n, per = 20_000, 16
+    t0 = time.perf_counter()
+    for lease in range(n // per):
+        samples = list(range(lease * per, (lease + 1) * per))
+        led.leased(lease + 1, 0, "p1", samples)
+        b = QueuedBatch(f"p1-{lease}", "p1", lease + 1, 0, samples, 64, 1000, [])
+        led.produced(b)
+        led.delivered(b, "c1")
+        led.trained(b, "c1", step=lease)
+        led.maybe_flush()
+    assert led.committed(n // per, "ckpt", "c1") == n
+    dt = time.perf_counter() - t0
+    assert n / dt > 5_000, f"{n / dt:.0f} samples/s through 5 transitions"
+    assert led.counts["committed"] == n and led.counts["trained"] == 0
+    led.close()
+
+
+def test_ledger_survives_a_broker_crash(tmp_path):
+    # A child process writes, flushes, queues more, and dies without closing.
+    code = f"""
+import os
+from dflash.broker.ledger import Ledger
+from dflash.broker.dispatch import QueuedBatch
+led = Ledger({str(tmp_path / 'l.sqlite')!r})
+led.leased(1, 0, 'p1', [1, 2, 3])
+b = QueuedBatch('p1-1', 'p1', 1, 0, [1, 2, 3], 12, 100, [])
+led.produced(b); led.delivered(b, 'c1'); led.trained(b, 'c1', 5)
+led.committed(5, 'step-5', 'c1')
+led.leased(2, 0, 'p1', [4])
+led.sync()  # flushed and written (flush alone hands the write to the ledger's thread)
+led.leased(3, 0, 'p1', [5])  # queued, never flushed
+os._exit(9)
+"""
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    led = Ledger(tmp_path / "l.sqlite")
+    rows = dict(led.db.execute("SELECT sample, state FROM samples").fetchall())
+    assert rows == {1: "committed", 2: "committed", 3: "committed", 4: "leased"}
+    assert led.db.execute("SELECT step, checkpoint, samples FROM commits").fetchall() == [(5, "step-5", 3)]
+    assert led.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    led.close()
+
+
+# ---------------------------------------------------------------- pacing, relay, options
+
+
+def test_rate_meter_and_rate_limit():
+    m = RateMeter(window_s=10)
+    for i in range(100):
+        m.add(1, now=100 + i * 0.05)  # 20 per second for 5 s
+    assert 18 <= m.rate(now=105) <= 21
+    assert m.rate(now=200) == 0.0
+    rl = RateLimit(per_s=3)
+    results = [rl.allow("x", now=1.0)[0] for _ in range(10)]
+    assert results.count(True) == 3
+    assert rl.allow("x", now=2.5) == (True, 7)  # reports what it suppressed
+
+
+class RecordingSocket:
+    """Stands in for a consumer's PUSH: records each frame sent; a `full` one refuses
+    every send as a full (or unconnected) PUSH does with NOBLOCK."""
+
+    def __init__(self, full: bool = False):
+        self.calls, self.full = [], full
+
+    def send(self, frame, flags=0, copy=True):
+        if self.full:
+            raise zmq.Again()
+        self.calls.append((frame, flags, copy))
+
+    def messages(self) -> list[list]:
+        """The frames of each whole message sent (SNDMORE joins frames into one)."""
+        out, cur = [], []
+        for frame, flags, _ in self.calls:
+            cur.append(frame)
+            if not flags & zmq.SNDMORE:
+                out.append(cur)
+                cur = []
+        return out
+
+
+@dataclass(eq=False)
+class StreamConsumer(FakeConsumer):
+    pipes: list = field(default_factory=list)
+    next_stream: int = 0
+
+
+def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
+    from dflash.broker.server import Broker
+
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    push.send_multipart([b"h", b"x" * (1 << 20)])
+    frames = pull.recv_multipart(copy=False)
+    sock = RecordingSocket()
+    c = StreamConsumer("c", pipes=[sock])
+    assert Broker._send_batch(None, c, QueuedBatch("p1-1", "p1", 1, 0, [0], 4, 1 << 20, frames))
+    assert [f for f, _, _ in sock.calls] == frames and all(a is b for a, b in zip((f for f, _, _ in sock.calls), frames))
+    assert all(isinstance(f, zmq.Frame) for f, _, _ in sock.calls)  # the zmq frames themselves
+    assert all(copy is False and flags & zmq.NOBLOCK for _, flags, copy in sock.calls)
+    assert [bool(flags & zmq.SNDMORE) for _, flags, _ in sock.calls] == [True, False]  # one message
+    pull.close()
+    push.close()
+
+
+def test_batches_take_a_consumers_data_streams_in_turn_and_skip_one_that_refuses():
+    from dflash.broker.server import Broker
+
+    s0, s1 = RecordingSocket(), RecordingSocket()
+    c = StreamConsumer("c", pipes=[s0, s1])
+    batches = [QueuedBatch(f"p1-{i}", "p1", 1, 0, [i], 4, 8, [f"h{i}".encode(), b"t" * 8]) for i in range(6)]
+    for b in batches[:4]:
+        assert Broker._send_batch(None, c, b)
+    assert [m[0] for m in s0.messages()] == [b"h0", b"h2"] and [m[0] for m in s1.messages()] == [b"h1", b"h3"]
+    s0.full = True  # not connected, or full: the other stream takes the batch
+    assert Broker._send_batch(None, c, batches[4]) and s1.messages()[-1][0] == b"h4"
+    s1.full = True
+    assert not Broker._send_batch(None, c, batches[5])  # no stream took it: it stays queued
+    assert sum(len(s.messages()) for s in (s0, s1)) == 5
+
+
+def test_option_parsing_and_config_checks():
+    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512MB") == 512_000_000 and parse_bytes("10") == 10
+    assert parse_port_range("5557-5620") == (5557, 5620) and parse_port_range("6000") == (6000, 6000)
+    for bad in ("lots", "4 parsecs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    BrokerConfig().check()
+    for kw in ({"data_out_ports": (5550, 5560)}, {"timeout_s": 1.0}, {"epochs": 0}, {"instance": "a/b"},
+               {"io_threads": -1}, {"io_threads": 17}, {"data_streams": -1}, {"data_streams": 9},
+               {"data_streams": 2, "data_out_ports": (5557, 5557)}):
+        with pytest.raises(ValueError):
+            BrokerConfig(**kw).check()
+    assert BrokerConfig(io_threads=3).io_thread_count() == 3
+    # data streams: one per pipe thread, at most 2 by default; asked for, as many as asked
+    assert [BrokerConfig().stream_count(n) for n in (1, 2, 3)] == [1, 2, 2]
+    assert BrokerConfig(data_streams=3).stream_count(1) == 3
+    # auto: more I/O threads only where cores are to spare (one measured faster on 2 cores)
+    assert [auto_broker_io_threads(n) for n in (1, 2, 7, 8, 15, 16, 24, 32, 128)] == [1, 1, 1, 2, 2, 3, 4, 5, 5]
+    assert BrokerConfig().io_thread_count() == auto_broker_io_threads(usable_cpus())
+    assert BrokerConfig(bind="10.0.0.2").host_to_advertise("h") == "10.0.0.2"
+    assert BrokerConfig().host_to_advertise("h") == "h"
+
+
+def test_cli_refuses_bad_options_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--queue-bytes", "lots"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lots" in r.stderr
+
+
+def test_incomplete_lease_returns_after_grace_and_its_clock_holds_while_the_queue_is_full():
+    pool = LeasePool(epochs=1, seed=0, n_samples=10)
+    le = pool.grant("p1", 4)
+    pool.arrived(le.id, "p1", 0, le.samples[:2])
+    le.done_at = 100.0
+    assert pool.overdue(105.0, 10.0) == []
+    pool.hold_clocks(20.0)  # the broker was not reading data in for 20 s
+    assert pool.overdue(125.0, 10.0) == []
+    assert pool.overdue(131.0, 10.0) == [le]
+    assert pool.give_back(le) == le.samples[2:]
+    assert pool.grant("p2", 2).samples == le.samples[2:]
