@@ -42,6 +42,7 @@ DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot 
 # Timers run at most this often. At thousands of small batches a second the loop turns
 # once per message, and the timer checks would cost as much as the message itself.
 TICK_S = 0.005
+RECHECK_MS = 50  # before dropping a silent peer, how long to wait for what is on its way
 
 
 class Broker:
@@ -234,7 +235,7 @@ class Broker:
         if not self.queue.has_room():
             self.leases.hold_clocks(now - self.last_tick)
         self.last_tick = now
-        for p in silent(self.peers.live(), now, self.cfg.timeout_s):
+        for p in self._silent(now):
             control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
         control.check_acks(self, now)
         for lease in self.leases.overdue(now, self.cfg.timeout_s):
@@ -249,6 +250,17 @@ class Broker:
         self.log_limit.report(now)
         if self.draining is None:
             control.check_end_of_stream(self)
+
+    def _silent(self, now: float) -> list:
+        """Live peers silent past --timeout-s. `now` may be seconds later than the poll that
+        found the control socket empty (the loop stalled: descheduled on a loaded host, a
+        slow disk): what the peers sent meanwhile is waiting there, so it is read first and
+        a peer that kept talking is not dropped."""
+        quiet = silent(self.peers.live(), now, self.cfg.timeout_s)
+        if quiet and self.control.poll(RECHECK_MS):
+            self._drain(self.control, lambda f: control.handle(self, f[0].bytes, f[1:]))
+            quiet = silent(self.peers.live(), now, self.cfg.timeout_s)
+        return quiet
 
     # ------------------------------------------------------------ sending
 

@@ -47,6 +47,19 @@ class BrokerLost(DFlashError):
     """The broker went silent for longer than the liveness timeout."""
 
 
+# How long a peer that seems to have heard nothing for `timeout_s` looks at the control
+# socket once more before calling the broker lost (broker_silent).
+RECHECK_MS = 100
+
+
+def broker_silent(ctl: zmq.Socket, now: float, last_rx: float, timeout_s: float, recheck_ms: int = RECHECK_MS) -> bool:
+    """True when nothing came from the broker for `timeout_s` and nothing is waiting on `ctl`
+    either. The poll that found `ctl` empty may be seconds older than `now`: the I/O thread
+    was descheduled, or waited for the GIL the training thread held, on a loaded host. A
+    broker that kept sending meanwhile has messages waiting: it is not lost."""
+    return now - last_rx > timeout_s and not ctl.poll(recheck_ms, zmq.POLLIN)
+
+
 # After the broker is lost, how long the process's own thread gets to notice (on its next
 # call into the link) and exit by itself before exit_when_stuck ends it.
 LOST_GRACE_S = 1.0
@@ -409,7 +422,7 @@ class PeerLink:
                 if now - last_tx >= hb:
                     self._send_heartbeat()
                     last_tx = now
-                if now - last_rx > timeout:
+                if broker_silent(self._ctl, now, last_rx, timeout):
                     raise BrokerLost(f"broker {self.broker} silent for {now - last_rx:.1f}s "
                                      f"(timeout {timeout:g}s): broker lost")
         except Rejected as e:
