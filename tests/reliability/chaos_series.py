@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ sys.path.insert(0, str(HERE.parent / "broker"))
 RUN_TIMEOUT_S = 3600  # one run's process, whatever its own deadline says
 
 
-def run_one(seed: int, work: Path, deadline_s: float) -> dict:
+def run_one(seed: int, work: Path, deadline_s: float, start_s: float) -> dict:
     """test_chaos.py's body for `seed`, in this process; the result instead of asserts."""
     import test_chaos as tc
     from chaos_audit import audit
@@ -50,13 +51,13 @@ def run_one(seed: int, work: Path, deadline_s: float) -> dict:
     rng = random.Random(seed)
     plan = tc._plan(rng, tc.KILLS)
     res: dict = {"seed": seed, "plan": plan, "kills_planned": tc.KILLS, "rows": tc.N_ROWS, "epochs": tc.EPOCHS}
-    pipe = Pipeline(work, n_rows=tc.N_ROWS, epochs=tc.EPOCHS, seed=seed % 1000)
+    pipe = Pipeline(work, n_rows=tc.N_ROWS, epochs=tc.EPOCHS, seed=seed % 1000, start_s=start_s)
     t0 = time.monotonic()
     op = Operator(pipe, rng, plan, t0 + deadline_s)
     error = None
     try:
         op.run()
-    except Exception as e:  # the test would fail here: recorded, then audited as far as it got
+    except (Exception, KeyboardInterrupt) as e:  # the test would fail here: recorded, audited as far as it got
         error = f"{type(e).__name__}: {e}"[:1500]
         traceback.print_exc()
     finally:
@@ -67,12 +68,15 @@ def run_one(seed: int, work: Path, deadline_s: float) -> dict:
     res["generations"] = op.generations
     try:
         a = audit(pipe.runs, pipe.chain, tc.EPOCHS, tc.N_ROWS)
-        res.update(lost=len(a.lost), duplicated=len(a.duplicated), unexpected=len(a.unexpected),
+        # A run cut short (an error) is not complete: what it committed must be in the final
+        # weights (lost), the rest is still to make (pending), as in soak.py.
+        lost = a.lost if error is None else set(a.ledger) - set(a.record)
+        res.update(lost=len(lost), pending=len(a.expected - set(a.ledger)), duplicated=len(a.duplicated), unexpected=len(a.unexpected),
                    committed=sum(a.ledger.values()), trained=sum(a.record.values()), expected=len(a.expected),
                    inherited_ok=a.inherited_ok, record_complete=a.record_complete)
         checks = [(sum(op.killed.values()) == tc.KILLS and op.killed["broker"] >= 1, f"kills {dict(op.killed)}"),
                   (a.inherited_ok, "a resumed run did not inherit exactly its parents' commits"),
-                  (not a.lost, f"lost {sorted(a.lost)[:10]}"), (not a.duplicated, f"duplicated {sorted(a.duplicated)[:10]}"),
+                  (not lost, f"lost {sorted(lost)[:10]}"), (not a.duplicated, f"duplicated {sorted(a.duplicated)[:10]}"),
                   (not a.unexpected, f"unexpected {sorted(a.unexpected)[:10]}"), (a.record_complete, "record incomplete")]
         failed = [why for ok, why in checks if not ok]
         if not failed and error is None:
@@ -88,7 +92,10 @@ def run_one(seed: int, work: Path, deadline_s: float) -> dict:
     return res
 
 
-def _spawn(seed: int, work: Path, deadline_s: float) -> dict:
+CHILDREN: list[subprocess.Popen] = []  # ended on SIGTERM (each closes its pipeline)
+
+
+def _spawn(seed: int, work: Path, deadline_s: float, start_s: float) -> dict:
     """One run in a child process (a fresh interpreter, as pytest would give it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}  # the short form
     work.mkdir(parents=True, exist_ok=True)
@@ -96,9 +103,16 @@ def _spawn(seed: int, work: Path, deadline_s: float) -> dict:
     t0 = time.monotonic()
     with open(work / "run.out", "w") as out:
         try:
-            p = subprocess.run([sys.executable, __file__, "--one", str(seed), "--work", str(work),
-                                "--deadline-s", str(deadline_s)], stdout=out, stderr=subprocess.STDOUT,
-                               env=env, timeout=RUN_TIMEOUT_S)
+            p = subprocess.Popen([sys.executable, __file__, "--one", str(seed), "--work", str(work),
+                                  "--deadline-s", str(deadline_s), "--start-s", str(start_s)],
+                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+            CHILDREN.append(p)
+            try:
+                p.wait(RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+                p.wait(60)
+                raise
             if result.is_file():
                 return json.loads(result.read_text())
             why = f"exit {p.returncode}, no result"
@@ -106,6 +120,10 @@ def _spawn(seed: int, work: Path, deadline_s: float) -> dict:
             why = f"over {RUN_TIMEOUT_S} s"
     return {"seed": seed, "passed": False, "lost": None, "duplicated": None, "wall_s": round(time.monotonic() - t0),
             "error": f"the run's process failed ({why}): see {work / 'run.out'}"}
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _line(i: int, n: int, r: dict) -> str:
@@ -121,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated seeds to run instead of drawing")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     ap.add_argument("--deadline-s", type=float, default=1800.0, help="one run's time bound (default 1800)")
+    ap.add_argument("--start-s", type=float, default=300.0,
+                    help="how long a (re)started broker may take to answer status (default 300; the test: 60)")
     ap.add_argument("--record", type=Path, default=None, help="JSON lines, one per run (default: in --keep)")
     ap.add_argument("--keep", type=Path, default=None, help="working folders (default: a new one under /tmp)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this seed, in --work
@@ -128,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.deadline_s <= 0:
         ap.error("--deadline-s must be > 0")
+    # SIGTERM ends a run as Ctrl-C would: its pipeline is closed, what it did is recorded.
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.one is not None:
-        res = run_one(args.one, args.work, args.deadline_s)
+        res = run_one(args.one, args.work, args.deadline_s, args.start_s)
         (args.work / "result.json").write_text(json.dumps(res))
         return 0
     if args.seeds:
@@ -154,14 +176,22 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(i_seed):
         i, seed = i_seed
-        res = _spawn(seed, keep / f"{i:02d}-{seed}", args.deadline_s)
+        res = _spawn(seed, keep / f"{i:02d}-{seed}", args.deadline_s, args.start_s)
         results.append(res)  # list.append is atomic: the pool's threads share it safely
         with open(record, "a") as f:
             f.write(json.dumps(res) + "\n")
         print(_line(len(results), len(seeds), res), flush=True)
 
-    with ThreadPoolExecutor(args.jobs) as pool:
+    pool = ThreadPoolExecutor(args.jobs)
+    try:
         list(pool.map(one, enumerate(seeds, 1)))
+    except KeyboardInterrupt:
+        print("series stopped: the runs under way end and are recorded, the rest are not started", flush=True)
+        for p in CHILDREN:
+            if p.poll() is None:
+                p.terminate()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     failed = [r["seed"] for r in results if not r["passed"]]
     kills: dict = {}
     for r in results:
