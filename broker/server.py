@@ -16,6 +16,7 @@ import time
 import zmq
 
 from dflash.protocol import codec
+from dflash.protocol.gcpause import freeze_setup
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
@@ -156,6 +157,7 @@ class Broker:
 
     def serve(self) -> str:
         """Run until end of stream or a signal; returns the outcome for run.json."""
+        freeze_setup()  # imports and setup: a full GC pass would stall the loop (protocol/gcpause.py)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)

@@ -31,6 +31,7 @@ from . import codec
 from .credit import CreditWindow
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
+from .gcpause import freeze_setup
 from .logs import bind_run, close_logging, get_logger
 from .messages import CONTROL_FROM_BROKER, DATA, MAX_HEADER_BYTES, header
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
@@ -196,6 +197,7 @@ class PeerLink:
         self._data = self._streams[0]
         self.stream_batches = [0] * len(self._streams)  # batches received on each data stream
         self._thread = threading.Thread(target=self._io_loop, name=f"dflash-io-{self.role}", daemon=True)
+        freeze_setup()  # the process's imports and setup: no full GC pass over them (gcpause.py)
         self._thread.start()
         return self.welcome
 

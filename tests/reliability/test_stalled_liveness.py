@@ -4,10 +4,16 @@ of a poll taken before the stall, found no broker message in it and exited "brok
 for 3.2s: broker lost" while the broker's heartbeats were waiting in its socket. The broker
 judges its peers the same way after its own loop stalls between a poll and its timers.
 Both now look at the control socket again before calling the other side lost.
+
+The stalls themselves came mostly from the garbage collector: a full pass over the
+hundreds of thousands of objects that importing torch leaves holds the GIL, for seconds on
+a loaded host, and a checkpoint's allocations set one off. The broker's loop, a peer's link
+and the training loop freeze what their setup left alive (protocol/gcpause.py).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -20,7 +26,8 @@ from dflash.broker import control, runinfo
 from dflash.broker.config import BrokerConfig
 from dflash.broker.server import Broker
 from dflash.protocol.config import as_dict
-from dflash.protocol.peer import broker_silent
+from dflash.protocol.logs import close_logging, setup_logging
+from dflash.protocol.peer import PeerLink, broker_silent
 from dflash.protocol.run import make_run_dir, new_run_id
 
 TIMEOUT_S = 1.0
@@ -48,10 +55,10 @@ def test_a_peer_that_wakes_late_reads_the_waiting_heartbeat_before_calling_the_b
         dealer.close(0)
 
 
-def _broker(tmp_path) -> Broker:
+def _broker(tmp_path, **kw) -> Broker:
     port = free_port_block(3)
     cfg = BrokerConfig(bind="127.0.0.1", port=port, data_in_port=port + 1, data_out_ports=(port + 2, port + 2),
-                       runs_dir=str(tmp_path), timeout_s=TIMEOUT_S, heartbeat_s=0.25, drain_s=0.0)
+                       runs_dir=str(tmp_path), **{"timeout_s": TIMEOUT_S, "heartbeat_s": 0.25, "drain_s": 0.0, **kw})
     run_id = new_run_id()
     run_dir = make_run_dir(run_id, tmp_path)
     b = Broker(cfg, run_id, run_dir, "127.0.0.1")
@@ -92,3 +99,32 @@ def test_a_broker_that_stalled_reads_what_its_peers_sent_before_dropping_them(tm
             prod.close()
         finally:
             b.close()
+
+
+def test_the_broker_loop_and_a_peer_link_freeze_what_setup_left_alive(tmp_path):
+    gc.unfreeze()
+    with capture_logs():
+        b = _broker(tmp_path, timeout_s=30.0, num_samples=8)  # a producer may join without a dataset
+        loop = threading.Thread(target=b.serve, daemon=True)
+        link = None
+        try:
+            assert gc.get_freeze_count() == 0
+            loop.start()
+            end = time.monotonic() + 30
+            while gc.get_freeze_count() == 0 and time.monotonic() < end:
+                time.sleep(0.05)
+            assert gc.get_freeze_count() > 0, "the broker's loop started without freezing its setup"
+            gc.unfreeze()
+            setup_logging("producer", "gc-p", level="warning")
+            link = PeerLink(f"tcp://127.0.0.1:{b.cfg.port}", "producer", "gc-p", runs_dir=tmp_path,
+                            connect_timeout_s=30)
+            link.start()
+            assert gc.get_freeze_count() > 0, "the link started its I/O thread without freezing the setup"
+        finally:
+            if link is not None:
+                link.close("done", flush_timeout_s=2)
+            close_logging()
+            b.signal = "SIGTERM"
+            loop.join(20)
+            b.close()
+            gc.unfreeze()  # the rest of this pytest process collects as usual
