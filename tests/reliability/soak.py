@@ -18,8 +18,13 @@ final checkpoint is exported and loaded back (dflash-export, load_exported).
     python tests/reliability/soak.py --minutes 30            # the long form, by hand
     python tests/reliability/soak.py --minutes 3 --finish    # a short one
 
+The broker's liveness timeout is its own default (10 s, --timeout-s), not the chaos test's
+3 s, and a (re)started broker may take --start-s to answer: on a loaded host a process can
+stall for seconds and an import of torch takes minutes; neither is what the soak tests.
+
 The last line on stdout is a JSON summary (`ok`, lost, duplicated, kills and restarts by
-role, samples trained, checkpoint_load_ok, ...); the exit status is 0 only when `ok`.
+role, the kill intervals seen, samples trained, checkpoint_load_ok, the machine and the
+command, ...); the exit status is 0 only when `ok`.
 Everything the processes wrote stays under --out for a post-mortem.
 """
 
