@@ -18,6 +18,7 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
+from dflash.protocol.gcpause import freeze_setup
 from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
@@ -29,6 +30,7 @@ from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_
 from .core import BrokerCore, Phase
 from .dispatch import QueuedBatch
 from .inbound import Batch
+from .liveness import silent
 from .metrics import MetricsServer
 from .peers import Peer
 from .resume import Parent
@@ -38,6 +40,7 @@ log = get_logger()
 POLL_MS = 100  # longest the loop sleeps: timers (heartbeats, expiry) run at this grain
 BLOCKED_POLL_MS = 5  # a batch waits on a pipe that is not connected yet: look again soon
 DRAIN_MAX = 256  # messages read per socket per turn, so one busy socket cannot starve the other
+RECHECK_MS = 50  # before dropping a silent peer, how long to wait for what is on its way
 
 
 class Broker:
@@ -133,6 +136,7 @@ class Broker:
 
     def serve(self) -> str:
         """Run until end of stream or a signal; returns the outcome for run.json."""
+        freeze_setup()  # imports and setup: a full GC pass would stall the loop (protocol/gcpause.py)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
@@ -149,9 +153,18 @@ class Broker:
             core.dispatch(self._send_batch)
             if self.signal is not None:
                 core.on_signal(self.signal, self.signals)
-            self.do(core.tick(time.monotonic()))
+            self.tick(time.monotonic())
         core.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
         return core.outcome
+
+    def tick(self, now: float) -> None:
+        """The core's timers. `now` may be seconds later than the poll that found the control
+        socket empty (the loop stalled: descheduled on a loaded host, a GC pass, a slow disk):
+        what peers sent meanwhile is read first, so a peer that kept talking is not dropped."""
+        core = self.core
+        if silent(core.peers.live(), now, core.cfg.timeout_s) and self.control.poll(RECHECK_MS):
+            self._drain(self.control, self._control)
+        self.do(core.tick(now))
 
     def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
         for _ in range(DRAIN_MAX):

@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from dflash.protocol.gcpause import freeze_setup
 from dflash.protocol.logs import get_logger
 
 from .batch import Batch, BatchMismatch
@@ -201,6 +202,7 @@ class Trainer:
 
     def announce(self) -> None:
         """The `train.start` line, once the state to start from is taken."""
+        freeze_setup()  # the model, optimizer and their imports: no full GC pass over them (gcpause.py)
         signal, dist, state = self.signal, self.dist, self.state
         # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
         log.info("train.start", rank=dist.arranged_rank, world_size=dist.world_size,

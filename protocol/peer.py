@@ -31,6 +31,7 @@ from . import codec
 from .credit import CreditWindow
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
+from .gcpause import freeze_setup
 from .logs import bind_run, close_logging, get_logger
 from .messages import CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, DATA, MAX_HEADER_BYTES, header
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
@@ -44,6 +45,19 @@ MAX_AUTO_CREDIT = 16  # the deepest inbox small batches get (credit.py); the bro
 
 class BrokerLost(DFlashError):
     """The broker went silent for longer than the liveness timeout."""
+
+
+# How long a peer that seems to have heard nothing for `timeout_s` looks at the control
+# socket once more before calling the broker lost (broker_silent).
+RECHECK_MS = 100
+
+
+def broker_silent(ctl: zmq.Socket, now: float, last_rx: float, timeout_s: float, recheck_ms: int = RECHECK_MS) -> bool:
+    """True when nothing came from the broker for `timeout_s` and nothing is waiting on `ctl`
+    either. The poll that found `ctl` empty may be seconds older than `now`: the I/O thread
+    was descheduled, or waited for the GIL the training thread held, on a loaded host. A
+    broker that kept sending meanwhile has messages waiting: it is not lost."""
+    return now - last_rx > timeout_s and not ctl.poll(recheck_ms, zmq.POLLIN)
 
 
 # After the broker is lost, how long the process's own thread gets to notice (on its next
@@ -182,6 +196,7 @@ class PeerLink:
         self._data = self._streams[0]
         self.stream_batches = [0] * len(self._streams)  # batches received on each data stream
         self._thread = threading.Thread(target=self._io_loop, name=f"dflash-io-{self.role}", daemon=True)
+        freeze_setup()  # the process's imports and setup: no full GC pass over them (gcpause.py)
         self._thread.start()
         return self.welcome
 
@@ -408,7 +423,7 @@ class PeerLink:
                 if now - last_tx >= hb:
                     self._send_heartbeat()
                     last_tx = now
-                if now - last_rx > timeout:
+                if broker_silent(self._ctl, now, last_rx, timeout):
                     raise BrokerLost(f"broker {self.broker} silent for {now - last_rx:.1f}s "
                                      f"(timeout {timeout:g}s): broker lost")
         except Rejected as e:

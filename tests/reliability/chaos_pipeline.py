@@ -39,13 +39,14 @@ def _below_ephemeral(n: int) -> int:
 
 class Pipeline:
     def __init__(self, tmp: Path, *, n_rows: int, epochs: int, seed: int, consumers: int = 2,
-                 timeout_s: float = 3.0, save_every: int = 2, broker_args: tuple = ()):
+                 timeout_s: float = 3.0, save_every: int = 2, broker_args: tuple = (), start_s: float = 60.0):
         from dflash.tools.tiny import tiny_target
 
         import dflash.producers.sample_data as sample_data
 
         self.tmp, self.epochs, self.seed, self.n_consumers = tmp, epochs, seed, consumers
         self.timeout_s, self.save_every, self.broker_args = timeout_s, save_every, list(broker_args)
+        self.start_s = start_s  # how long a starting broker may take to answer status
         rows = (Path(sample_data.__file__).parent / "chats.jsonl").read_text().splitlines()[:n_rows]
         assert len(rows) == n_rows
         self.data = tmp / "chats.jsonl"
@@ -86,7 +87,7 @@ class Pipeline:
                 "--lease-size", "8", "--drain-s", "30", *self.broker_args]
         args += ["--resume", resume] if resume else ["--epochs", str(self.epochs), "--seed", str(self.seed)]
         proc = self._spawn("broker", "dflash.broker.cli", args)
-        end = time.monotonic() + 60
+        end = time.monotonic() + self.start_s
         while time.monotonic() < end:
             if proc.poll() is not None:
                 text = Path(proc.log).read_text()
@@ -98,7 +99,7 @@ class Pipeline:
             if st is not None:
                 self.chain.append(st["run_id"])
                 return st["run_id"]
-        raise AssertionError("broker did not answer status within 60 s")
+        raise AssertionError(f"broker did not answer status within {self.start_s:g} s")
 
     def start_producer(self, name: str) -> subprocess.Popen:
         return self._spawn(name, "dflash.producers.cli", [

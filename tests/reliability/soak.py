@@ -18,8 +18,13 @@ final checkpoint is exported and loaded back (dflash-export, load_exported).
     python -m tests.reliability.soak --minutes 30            # the long form, by hand
     python -m tests.reliability.soak --minutes 3 --finish    # a short one
 
+The broker's liveness timeout is its own default (10 s, --timeout-s), not the chaos test's
+3 s, and a (re)started broker may take --start-s to answer: on a loaded host a process can
+stall for seconds and an import of torch takes minutes; neither is what the soak tests.
+
 The last line on stdout is a JSON summary (`ok`, lost, duplicated, kills and restarts by
-role, samples trained, checkpoint_load_ok, ...); the exit status is 0 only when `ok`.
+role, the kill intervals seen, samples trained, checkpoint_load_ok, the machine and the
+command, ...); the exit status is 0 only when `ok`.
 Everything the processes wrote stays under --out for a post-mortem.
 """
 
@@ -28,7 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -60,6 +68,7 @@ class SoakOperator(Operator):
         super().__init__(pipe, rng, [], deadline)
         self.chaos_until, self.every = chaos_until, every
         self.last_kill = time.monotonic()
+        self.kill_times: list[float] = []  # monotonic time of each kill, for the intervals
         self.role: str | None = None  # the next victim's role, drawn once per kill
         self.stopping = True  # False while --finish lets the run end by itself
         self.unexpected: list[dict] = []  # exits without a kill
@@ -78,6 +87,7 @@ class SoakOperator(Operator):
 
     def killed_one(self, role: str) -> None:
         self.role, self.last_kill = None, time.monotonic()
+        self.kill_times.append(self.last_kill)
 
     def stop_now(self) -> bool:
         # At the deadline, once this generation trains (a stop during a restart would only
@@ -147,13 +157,22 @@ def _load_check(checkpoint: Path, out: Path, target: str) -> tuple[bool, str | N
         return False, f"{type(e).__name__}: {e}"
 
 
+def _intervals(times: list[float]) -> dict | None:
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    if not gaps:
+        return None
+    return {"min": round(gaps[0], 1), "median": round(gaps[len(gaps) // 2], 1), "max": round(gaps[-1], 1)}
+
+
 def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every: tuple[float, float],
-         finish: bool, finish_minutes: float) -> dict:
+         finish: bool, finish_minutes: float, timeout_s: float = 10.0, start_s: float = 300.0) -> dict:
     rng = random.Random(seed)
-    pipe = Pipeline(out, n_rows=rows, epochs=epochs, seed=seed % 1000)
+    pipe = Pipeline(out, n_rows=rows, epochs=epochs, seed=seed % 1000, timeout_s=timeout_s, start_s=start_s)
+    load_start = os.getloadavg()
     t0 = time.monotonic()
     chaos_until = t0 + minutes * 60
-    deadline = chaos_until + 300 + (finish_minutes * 60 if finish else 0)  # the stop's drain, the finish
+    # the stop's drain, a broker start at the deadline, the finish
+    deadline = chaos_until + 300 + start_s + (finish_minutes * 60 if finish else 0)
     op = SoakOperator(pipe, rng, chaos_until, deadline, every)
     ended, error = None, None
     try:
@@ -178,7 +197,7 @@ def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every:
                            else (False, "no commit in the chain"))
     summary = {
         "lost": len(lost), "duplicated": len(a.duplicated), "unexpected_samples": len(a.unexpected),
-        "kills": {r: op.killed[r] for r in ROLES},
+        "kills": {r: op.killed[r] for r in ROLES}, "kill_interval_s": _intervals(op.kill_times),
         "restarts": {r: op.restarted[r] for r in ("producer", "consumer", "generation")},
         "exits_without_kill": len(op.unexpected),
         "samples_trained": sum(a.record.values()), "committed": sum(a.ledger.values()), "expected": len(a.expected),
@@ -186,7 +205,11 @@ def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every:
         "inherited_ok": a.inherited_ok, "record_complete": a.record_complete,
         "checkpoint_load_ok": load_ok, "load_error": load_error,
         "ended": ended, "error": error, "runs": len(pipe.chain), "seed": seed, "minutes": minutes,
-        "wall_s": round(wall), "rows": rows, "epochs": epochs, "out": str(out),
+        "wall_s": round(wall), "rows": rows, "epochs": epochs, "timeout_s": timeout_s, "out": str(out),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_start": [round(x, 1) for x in load_start],
+                    "load_end": [round(x, 1) for x in os.getloadavg()]},
+        "command": " ".join(sys.argv),
         "final_checkpoint": str(a.final_checkpoint) if a.final_checkpoint else None,
     }
     summary["ok"] = (error is None and ended is not None and not ended.startswith("final:") and not lost
@@ -194,6 +217,10 @@ def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every:
     (out / "soak-summary.json").write_text(json.dumps({**summary, "generations": op.generations,
                                                        "exits": op.unexpected}, indent=1))
     return summary
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _every(text: str) -> tuple[float, float]:
@@ -215,21 +242,30 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"default: {EPOCHS_PER_MINUTE} per minute of soak (more data than the soak trains)")
     ap.add_argument("--finish", action="store_true", help="after the stop, resume once without kills to the end")
     ap.add_argument("--finish-minutes", type=float, default=30.0, help="time bound of --finish (default 30)")
+    ap.add_argument("--timeout-s", type=float, default=10.0,
+                    help="the broker's liveness --timeout-s (default 10, the broker's own default)")
+    ap.add_argument("--start-s", type=float, default=300.0,
+                    help="how long a (re)started broker may take to answer status (default 300)")
     ap.add_argument("--out", type=Path, default=None, help="working folder (default: a new one under /tmp, kept)")
     args = ap.parse_args(argv)
     if not 1 <= args.rows <= BUNDLED_ROWS:
         ap.error(f"--rows {args.rows}: 1 to {BUNDLED_ROWS} (the bundled chats)")
     if args.minutes <= 0:
         ap.error("--minutes must be > 0")
+    if args.timeout_s <= 1.0 or args.start_s <= 0:
+        ap.error("--timeout-s must be > 1 (twice the pipeline's 0.5 s heartbeat) and --start-s > 0")
+    # SIGTERM stops the soak as Ctrl-C does: the processes are closed, what is on disk audited.
+    signal.signal(signal.SIGTERM, _interrupt)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     epochs = args.epochs or max(2, math.ceil(args.minutes * EPOCHS_PER_MINUTE))
     out = args.out or Path(tempfile.mkdtemp(prefix="dflash-soak-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"soak seed {seed} (--seed {seed} replays the draws), {args.minutes} min, kills every "
-          f"{args.kill_every[0]:g}-{args.kill_every[1]:g} s, {args.rows} samples x {epochs} epochs, in {out}",
+          f"{args.kill_every[0]:g}-{args.kill_every[1]:g} s, liveness timeout {args.timeout_s:g} s, {args.rows} samples x {epochs} epochs, in {out}",
           flush=True)
     summary = soak(out, minutes=args.minutes, seed=seed, rows=args.rows, epochs=epochs, every=args.kill_every,
-                   finish=args.finish, finish_minutes=args.finish_minutes)
+                   finish=args.finish, finish_minutes=args.finish_minutes, timeout_s=args.timeout_s,
+                   start_s=args.start_s)
     print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1
 
