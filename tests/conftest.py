@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from tests.harness.broker import broker_procs, start_broker  # noqa: F401  (start_broker: the fixture)
@@ -20,6 +21,15 @@ TESTS = Path(__file__).resolve().parent
 torch.set_num_threads(1)
 
 FAMILIES = [("qwen3", False), ("llama", True)]
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults():
+    """Every test starts from structlog's defaults: a level filter (`setup_logging(level=
+    "warning")`) or processors that an earlier in-process run configured would hide this
+    test's lines from `capture_logs`, and only in the full suite."""
+    structlog.reset_defaults()
+    yield
 
 
 def _in(request, folder: str) -> bool:
