@@ -62,7 +62,7 @@ class WandbSink:
         require_wandb()
         import wandb
 
-        self.event = event
+        self.event, self.last_step = event, -1
         role = event.split(".")[0]
         self.run = wandb.init(project=project, name=f"{run_id}-{role}", id=f"{run_id}-{role}".replace(":", "-"),
                               dir=str(run_dir), config=config or {}, group=run_id, job_type=role,
@@ -70,6 +70,10 @@ class WandbSink:
                               settings=wandb.Settings(silent=True, console="off"))
 
     def __call__(self, step: int, line: dict) -> None:
+        # W&B keeps one row per step and merges a second log of the same step into it: two
+        # broker lines within one second would lose the first. Such a line takes the next step
+        # (its own `uptime_s` is in the row).
+        self.last_step = step = max(step, self.last_step + 1)
         self.run.log(scalars(line, self.event), step=step)
 
     def close(self) -> None:
