@@ -57,6 +57,10 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--max-steps", default=None, type=click.IntRange(0), help="Stop after this many steps (default: end of stream).")
 @option("--grad-clip", default=1.0, type=float, help="Clip the global gradient norm to this value.")
 @option("--weight-decay", default=0.0, type=float, help="AdamW weight decay.")
+@option("--feature-scaling/--no-feature-scaling", default=True,
+        help="Standardise each target feature column before the drafter's fc, by factors set from the first "
+        "batch (a pretrained target's few huge residual columns otherwise drown the context); the export folds "
+        "them into fc.weight (docs/TRAINING.md).")
 @option("--feature-noise", default=0.0, type=click.FloatRange(0), help="Gaussian noise on target features, relative to each layer's RMS.")
 @option("--noise-schedule", default="linear", type=click.Choice(["constant", "linear", "cosine"]),
         help="How --feature-noise decays to 0 over the planned samples (or --total-steps).")

@@ -33,7 +33,7 @@ from . import hf_dflash
 from .checkpoint import resolve_checkpoint
 from .export_card import model_card, read_eval_report
 from .integrity import CheckpointDamaged, load_weights, read_manifest, verify_checkpoint, write_manifest
-from .model import DFlashDraft, DrafterConfig
+from .model import DFlashDraft, DrafterConfig, fold_feature_scale
 
 
 class ExportError(DFlashError):
@@ -169,7 +169,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     ckpt_cfg = json.loads((src / "config.json").read_text())
     cfg = export_config(ckpt_cfg, **dict(zip(("bos_token_id", "eos_token_id"), _target_token_ids(target))))
     model = DFlashDraft(drafter_config(cfg))
-    weights = load_weights(src / "model.safetensors")
+    weights = fold_feature_scale(load_weights(src / "model.safetensors"))
     _check_names(weights, model)
     # bf16 as published; contiguous copies because safetensors refuses views.
     weights = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())}
@@ -206,7 +206,8 @@ def _write_remote_code(folder: Path, cfg: dict, src: Path, target, name: str, ev
 
 
 def _check_names(weights: dict, model: DFlashDraft) -> None:
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # feature_scale is optional: the published layout folds it into fc.weight
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "feature_scale" or k in weights}
     have = {k: tuple(v.shape) for k, v in weights.items()}
     if want != have:
         missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))

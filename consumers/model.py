@@ -6,6 +6,13 @@ keys/values into every layer through that layer's own `k_proj`/`v_proj`; queries
 only from block positions. Module names follow the published layout (`fc.weight`,
 `layers.i.self_attn.q_proj.weight`, ...) so `state_dict()` exports as is.
 
+Target features are far from uniform in scale: a few residual dimensions of a pretrained
+target ("massive activations") are hundreds of times larger than the rest, so `fc` over the
+raw features first learns to ignore them before it sees the context at all. `feature_scale`
+(one factor per input column, set from the first batch: `calibrate_features`) feeds `fc`
+standardised features; export folds it into `fc.weight`, so the published drafter computes
+the same function with the reference layout.
+
 Everything runs on a packed batch: T context tokens of several sequences back to back
 and Q = sum(anchors_s) * B block positions; `BlockLayout` (blocks.py) says who sees what.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import fused
@@ -143,6 +151,8 @@ class DFlashDraft(nn.Module):
         self.cfg = cfg
         D = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * D, D, bias=False)
+        # Per input column of fc; ones = the published layout's plain fc (export folds it in).
+        self.register_buffer("feature_scale", torch.ones(cfg.num_features * D))
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -156,15 +166,47 @@ class DFlashDraft(nn.Module):
                 nn.init.normal_(m.weight, std=self.cfg.init_std)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        self.feature_scale.fill_(1.0)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, n*D] target hidden states -> [T, D] fused, normed context."""
+        w = self.fc.weight * self.feature_scale.to(self.fc.weight.dtype)
+        return self.hidden_norm(F.linear(features, w))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # A published drafter (or a checkpoint from before feature_scale) has a plain fc.
+        if "feature_scale" not in state_dict:
+            state_dict = {**state_dict, "feature_scale": torch.ones_like(self.feature_scale)}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, features: torch.Tensor, x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """features [T, n*D] target hidden states of the packed context, x [Q, D] block
         input embeddings -> [Q, D] final-normed block states (feed to the target's LM head)."""
-        ctx = self.hidden_norm(self.fc(features))  # [T, D]
+        ctx = self.context(features)  # [T, D]
         rope = self.rotary(torch.cat([layout.ctx_pos, layout.q_pos]))  # cos/sin [T+Q, hd]
         for layer in self.layers:
             x = layer(x, ctx, rope, layout)
         return self.norm(x)
+
+
+@torch.no_grad()
+def calibrate_features(model: DFlashDraft, sumsq: torch.Tensor, count: float) -> None:
+    """Set `feature_scale` to 1 / RMS of each feature column, from the sum of squares
+    [n*D] over `count` tokens (all ranks' first batches: every rank gets the same scale).
+    A column far quieter than the typical one is raised at most 10x: its first-batch RMS
+    says little, and a huge factor would turn later noise there into the whole context."""
+    rms = (sumsq.double() / max(count, 1.0)).sqrt()
+    floor = max(float(rms.median()) * 0.1, 1e-6)
+    model.feature_scale.copy_((1.0 / rms.clamp_min(floor)).float())
+
+
+def fold_feature_scale(weights: dict) -> dict:
+    """Checkpoint weights -> the published layout: `feature_scale` folded into fc.weight."""
+    out = dict(weights)
+    scale = out.pop("feature_scale", None)
+    if scale is not None:
+        out["fc.weight"] = (out["fc.weight"].float() * scale.float()[None, :]).to(out["fc.weight"].dtype)
+    return out
 
 
 def published_config(

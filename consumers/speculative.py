@@ -89,7 +89,7 @@ class DraftCache:
         start..start+n-1 (start: long [1]); slots past the cache's end are dropped."""
         n, c = feats.shape[0], self.cfg
         pos = start + torch.arange(n, device=feats.device)
-        ctx = self.m.hidden_norm(self.m.fc(feats.to(self.dtype)))  # [n, D]
+        ctx = self.m.context(feats.to(self.dtype))  # [n, D]
         cos, sin = self.m.rotary(pos)
         keep = pos < self.slots
         idx = pos.clamp_max(self.slots - 1)

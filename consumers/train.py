@@ -41,7 +41,7 @@ from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
 from .mask_token import mask_in_batch
 from .metrics import Meter, StepFigures
-from .model import DFlashDraft, DrafterConfig, published_config
+from .model import DFlashDraft, calibrate_features, DrafterConfig, published_config
 from .oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .staging import BatchStager
@@ -327,6 +327,8 @@ class Trainer:
         # The schedule: its plan (the lr's value needs the step's samples, known below) and the noise
         plan = self._plan(step)
         noise = noise_at(step, cfg, state.samples, plan)
+        if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (model.py)
+            self._calibrate(batch)
         # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (oom.py)
         self.optimizer.zero_grad(set_to_none=True)
         stats = _no_loss(self.signal.block_size) if batch is None else \
@@ -366,6 +368,18 @@ class Trainer:
         self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)  # the log line
         if self.ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             self._commit(self._save())  # the checkpoint on disk, then its commit
+
+    def _calibrate(self, batch: Batch | None) -> None:
+        """feature_scale from the first step's batches of every rank (the same on each)."""
+        width = self.model.feature_scale.numel()
+        sumsq = torch.zeros(width, dtype=torch.float64) if batch is None else \
+            batch.hidden.float().pow(2).sum(0).double().cpu()
+        count = 0 if batch is None else batch.hidden.shape[0]
+        summed = self.dist.all_sum([*sumsq.tolist(), float(count)])
+        calibrate_features(self.model, torch.tensor(summed[:width]), float(summed[width]))
+        scale = self.model.feature_scale
+        log.info("train.feature_scale", tokens=int(summed[width]), min=round(float(scale.min()), 6),
+                 median=round(float(scale.median()), 6), max=round(float(scale.max()), 6), rank=self.dist.rank)
 
     def _plan(self, step: int) -> Plan:
         """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""

@@ -45,6 +45,9 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps (None: end of stream)
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    # Standardise each target feature column before fc, from the first batch (model.py
+    # feature_scale; export folds it into fc.weight)
+    feature_scaling: bool = True
     feature_noise: float = 0.0  # relative Gaussian noise on target features at step 0
     noise_schedule: str = "linear"  # constant | linear | cosine decay to 0 at total_steps
     seed: int = 0

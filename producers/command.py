@@ -31,7 +31,9 @@ from .config import DEFAULT_REGEN_CACHE
         "'layer i' = HF hidden_states[i+1]); default: 5 spaced from 1 to L-3, e.g. 1,9,17,25,33 for 36 layers.")
 @option("--token-budget", type=int, default=16384, help="Max tokens per forward pass (packed, no padding); "
         "at least --max-length (lower both together, e.g. --token-budget 2048 --max-length 2048).")
-@option("--max-batch-size", type=int, default=64, help="Max sequences per forward pass.")
+@option("--max-batch-size", type=int, default=16, help="Max sequences per forward pass, and so per drafter "
+        "step: short chats (a small target's) would otherwise make few, huge optimizer steps, which train a "
+        "drafter far slower per sample (docs/TRAINING.md \"Steps\").")
 @option("--max-length", type=int, default=3072, help="Sequences are truncated to this many tokens; at most "
         "--token-budget.")
 @option("--lease-size", type=int, default=256, help="Samples asked of the broker per lease.")

@@ -22,7 +22,7 @@ class ProducerConfig:
     attn_impl: str = "auto"
     target_layers: str | None = None
     token_budget: int = 16384
-    max_batch_size: int = 64
+    max_batch_size: int = 16  # also the drafter's sequences per step (docs/TRAINING.md "Steps")
     max_length: int = 3072
     lease_size: int = 256
     prefetch: int = 4

@@ -47,15 +47,20 @@ def test_two_ranks_stay_identical_and_equal_single_process_on_the_union(heads, t
         state = train(CFG, heads, [union(x, b[i] if i < len(b) else None) for i, x in enumerate(a)], hooks=hooks)
 
     assert sorted(k for k in r0 if k.startswith("step")) == [f"step{s}" for s in range(1, 5)]  # 4 steps, incl. the empty one
+    near_eps = torch.zeros_like(ref[1], dtype=torch.bool)
     for s in range(1, 5):
         assert torch.equal(r0[f"step{s}"], r1[f"step{s}"]), f"ranks differ after step {s}"
         assert torch.equal(r0[f"grad{s}"], r1[f"grad{s}"])
         # The averaged gradient is the union's gradient up to float summation order.
         err = float((r0[f"grad{s}"] - ref_grad[s]).norm() / ref_grad[s].norm())
         assert err < 1e-5, f"step {s}: gradient differs from single-process by {err:.2e} (relative)"
-        # Parameters: Adam divides by sqrt(v), so where a gradient is ~0 a 1e-9 difference
-        # moves a weight by up to ~lr * 1e-3; allow that, nothing more.
-        torch.testing.assert_close(r0[f"step{s}"], ref[s], rtol=1e-4, atol=1e-5, msg=f"step {s}")
+        # Parameters: Adam divides by sqrt(v) + eps, so where a gradient was ever near eps
+        # (1e-8) a 1e-9 difference moved that weight by a fraction of lr, and its moments
+        # carry the difference on; allow up to lr per step there, nothing more elsewhere.
+        near_eps |= ref_grad[s].abs() < 1e-6
+        torch.testing.assert_close(r0[f"step{s}"][~near_eps], ref[s][~near_eps], rtol=1e-4, atol=1e-5,
+                                   msg=f"step {s}")
+        assert all(float(d) <= s * CFG.lr for d in (r0[f"step{s}"] - ref[s])[near_eps].abs())
     assert not torch.equal(r0["step3"], r0["step4"])  # the empty step on rank 1 still trained rank 0's batch
     assert int(r0["tokens"]) == int(r1["tokens"]) == state.tokens
     # Both ranks recorded both ranks' samples (gathered every step), each exactly once.
