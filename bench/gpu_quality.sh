@@ -13,7 +13,9 @@
 #
 # The target is the GGUF file of SmolLM2-135M-Instruct, carried in two parts of under 50 MB
 # (bench/real_target.py fetches it and writes the parts). A regeneration cache carried in
-# .carry/regen/ is used as is, so a later run trains instead of regenerating.
+# .carry/regen/ (xz, split) is put under the key this run's producer computes
+# (bench/seed_regen_cache.py), so a later run trains instead of regenerating; .carry/prompts/
+# (train.jsonl, indist.jsonl, heldout.jsonl) replaces the prompts bench/real_prompts.py builds.
 set -uo pipefail
 W=/tmp/dflash-quality
 OUT=${OUT:-$W/out}
