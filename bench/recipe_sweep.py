@@ -12,8 +12,9 @@ Each drafter is then measured three ways: simulated acceptance on held-back rege
 samples (consumers/live_eval.py), and real speculative decoding (dflash-eval's code,
 consumers/real_tau.py) of DIR/indist.jsonl and DIR/heldout.jsonl prompts.
 
-A config is comma-separated key=value pairs over TrainConfig fields, plus `budget` (the
-producer's --token-budget for that config's packing). Prints one table row per config and
+A config is comma-separated key=value pairs over TrainConfig fields, plus `budget` and
+`seqs` (the producer's --token-budget and --max-batch-size for that config's packing,
+default the producer's defaults) and `epochs`. Prints one table row per config and
 writes every figure to --out.
 """
 
@@ -32,12 +33,22 @@ import torch
 _FIELDS = {f.name: f.type for f in fields(__import__("dflash.consumers.train_config", fromlist=["x"]).TrainConfig)}
 
 
+_PACKING = ("budget", "seqs")
+
+
+def packing_of(c: dict) -> tuple[int, int]:
+    from dflash.producers.config import ProducerConfig
+
+    return int(c.get("budget", ProducerConfig.token_budget)), int(c.get("seqs", ProducerConfig.max_batch_size))
+
+
 def parse_config(text: str) -> dict:
     out = {}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
-        if key not in ("budget", "epochs") and key not in _FIELDS:
-            raise click.BadParameter(f"{key!r} is not a TrainConfig field (nor budget, epochs)", param_hint="--config")
+        if key not in _PACKING + ("epochs",) and key not in _FIELDS:
+            raise click.BadParameter(f"{key!r} is not a TrainConfig field (nor budget, seqs, epochs)",
+                                     param_hint="--config")
         out[key] = json.loads(value) if value[:1] in "-0123456789[" or value in ("true", "false") else value
     return out
 
@@ -50,13 +61,13 @@ def read_cache(path: Path, limit: int) -> list:
     return [Encoded(s, np.frombuffer(ids, dtype=np.int32).tolist(), list(mask)) for s, ids, mask in rows]
 
 
-def capture_batches(target, encoded: list, budget: int, tag: str) -> list:
+def capture_batches(target, encoded: list, packing: tuple[int, int], tag: str) -> list:
     from dflash.consumers.batch import Batch
     from dflash.producers.packing import pack
 
     n = len(target.layer_ids) * target.hidden_size
     out = []
-    for i, pb in enumerate(pack(encoded, budget, 64)):
+    for i, pb in enumerate(pack(encoded, *packing)):
         dev = target.device
         h = target.capture(pb.input_ids.long().to(dev), pb.position_ids().to(dev))
         out.append(Batch(f"{tag}-{i}", pb.samples, pb.seq_lens, list(target.layer_ids), 0, pb.input_ids.to(dev),
@@ -93,9 +104,9 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
     tgt = load_target(target, None, device=dev, dtype=str(dtype).removeprefix("torch."), final=True)
     encoded = read_cache(Path(regen), samples + val)
     train_rows, val_rows = encoded[:-val], encoded[-val:]
-    budgets = sorted({c.get("budget", 16384) for c in parsed})
-    batches = {b: capture_batches(tgt, train_rows, b, f"b{b}") for b in budgets}
-    val_batches = capture_batches(tgt, val_rows, 16384, "val")
+    packings = sorted({packing_of(c) for c in parsed})
+    batches = {p: capture_batches(tgt, train_rows, p, f"b{p[0]}x{p[1]}") for p in packings}
+    val_batches = capture_batches(tgt, val_rows, packing_of({}), "val")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
     data_s = time.monotonic() - t0
@@ -104,17 +115,17 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
     sets = {name: RealTauSet.load(target, str(Path(prompts) / f"{name}.jsonl"), device=dev, dtype=dtype,
                                   max_new_tokens=max_new_tokens, limit=eval_prompts) for name in ("indist", "heldout")}
     print(f"data {data_s:.1f} s: {len(train_rows)} train / {len(val_rows)} val samples, "
-          f"{sum(r.loss_mask.count(1) for r in train_rows)} loss tokens; budgets {budgets}", flush=True)
+          f"{sum(r.loss_mask.count(1) for r in train_rows)} loss tokens; packings {packings}", flush=True)
 
     results = []
     for i, c in enumerate(parsed):
-        budget = c.get("budget", 16384)
-        kw = {k: v for k, v in c.items() if k != "budget"}
+        packing = packing_of(c)
+        kw = {k: v for k, v in c.items() if k not in _PACKING}
         epochs = int(kw.pop("epochs", 1))
         cfg = TrainConfig(**{"total_samples": len(train_rows) * epochs, "save_every": 0, "log_position_every": 0,
                              "seed": 0, **kw})
 
-        def stream(epochs=epochs, bs=batches[budget], distill=cfg.distill_weight > 0):
+        def stream(epochs=epochs, bs=batches[packing], distill=cfg.distill_weight > 0):
             for e in range(epochs):
                 for b in bs:
                     yield replace(b, batch_id=f"{b.batch_id}-e{e}", epoch=e,
