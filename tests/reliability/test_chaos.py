@@ -90,4 +90,6 @@ def _loads(path) -> None:
     state = json.loads((path / "state.json").read_text())
     model = DFlashDraft(DrafterConfig.from_target(heads.spec, 1, len(state["signal"]["target_layers"])))
     saved, rng = load_checkpoint(path, model, torch.optim.AdamW(model.parameters()))
-    assert saved["step"] == state["step"] and len(rng) == 2
+    # One RNG state per rank that wrote it: a consumer killed near the end may still be
+    # restarting when the survivor trains the last batch and writes the final checkpoint alone.
+    assert saved["step"] == state["step"] and len(rng) == state["world_size"] in (1, 2)
