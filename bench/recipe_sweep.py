@@ -30,7 +30,9 @@ import click
 import numpy as np
 import torch
 
-_FIELDS = {f.name: f.type for f in fields(__import__("dflash.consumers.train_config", fromlist=["x"]).TrainConfig)}
+from dflash.consumers.train_config import TrainConfig
+
+_FIELDS = {f.name for f in fields(TrainConfig)}
 
 
 _PACKING = ("budget", "seqs")
@@ -94,7 +96,7 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
     from dflash.consumers.live_eval import simulated_acceptance
     from dflash.consumers.real_tau import RealTauSet
     from dflash.consumers.target_heads import load_target_heads
-    from dflash.consumers.train import TrainConfig, resolve_signal, train
+    from dflash.consumers.train import resolve_signal, train
     from dflash.producers.target import load_target
 
     dev = torch.device(device)

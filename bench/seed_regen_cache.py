@@ -20,6 +20,10 @@ import sqlite3
 import click
 
 
+def _question(messages: list[dict]) -> str:
+    return next(m["content"] for m in messages if m["role"] == "user")
+
+
 @click.command()
 @click.option("--from", "old", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--target", required=True)
@@ -39,8 +43,7 @@ def main(old, target, data, regen_cache, max_new_tokens, gpu) -> None:
     rows = sqlite3.connect(old).execute("SELECT sample, input_ids, loss_mask, messages FROM regen_ids").fetchall()
     data_rows = [json.loads(x) for x in open(data, encoding="utf-8")]
     for sample, _, _, messages in rows:
-        first = lambda ms: next(m["content"] for m in ms if m["role"] == "user")  # noqa: E731
-        if first(json.loads(messages)) != first(data_rows[sample]["messages"]):
+        if _question(json.loads(messages)) != _question(data_rows[sample]["messages"]):
             raise click.ClickException(f"{old}: sample {sample}'s question is not row {sample} of {data}")
     db = sqlite3.connect(path)
     db.executemany("INSERT OR REPLACE INTO regen_ids VALUES (?, ?, ?, ?)", rows)

@@ -41,7 +41,7 @@ from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
 from .mask_token import mask_in_batch
 from .metrics import Meter, StepFigures
-from .model import DFlashDraft, calibrate_features, DrafterConfig, published_config
+from .model import DFlashDraft, DrafterConfig, calibrate_features, published_config
 from .oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .staging import BatchStager
@@ -372,9 +372,11 @@ class Trainer:
     def _calibrate(self, batch: Batch | None) -> None:
         """feature_scale from the first step's batches of every rank (the same on each)."""
         width = self.model.feature_scale.numel()
-        sumsq = torch.zeros(width, dtype=torch.float64) if batch is None else \
-            batch.hidden.float().pow(2).sum(0).double().cpu()
-        count = 0 if batch is None else batch.hidden.shape[0]
+        sumsq, count = torch.zeros(width, dtype=torch.float64), 0
+        if batch is not None:  # in row chunks: no fp32 copy of a whole large batch on the GPU
+            h, count = batch.hidden, batch.hidden.shape[0]
+            sumsq = sum((h[i:i + 4096].float().pow(2).sum(0).double() for i in range(0, count, 4096)),
+                        sumsq.to(h.device)).cpu()
         summed = self.dist.all_sum([*sumsq.tolist(), float(count)])
         calibrate_features(self.model, torch.tensor(summed[:width]), float(summed[width]))
         scale = self.model.feature_scale
