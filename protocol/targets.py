@@ -13,14 +13,29 @@ Memory: transformers de-quantises every tensor of a GGUF file when it loads the 
 the producer and eval hold the target in float (a 135M model: ~0.5 GB in fp32, against
 ~0.1 GB quantised). The consumer needs only embed_tokens and lm_head: `gguf_tensors`
 reads and de-quantises just those (through the `gguf` package), never the decoder.
+
+Time: that de-quantisation runs in Python and is slow, and every role of a run loads the
+whole model (producer, export, eval). So the first whole load of a GGUF file converts it
+to a plain folder in the wanted dtype, cached by the file's SHA-256 (`$DFLASH_GGUF_CACHE`,
+default ~/.cache/dflash/gguf; `off` loads the file every time); later loads read that.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .logs import get_logger
+
+log = get_logger()
 
 GGUF_SUFFIX = ".gguf"
 
@@ -95,13 +110,113 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool = False):
 
 def load_causal_lm(target: str | Path, **kw: Any):
     """`AutoModelForCausalLM.from_pretrained` of the target; `kw` as transformers takes them
-    (dtype, attn_implementation, device_map, trust_remote_code)."""
+    (dtype, attn_implementation, device_map, trust_remote_code). A GGUF file is read from
+    its cached converted folder when it has a dtype (module docstring)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its "Loading weights" bar lands among the JSON log lines
     name, extra = _args(target)
+    g = gguf_path(target)
+    if g is not None and isinstance(kw.get("dtype"), torch.dtype) and (folder := cached_gguf_folder(g, kw["dtype"])):
+        name, extra = str(folder), {}
     return AutoModelForCausalLM.from_pretrained(name, **extra, **kw)
+
+
+GGUF_CACHE_ENV = "DFLASH_GGUF_CACHE"
+_CONVERT_VERSION = 2  # bump when the conversion changes: a stale folder is rebuilt
+
+
+def gguf_cache_root() -> Path | None:
+    """Where converted GGUF folders are kept, or None when the cache is off."""
+    value = os.environ.get(GGUF_CACHE_ENV, "")
+    if value.lower() in ("off", "0", "false", "no"):
+        return None
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "dflash" / "gguf"
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cached_gguf_folder(gguf: Path, dtype: torch.dtype) -> Path | None:
+    """The converted folder of `gguf` in `dtype` (made now if missing), or None when the
+    cache is off or cannot be written (then the caller reads the GGUF file itself)."""
+    root = gguf_cache_root()
+    if root is None:
+        return None
+    sha, name = file_sha256(gguf), str(dtype).removeprefix("torch.")
+    dest = root / f"{sha[:24]}-{name}"
+    try:
+        cached = is_converted(dest, {"gguf_sha256": sha, "dtype": name, "convert": _CONVERT_VERSION})
+        t0 = time.monotonic()
+        convert_gguf(gguf, dest, dtype, {"gguf_sha256": sha, "dtype": name, "convert": _CONVERT_VERSION})
+    except OSError as e:  # a read-only or full disk: slower, not wrong
+        log.warning("target.gguf_cache_unwritable", gguf=str(gguf), folder=str(dest), error=str(e)[:300])
+        return None
+    log.info("target.gguf_folder", gguf=str(gguf), folder=str(dest), dtype=name, cached=cached,
+             convert_s=0.0 if cached else round(time.monotonic() - t0, 2))
+    return dest
+
+
+_STAMP = "dflash_source.json"
+
+
+def is_converted(dest: Path, stamp: dict) -> bool:
+    marker = dest / _STAMP
+    return marker.is_file() and json.loads(marker.read_text()) == stamp
+
+
+def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype, stamp: dict) -> Path:
+    """A plain Hugging Face folder at `dest` of the GGUF file's weights de-quantised to
+    `dtype`, its config and tokenizer, stamped with `stamp`; kept if already so stamped.
+    transformers refuses to `save_pretrained` a GGUF-loaded model, so a clean model is
+    built from its config and given the state dict. Written aside and renamed into place,
+    so a reader never sees half a folder and two processes converting at once both work."""
+    if is_converted(dest, stamp):
+        return dest
+    from transformers import AutoModelForCausalLM
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable as any download is
+    try:
+        name, kw = _args(gguf)
+        loaded = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw)
+        config = loaded.config
+        config.quantization_config = None  # the folder holds float weights
+        clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        clean.load_state_dict(loaded.state_dict(), strict=True)
+        clean.save_pretrained(tmp)
+        _portable_config(tmp / "config.json")
+        load_tokenizer(gguf).save_pretrained(tmp)
+        (tmp / _STAMP).write_text(json.dumps(stamp))
+        if is_converted(dest, stamp):  # another process finished first: keep the folder it reads
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)  # a stale conversion
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not is_converted(dest, stamp):  # not another process that got there first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _portable_config(path: Path) -> None:
+    """Write rope_theta at the top level too: transformers 5 nests it in rope_parameters,
+    and 4.x (which the DFlash reference code pins) ignores that and silently uses 10000."""
+    cfg = json.loads(path.read_text())
+    cfg.pop("quantization_config", None)
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg["rope_theta"] = theta
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def gguf_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:

