@@ -100,7 +100,7 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
         heads = load_target_heads(target, device=device, dtype=torch.bfloat16)
     _stage("heads_loaded", start)
     mask_id = 151669 if vocab > 151669 else vocab - 1
-    cfg = TrainConfig(block_size=block_size, anchors=anchors, attn=attn, loss_chunk=loss_chunk, lr=6e-4,
+    cfg = TrainConfig(block_size=block_size, anchors=anchors, anchor_every=1, attn=attn, loss_chunk=loss_chunk, lr=6e-4,
                       total_steps=steps, log_position_every=0, mask_token_id=mask_id, draft_layers=draft_layers,
                       fuse=fuse)
     ceiling = ceiling_tflops or matmul_ceiling_tflops(device)

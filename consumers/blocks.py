@@ -33,12 +33,13 @@ def anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def sample_anchors(loss_mask: torch.Tensor, block_size: int, n_anchors: int, seed: int) -> torch.Tensor:
+def sample_anchors(loss_mask: torch.Tensor, block_size: int, n_anchors: int, seed: int, every: int = 1) -> torch.Tensor:
     """Sorted anchor positions of one sequence: response tokens (loss_mask [L] true) at
-    positions <= L - B, at most `n_anchors` of them, drawn without replacement."""
+    positions <= L - B, one per `every` of them and at most `n_anchors`, drawn without
+    replacement."""
     L = loss_mask.shape[0]
     valid = torch.nonzero(loss_mask[: max(L - block_size + 1, 0)], as_tuple=False).flatten()  # [n_valid]
-    n = min(n_anchors, valid.numel())
+    n = min(n_anchors, -(-valid.numel() // every))
     if n == 0:
         return valid.new_zeros(0)
     g = torch.Generator().manual_seed(seed)

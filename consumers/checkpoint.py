@@ -62,6 +62,8 @@ class Signal:
     mask_choice: dict | None = None
     # --distill-weight: the share of the target's soft labels in the loss (0: hard labels only)
     distill: float = 0.0
+    # --anchor-every: one anchor per this many trainable positions (1: every one, as before it existed)
+    anchor_every: int = 1
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -37,7 +37,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
         help="Comma-separated 0-based target layer IDs fed to the drafter; auto: the broker run's (its "
         "producers'), else 5 spaced from 1 to L-3.")
 @option("--block-size", default=16, type=click.IntRange(2), help="Block size B: anchor + B-1 drafted tokens.")
-@option("--anchors", default=512, type=click.IntRange(1), help="Anchors sampled per sequence (at most the valid ones).")
+@option("--anchors", default=512, type=click.IntRange(1), help="At most this many anchors per sequence.")
+@option("--anchor-every", default=1, type=click.IntRange(1),
+        help="One anchor per this many trainable positions of a sequence (1: every one, up to --anchors).")
 @option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
 @option("--mask-token-id", default=None, type=int,
         help="Vocabulary row used as MASK; default: chosen for the target (its mask token, else the first row past "

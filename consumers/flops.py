@@ -29,11 +29,12 @@ class StepShape:
     attended_keys: int  # sum over queries of the keys each may see
 
 
-def step_shape(batch: Batch, block_size: int, anchors: int, seed: int) -> StepShape:
+def step_shape(batch: Batch, block_size: int, anchors: int, seed: int, anchor_every: int = 1) -> StepShape:
     """The shape of `batch`'s step, with the very anchors the training step draws."""
     mask, start, n_anchors, keys = batch.loss_mask.bool().cpu(), 0, 0, 0
     for sample, L in zip(batch.samples, batch.seq_lens):
-        a = sample_anchors(mask[start : start + L], block_size, anchors, anchor_seed(seed, batch.epoch, sample))
+        a = sample_anchors(mask[start : start + L], block_size, anchors, anchor_seed(seed, batch.epoch, sample),
+                           anchor_every)
         n_anchors += a.numel()
         keys += int(a.sum()) * block_size + a.numel() * block_size * block_size
         start += L

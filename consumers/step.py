@@ -23,7 +23,8 @@ def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, b
     mask = batch.loss_mask.bool().cpu()
     for sample, L in zip(batch.samples, batch.seq_lens):
         s = anchor_seed(seed, batch.epoch, sample)
-        anchors.append(sample_anchors(mask[start : start + L], signal.block_size, signal.anchors, s))
+        anchors.append(sample_anchors(mask[start : start + L], signal.block_size, signal.anchors, s,
+                                      signal.anchor_every))
         start += L
     return build_layout(batch.seq_lens, anchors, signal.block_size, device, backend)
 

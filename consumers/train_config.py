@@ -30,7 +30,8 @@ class TrainConfig:
     draft_layers: int = 5
     target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
     block_size: int = 16
-    anchors: int = 512
+    anchors: int = 512  # at most, per sequence
+    anchor_every: int = 1  # one anchor per this many trainable positions (docs/TRAINING.md "Anchors")
     gamma: float | None = None  # None: default_gamma(block_size)
     mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
     distill_weight: float = 0.0  # a: loss = (1 - a) CE + a KL(target || drafter); needs final_hidden batches
@@ -133,13 +134,13 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
         # The last layer is excluded on purpose (SGLang #32204): it is the LM head's input.
         raise ValueError(f"target layers {list(layers)} must lie in 0..{spec.num_hidden_layers - 2}")
     mask = mask_choice(heads, cfg.mask_token_id)  # logged once per target (train.mask_token)
-    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.draft_layers < 1:
-        raise ValueError("block size must be >= 2, anchors and draft layers >= 1")
+    if cfg.block_size < 2 or cfg.anchors < 1 or cfg.anchor_every < 1 or cfg.draft_layers < 1:
+        raise ValueError("block size must be >= 2, anchors, anchor spacing and draft layers >= 1")
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
     if not 0.0 <= cfg.distill_weight <= 1.0:
         raise ValueError(f"--distill-weight {cfg.distill_weight} must lie in 0..1")
     return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask.token_id, heads.identity,
-                  mask_choice=mask.as_dict(), distill=float(cfg.distill_weight))
+                  mask_choice=mask.as_dict(), distill=float(cfg.distill_weight), anchor_every=cfg.anchor_every)
 
 
 @dataclass(frozen=True)

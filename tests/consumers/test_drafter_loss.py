@@ -24,6 +24,16 @@ def test_anchors_are_response_tokens_that_leave_room_for_a_block():
     assert sample_anchors(torch.ones(5, dtype=torch.bool), 8, 4, 0).numel() == 0  # shorter than a block
 
 
+def test_anchor_every_n_draws_one_per_n_trainable_positions_within_the_cap():
+    mask = torch.zeros(40, dtype=torch.bool)
+    mask[10:40] = True  # 23 trainable positions for blocks of 8
+    assert sample_anchors(mask, 8, 512, 0, every=3).numel() == 8  # ceil(23 / 3)
+    assert sample_anchors(mask, 8, 5, 0, every=3).numel() == 5  # --anchors still caps it
+    assert sample_anchors(mask, 8, 512, 0, every=1).tolist() == list(range(10, 33))
+    few = sample_anchors(mask, 8, 512, 7, every=3)
+    assert set(few.tolist()) <= set(range(10, 33)) and bool((few[1:] > few[:-1]).all())
+
+
 def test_anchors_are_redrawn_each_epoch_and_replayable():
     mask = torch.ones(200, dtype=torch.bool)
     draw = lambda epoch, sample: sample_anchors(mask, 16, 8, anchor_seed(0, epoch, sample)).tolist()

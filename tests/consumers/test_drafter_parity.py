@@ -68,7 +68,7 @@ def test_training_and_speculative_block_logits_are_equal(family, tie, tmp_path):
     target = load_target(str(path), None, device=torch.device("cpu"), dtype="float32", full=True)
     heads = load_target_heads(path, dtype=torch.float32)
     mask = tok.convert_tokens_to_ids(MASK_TOKEN)
-    cfg = TrainConfig(draft_layers=2, target_layers=tuple(target.layer_ids), block_size=B, anchors=64,
+    cfg = TrainConfig(draft_layers=2, target_layers=tuple(target.layer_ids), block_size=B, anchors=64, anchor_every=1,
                       mask_token_id=mask, seed=3)
     signal = resolve_signal(cfg, heads)
     model = _random_drafter(heads, len(signal.target_layers))

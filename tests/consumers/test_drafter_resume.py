@@ -62,7 +62,7 @@ def test_checkpoint_folder_holds_everything_and_keeps_the_last_n(heads, tmp_path
     assert state["step"] == 12 and state["tokens"] > 0
     assert state["signal"] == {"anchors": 6, "block_size": 4, "target_layers": LAYERS, "gamma": 2.5,
                                "draft_layers": 2, "mask_token_id": MASK_ID, "target": heads.identity,
-                               "distill": 0.0, "mask_choice": {"token_id": MASK_ID, "token": None, "rule": "explicit",
+                               "distill": 0.0, "anchor_every": 1, "mask_choice": {"token_id": MASK_ID, "token": None, "rule": "explicit",
                                                "reason": "--mask-token-id", "warnings": []}}
     cfg = json.loads((ck / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
@@ -82,6 +82,8 @@ def test_resume_with_another_block_size_is_refused_unless_forced(heads, tmp_path
     assert "gamma" in str(e.value) and "anchors" not in str(e.value)
     with pytest.raises(SignalMismatch, match="anchors: 6 -> 7"):
         train(replace(CFG, anchors=7, resume=ck), heads, _batches(heads.spec, 3, 5))
+    with pytest.raises(SignalMismatch, match="anchor_every: 1 -> 3"):
+        train(replace(CFG, anchor_every=3, resume=ck), heads, _batches(heads.spec, 3, 5))
     with capture_logs() as logs:
         state = train(replace(CFG, block_size=8, resume=ck, force=True), heads, _batches(heads.spec, 3, 5))
     assert state.step == 5
