@@ -14,8 +14,9 @@ consumers/real_tau.py) of DIR/indist.jsonl and DIR/heldout.jsonl prompts.
 
 A config is comma-separated key=value pairs over TrainConfig fields, plus `budget` and
 `seqs` (the producer's --token-budget and --max-batch-size for that config's packing,
-default the producer's defaults) and `epochs`. Prints one table row per config and
-writes every figure to --out.
+default the producer's defaults), `epochs`, and `samples` (train on only the first that
+many of the --samples, whole batches: tau against distinct samples at equal passes).
+Prints one table row per config and writes every figure to --out.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from pathlib import Path
 import click
 import numpy as np
 import torch
-
 from dflash.consumers.train_config import TrainConfig
 
 _FIELDS = {f.name for f in fields(TrainConfig)}
 
 
 _PACKING = ("budget", "seqs")
+_RUN = ("epochs", "samples")
 
 
 def packing_of(c: dict) -> tuple[int, int]:
@@ -48,8 +49,8 @@ def parse_config(text: str) -> dict:
     out = {}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
-        if key not in _PACKING + ("epochs",) and key not in _FIELDS:
-            raise click.BadParameter(f"{key!r} is not a TrainConfig field (nor budget, seqs, epochs)",
+        if key not in _PACKING + _RUN and key not in _FIELDS:
+            raise click.BadParameter(f"{key!r} is not a TrainConfig field (nor budget, seqs, epochs, samples)",
                                      param_hint="--config")
         out[key] = json.loads(value) if value[:1] in "-0123456789[" or value in ("true", "false") else value
     return out
@@ -77,6 +78,17 @@ def capture_batches(target, encoded: list, packing: tuple[int, int], tag: str) -
     return out
 
 
+def first_samples(batches: list, n: int) -> list:
+    """The leading batches that hold at most `n` samples (at least one batch)."""
+    out, held = [], 0
+    for b in batches:
+        if out and held + len(b.samples) > n:
+            break
+        out.append(b)
+        held += len(b.samples)
+    return out
+
+
 @click.command()
 @click.option("--target", required=True, help="Target folder or .gguf file.")
 @click.option("--regen", "regen", required=True, type=click.Path(exists=True, dir_okay=False),
@@ -91,13 +103,12 @@ def capture_batches(target, encoded: list, packing: tuple[int, int], tag: str) -
 @click.option("--device", default="cuda", show_default=True, help="cuda, or cpu for a smoke run on a tiny target.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, configs, device, out) -> None:
-    from structlog.testing import capture_logs
-
     from dflash.consumers.live_eval import simulated_acceptance
     from dflash.consumers.real_tau import RealTauSet
     from dflash.consumers.target_heads import load_target_heads
     from dflash.consumers.train import resolve_signal, train
     from dflash.producers.target import load_target
+    from structlog.testing import capture_logs
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -124,10 +135,11 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
         packing = packing_of(c)
         kw = {k: v for k, v in c.items() if k not in _PACKING}
         epochs = int(kw.pop("epochs", 1))
-        cfg = TrainConfig(**{"total_samples": len(train_rows) * epochs, "save_every": 0, "log_position_every": 0,
-                             "seed": 0, **kw})
+        bs = first_samples(batches[packing], int(kw.pop("samples", len(train_rows))))
+        cfg = TrainConfig(**{"total_samples": sum(len(b.samples) for b in bs) * epochs, "save_every": 0,
+                             "log_position_every": 0, "seed": 0, **kw})
 
-        def stream(epochs=epochs, bs=batches[packing], distill=cfg.distill_weight > 0):
+        def stream(epochs=epochs, bs=bs, distill=cfg.distill_weight > 0):
             for e in range(epochs):
                 for b in bs:
                     yield replace(b, batch_id=f"{b.batch_id}-e{e}", epoch=e,
