@@ -1,5 +1,5 @@
 """dflash-broker's command line: the options, mapped onto BrokerConfig by cli.start. Kept
-apart from cli.py so that `--help` does not import the broker's server (and torch with it)."""
+apart from cli.py so that `--help` does not import the broker's server."""
 
 from __future__ import annotations
 

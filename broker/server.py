@@ -193,8 +193,9 @@ class Broker:
             return self.do(self.core.on_control(identity, None, e.reason))
         error = None
         try:
+            # checked, never read: no tensor views (a control message with tensors would import torch)
             codec.decode(frames, allowed=CONTROL_TO_BROKER, run=self.core.run_id,
-                         peer=peer.id if peer else identity.hex(), parsed=h)
+                         peer=peer.id if peer else identity.hex(), parsed=h, views=False)
         except ProtocolError as e:
             error = e.reason
         key = curve.key_name(frames[0]) if h.get("type") == "hello" else None

@@ -7,6 +7,10 @@ memory; `Message.frames` keeps those frames alive as long as the message is.
 
 Every decode validates before anything is used (docs/PROTOCOL.md "Validation"): a
 receiver gets either a well-formed `Message` or a `ProtocolError` naming the reason.
+
+Validation needs no torch (dtypes are checked by wire name and item size): the broker
+validates and relays without importing it. torch is imported on first use, where a
+tensor is made or read (decode with views, encode of tensors, `DTYPES`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import msgpack
-import torch
 
 from .errors import ProtocolError
 from .messages import (
@@ -31,26 +34,48 @@ from .messages import (
 )
 from .sockets import recv_frames, send_frames
 
+if TYPE_CHECKING:
+    import torch
+
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is LE
     raise ImportError("dflash wire format is little-endian; big-endian hosts unsupported")
 
-# The dtype whitelist: wire name -> torch dtype. Names are torch's own.
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# The dtype whitelist: wire name -> bytes per element. Names are torch's own (the
+# torch-typed tables, DTYPES and DTYPE_NAMES, are made from it on first use).
+ITEMSIZES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# wire name -> (torch dtype, bytes per element): one lookup per tensor on the hot path
-_DTYPE_SIZES = {k: (v, v.itemsize) for k, v in DTYPES.items()}
 _MAX_DIM = 2**40
+_TORCH = None  # (torch, DTYPES, DTYPE_NAMES) once something needs a tensor
+
+
+def _torch():
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in ITEMSIZES}
+        _TORCH = torch, dtypes, {v: k for k, v in dtypes.items()}
+    return _TORCH
+
+
+def __getattr__(name: str):
+    """DTYPES (wire name -> torch dtype), DTYPE_NAMES (its inverse), HIDDEN_DTYPES: made
+    when first asked for, so that importing the codec does not import torch."""
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        return _torch()[1 if name == "DTYPES" else 2]
+    if name == "HIDDEN_DTYPES":
+        return tuple(_torch()[1][n] for n in HIDDEN_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -74,6 +99,7 @@ class Message:
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` as a buffer sharing its memory (copies only if non-contiguous)."""
+    torch = _torch()[0]
     if t.device.type != "cpu":
         raise ValueError(f"tensor on {t.device}: move it to CPU before sending")
     t = t.contiguous()
@@ -89,11 +115,12 @@ def encode(header: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> l
     h = dict(header)
     frames: list = [b""]
     if tensors:
+        dtype_names = _torch()[2]
         specs = []
         for name, t in tensors.items():
-            if t.dtype not in DTYPE_NAMES:
+            if t.dtype not in dtype_names:
                 raise ValueError(f"tensor {name!r}: dtype {t.dtype} is not on the wire whitelist")
-            specs.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)})
+            specs.append({"name": name, "dtype": dtype_names[t.dtype], "shape": list(t.shape)})
             frames.append(tensor_frame(t))
         h["tensors"] = specs
     frames[0] = msgpack.packb(h, use_bin_type=True)
@@ -172,7 +199,8 @@ def check_header(h: dict, *, allowed: frozenset[str] | None = None, run: str | N
             raise ProtocolError(f"{t}: run ID {h['run']!r} is not this run ({run})")
 
 
-def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """(name, wire dtype, shape, bytes) of each declared tensor (PROTOCOL.md section 3, step 5)."""
     specs = h.get("tensors", [])
     if not isinstance(specs, list):
         raise ProtocolError("'tensors' is not a list")
@@ -188,8 +216,8 @@ def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, torch.dtype, tuple[
         if not isinstance(name, str) or name in names:
             raise ProtocolError(f"tensor spec {i}: bad or duplicate name {name!r}")
         names.add(name)
-        torch_dtype, itemsize = _DTYPE_SIZES.get(dtype, (None, 0)) if isinstance(dtype, str) else (None, 0)
-        if torch_dtype is None:
+        itemsize = ITEMSIZES.get(dtype, 0) if isinstance(dtype, str) else 0  # a list is unhashable
+        if not itemsize:
             raise ProtocolError(f"tensor {name!r}: dtype {dtype!r} not on the whitelist")
         nbytes = _shape_elements(shape)
         if nbytes < 0:
@@ -198,7 +226,7 @@ def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, torch.dtype, tuple[
         total += nbytes
         if total > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"tensors declare {total} bytes, limit {MAX_MESSAGE_BYTES}")
-        out.append((name, torch_dtype, tuple(shape), nbytes))
+        out.append((name, dtype, tuple(shape), nbytes))
     return out
 
 
@@ -223,6 +251,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 
 def _view(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    torch = _TORCH[0]  # decode called _torch()
     if buf.nbytes == 0:  # torch.frombuffer refuses empty buffers
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype).view(shape)
@@ -250,13 +279,14 @@ def decode(
         check_header(h, allowed=allowed, run=run)
         specs = _tensor_specs(h, len(frames) - 1)
         tensors, shapes = {}, {}
+        dtypes = _torch()[1] if views and specs else None
         for (name, dtype, shape, nbytes), f in zip(specs, frames[1:]):
             size = _frame_len(f)
             if size != nbytes:
                 raise ProtocolError(f"tensor {name!r}: frame has {size} bytes, shape says {nbytes}")
             shapes[name] = (dtype, shape)
             if views:
-                tensors[name] = _view(_frame_buffer(f), dtype, shape)
+                tensors[name] = _view(_frame_buffer(f), dtypes[dtype], shape)
         if h["type"] == "batch":
             check_batch(h, shapes)
         return Message(h, tensors, list(frames))
@@ -272,23 +302,24 @@ def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
 
 # ---------------------------------------------------------------- batch rules
 
-HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+HIDDEN_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 
-def check_batch(h: dict, t: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+def check_batch(h: dict, t: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
     """A batch's tensors agree with each other and with its header (PROTOCOL.md "batch").
-    `t` maps each tensor's name to its (dtype, shape) as the header declares them."""
+    `t` maps each tensor's name to its (wire dtype name, shape) as the header declares
+    them. (Messages say "torch.<name>", as they did when these were torch dtypes.)"""
     for name in ("input_ids", "loss_mask", "hidden"):
         if name not in t:
             raise ProtocolError(f"batch: missing tensor {name!r}")
     (ids_t, ids), (mask_t, mask), (hid_t, hid) = (t[n] for n in ("input_ids", "loss_mask", "hidden"))
-    if ids_t != torch.int32 or len(ids) != 1:
-        raise ProtocolError(f"batch: input_ids must be int32 [T], got {ids_t} {list(ids)}")
+    if ids_t != "int32" or len(ids) != 1:
+        raise ProtocolError(f"batch: input_ids must be int32 [T], got torch.{ids_t} {list(ids)}")
     T = ids[0]
-    if mask_t != torch.uint8 or tuple(mask) != (T,):
-        raise ProtocolError(f"batch: loss_mask must be uint8 [{T}], got {mask_t} {list(mask)}")
-    if hid_t not in HIDDEN_DTYPES or len(hid) != 2 or hid[0] != T:
-        raise ProtocolError(f"batch: hidden must be [{T}, n_layers*H] float, got {hid_t} {list(hid)}")
+    if mask_t != "uint8" or tuple(mask) != (T,):
+        raise ProtocolError(f"batch: loss_mask must be uint8 [{T}], got torch.{mask_t} {list(mask)}")
+    if hid_t not in HIDDEN_NAMES or len(hid) != 2 or hid[0] != T:
+        raise ProtocolError(f"batch: hidden must be [{T}, n_layers*H] float, got torch.{hid_t} {list(hid)}")
     seq_lens, samples, layers = h["seq_lens"], h["samples"], h["layer_ids"]
     if not all(isinstance(x, int) and x > 0 for x in seq_lens) or sum(seq_lens) != T:
         raise ProtocolError(f"batch: seq_lens must be positive ints summing to T={T}")
@@ -298,13 +329,13 @@ def check_batch(h: dict, t: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -
         raise ProtocolError("batch: layer_ids must be a non-empty list of non-negative ints")
     if hid[1] % len(layers):
         raise ProtocolError(f"batch: hidden width {hid[1]} not a multiple of {len(layers)} layers")
-    if hid_t == torch.float8_e4m3fn:
+    if hid_t == "float8_e4m3fn":
         sc_t, sc_shape = t.get("hidden_scale", (None, None))
-        if sc_t != torch.float32 or sc_shape != (T, len(layers)):
+        if sc_t != "float32" or sc_shape != (T, len(layers)):
             raise ProtocolError(f"batch: fp8 hidden needs float32 hidden_scale [{T}, {len(layers)}]")
     if "final_hidden" in t:  # optional: the target's LM-head input, for distillation (PROTOCOL.md)
         fin_t, fin = t["final_hidden"]
         D = hid[1] // len(layers)
-        if fin_t not in HIDDEN_DTYPES[:3] or tuple(fin) != (T, D):
-            raise ProtocolError(f"batch: final_hidden must be [{T}, {D}] bf16/fp16/fp32, got {fin_t} {list(fin)}")
+        if fin_t not in HIDDEN_NAMES[:3] or tuple(fin) != (T, D):
+            raise ProtocolError(f"batch: final_hidden must be [{T}, {D}] bf16/fp16/fp32, got torch.{fin_t} {list(fin)}")
 
