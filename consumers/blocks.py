@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 try:  # flex attention: block-sparse alternative to SDPA; absent on old torch builds
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 except ImportError:  # pragma: no cover
-    create_block_mask = flex_attention = None
+    flex_attention = None
 
 
 def anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
@@ -179,9 +179,11 @@ def _flex_fn(device: torch.device) -> Callable:
     return _compiled_flex
 
 
-def _flex_block_mask(layout: BlockLayout, device: torch.device):
-    if create_block_mask is None:  # pragma: no cover
-        raise RuntimeError("this torch build has no flex attention; use --attn sdpa")
+FLEX_BLOCK = 128  # flex attention's tile, queries x keys
+
+
+def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
+    """The element rule: context of the own sequence before the own anchor | the own block."""
     T, Q, B = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size
     seq_of = lambda lens: torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
     kv_seq = seq_of(layout.seq_lens).to(device)  # [T]
@@ -198,7 +200,49 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
         see_blk = ~is_ctx & (bi // B == q_block[qi])
         return see_ctx | see_blk
 
-    return create_block_mask(mask_mod, None, None, Q, T + Q, device=device, _compile=device.type == "cuda")
+    return mask_mod
+
+
+def _flex_block_mask(layout: BlockLayout, device: torch.device):
+    """The BlockMask from tile bounds alone. create_block_mask would evaluate the mask at
+    every (query, key) pair of the packed batch, O(Q x (T + Q)) per step, though a query
+    sees one sequence's context and its own block; here each query tile gets the key tiles
+    its queries can reach (partial: the element rule decides) and those all of them see
+    (full), in O(tiles)."""
+    if flex_attention is None:  # pragma: no cover
+        raise RuntimeError("this torch build has no flex attention; use --attn sdpa")
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    T, Q, B, N = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size, FLEX_BLOCK
+    KV = T + Q
+    if Q == 0:  # no query tile to describe
+        return create_block_mask(_mask_mod(layout, device), None, None, 0, KV, device=device)
+    n_q, n_kv = -(-Q // N), -(-KV // N)
+    # From the host-side anchors only: no device tensor is read back (no synchronisation)
+    q_seq = torch.repeat_interleave(torch.arange(len(layout.spans)), torch.tensor([s.q_len for s in layout.spans]))
+    ctx_start = torch.tensor([s.ctx_start for s in layout.spans], dtype=torch.long)
+    # Each query's anchor as a key index: non-decreasing in q (sorted anchors, packed in order)
+    abs_anchor = torch.cat([a.long() + s.ctx_start for a, s in zip(layout.anchors, layout.spans)] or
+                           [torch.zeros(0, dtype=torch.long)]).repeat_interleave(B)  # [Q]
+    first = torch.arange(n_q) * N  # [n_q] the tile's first and last query
+    last = torch.clamp(first + N, max=Q) - 1
+    c_lo, c_hi = ctx_start[q_seq[first]], abs_anchor[last]  # keys [c_lo, c_hi) hold all it may see
+    k_lo, k_hi = T + first // B * B, T + (last // B + 1) * B  # the tile's own blocks' keys
+    kv_lo = torch.arange(n_kv) * N  # [n_kv]
+    kv_hi = torch.clamp(kv_lo + N, max=KV)
+    lo, hi = kv_lo[None, :], kv_hi[None, :]
+    reach = ((lo < c_hi[:, None]) & (hi > c_lo[:, None]) & (lo < T)) | ((hi > k_lo[:, None]) & (lo < k_hi[:, None]))
+    one_seq = (q_seq[first] == q_seq[last]) & (last - first + 1 == N)
+    full = one_seq[:, None] & (lo >= c_lo[:, None]) & (hi <= abs_anchor[first][:, None]) & (hi <= T)
+    partial = reach & ~full
+
+    def as_indices(m: torch.Tensor):  # [n_q, n_kv] bool -> counts [1, 1, n_q], indices [1, 1, n_q, n_kv]
+        order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)  # the tiles of m first, in order
+        return m.sum(1, dtype=torch.int32)[None, None].to(device), order.to(torch.int32)[None, None].to(device)
+
+    (num, idx), (fnum, fidx) = as_indices(partial), as_indices(full)
+    return BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=N, mask_mod=_mask_mod(layout, device),
+                                    seq_lengths=(Q, KV))
 
 
 def _attend_flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
