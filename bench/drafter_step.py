@@ -72,6 +72,20 @@ def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
     return float((out["flex"] - out["sdpa"]).abs().max() / out["sdpa"].abs().max())
 
 
+def use_torch_block_mask() -> None:
+    """Replace the tile-bounds block mask with torch's create_block_mask of the same rule."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.consumers import blocks
+
+    def element_wise(layout, device):
+        T, Q = layout.ctx_pos.shape[0], layout.num_queries
+        return create_block_mask(blocks._mask_mod(layout, device), None, None, Q, T + Q, device=device,
+                                 _compile=device.type == "cuda")
+
+    blocks._flex_block_mask = element_wise
+
+
 @click.command()
 @click.option("--gpu", default=0, type=int, help="CUDA device index.")
 @click.option("--seqs", default=4, type=int, help="Sequences per batch.")
@@ -86,11 +100,15 @@ def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
 @click.option("--skip-check", is_flag=True, help="Skip the flex-vs-SDPA agreement check.")
 @click.option("--draft-layers", default=5, type=int, help="Draft decoder layers.")
 @click.option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]), help="As dflash-consume --fuse.")
+@click.option("--torch-block-mask", is_flag=True,
+              help="Build flex block masks with torch's create_block_mask (the element-wise pass), for a before/after.")
 @click.option("--ceiling-tflops", default=None, type=float,
               help="bf16 matmul rate for MFU (default: measured on this GPU first).")
 def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary, vocab, skip_check,
-         draft_layers, ceiling_tflops, fuse) -> None:
+         draft_layers, torch_block_mask, ceiling_tflops, fuse) -> None:
     """Measure drafter training steps on synthetic batches shaped like real ones."""
+    if torch_block_mask:
+        use_torch_block_mask()
     device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
     start = time.monotonic()
@@ -136,7 +154,8 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     flops_per_step = sum(step_flops(dcfg, heads.spec.vocab_size, s) for s in shapes) / max(1, len(shapes))
     anchors_per_step = sum(s.queries for s in shapes) / block_size / max(1, len(shapes))
     print(json.dumps({
-        "attn": attn, "fuse": fuse, "vary": vary, "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
+        "attn": attn, "fuse": fuse, "block_mask": "torch" if torch_block_mask else "tiles", "vary": vary,
+        "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
         "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
         "first_step_s": round(ends[0] - t0, 2), "step_s": round(step_s, 3),
         "tokens_per_s": round(sum(b.tokens for b in timed) / max(1, len(timed)) / step_s),
