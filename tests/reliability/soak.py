@@ -22,9 +22,12 @@ The broker's liveness timeout is its own default (10 s, --timeout-s), not the ch
 3 s, and a (re)started broker may take --start-s to answer: on a loaded host a process can
 stall for seconds and an import of torch takes minutes; neither is what the soak tests.
 
-The last line on stdout is a JSON summary (`ok`, lost, duplicated, kills and restarts by
-role, the kill intervals seen, samples trained, checkpoint_load_ok, the machine and the
-command, ...); the exit status is 0 only when `ok`.
+The last line on stdout is a JSON summary (`ok` and `not_ok`, its reasons; lost, duplicated,
+kills and restarts by role, exits without a kill and their reasons, the kill intervals seen,
+samples trained, late progress, checkpoint_load_ok, the machine and the command, ...); the
+exit status is 0 only when `ok`. Besides the audit, `ok` wants training late in the chaos
+phase: samples committed in the last max(2 min, 10%) of --minutes or during the stop
+(`verdict`, docs/RELIABILITY.md 11).
 Everything the processes wrote stays under --out for a post-mortem.
 """
 
@@ -57,6 +60,9 @@ EPOCHS_PER_MINUTE = 6
 # rejoining: the operator resumes the whole run instead.
 MAX_REJOINS = 3
 STOP_WAIT_S = 120  # at the deadline, how long the stop waits for a restarted run to train
+# `ok` wants samples committed this late: in the last max(2 min, 10%) of --minutes, or during
+# the stop. (max(5 min, 20%) would pass a soak that trained nothing in its last 5 min 6 s.)
+LATE_MIN_S, LATE_FRACTION = 120.0, 0.10
 
 
 class SoakOperator(Operator):
@@ -157,6 +163,47 @@ def _load_check(checkpoint: Path, out: Path, target: str) -> tuple[bool, str | N
         return False, f"{type(e).__name__}: {e}"
 
 
+def late_window_s(minutes: float) -> float:
+    return max(LATE_MIN_S, LATE_FRACTION * minutes * 60)
+
+
+def late_progress(commits: list[tuple[float, int]], chaos_end: float, end: float, window_s: float) -> dict:
+    """Samples committed from `window_s` before the deadline (or before `end`, when the chaos
+    run ended earlier) to `end`, the chaos run's end (its stop); commits are (time, samples)."""
+    lo = min(chaos_end, end) - window_s
+    times = [ts for ts, n in commits if n > 0 and ts <= end]
+    return {"late_window_s": round(window_s), "late_committed": sum(n for ts, n in commits if n > 0 and lo <= ts <= end),
+            "last_commit_age_s": round(end - max(times)) if times else None}
+
+
+def verdict(*, error: str | None, ended: str | None, lost: int, duplicated: int, unexpected: int, inherited_ok: bool,
+            record_complete: bool, load_ok: bool, late_committed: int) -> list[str]:
+    """Why the soak is not ok; empty when it is."""
+    why = [] if error is None else [f"error: {error}"[:300]]
+    if ended is None or ended.startswith("final:"):
+        why.append(f"ended: {ended}")
+    why += [w for bad, w in ((lost, f"lost {lost}"), (duplicated, f"duplicated {duplicated}"),
+                             (unexpected, f"unexpected samples {unexpected}"),
+                             (not inherited_ok, "a resumed run did not inherit exactly its parents' commits"),
+                             (not record_complete, "final record incomplete"), (not load_ok, "checkpoint did not load"),
+                             (late_committed <= 0, "no samples committed late in the chaos phase")) if bad]
+    return why
+
+
+def exit_reasons(exits: list[dict], top: int = 8) -> list[dict]:
+    """Exits without a kill grouped by role, exit code and last output line, most frequent first."""
+    role = {"b": "broker", "p": "producer", "c": "consumer"}
+    groups = Counter((role.get(e["name"][:1], e["name"]), e["code"], e["last"][:200]) for e in exits)
+    return [{"role": r, "code": c, "last": last, "n": n} for (r, c, last), n in groups.most_common(top)]
+
+
+def _commits(runs: Path, chain: list[str]) -> list[tuple[float, int]]:
+    from tests.reliability.chaos_audit import _rows
+
+    return [row for run in chain if (runs / run / "ledger.sqlite").is_file()
+            for row in _rows(runs / run, "SELECT ts, samples FROM commits")]
+
+
 def _intervals(times: list[float]) -> dict | None:
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
     if not gaps:
@@ -169,19 +216,22 @@ def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every:
     rng = random.Random(seed)
     pipe = Pipeline(out, n_rows=rows, epochs=epochs, seed=seed % 1000, timeout_s=timeout_s, start_s=start_s)
     load_start = os.getloadavg()
-    t0 = time.monotonic()
+    t0, t0_wall = time.monotonic(), time.time()  # ledger commits carry wall time
     chaos_until = t0 + minutes * 60
+    chaos_end = end = t0_wall + minutes * 60
     # the stop's drain, a broker start at the deadline, the finish
     deadline = chaos_until + 300 + start_s + (finish_minutes * 60 if finish else 0)
     op = SoakOperator(pipe, rng, chaos_until, deadline, every)
     ended, error = None, None
     try:
         ended = op.run()
+        end = time.time()  # the chaos run's end: the stop done (or an earlier completion)
         if ended == "stopped" and finish:
             op.stopping = False  # no kills (past chaos_until), no stop: let the run end
             ended = op.run(resume=pipe.chain[-1], gen=len(op.generations))
     except BaseException as e:  # KeyboardInterrupt included: what is on disk is still audited
         error = f"{type(e).__name__}: {e}"
+        end = min(end, time.time())
         traceback.print_exc()
     finally:
         pipe.close()
@@ -199,7 +249,8 @@ def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every:
         "lost": len(lost), "duplicated": len(a.duplicated), "unexpected_samples": len(a.unexpected),
         "kills": {r: op.killed[r] for r in ROLES}, "kill_interval_s": _intervals(op.kill_times),
         "restarts": {r: op.restarted[r] for r in ("producer", "consumer", "generation")},
-        "exits_without_kill": len(op.unexpected),
+        "exits_without_kill": len(op.unexpected), "exit_reasons": exit_reasons(op.unexpected),
+        **late_progress(_commits(pipe.runs, pipe.chain), chaos_end, end, late_window_s(minutes)),
         "samples_trained": sum(a.record.values()), "committed": sum(a.ledger.values()), "expected": len(a.expected),
         "pending": len(a.expected - committed), "held_uncommitted": len(set(a.record) - committed),
         "inherited_ok": a.inherited_ok, "record_complete": a.record_complete,
@@ -212,8 +263,11 @@ def soak(out: Path, *, minutes: float, seed: int, rows: int, epochs: int, every:
         "command": " ".join(sys.argv),
         "final_checkpoint": str(a.final_checkpoint) if a.final_checkpoint else None,
     }
-    summary["ok"] = (error is None and ended is not None and not ended.startswith("final:") and not lost
-                     and not a.duplicated and not a.unexpected and a.inherited_ok and a.record_complete and load_ok)
+    summary["not_ok"] = verdict(error=error, ended=ended, lost=len(lost), duplicated=len(a.duplicated),
+                                unexpected=len(a.unexpected), inherited_ok=a.inherited_ok,
+                                record_complete=a.record_complete, load_ok=load_ok,
+                                late_committed=summary["late_committed"])
+    summary["ok"] = not summary["not_ok"]
     (out / "soak-summary.json").write_text(json.dumps({**summary, "generations": op.generations,
                                                        "exits": op.unexpected}, indent=1))
     return summary
