@@ -21,10 +21,15 @@ def eos_run(tmp_path_factory):
     from tests.harness.broker import BrokerProc
 
     b = BrokerProc(tmp_path_factory.mktemp("eos") / "runs", ["--lease-size", "8"])
-    procs = [spawn(FAKES, "producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}") for i in range(2)]
-    procs += [spawn(FAKES, "consumer", b, "--instance", f"cons{i}", "--train-s", "0.005") for i in range(3)]
+    procs = [spawn(FAKES, "consumer", b, "--instance", f"cons{i}", "--train-s", "0.005") for i in range(3)]
     results = []
     try:
+        # Every consumer in before any data: on a loaded host a consumer that joins after the
+        # last batch gets `stop` on arrival and is rightly not one the stream ended for.
+        b.wait_event("broker.peer_joined", 60, lambda e: len(
+            {x["peer_instance"] for x in b.events("broker.peer_joined") if x["peer_role"] == "consumer"}) == 3)
+        procs = [spawn(FAKES, "producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}")
+                 for i in range(2)] + procs
         for p in procs:
             out, err = p.communicate(timeout=30)
             results.append((p.returncode, out, err))
