@@ -124,7 +124,7 @@ def load_causal_lm(target: str | Path, **kw: Any):
 
 
 GGUF_CACHE_ENV = "DFLASH_GGUF_CACHE"
-_CONVERT_VERSION = 2  # bump when the conversion changes: a stale folder is rebuilt
+CONVERT_VERSION = 2  # bump when the conversion changes: a stale folder is rebuilt
 
 
 def gguf_cache_root() -> Path | None:
@@ -150,11 +150,11 @@ def cached_gguf_folder(gguf: Path, dtype: torch.dtype) -> Path | None:
     if root is None:
         return None
     sha, name = file_sha256(gguf), str(dtype).removeprefix("torch.")
-    dest = root / f"{sha[:24]}-{name}"
+    dest, stamp = root / f"{sha[:24]}-{name}", {"gguf_sha256": sha, "dtype": name, "convert": CONVERT_VERSION}
     try:
-        cached = is_converted(dest, {"gguf_sha256": sha, "dtype": name, "convert": _CONVERT_VERSION})
+        cached = is_converted(dest, stamp)
         t0 = time.monotonic()
-        convert_gguf(gguf, dest, dtype, {"gguf_sha256": sha, "dtype": name, "convert": _CONVERT_VERSION})
+        convert_gguf(gguf, dest, dtype, stamp)
     except OSError as e:  # a read-only or full disk: slower, not wrong
         log.warning("target.gguf_cache_unwritable", gguf=str(gguf), folder=str(dest), error=str(e)[:300])
         return None

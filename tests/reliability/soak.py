@@ -61,7 +61,7 @@ EPOCHS_PER_MINUTE = 6
 MAX_REJOINS = 3
 STOP_WAIT_S = 120  # at the deadline, how long the stop waits for a restarted run to train
 # `ok` wants samples committed this late: in the last max(2 min, 10%) of --minutes, or during
-# the stop. (max(5 min, 20%) would pass a soak that trained nothing in its last 5 min 6 s.)
+# the stop. (A wider window passed a soak whose consumers were all refused for its last minutes.)
 LATE_MIN_S, LATE_FRACTION = 120.0, 0.10
 
 

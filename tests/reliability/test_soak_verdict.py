@@ -18,8 +18,8 @@ def test_the_late_window_is_two_minutes_or_a_tenth_of_the_soak():
 
 
 def test_a_soak_that_stopped_training_five_minutes_before_its_deadline_is_not_ok():
-    # The 2026-12-02 soak from the edited checkout: 30 min from t=0, the last commit 306 s
-    # before the deadline, then only refused consumers; the stop ended 127 s after it.
+    # A soak whose consumers were all refused for its last minutes (the code changed under
+    # it): commits stop well before the deadline, the stop commits nothing.
     commits = [(t, 4) for t in range(34, 1495, 10)] + [(1500.0, 0)]
     late = late_progress(commits, chaos_end=1800, end=1927, window_s=late_window_s(30))
     assert late == {"late_window_s": 180, "late_committed": 0, "last_commit_age_s": 433}
