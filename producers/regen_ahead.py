@@ -202,7 +202,7 @@ class RegenAhead:
                 need = max(len(j.prompt) for j in self._jobs)
                 if dec is None or need > dec.max_prompt:
                     dec = None  # its cache goes before the next is allocated
-                    dec = self.regen._decoder(self.regen.batch_size, need + self.regen.max_new_tokens)
+                    dec = self.regen._decoder(self.regen.batch_size, self.regen.prompt_slots(self._jobs, lambda j: j.key))
                 self._drive(dec)
         except BaseException as e:  # handed to the prefetch thread, which raises it
             log.error("produce.regen_failed", error=f"{type(e).__name__}: {str(e)[:500]}")

@@ -255,3 +255,23 @@ def test_a_prompt_without_an_answer_is_answered_by_the_target_and_refused_withou
         raise AssertionError("a prompt without an answer was encoded without --regenerate")
     with __import__("pytest").raises(BadRow, match="no assistant turn"):  # nothing to answer: a system turn last
         parse_record({"messages": [{"role": "system", "content": "x"}]}, 2, "d:3")
+
+
+def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
+    """Every decode step attends every slot of the cache, so a decoder is sized for the
+    longest prompt (rounded up to 64) plus one answer only when a conversation has a turn
+    after the one being decoded."""
+    from types import SimpleNamespace
+
+    from dflash.producers.decode import Job
+    from dflash.producers.regenerate import Regenerator
+
+    regen = SimpleNamespace(max_new_tokens=256)
+    slots = Regenerator.prompt_slots.__get__(regen)
+    single = SimpleNamespace(generated=[], turns=[1])
+    two_turns = SimpleNamespace(generated=[], turns=[1, 3])
+    on_last = SimpleNamespace(generated=[[5]], turns=[1, 3])
+    jobs = [Job(single, [0] * 70), Job(on_last, [0] * 20)]
+    assert slots(jobs, lambda j: j.key) == 128
+    assert slots([Job(single, [0] * 64)], lambda j: j.key) == 64
+    assert slots(jobs + [Job(two_turns, [0] * 10)], lambda j: j.key) == 384  # 70 + 256, rounded up
