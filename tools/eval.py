@@ -242,10 +242,11 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 
 
 def run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance,
-        as_json) -> None:
+        as_json, fuse: str = "auto") -> None:
     """dflash-eval (tools/eval_command.py parses its options)."""
     if threads:
         torch.set_num_threads(threads)
+    enable_fused(fuse, torch.device(device))
     try:
         tolerance = resolve_tie_tolerance(_DTYPES[dtype], tie_tolerance)
         drafter = drafter_folder(drafter, runs_dir)
@@ -261,6 +262,17 @@ def run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype
                    f"{'at all' if tolerance is None else f'beyond the tie tolerance {tolerance}'} for prompt(s): "
                    f"{', '.join(rep['mismatches'])}", err=True)
         sys.exit(1)
+
+
+def enable_fused(fuse: str, device: torch.device) -> bool:
+    """The drafter's fused kernels for decoding (`--fuse`): at batch 1 a cycle is bound by
+    kernel launches, and fusion launches fewer; auto takes them where training would."""
+    from dflash.consumers import fused
+    from dflash.consumers.train import auto_compiles
+
+    on = fuse == "on" or (fuse == "auto" and auto_compiles(device))
+    fused.enable(on)
+    return on
 
 
 # The command (options parsed without importing torch); kept here for callers of eval.main.

@@ -23,13 +23,17 @@ from dflash.protocol.config import command, option, runs_dir_option, target_opti
 @option("--tie-tolerance", default=None, type=float,
         help="bfloat16/float16: a first difference where both tokens are within this logit margin of the "
              "target's best counts as a tie-flip, not an error (default per dtype, docs/EVAL.md; float32 is exact).")
+@option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]),
+        help="Fuse the drafter's norms, RoPE and SwiGLU with torch.compile (auto: on a GPU with a C compiler); "
+             "a speculative cycle then launches fewer kernels. Outputs are checked lossless either way.")
 @option("--json", "as_json", is_flag=True, default=False, help="Print the full report as one JSON object.")
 def main(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance,
-         as_json) -> None:
+         fuse, as_json) -> None:
     """Speculative decoding (greedy) with TARGET and DRAFTER on PROMPTS: tau, speedup, lossless check."""
     from dflash.tools.eval import run
 
-    run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance, as_json)
+    run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance, as_json,
+        fuse=fuse)
 
 
 if __name__ == "__main__":

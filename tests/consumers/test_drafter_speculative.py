@@ -2,6 +2,7 @@
 the target's greedy output (tied and untied targets); dflash-eval reports and checks that."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -124,3 +125,26 @@ def test_eval_cli_reports_and_checks_every_prompt(setup, tmp_path):
     r = CliRunner().invoke(main, ["--target", str(path), "--drafter", str(ckpt), "--prompts", str(prompts),
                                   "--max-new-tokens", "5"])
     assert r.exit_code == 0 and "overall: tau" in r.output and "lossless" in r.output
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
+@pytest.mark.timeout(600)
+def test_fused_drafter_drafts_the_same_and_stays_lossless(setup):
+    """dflash-eval --fuse: the drafter's norms, RoPE and SwiGLU compiled make the same
+    proposals (so the same tau) and the output stays the target's greedy output."""
+    from dflash.consumers import fused
+    from dflash.tools.eval import enable_fused
+
+    _path, target, tok, drafter = setup
+    m = target.model
+    prompt = torch.tensor(tok("Name three colours.")["input_ids"])
+    eager = speculative_greedy(m, drafter, prompt, 32, set())
+    assert enable_fused("auto", torch.device("cpu")) is False and not fused.enabled()  # auto: GPU only
+    try:
+        assert enable_fused("on", torch.device("cpu")) is True and fused.enabled()
+        got = speculative_greedy(m, drafter, prompt, 32, set())
+    finally:
+        fused.enable(False)
+    assert got.tokens == greedy(m, prompt, 32, set()).tokens == eager.tokens
+    assert got.accept_lengths == eager.accept_lengths and got.accepted == eager.accepted
