@@ -23,7 +23,10 @@ def quiet_library_noise() -> None:
     manager_logger = logging.getLogger("torchft.manager")
     if not any(isinstance(f, _DropFlightRecorder) for f in manager_logger.filters):
         manager_logger.addFilter(_DropFlightRecorder())
-    import torchft.http as http
+    try:
+        import torchft.http as http
+    except ImportError:  # nothing of torchft's to quiet (a fixed group or a single consumer)
+        return
 
     server = http._IPv6HTTPServer
     if getattr(server, "_dflash_quiet", False):
