@@ -26,19 +26,73 @@ from pathlib import Path
 
 import click
 
-# Training families: how people ask for explanations, stories, lists, advice and code.
+# Training families: how people ask for explanations, stories, lists, advice, opinions,
+# comparisons, word help, plans and code. The wider the requests, the more of what the
+# target says the drafter sees (held-out tau measures exactly that).
 TRAIN_STYLES = {
     "explain": ["Explain what {w} means.", "What is {w}? Answer in a few sentences.",
-                "Describe {w} to a ten-year-old.", "Why does {w} matter?"],
+                "Describe {w} to a ten-year-old.", "Why does {w} matter?", "Explain {w} step by step.",
+                "What are common misconceptions about {w}?", "How does {w} work?"],
     "write": ["Write a short story that involves {w}.", "Write a poem about {w}.",
-              "Write a short email to a friend that mentions {w}."],
+              "Write a short email to a friend that mentions {w}.", "Write a haiku about {w}.",
+              "Write a limerick about {w}.", "Write the opening paragraph of a novel about {w}.",
+              "Write a short speech about {w}.", "Write a social media post about {w}.",
+              "Write a letter to your future self about {w}."],
     "list": ["Give me three facts related to {w}.", "List some pros and cons of {w}.",
-             "What are five words associated with {w}?"],
-    "advice": ["How can I learn more about {w}?", "Give me some tips related to {w}."],
+             "What are five words associated with {w}?", "List ten questions someone might ask about {w}.",
+             "Name some famous examples of {w}."],
+    "advice": ["How can I learn more about {w}?", "Give me some tips related to {w}.",
+               "I am new to {w}. Where should I start?", "What mistakes should a beginner avoid with {w}?"],
+    "compare": ["Compare {w} and {v}.", "What is the difference between {w} and {v}?",
+                "Which is more important, {w} or {v}? Explain your reasoning.",
+                "How are {w} and {v} related?"],
+    "opinion": ["Is {w} good or bad? Explain your reasoning.", "What do you think about {w}?",
+                "Give arguments for and against {w}."],
+    "words": ["Use the word '{w}' in three example sentences.", "What are synonyms and antonyms of '{w}'?",
+              "Where does the word '{w}' come from?", "Define '{w}' and give an example."],
+    "plan": ["Make a study plan for learning about {w}.", "Write an outline for an essay about {w}.",
+             "Plan a weekend activity themed around {w}.", "Create a checklist for a project about {w}."],
 }
 TRAIN_CODE = ["What does the Python function `{q}` do? Show a short example.",
               "How do I use `{q}` in Python?",
-              "Explain the parameters of `{q}` from the `{m}` module."]
+              "Explain the parameters of `{q}` from the `{m}` module.",
+              "What are common mistakes when using `{q}`?"]
+# Programming tasks asked in several languages (the held-out code family asks for tests
+# and scripts of library functions instead).
+CODE_TASKS = ["reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+              "counts the words in a text", "removes duplicates from a list", "sorts a list of dictionaries by a key",
+              "finds the largest element of a list", "checks whether a string is a palindrome",
+              "computes the factorial of a number", "merges two sorted lists", "flattens a nested list",
+              "converts Celsius to Fahrenheit", "counts the vowels in a string", "computes the average of a list",
+              "finds the greatest common divisor of two numbers", "checks whether two strings are anagrams",
+              "reads a CSV file and prints its rows", "returns the second largest number in a list",
+              "capitalizes the first letter of every word", "implements binary search",
+              "transposes a matrix", "computes the sum of the digits of a number", "groups words by their length",
+              "finds all pairs in a list that sum to a target", "validates an email address with a regular expression",
+              "rotates a list by k positions", "returns the most common element of a list",
+              "converts a decimal number to binary", "implements a stack class", "implements a simple queue class"]
+CODE_LANGS = ["Python", "Python", "Python", "JavaScript", "C", "Java", "Rust", "Go"]
+CODE_ASKS = ["Write a {lang} function that {task}.", "How would I write code in {lang} that {task}?",
+             "Show me a {lang} program that {task}, and explain it."]
+MATH_ITEMS = ["apples", "books", "pencils", "tickets", "cookies", "chairs", "shirts", "marbles"]
+
+
+def math_question(rng: random.Random) -> str:
+    """An arithmetic or word problem with random numbers."""
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 999)
+    item = rng.choice(MATH_ITEMS)
+    return rng.choice([
+        f"What is {a} times {b}?", f"What is {c} divided by {a}? Give the answer as a decimal.",
+        f"Solve for x: {a}x + {b} = {c}.", f"What is {a}% of {c}?",
+        f"A shop sells {item} for ${a} each. How much do {b} {item} cost?",
+        f"A train travels {c} km in {a % 9 + 2} hours. What is its average speed?",
+        f"If I have {c} {item} and give away {a}, then buy {b} more, how many do I have?",
+        f"Is {c} a prime number? Explain.", f"What is the square root of {a * a}?",
+        f"Convert {c} minutes to hours and minutes.",
+        f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+        f"Tom is {a} years old. His sister is {b % 20 + 1} years younger. How old will she be in {c % 30 + 1} years?",
+    ])
+
 
 # Held-out families: other kinds of request, on topics the training set never names.
 HELD_OUT_STYLES = {
@@ -108,10 +162,18 @@ def build(tokenizer, n_train: int, n_held_out: int, seed: int = 0) -> tuple[list
     train_templates = [t for ts in TRAIN_STYLES.values() for t in ts]
     code = [(m, q, t) for m, q in library_names(TRAIN_MODULES) for t in TRAIN_CODE]
     rng.shuffle(code)
-    n_code = min(len(code), n_train // 5)  # a fifth code questions, as in chat-SFT mixes
+    # Mix: about 15% questions on the standard library, up to 10% programming tasks, 10% math,
+    # the rest the text families.
+    n_code = min(len(code), n_train * 15 // 100)
+    tasks = sorted({a.format(lang=lang, task=t) for a in CODE_ASKS for lang in CODE_LANGS for t in CODE_TASKS})
+    rng.shuffle(tasks)
+    n_tasks, n_math = min(len(tasks), n_train // 10), n_train // 10
     rows = [chat_row(f"code-{i}", t.format(q=q, m=m)) for i, (m, q, t) in enumerate(code[:n_code])]
-    for i in range(n_train - n_code):
-        rows.append(chat_row(f"text-{i}", rng.choice(train_templates).format(w=train_words[i % len(train_words)])))
+    rows += [chat_row(f"task-{i}", t) for i, t in enumerate(tasks[:n_tasks])]
+    rows += [chat_row(f"math-{i}", math_question(rng)) for i in range(n_math)]
+    for i in range(n_train - len(rows)):
+        w = train_words[i % len(train_words)]
+        rows.append(chat_row(f"text-{i}", rng.choice(train_templates).format(w=w, v=rng.choice(train_words))))
     rng.shuffle(rows)
 
     held: dict[str, list[dict]] = {}
