@@ -22,6 +22,8 @@ SmolLM2-135M, Qwen3-0.6B, Qwen3-8B): shape alone decides speed. bf16, sdpa. Sect
   eval        dflash-eval at batch 1 on the 135M shape: target-only and speculative
               (a random 5-layer drafter, B=16: tau near 1, the slow case), 40 prompts x 256
               tokens, both wall-clock; outputs compared by the tie rule;
+  cycle       ms per speculative cycle (one graph replay) against the target's decode
+              step at batch 1, random drafters of 1/2/3/5 layers, eager and fused;
   compile     torch.compile(mode="reduce-overhead") of the same decode step, time-guarded.
 
 Imports torch, transformers and the project's decoding modules only (no zmq/structlog), so
@@ -316,20 +318,10 @@ def regen_section(name: str, model, jobs: int, rows: int = 256) -> dict:
 
 
 def eval_section(model, n: int = 40, new: int = 256) -> dict:
-    from dflash.consumers.export import Drafter
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
     from dflash.consumers.speculative import Speculative, TargetGreedy
 
     cfg = model.config
-    L = cfg.num_hidden_layers
-    layer_ids = sorted({round(1 + i * (L - 4) / 4) for i in range(5)})  # spaced 1..L-3
-    dcfg = DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                         head_dim=cfg.head_dim, num_layers=5, num_features=len(layer_ids),
-                         rope_theta=getattr(cfg, "rope_theta", 10000.0))
-    torch.manual_seed(0)
-    draft = DFlashDraft(dcfg).to(DEV, torch.bfloat16).eval().requires_grad_(False)
-    drafter = Drafter(draft, 16, cfg.vocab_size - 1, layer_ids, L, {})
+    drafter = _random_drafter(model, 5)
     ps = prompts(n, 32, 200, cfg.vocab_size, seed=9)
     res = {"prompts": n, "max_new_tokens": new, "drafter_layers": 5, "block_size": 16}
     try:
@@ -375,6 +367,56 @@ def eval_section(model, n: int = 40, new: int = 256) -> dict:
         traceback.print_exc()
     print(json.dumps(res), flush=True)
     return res
+
+
+def cycle_section(model, layers: list[int], reps: int = 200) -> list[dict]:
+    """ms per speculative cycle (draft, verify, accept: one graph replay) against the
+    target's decode step at batch 1, by drafter depth, with the drafter's elementwise work
+    eager and fused (dflash-eval --fuse): what a cycle costs decides the speedup at a tau."""
+    from dflash.consumers import fused
+    from dflash.consumers.speculative import Speculative, TargetGreedy
+
+    out = []
+    p = prompts(1, 120, 120, model.config.vocab_size, seed=11)[0]
+    base = TargetGreedy(model, max_prompt=200, max_new_tokens=256, stop_ids=set())
+    base(p)
+    with base.dec.core.attending(), torch.inference_mode():
+        step_ms = 1e3 * timed(base.dec._step, reps)
+    for fuse in (False, True):
+        fused.enable(fuse)
+        for n in layers:
+            res = {"drafter_layers": n, "fuse": fuse, "target_step_ms": round(step_ms, 4)}
+            try:
+                drafter = _random_drafter(model, n)
+                spec = Speculative(model, drafter, max_prompt=200, max_new_tokens=256, stop_ids=set())
+                spec(p, 8)
+                with spec.core.attending(), torch.inference_mode():
+                    spec.start.fill_(len(p))
+                    res["cycle_ms"] = round(1e3 * timed(spec._cycle, reps), 4)
+                res["cycle_over_step"] = round(res["cycle_ms"] / step_ms, 3)
+                res["graphs"] = spec.core.captured > 0
+            except Exception as e:
+                res["error"] = f"{type(e).__name__}: {e}"[:400]
+            print(json.dumps(res), flush=True)
+            out.append(res)
+    fused.enable(False)
+    return out
+
+
+def _random_drafter(model, n_layers: int):
+    from dflash.consumers.export import Drafter
+    from dflash.consumers.model import DFlashDraft, DrafterConfig
+
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    layer_ids = sorted({round(1 + i * (L - 4) / 4) for i in range(5)})  # spaced 1..L-3
+    dcfg = DrafterConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                         head_dim=cfg.head_dim, num_layers=n_layers, num_features=len(layer_ids),
+                         rope_theta=getattr(cfg, "rope_theta", 10000.0))
+    torch.manual_seed(0)
+    draft = DFlashDraft(dcfg).to(DEV, torch.bfloat16).eval().requires_grad_(False)
+    return Drafter(draft, 16, cfg.vocab_size - 1, layer_ids, L, {})
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -444,7 +486,7 @@ def main() -> None:
     RESULTS["ceilings"] = ceil = ceilings()
     print(json.dumps(RESULTS), flush=True)
     batches = [int(b) for b in a.batches.split(",")]
-    RESULTS.update(steps=[], exactness=[], regen=[], eval=None, compile=[])
+    RESULTS.update(steps=[], exactness=[], regen=[], eval=None, cycle=[], compile=[])
     for name in a.shapes.split(","):
         t = time.perf_counter()
         with DEV:
@@ -461,6 +503,9 @@ def main() -> None:
                                                   rows=max(batches)))
         if name == "smollm2-135m" and "eval" in want:
             RESULTS["eval"] = eval_section(model, 4 if TINY else 40, 24 if TINY else 256)
+            save(a.out)
+        if name == "smollm2-135m" and "cycle" in want:
+            RESULTS["cycle"] = cycle_section(model, [1, 2, 3, 5], 24 if TINY else 200)
             save(a.out)
         if name == "smollm2-135m" and "compile" in want:
             if elapsed() < a.budget_s * 0.4:

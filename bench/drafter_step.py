@@ -38,6 +38,14 @@ QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 122
             "tie_word_embeddings": False}
 
 
+# SmolLM2-135M-Instruct's shape: a small target, where a step's fixed costs show.
+SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 30, "vocab_size": 49152,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000, "max_position_embeddings": 8192,
+                "tie_word_embeddings": True}
+SHAPES = {"qwen3-8b": QWEN3_8B, "smollm2-135m": SMOLLM2_135M}
+
+
 def _stage(name: str, t0: float) -> None:
     """Progress as it happens: a slow stage (compilation, disk) shows where it is stuck."""
     print(json.dumps({"stage": name, "t_s": round(time.monotonic() - t0, 1)}), flush=True)
@@ -86,6 +94,18 @@ def use_torch_block_mask() -> None:
     blocks._flex_block_mask = element_wise
 
 
+def _profile_table(prof, n_steps: int, wall_s: float) -> None:
+    """Per step: GPU busy time against wall time, and the top kernels and host ops."""
+    ev = prof.key_averages()
+    kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / n_steps
+    print(json.dumps({"profile_steps": n_steps, "wall_ms_per_step": round(1e3 * wall_s / n_steps, 2),
+                      "gpu_busy_ms_per_step": round(busy, 2),
+                      "kernels_per_step": round(sum(e.count for e in kernels) / n_steps)}), flush=True)
+    print(ev.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+
+
 @click.command()
 @click.option("--gpu", default=0, type=int, help="CUDA device index.")
 @click.option("--seqs", default=4, type=int, help="Sequences per batch.")
@@ -96,7 +116,10 @@ def use_torch_block_mask() -> None:
 @click.option("--attn", default="sdpa", type=click.Choice(["flex", "sdpa"]), help="Attention kernel.")
 @click.option("--loss-chunk", default=2048, type=int, help="Block positions per logits chunk.")
 @click.option("--vary", is_flag=True, help="Vary sequence lengths from batch to batch, as real packing does.")
-@click.option("--vocab", default=QWEN3_8B["vocab_size"], type=int, help="Vocabulary of the fake target.")
+@click.option("--shape", default="qwen3-8b", type=click.Choice(sorted(SHAPES)), help="Shape of the fake target.")
+@click.option("--vocab", default=None, type=int, help="Vocabulary of the fake target (default: the shape's).")
+@click.option("--profile", "profile_steps", default=0, type=int,
+              help="Profile this many steps after the first half (torch.profiler): top kernels and host ops.")
 @click.option("--skip-check", is_flag=True, help="Skip the flex-vs-SDPA agreement check.")
 @click.option("--draft-layers", default=5, type=int, help="Draft decoder layers.")
 @click.option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]), help="As dflash-consume --fuse.")
@@ -104,8 +127,8 @@ def use_torch_block_mask() -> None:
               help="Build flex block masks with torch's create_block_mask (the element-wise pass), for a before/after.")
 @click.option("--ceiling-tflops", default=None, type=float,
               help="bf16 matmul rate for MFU (default: measured on this GPU first).")
-def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary, vocab, skip_check,
-         draft_layers, torch_block_mask, ceiling_tflops, fuse) -> None:
+def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary, shape, vocab, profile_steps,
+         skip_check, draft_layers, torch_block_mask, ceiling_tflops, fuse) -> None:
     """Measure drafter training steps on synthetic batches shaped like real ones."""
     if torch_block_mask:
         use_torch_block_mask()
@@ -113,7 +136,8 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     torch.cuda.set_device(device)
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        target = fake_target(Path(tmp) / "target", {**QWEN3_8B, "vocab_size": vocab})
+        vocab = vocab or SHAPES[shape]["vocab_size"]
+        target = fake_target(Path(tmp) / "target", {**SHAPES[shape], "vocab_size": vocab})
         _stage("fake_target_written", start)
         heads = load_target_heads(target, device=device, dtype=torch.bfloat16)
     _stage("heads_loaded", start)
@@ -128,18 +152,25 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     # Made up front: the generator is not what is measured (real batches arrive ready).
     layers = list(signal.target_layers)
     if vary:  # a new T and Q every batch, never seen before: what compiled kernels must cope with
-        batches = [rule_batch(heads.spec, layers, seed=i, n_seqs=seqs, seq_len=seq_len - 41 * i,
+        batches = [rule_batch(heads.spec, layers, seed=i, n_seqs=seqs, seq_len=seq_len - (41 * i) % max(1, seq_len // 2),
                               sample_start=i * seqs, dtype=torch.bfloat16) for i in range(steps)]
     else:
         batches = list(synthetic_stream(heads.spec, layers, batches=steps, n_seqs=seqs, seq_len=seq_len))
     _stage("batches_made", start)
     torch.cuda.reset_peak_memory_stats(device)
     ends: list[float] = []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA]) if profile_steps else None
 
     def after_step(step, model):
         torch.cuda.synchronize(device)
         ends.append(time.monotonic())
         _stage(f"step_{step}", start)
+        if prof is not None and step == steps // 2:
+            prof.start()
+        if prof is not None and step == steps // 2 + profile_steps:
+            prof.stop()
+            _profile_table(prof, profile_steps, ends[-1] - ends[-1 - profile_steps])
 
     t0 = time.monotonic()
     with capture_logs() as logs:
