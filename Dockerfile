@@ -5,6 +5,7 @@ WORKDIR /opt/dflash
 COPY pyproject.toml README.md ./
 COPY dflash_ns dflash_ns
 COPY protocol protocol
+COPY runtime runtime
 COPY broker broker
 COPY producers producers
 COPY consumers consumers

@@ -126,7 +126,7 @@ def main(shape: str, tokens: str, seq_len: int, attn: str, reps: int, skip_naive
     """Peak memory and time of capture vs naive forward on a random model of a real shape."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash.protocol.gpu import matmul_ceiling_tflops
+    from dflash.runtime.gpu import matmul_ceiling_tflops
 
     ceiling = ceiling_tflops or matmul_ceiling_tflops(torch.device("cuda"))
     if data:

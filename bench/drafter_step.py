@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
-from dflash.protocol.gpu import matmul_ceiling_tflops
+from dflash.runtime.gpu import matmul_ceiling_tflops
 
 from dflash.consumers.blocks import build_layout
 from dflash.consumers.flops import step_flops, step_shape

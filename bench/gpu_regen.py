@@ -60,7 +60,7 @@ def _generate(model, ids, att, pad, n):
 def _prefilled(model, ids, att):
     """The prompts' KV cache (as the forward() keyword), positions and first greedy token:
     the state one decode step starts from."""
-    from dflash.protocol.hf_compat import cache_kwarg, new_cache
+    from dflash.runtime.hf_compat import cache_kwarg, new_cache
 
     kw = {cache_kwarg(model): new_cache(model)}
     pos = (att.cumsum(-1) - 1).clamp_min(0)

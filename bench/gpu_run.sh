@@ -22,7 +22,7 @@ producer() {
   inputs
   stage a ceiling 60 python3 -c "
 import json, torch
-from dflash.protocol.gpu import matmul_ceiling_tflops
+from dflash.runtime.gpu import matmul_ceiling_tflops
 r = [round(matmul_ceiling_tflops(torch.device('cuda', $G0), n), 1) for n in (4096, 8192, 16384)]
 print(json.dumps({'gpu': $G0, 'bf16_matmul_tflops_4k_8k_16k': r}))"
   stage a capture_packed_flex 240 python3 bench/capture_gpu.py --target "$T8" --data "$W/packed.jsonl" \

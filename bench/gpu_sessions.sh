@@ -45,7 +45,7 @@ source "$(dirname "$0")/gpu_lib.sh"
 part1_capture() {  # GPU0
   stage a ceiling 60 python3 -c "
 import json, torch
-from dflash.protocol.gpu import matmul_ceiling_tflops
+from dflash.runtime.gpu import matmul_ceiling_tflops
 r = [round(matmul_ceiling_tflops(torch.device('cuda', $G0), n), 1) for n in (4096, 8192, 16384)]
 print(json.dumps({'gpu': $G0, 'bf16_matmul_tflops_4k_8k_16k': r}))"
   stage a capture_uniform_sdpa 200 python3 bench/capture_gpu.py --shape qwen3-8b --tokens 49152 \

@@ -22,7 +22,7 @@ import zmq
 from common import HIDDEN, LAYER_IDS, PROFILE_DIR, batch_tensors, payload_bytes
 from dflash.protocol import codec
 from dflash.protocol.messages import header
-from dflash.protocol.alloc import reuse_freed_memory
+from dflash.runtime.alloc import reuse_freed_memory
 from dflash.protocol.sockets import SocketOpts, auto_io_threads, make_socket
 
 
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)  # --fresh copies on one core: a pool of spinning workers measured 20 CPU s/GB
-    from dflash.protocol.logs import setup_logging
+    from dflash.runtime.logs import setup_logging
 
     setup_logging(a.role, a.instance, level="warning", stream=sys.stderr)  # stdout: the result only
     profiled(a.role)

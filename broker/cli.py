@@ -13,12 +13,12 @@ import sys
 import click
 import zmq
 
-from dflash.protocol.alloc import reuse_freed_memory
+from dflash.runtime.alloc import reuse_freed_memory
 from dflash.protocol import curve
-from dflash.protocol.config import as_dict, fail
-from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
-from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest
-from dflash.protocol.stop import GracefulStop
+from dflash.runtime.config import as_dict, fail
+from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
+from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest
+from dflash.runtime.stop import GracefulStop
 
 from . import resume, runinfo, security
 from .config import BrokerConfig, parse_bytes, parse_port_range
@@ -44,7 +44,7 @@ def start(opts: dict) -> None:
             cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
         cfg.check()
         if cfg.tensorboard or cfg.wandb:
-            from dflash.protocol.sinks import require_tensorboard, require_wandb
+            from dflash.runtime.sinks import require_tensorboard, require_wandb
 
             if cfg.tensorboard:
                 require_tensorboard()
@@ -63,7 +63,7 @@ def _explicit(names: tuple[str, ...]) -> set[str]:
 
 def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     """Create the run, serve it, record the outcome. Returns the exit status."""
-    reuse_freed_memory()  # before ZeroMQ starts its I/O threads: see protocol/alloc.py
+    reuse_freed_memory()  # before ZeroMQ starts its I/O threads: see runtime/alloc.py
     setup_logging("broker", cfg.instance, level=cfg.log_level)
     log = get_logger()
     run_id = new_run_id()
@@ -86,7 +86,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
     point_latest(run_id, cfg.runs_dir)
     if cfg.tensorboard or cfg.wandb:
-        from dflash.protocol.sinks import open_sinks
+        from dflash.runtime.sinks import open_sinks
 
         broker.metric_sink = open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "broker.progress")
     broker.ledger.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from dflash.protocol.config import command, config_option, option, runs_dir_option
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
+from dflash.runtime.config import command, config_option, option, runs_dir_option
 
 
 @command("BROKER", max_content_width=100)

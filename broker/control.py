@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
+from dflash.runtime.logs import get_logger
 
 from . import handshake, runinfo
 from .replies import bad_message, refuse

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from . import control, handshake, intake, resume
 from .actions import Action, ClosePipes, Publish, Send
@@ -110,7 +110,7 @@ class BrokerCore:
         self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
         self.full_share = TimeShare()  # how much of the last 10 s producers were blocked
         self.publish_status = bool(cfg.metrics_port)  # the --metrics-port endpoint wants the map
-        self.metric_sink = None  # --tensorboard / --wandb (protocol/sinks.py)
+        self.metric_sink = None  # --tensorboard / --wandb (runtime/sinks.py)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self._out: list[Action] = []
         self._depth = 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from dflash.protocol.logs import get_logger
 from dflash.protocol.target_id import describe_target, same_target
+from dflash.runtime.logs import get_logger
 
 from . import runinfo
 from .config import MAX_CREDIT, MAX_HELLO_CONFIG_BYTES

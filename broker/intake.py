@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .control import finish_lease
 from .dispatch import QueuedBatch

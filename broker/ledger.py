@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
-from dflash.protocol.threads import name_this_thread
+from dflash.runtime.threads import name_this_thread
 
 SCHEMA_VERSION = 2  # 2: `inherited` (resume)
 

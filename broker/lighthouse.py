@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 log = get_logger()
 

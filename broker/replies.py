@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .liveness import Every, RateLimit
 

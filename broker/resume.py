@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dflash.protocol.run import hostname, resolve_run
+from dflash.runtime.run import hostname, resolve_run
 
 
 class ResumeError(ValueError):

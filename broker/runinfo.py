@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
-from dflash.protocol.run import hostname, iso_utc, write_json_atomic, write_run_json
+from dflash.runtime.logs import get_logger
+from dflash.runtime.run import hostname, iso_utc, write_json_atomic, write_run_json
 
 
 if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only

@@ -7,7 +7,7 @@ from __future__ import annotations
 import zmq
 
 from dflash.protocol import curve
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .replies import LogGate
 

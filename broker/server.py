@@ -18,10 +18,10 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.gcpause import freeze_setup
-from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, header
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
+from dflash.runtime.gcpause import freeze_setup
+from dflash.runtime.logs import get_logger
 
 from . import lighthouse, security
 from .actions import ClosePipes, Publish, Send
@@ -136,7 +136,7 @@ class Broker:
 
     def serve(self) -> str:
         """Run until end of stream or a signal; returns the outcome for run.json."""
-        freeze_setup()  # imports and setup: a full GC pass would stall the loop (protocol/gcpause.py)
+        freeze_setup()  # imports and setup: a full GC pass would stall the loop (runtime/gcpause.py)
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)

@@ -16,8 +16,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from dflash.protocol.logs import get_logger
 from dflash.protocol.messages import PROTOCOL_VERSION
+from dflash.runtime.logs import get_logger
 
 from .config import MAX_CREDIT
 from .diagnosis import HOLD_TICKS, Steady, diagnose, result

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.run import is_run_id, runs_root, write_json_atomic
+from dflash.runtime.run import is_run_id, runs_root, write_json_atomic
 
 from .integrity import CheckpointDamaged, check_finite, load_weights, verify_checkpoint, write_manifest
 from .record import save_record

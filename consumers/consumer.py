@@ -18,15 +18,15 @@ from pathlib import Path
 import click
 import torch
 
-from dflash.protocol.alloc import reuse_freed_memory
-from dflash.protocol.config import as_dict, fail
+from dflash.runtime.alloc import reuse_freed_memory
+from dflash.runtime.config import as_dict, fail
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
-from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from
 from dflash.protocol.peer import BrokerLost, PeerLink, exit_broker_lost, exit_when_stuck
-from dflash.protocol.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
-from dflash.protocol.run import run_dir as run_folder
-from dflash.protocol.stop import GracefulStop
+from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
+from dflash.runtime.run import run_dir as run_folder
+from dflash.runtime.stop import GracefulStop
 
 from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
@@ -67,7 +67,7 @@ class ConsumerConfig:
     eval_max_new_tokens: int = 64
     eval_limit: int | None = 8
     inbox_bytes: int = 256 << 20  # received batches waiting, in bytes (protocol/credit.py)
-    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; protocol/sinks.py)
+    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; runtime/sinks.py)
     wandb: str | None = None  # W&B project (rank 0; WANDB_MODE=offline: files only)
 
 
@@ -232,7 +232,7 @@ def _sink(cfg: ConsumerConfig, run_id: str, run_dir: Path, rank: int):
     """The --tensorboard/--wandb writers of rank 0 (the step lines are the job's, alike on every rank)."""
     if not (cfg.tensorboard or cfg.wandb) or rank != 0:
         return None
-    from dflash.protocol.sinks import open_sinks
+    from dflash.runtime.sinks import open_sinks
 
     return open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "train.step")
 

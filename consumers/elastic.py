@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .dist import RankLost
 

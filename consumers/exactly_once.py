@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .batch import Batch
 from .dist import Dist

@@ -24,10 +24,10 @@ import click
 import torch
 from safetensors.torch import save_file
 
-from dflash.protocol import targets
-from dflash.protocol.config import fail
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.run import write_json_atomic
+from dflash.runtime import targets
+from dflash.runtime.config import fail
+from dflash.runtime.run import write_json_atomic
 
 from . import hf_dflash
 from .checkpoint import resolve_checkpoint

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 log = get_logger()
 

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.run import write_json_atomic
+from dflash.runtime.run import write_json_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "dflash-manifest-v1"

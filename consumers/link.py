@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 import torch
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.gpu import gpu_figures
-from dflash.protocol.logs import get_logger
-from dflash.protocol.run import is_run_id
+from dflash.runtime.gpu import gpu_figures
+from dflash.runtime.logs import get_logger
+from dflash.runtime.run import is_run_id
 
 from .checkpoint import Signal, resolve_checkpoint
 from .dist import Dist, DistGroup

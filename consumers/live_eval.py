@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .batch import Batch
 from .checkpoint import Signal

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.protocol import targets
-from dflash.protocol.logs import get_logger
+from dflash.runtime import targets
+from dflash.runtime.logs import get_logger
 
 from .target_heads import TargetHeads
 

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .batch import Batch
 from .loss import LossStats

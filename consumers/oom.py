@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.logs import get_logger
-from dflash.protocol.memory import bytes_asked, memory_figures, release
+from dflash.runtime.logs import get_logger
+from dflash.runtime.memory import bytes_asked, memory_figures, release
 
 from .batch import Batch
 from .loss import LossStats

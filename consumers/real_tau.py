@@ -43,7 +43,7 @@ class RealTauSet:
         Raises ValueError (a bad prompt row, FILE:LINE named), OSError (unreadable folder)."""
         from transformers.utils import logging as hf_logging
 
-        from dflash.protocol import targets
+        from dflash.runtime import targets
 
         from dflash.tools.eval import read_prompts, stop_ids
 

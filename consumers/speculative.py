@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.producers.decode import Core, GreedyDecoder
-from dflash.protocol.hf_compat import cache_kwarg
+from dflash.runtime.hf_compat import cache_kwarg
 
 from .export import Drafter
 from .model import apply_rope

@@ -41,8 +41,8 @@ from typing import Any, Iterable
 import torch
 
 from dflash.protocol.fp8 import FP8_DECODE_ROWS  # noqa: F401  (bench/gpu_checks.py reads it here)
-from dflash.protocol.logs import get_logger
-from dflash.protocol.threads import name_this_thread
+from dflash.runtime.logs import get_logger
+from dflash.runtime.threads import name_this_thread
 
 from .batch import Batch
 

@@ -1,6 +1,6 @@
 """The only parts of the target a drafter consumer touches: its config, `embed_tokens`
 and `lm_head`, loaded frozen from a Hugging Face checkpoint folder or a GGUF file
-(protocol/targets.py), and the choice of the block MASK row (mask_token.py).
+(runtime/targets.py), and the choice of the block MASK row (mask_token.py).
 
 A consumer must never load the whole target (a 27B target is ~54 GB; the two heads are
 ~1.5 GB). We read the safetensors index (or the single file's header), open only the
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from dflash.protocol import targets
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.target_id import describe_target, same_target  # noqa: F401  (re-exported)
+from dflash.runtime import targets
 
 # Where checkpoints keep the two tensors when transformers cannot build the model class
 # (a model_type it does not know): plain causal LMs first, then multimodal wrappers
@@ -312,7 +312,7 @@ def _resolve(names: tuple[str, ...], where: dict[str, Path], vocab: Vocabulary) 
             return n
     if not names:
         return None
-    from dflash.protocol.hf_compat import renamed_key
+    from dflash.runtime.hf_compat import renamed_key
 
     meta = dict.fromkeys(vocab.meta_keys, True)
     for key in where:
@@ -403,7 +403,7 @@ def load_target_heads(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> TargetHeads:
     """Load config, embed_tokens and lm_head of the target at `path` (a local HF folder,
-    or a .gguf file: protocol/targets.py), and what its embedding module does to a row.
+    or a .gguf file: runtime/targets.py), and what its embedding module does to a row.
 
     `dtype` None keeps the checkpoint's dtype. Raises TargetLoadError naming what is
     missing or inconsistent."""

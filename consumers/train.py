@@ -30,8 +30,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from dflash.protocol.gcpause import freeze_setup
-from dflash.protocol.logs import get_logger
+from dflash.runtime.gcpause import freeze_setup
+from dflash.runtime.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import finite, fused

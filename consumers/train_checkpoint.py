@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
 from .record import TrainedRecord

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from dflash.protocol.targets import default_layer_ids
+from dflash.runtime.targets import default_layer_ids
 
 from .batch import Batch
 from .checkpoint import Signal

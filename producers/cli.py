@@ -14,11 +14,11 @@ import traceback
 import click
 
 from dflash.protocol.curve import client_from
-from dflash.protocol.config import as_dict, default_instance, fail
+from dflash.runtime.config import as_dict, default_instance, fail
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.logs import close_logging, get_logger, setup_logging
+from dflash.runtime.logs import close_logging, get_logger, setup_logging
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
-from dflash.protocol.stop import GracefulStop
+from dflash.runtime.stop import GracefulStop
 
 from .build import hello_config, load_components, make_producer
 from .config import ProducerConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from dflash.protocol.config import (broker_option, command, config_option, curve_options, option, runs_dir_option,
+from dflash.runtime.config import (broker_option, command, config_option, curve_options, option, runs_dir_option,
                                     target_option)
 
 from .config import DEFAULT_REGEN_CACHE

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 log = get_logger()
 

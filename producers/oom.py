@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from dflash.protocol.logs import get_logger
-from dflash.protocol.memory import bytes_asked, bytes_free, release  # noqa: F401  (bytes_asked: part of this module's API)
+from dflash.runtime.logs import get_logger
+from dflash.runtime.memory import bytes_asked, bytes_free, release  # noqa: F401  (bytes_asked: part of this module's API)
 
 from .packing import PackedBatch
 

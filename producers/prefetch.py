@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dflash.protocol.threads import name_this_thread
+from dflash.runtime.threads import name_this_thread
 
 from .packing import PackedBatch
 

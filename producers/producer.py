@@ -19,8 +19,8 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from dflash.protocol.fp8 import ENCODING as FP8_ENCODING, encode_fp8
-from dflash.protocol.gpu import gpu_figures
-from dflash.protocol.logs import get_logger
+from dflash.runtime.gpu import gpu_figures
+from dflash.runtime.logs import get_logger
 
 from .chat import ChatEncoder
 from .data import BadRow, DataSource, Row

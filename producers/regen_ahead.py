@@ -39,8 +39,8 @@ from typing import Iterable
 
 import torch
 
-from dflash.protocol.logs import get_logger
-from dflash.protocol.threads import name_this_thread
+from dflash.runtime.logs import get_logger
+from dflash.runtime.threads import name_this_thread
 
 from .data import BadRow, DataSource, Row
 from .decode import GreedyDecoder, Job

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 from .data import BadRow, Row
 from .decode import GreedyDecoder, Job, kv_bytes_per_slot

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dflash.protocol.logs import get_logger
+from dflash.runtime.logs import get_logger
 
 log = get_logger()
 

@@ -24,9 +24,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from dflash.protocol import targets
-from dflash.protocol.targets import default_layer_ids  # noqa: F401  (the one rule; imported here by callers)
-from dflash.protocol.logs import get_logger
+from dflash.runtime import targets
+from dflash.runtime.targets import default_layer_ids  # noqa: F401  (the one rule; imported here by callers)
+from dflash.runtime.logs import get_logger
 
 log = get_logger()
 
@@ -300,7 +300,7 @@ def load_target(
     trust_remote_code: bool = False,
     tensor_parallel: bool = False,
 ) -> Target:
-    """Load a local folder, hub ID or .gguf file (protocol/targets.py) as a frozen,
+    """Load a local folder, hub ID or .gguf file (runtime/targets.py) as a frozen,
     eval-mode target on `device`. `tensor_parallel`: this process's shard of it, by
     transformers' tensor-parallel plan over the initialised torch.distributed group
     (producers/shard.py).

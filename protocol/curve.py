@@ -28,8 +28,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from dflash.runtime.logs import get_logger
+
 from .errors import DFlashError
-from .logs import get_logger
 
 log = get_logger()
 
@@ -173,11 +174,6 @@ def key_name(frame) -> str | None:
     except (AttributeError, zmq.ZMQError):
         return None
     return uid or None
-
-
-# The two options every peer command takes, defined with the rest of the CLI plumbing so that
-# a command's --help does not import ZeroMQ and structlog through this module.
-from .config import curve_options  # noqa: E402, F401
 
 
 def client_from(keys_dir: str | None, name: str | None) -> CurveClient | None:

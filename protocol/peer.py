@@ -27,16 +27,17 @@ from typing import Any, Callable
 
 import zmq
 
+from dflash.runtime.gcpause import freeze_setup
+from dflash.runtime.logs import bind_run, close_logging, get_logger
+from dflash.runtime.threads import name_this_thread
+
 from . import codec
 from .credit import CreditWindow
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
-from .gcpause import freeze_setup
-from .logs import bind_run, close_logging, get_logger
 from .messages import CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, DATA, MAX_HEADER_BYTES, header
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
                       other_threads, readable, recv_frames, send_frames)
-from .threads import name_this_thread
 
 log = get_logger()
 

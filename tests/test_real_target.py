@@ -23,8 +23,8 @@ from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack
 from dflash.producers.target import load_target
-from dflash.protocol import targets
-from dflash.protocol.targets import load_tokenizer
+from dflash.runtime import targets
+from dflash.runtime.targets import load_tokenizer
 from dflash.tools import real_target
 
 pytestmark = [pytest.mark.real_target, pytest.mark.unit]

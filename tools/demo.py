@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from dflash.protocol.config import command, fail, option
-from dflash.protocol.run import resolve_run, runs_root
+from dflash.runtime.config import command, fail, option
+from dflash.runtime.run import resolve_run, runs_root
 
 from .procs import ProcessGroup, tail_lines
 from .summary import render, summarise

@@ -29,7 +29,7 @@ import torch
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
-from dflash.protocol.config import fail
+from dflash.runtime.config import fail
 
 
 @dataclass
@@ -229,7 +229,7 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
     """(target model, tokenizer, drafter), both models frozen in `dtype` on `device`."""
     from transformers.utils import logging as hf_logging
 
-    from dflash.protocol import targets
+    from dflash.runtime import targets
 
     hf_logging.disable_progress_bar()  # a report, not a loading bar, is this command's output
     torch_dtype = _DTYPES[dtype]

@@ -12,8 +12,8 @@ import time
 
 import click
 
-from dflash.protocol.config import command, fail, option, runs_dir_option
-from dflash.protocol.run import resolve_run
+from dflash.runtime.config import command, fail, option, runs_dir_option
+from dflash.runtime.run import resolve_run
 
 from .runlogs import log_files, matches, merged
 

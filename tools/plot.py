@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from dflash.protocol.config import command, fail, option, runs_dir_option
-from dflash.protocol.run import resolve_run
+from dflash.runtime.config import command, fail, option, runs_dir_option
+from dflash.runtime.run import resolve_run
 
 from .runlogs import merged
 

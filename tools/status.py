@@ -23,11 +23,11 @@ import click
 import msgpack
 import zmq
 
-from dflash.protocol.config import broker_option, command, fail, option, runs_dir_option
-from dflash.protocol.curve import CurveClient, CurveKeyError, client_from, curve_options
+from dflash.protocol.curve import CurveClient, CurveKeyError, client_from
 from dflash.protocol.messages import MAX_HEADER_BYTES, PROTOCOL_VERSION
-from dflash.protocol.run import resolve_run, runs_root
 from dflash.protocol.sockets import split_endpoint
+from dflash.runtime.config import broker_option, command, curve_options, fail, option, runs_dir_option
+from dflash.runtime.run import resolve_run, runs_root
 
 from . import runstate
 from .status_view import render

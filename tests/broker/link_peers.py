@@ -17,8 +17,8 @@ import time
 import torch
 import zmq
 
-from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.peer import PeerLink
+from dflash.runtime.logs import close_logging, setup_logging
 
 SEQ = 3
 

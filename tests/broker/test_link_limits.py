@@ -21,9 +21,9 @@ import zmq
 from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
-from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.messages import header
 from dflash.protocol.peer import PeerLink
+from dflash.runtime.logs import close_logging, setup_logging
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from dflash.producers.target import load_target
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import header
-from dflash.protocol.targets import load_tokenizer
+from dflash.runtime.targets import load_tokenizer
 from dflash.tools.tiny import tiny_target
 
 pytestmark = pytest.mark.unit

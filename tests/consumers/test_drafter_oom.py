@@ -17,7 +17,7 @@ from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
 from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
-from dflash.protocol.memory import bytes_asked
+from dflash.runtime.memory import bytes_asked
 
 pytestmark = pytest.mark.unit
 

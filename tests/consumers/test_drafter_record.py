@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.record import FILE, TrainedRecord
 from dflash.consumers.train import Hooks, TrainConfig, train
-from dflash.protocol.run import make_run_dir, new_run_id
+from dflash.runtime.run import make_run_dir, new_run_id
 import pytest
 
 pytestmark = pytest.mark.unit

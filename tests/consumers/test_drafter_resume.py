@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import SignalMismatch, resolve_checkpoint
 from dflash.consumers.train import Hooks, TrainConfig, train
-from dflash.protocol.run import make_run_dir, new_run_id
+from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.unit
 

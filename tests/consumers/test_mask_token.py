@@ -14,7 +14,7 @@ from dflash.producers.data import Row
 from dflash.producers.packing import pack
 from dflash.producers.sample_data import generate_chats
 from dflash.producers.target import load_target
-from dflash.protocol.targets import load_tokenizer
+from dflash.runtime.targets import load_tokenizer
 from dflash.tools.tiny import tiny_target
 
 pytestmark = pytest.mark.unit

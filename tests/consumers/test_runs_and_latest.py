@@ -21,7 +21,7 @@ from dflash.consumers.checkpoint import save_checkpoint, step_dirs
 from dflash.consumers.cli import main
 from dflash.consumers.link import RunConfigMismatch, resume_point
 from dflash.consumers.train import TrainConfig, train
-from dflash.protocol.run import make_run_dir, new_run_id, point_latest
+from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 
 from tests.harness.broker import BrokerProc
 from tests.consumers.test_consume_broker import Consumer

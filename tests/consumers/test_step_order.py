@@ -18,7 +18,7 @@ from dflash.consumers.checkpoint import read_state, verify_checkpoint
 from dflash.consumers.finite import NonFiniteStep
 from dflash.consumers.record import TrainedRecord
 from dflash.consumers.train import Hooks, TrainConfig, train
-from dflash.protocol.run import make_run_dir, new_run_id
+from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.unit
 

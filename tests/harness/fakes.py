@@ -5,7 +5,7 @@ misread the spec. Usable in threads (tests) or as processes:
     python -m tests.harness.fakes producer --broker tcp://127.0.0.1:5555 --runs-dir R
     python -m tests.harness.fakes consumer --broker ... --train-s 0.01
 
-Processes log through dflash.protocol.logs (JSON, into the run folder) and exit 0 after
+Processes log through dflash.runtime.logs (JSON, into the run folder) and exit 0 after
 `stop` / `grant end`, 3 when rejected, 4 when the broker goes silent.
 """
 
@@ -288,7 +288,7 @@ def serve(a: argparse.Namespace, make_peer) -> int:
     """Run one fake process to its end. `make_peer(a, instance, log)` builds the peer
     (`log.info` is a FakePeer `log`). Logs go to the run folder; exit 0 after stop /
     grant end, 3 when rejected, 4 when the broker goes silent."""
-    from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+    from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 
     instance = a.instance or f"{a.role}-{os.getpid()}"
     setup_logging(a.role, instance, gpu=a.gpu)

@@ -94,7 +94,7 @@ class StatsConsumer(FakeConsumer):
             if self.logger is not None:
                 self.logger.error("train.oom", device="cuda:0", step=step, tokens=TOKENS_PER_BATCH,
                                   error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.74 GiB")
-            from dflash.protocol.logs import close_logging
+            from dflash.runtime.logs import close_logging
 
             close_logging()
             os._exit(1)  # dies on the spot: no bye, the broker must notice the silence

@@ -11,8 +11,8 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.peer import PeerLink
+from dflash.runtime.logs import close_logging, setup_logging
 
 pytestmark = pytest.mark.integration
 

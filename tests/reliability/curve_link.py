@@ -13,8 +13,8 @@ import sys
 
 from dflash.protocol.curve import client_keys
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.peer import PeerLink
+from dflash.runtime.logs import close_logging, setup_logging
 
 CONFIG = {"target": "t", "layer_ids": [1], "hidden_size": 4, "dataset": {"n_samples": 8, "fingerprint": "f"}}
 

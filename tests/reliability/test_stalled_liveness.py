@@ -8,7 +8,7 @@ Both now look at the control socket again before calling the other side lost.
 The stalls themselves came mostly from the garbage collector: a full pass over the
 hundreds of thousands of objects that importing torch leaves holds the GIL, for seconds on
 a loaded host, and a checkpoint's allocations set one off. The broker's loop, a peer's link
-and the training loop freeze what their setup left alive (protocol/gcpause.py).
+and the training loop freeze what their setup left alive (runtime/gcpause.py).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from tests.harness.fakes import FakeProducer
 from dflash.broker import runinfo
 from dflash.broker.config import BrokerConfig
 from dflash.broker.server import Broker
-from dflash.protocol.config import as_dict
-from dflash.protocol.logs import close_logging, setup_logging
 from dflash.protocol.peer import PeerLink, broker_silent
-from dflash.protocol.run import make_run_dir, new_run_id
 from dflash.protocol.sockets import free_port_block
+from dflash.runtime.config import as_dict
+from dflash.runtime.logs import close_logging, setup_logging
+from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.integration
 

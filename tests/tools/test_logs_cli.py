@@ -7,7 +7,7 @@ import textwrap
 
 from click.testing import CliRunner
 
-from dflash.protocol.run import make_run_dir, new_run_id, point_latest
+from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 from dflash.tools.logs import main
 import pytest
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def _write_role_logs(runs_dir, run_id, role, instance, events):
     code = textwrap.dedent(f"""
         import time
-        from dflash.protocol.logs import setup_logging, bind_run, get_logger
+        from dflash.runtime.logs import setup_logging, bind_run, get_logger
         setup_logging({role!r}, {instance!r})
         bind_run({run_id!r}, {str(runs_dir)!r})
         log = get_logger()

@@ -88,7 +88,7 @@ def test_plot_reads_the_steps_and_position_accuracy_the_run_logged(trained_run):
 
 
 def test_plot_of_a_run_without_steps_fails_in_one_line(tmp_path):
-    from dflash.protocol.run import make_run_dir, new_run_id
+    from dflash.runtime.run import make_run_dir, new_run_id
 
     run = make_run_dir(new_run_id(), tmp_path)
     r = subprocess.run([sys.executable, "-m", "dflash.tools.plot", "--run", str(run)], capture_output=True,

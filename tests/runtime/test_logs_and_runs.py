@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from dflash.protocol.run import is_run_id, make_run_dir, new_run_id, point_latest, resolve_run
+from dflash.runtime.run import is_run_id, make_run_dir, new_run_id, point_latest, resolve_run
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ def test_latest_points_to_newest_run(tmp_path):
 
 def _log_in_subprocess(runs_dir, run_id, role="producer", instance="hostA-gpu0"):
     code = textwrap.dedent(f"""
-        from dflash.protocol.logs import setup_logging, bind_run, get_logger, close_logging
+        from dflash.runtime.logs import setup_logging, bind_run, get_logger, close_logging
         setup_logging({role!r}, {instance!r}, gpu=3)
         log = get_logger()
         log.info("test.before_run", x=1)          # before the run is known: buffered
@@ -85,7 +85,7 @@ def test_lines_of_a_closed_run_never_reach_the_next_runs_file(tmp_path):
     buffer of lines before any run and was written into the second run's file."""
     code = textwrap.dedent(f"""
         import io
-        from dflash.protocol.logs import bind_run, close_logging, get_logger, setup_logging
+        from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
         log = get_logger()
         setup_logging("consumer", "a", stream=io.StringIO())
         bind_run({new_run_id(1_700_000_000)!r}, {str(tmp_path)!r})

@@ -1,4 +1,4 @@
-"""protocol/gpu.py: heartbeat GPU figures. On a CPU device (or a machine without CUDA and
+"""runtime/gpu.py: heartbeat GPU figures. On a CPU device (or a machine without CUDA and
 NVML) it answers {} and never raises; on a GPU machine the figures match the driver's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from dflash.protocol.gpu import gpu_figures
+from dflash.runtime.gpu import gpu_figures
 
 pytestmark = pytest.mark.unit
 

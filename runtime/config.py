@@ -180,13 +180,13 @@ def runs_dir_option() -> Callable:
 def _target_arg(need_tokenizer: bool) -> Callable:
     """click callback of every --target: a local model folder or .gguf file, or a hub ID in
     the local Hugging Face cache (given on as its snapshot folder), checked before anything
-    loads (protocol/target_arg.py says what transformers would have said instead)."""
+    loads (runtime/target_arg.py says what transformers would have said instead)."""
 
     def check(_ctx, param, value: str | None) -> str | None:
         if value is None:
             return value
-        from dflash.protocol.target_arg import target_problem
-        from dflash.protocol.targets import looks_like_hub_id, resolve_hub_id
+        from dflash.runtime.target_arg import target_problem
+        from dflash.runtime.targets import looks_like_hub_id, resolve_hub_id
 
         if looks_like_hub_id(value):
             try:
@@ -202,7 +202,7 @@ def _target_arg(need_tokenizer: bool) -> Callable:
 
 
 def target_option(help: str, required: bool = True, need_tokenizer: bool = True) -> Callable:
-    """--target as every command takes it (one way to name a target: protocol/targets.py)."""
+    """--target as every command takes it (one way to name a target: runtime/targets.py)."""
     return option("--target", required=required, default=None, callback=_target_arg(need_tokenizer),
                   help=help + " A hub ID (org/name) must be in the local Hugging Face cache.")
 

@@ -1,4 +1,4 @@
-"""protocol/stop.py, the one SIGINT/SIGTERM handler of every role, with real signals in a
+"""runtime/stop.py, the one SIGINT/SIGTERM handler of every role, with real signals in a
 child process: the first signal asks for a stop, a second (or any before `armed`) kills
 at once with that signal, and the broker's form only counts."""
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
-    from dflash.protocol.stop import GracefulStop
+    from dflash.runtime.stop import GracefulStop
     seen = []
     stop = GracefulStop(armed={armed}, hard_second={hard}, on_signal=lambda s: seen.append(s.count)).install()
     print("ready", flush=True)
