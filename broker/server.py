@@ -207,7 +207,8 @@ class Broker:
             payload = msg.payload_bytes()
         except ProtocolError as e:
             return self.do(self.core.on_bad_batch(sender(frames), e.reason))
-        self.do(self.core.on_batch(Batch.from_header(msg.header, payload, len(frames[0]), frames)))
+        batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
+        self.do(self.core.on_batch(batch))
 
     def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
         """Send on the consumer's next data stream that takes it (streams in turn)."""
