@@ -63,12 +63,12 @@ class Message:
     @classmethod
     def required(cls) -> dict[str, tuple[type, ...]]:
         """Required field -> the python types a received value may have."""
-        return {f.name: _WIRE_TYPES[f.type] for f in cls.wire_fields() if not f.metadata.get("optional")}
+        return _plan(cls).required
 
     @classmethod
     def check(cls, h: dict) -> None:
         """Raise ProtocolError unless every required field is in `h` with an accepted type."""
-        for name, types in _REQUIRED[cls.type].items():
+        for name, types in _plan(cls).required.items():
             val = h.get(name, _MISSING)
             if val is _MISSING:
                 raise ProtocolError(f"{cls.type}: missing field {name!r}")
@@ -80,22 +80,18 @@ class Message:
         """The message of header `h`, checked as `check` does; `extra`: fields a subclass
         adds beside the wire's (broker/inbound.py's Batch: its frames and sizes)."""
         cls.check(h)
-        kw = {}
-        for f in cls.wire_fields():
-            if f.name not in h:
-                continue  # the default
-            parse = f.metadata.get("parse")
-            kw[f.name] = parse(h[f.name]) if parse else h[f.name]
-        return cls(**kw, **extra, raw=h)
+        plan = _plan(cls)
+        # required fields positionally (they come first), optional ones only when present
+        kw = {name: parse(h[name]) if parse else h[name] for name, parse in plan.optional if name in h}
+        return cls(*[h[name] for name in plan.required], **kw, **extra, raw=h)
 
     def fields(self) -> dict:
         """The fields as they go on the wire: an optional one left out while None (unless nil)."""
         out = {}
-        for f in self.wire_fields():
-            val = getattr(self, f.name)
-            if val is None and f.metadata.get("optional") and not f.metadata.get("nil"):
-                continue
-            out[f.name] = val
+        for name, keep_none in _plan(type(self)).sent:
+            val = getattr(self, name)
+            if val is not None or keep_none:
+                out[name] = val
         return out
 
     def to_header(self, run: str | None = None) -> dict:
@@ -103,6 +99,29 @@ class Message:
         h = header(self.type, run)
         h.update(self.fields())  # welcome's and hello's `run` is a field of their own
         return h
+
+
+class _Plan:
+    """What `check`, `from_header` and `fields` need of a message class, worked out once
+    (dataclasses.fields on every message was most of the broker's cost per batch)."""
+
+    def __init__(self, cls: type[Message]):
+        wire = cls.wire_fields()
+        self.required = {f.name: _WIRE_TYPES[f.type] for f in wire if not f.metadata.get("optional")}
+        self.optional = tuple((f.name, f.metadata["parse"]) for f in wire if f.metadata.get("optional"))
+        # (name, sent when None): required fields always go out, optional ones per `nil`
+        self.sent = tuple((f.name, not f.metadata.get("optional") or f.metadata["nil"]) for f in wire)
+
+
+_PLANS: dict[type, _Plan] = {}
+_MISSING = object()
+
+
+def _plan(cls: type[Message]) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _Plan(cls)
+    return plan
 
 
 # ---------------------------------------------------------------- control, peer -> broker
@@ -261,8 +280,6 @@ MESSAGES: dict[str, type[Message]] = {
     cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, StatusAsk,
                               Welcome, Reject, Grant, Stop, StatusReply, Batch)
 }
-_REQUIRED = {t: cls.required() for t, cls in MESSAGES.items()}
-_MISSING = object()
 
 # Messages that may be sent before a run ID is known; every other one carries `run`.
 PRE_HANDSHAKE = frozenset({"hello", "welcome", "reject", "status", "status_reply"})
