@@ -139,7 +139,8 @@ def welcome(core: BrokerCore, p: Peer) -> None:
     if p.role == "producer":
         # The same endpoint once per connection to open: their batches in spread over the
         # broker's I/O threads for batches in (one thread is a ceiling: docs/BENCHMARKS.md).
-        data = {"data_in": core.endpoints["data_in"], "data_streams": [core.endpoints["data_in"]] * core.producer_streams}
+        data_in = core.endpoints["data_in"]
+        data = {"data_in": data_in, "data_streams": [data_in] * core.producer_streams}
     else:
         data = {"data_out": p.data_out, "data_streams": p.data_streams}
         if core.cfg.consumers:

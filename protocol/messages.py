@@ -1,4 +1,4 @@
-"""Every message type, its required and optional fields, and the wire limits (docs/PROTOCOL.md is normative).
+"""Every message type with its required and optional fields, and the wire limits (PROTOCOL.md is normative).
 
 A message is a msgpack map (the header) followed by zero or more raw tensor frames
 described in order by ``header["tensors"]``. This module only knows headers; the codec
