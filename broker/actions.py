@@ -8,16 +8,26 @@ exception: whether a consumer's pipe takes a batch decides whether it stays queu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from dflash.protocol.messages import Message
 
 
 @dataclass(frozen=True)
 class Send:
-    """Send control message `type` with `fields` to ROUTER `identity` (never blocking)."""
+    """Send control message `msg` to ROUTER `identity` (never blocking)."""
 
     identity: bytes
-    type: str
-    fields: dict = field(default_factory=dict)
+    msg: Message
+
+    @property
+    def type(self) -> str:
+        return self.msg.type
+
+    @property
+    def fields(self) -> dict:
+        """The message's fields as they go on the wire."""
+        return self.msg.fields()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from dflash.protocol.messages import PROTOCOL_VERSION
+from dflash.protocol.messages import PROTOCOL_VERSION, Grant, StatusReply
 from dflash.runtime.logs import get_logger
 
 from . import handshake, runinfo
@@ -52,7 +52,7 @@ def handle(core: BrokerCore, identity: bytes, h: dict | None, error: str | None,
         return bad_message(core, identity, who, error, h)
     t = h["type"]
     if t == "status":
-        return core.send(identity, "status_reply", status=build_status(core))
+        return core.send(identity, StatusReply(build_status(core)))
     if t == "hello":
         return handshake.hello(core, identity, Hello.from_header(h), key=key)
     if peer is None:
@@ -76,7 +76,7 @@ def on_lease(core: BrokerCore, p: Peer, m: LeaseAsk) -> None:
         # Elastic consumers may restart the training from a checkpoint, sending samples
         # already made back to the pool (on_lineage): producers stay until end of stream.
         end = core.end is not None or (core.leases.finished() and core.lighthouse is None)
-        return core.send(p.identity, "grant", lease=0, epoch=core.leases.epoch, samples=[], end=end, retry_ms=RETRY_MS)
+        return core.send(p.identity, Grant(0, core.leases.epoch, [], end, retry_ms=RETRY_MS))
     if core.leases.epoch != epoch_before or lease.id == 1:
         core.ledger.epoch_started(core.leases.epoch, core.cfg.seed, core.leases.n_samples)
         log.info("broker.epoch_started", epoch=core.leases.epoch, epochs=core.cfg.epochs,
@@ -84,7 +84,7 @@ def on_lease(core: BrokerCore, p: Peer, m: LeaseAsk) -> None:
     core.ledger.leased(lease.id, lease.epoch, p.id, lease.samples)
     log.info("broker.lease_granted", lease=lease.id, peer=p.id, epoch=lease.epoch, n=len(lease.samples),
              want=m.want, pending=core.leases.pending())
-    core.send(p.identity, "grant", lease=lease.id, epoch=lease.epoch, samples=lease.samples, end=False)
+    core.send(p.identity, Grant(lease.id, lease.epoch, lease.samples, False))
 
 
 def on_done(core: BrokerCore, p: Peer, m: Done) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from dflash.protocol.messages import Message, StatusReply, Stop
 from dflash.runtime.logs import get_logger
 
 from . import control, handshake, intake, resume
@@ -133,8 +134,8 @@ class BrokerCore:
 
     # ------------------------------------------------------------ actions
 
-    def send(self, identity: bytes, type_: str, **fields) -> None:
-        self._out.append(Send(identity, type_, fields))
+    def send(self, identity: bytes, msg: Message) -> None:
+        self._out.append(Send(identity, msg))
 
     def close_pipes(self, p: Peer) -> None:
         """A consumer's session ended: its data-out pipes are closed."""
@@ -161,7 +162,7 @@ class BrokerCore:
 
     @entry
     def on_status(self, identity: bytes) -> None:
-        self.send(identity, "status_reply", status=self.status())
+        self.send(identity, StatusReply(self.status()))
 
     # One typed message each from live session `p`, after the checks of on_control (which
     # routes here through control.HANDLERS); what each does is in control.py.
@@ -290,8 +291,9 @@ class BrokerCore:
         # The run's facts its first producer fixed: a consumer that joined before any producer
         # waits for the target layers here rather than guess them (PROTOCOL.md 4.2).
         stats["run_facts"] = {k: self.facts.get(k) for k in ("layer_ids", "hidden_size", "target_id")}
+        beat = Heartbeat(stats)
         for p in self.peers.live():
-            self.send(p.identity, "heartbeat", stats=stats)
+            self.send(p.identity, beat)
 
     # ------------------------------------------------------------ the end of the run
 
@@ -299,7 +301,7 @@ class BrokerCore:
         """Tell every live peer to stop (PROTOCOL.md 4.6); peers joining later are told too."""
         self.end = RunEnd(reason, {p.id for p in self.peers.live()})
         for p in self.peers.live():
-            self.send(p.identity, "stop", reason=reason)
+            self.send(p.identity, Stop(reason))
 
     def shutdown(self, cause: str, now: float | None = None) -> None:
         """SIGINT/SIGTERM: tell every live peer to stop, then drain (PROTOCOL.md 4.6).

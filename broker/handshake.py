@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from dflash.protocol.messages import Stop, Welcome
 from dflash.protocol.target_id import describe_target, same_target
 from dflash.runtime.logs import get_logger
 
@@ -100,7 +101,7 @@ def hello(core: BrokerCore, identity: bytes, m: Hello, key: str | None = None) -
     welcome(core, p)
     if core.end is not None:  # joined after end of stream (or during a shutdown): nothing left to do
         core.end.told.add(p.id)
-        core.send(p.identity, "stop", reason=core.end.reason)
+        core.send(p.identity, Stop(core.end.reason))
 
 
 def same_process(p: Peer, m: Hello, key: str | None) -> bool:
@@ -124,7 +125,7 @@ def reconnected(core: BrokerCore, p: Peer, identity: bytes) -> None:
                      "control limit)")
     welcome(core, p)
     if core.end is not None and p.id in core.end.told:
-        core.send(p.identity, "stop", reason=core.end.reason)
+        core.send(p.identity, Stop(core.end.reason))
 
 
 def welcome(core: BrokerCore, p: Peer) -> None:
@@ -135,20 +136,19 @@ def welcome(core: BrokerCore, p: Peer) -> None:
     if core.ledger.last_commit is not None:  # a consumer joining later starts from this run's newest commit
         step, checkpoint = core.ledger.last_commit
         run_config["resumed_from"] = {"run": core.run_id, "step": step, "checkpoint": checkpoint}
-    fields = {"run": core.run_id, "peer": p.id, "heartbeat_s": core.cfg.heartbeat_s, "timeout_s": core.cfg.timeout_s}
     if p.role == "producer":
-        fields["data_in"] = core.endpoints["data_in"]
         # The same endpoint once per connection to open: their batches in spread over the
         # broker's I/O threads for batches in (one thread is a ceiling: docs/BENCHMARKS.md).
-        fields["data_streams"] = [core.endpoints["data_in"]] * core.producer_streams
+        data_in = core.endpoints["data_in"]
+        data = {"data_in": data_in, "data_streams": [data_in] * core.producer_streams}
     else:
-        fields["data_out"] = p.data_out
-        fields["data_streams"] = p.data_streams
+        data = {"data_out": p.data_out, "data_streams": p.data_streams}
         if core.cfg.consumers:
             run_config.update(rank=p.rank, world_size=core.cfg.consumers, dist=core.dist)
             if core.lighthouse is not None:  # elastic: world_size is the most at once
                 run_config["lighthouse"] = core.lighthouse
-    core.send(p.identity, "welcome", run_config=run_config, **fields)
+    core.send(p.identity, Welcome(core.run_id, p.id, core.cfg.heartbeat_s, core.cfg.timeout_s, run_config=run_config,
+                                  **data))
 
 
 def second_model(core: BrokerCore, config: dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dflash.protocol.messages import Reject
 from dflash.runtime.logs import get_logger
 
 from .control import finish_lease
@@ -70,11 +71,10 @@ def too_large(core: BrokerCore, m: Batch) -> None:
                     bytes=payload, limit=limit, suppressed=suppressed)
     p = core.peers.by_id.get(m.producer)
     if p is not None and core.reply_limit.allow(p.identity.hex())[0]:
-        core.send(p.identity, "reject", code="too_large",
-               reason=f"batch {batch_id} is {payload} tensor bytes, over this broker's "
-                      f"--max-message-bytes {limit}: dropped; lower --token-budget or --max-batch-size, or raise "
-                      "the broker's --max-message-bytes",
-               answers={"type": "batch", "batch_id": batch_id})
+        core.send(p.identity, Reject(
+            f"batch {batch_id} is {payload} tensor bytes, over this broker's --max-message-bytes {limit}: dropped; "
+            "lower --token-budget or --max-batch-size, or raise the broker's --max-message-bytes",
+            "too_large", answers={"type": "batch", "batch_id": batch_id}))
 
 
 def stale(core: BrokerCore, m: Batch, reason: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from dflash.protocol.messages import Reject
 from dflash.runtime.logs import get_logger
 
 from .liveness import Every, RateLimit
@@ -90,8 +91,7 @@ def refuse(core: BrokerCore, identity: bytes, code: str, reason: str, h: dict | 
                     peer_role=clip(h.get("role")), peer_instance=clip(h.get("instance")),
                     peer_host=clip(h.get("host")), peer_pid=clip(h.get("pid")), suppressed=suppressed)
     if core.reply_limit.allow(key)[0]:
-        echo = answers(h)
-        core.send(identity, "reject", reason=reason, code=code, **({"answers": echo} if echo else {}))
+        core.send(identity, Reject(reason, code, answers(h)))
 
 
 def bad_message(core: BrokerCore, identity: bytes, who: str, reason: str, h: dict | None = None) -> None:
@@ -99,9 +99,7 @@ def bad_message(core: BrokerCore, identity: bytes, who: str, reason: str, h: dic
     (with `answers` when its header parsed)."""
     log_bad(core, "control", who, reason)
     if core.reply_limit.allow(identity.hex())[0]:
-        echo = answers(h)
-        core.send(identity, "reject", reason=f"bad message: {reason}", code="bad_message",
-               **({"answers": echo} if echo else {}))
+        core.send(identity, Reject(f"bad message: {reason}", "bad_message", answers(h)))
 
 
 def log_bad(core: BrokerCore, socket: str, who: str, reason: str) -> None:

@@ -18,7 +18,7 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, header
+from dflash.protocol.messages import CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Message
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
@@ -207,7 +207,8 @@ class Broker:
             payload = msg.payload_bytes()
         except ProtocolError as e:
             return self.do(self.core.on_bad_batch(sender(frames), e.reason))
-        self.do(self.core.on_batch(Batch.from_header(msg.header, payload, len(frames[0]), frames)))
+        batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
+        self.do(self.core.on_batch(batch))
 
     def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
         """Send on the consumer's next data stream that takes it (streams in turn)."""
@@ -236,7 +237,7 @@ class Broker:
     def do(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, Send):
-                self.send(a.identity, a.type, **a.fields)
+                self.send(a.identity, a.msg)
             elif isinstance(a, ClosePipes):
                 for sock in a.pipes:
                     sock.close(linger=0)
@@ -246,19 +247,17 @@ class Broker:
             else:
                 raise TypeError(f"unknown broker action {a!r}")
 
-    def send(self, identity: bytes, type_: str, **fields) -> None:
+    def send(self, identity: bytes, msg: Message) -> None:
         """Send a control message; a full or gone peer loses it (logged), we never block."""
         # welcome carries `run` as a field of its own; reject/status_reply carry none
-        run = None if type_ in PRE_HANDSHAKE else self.core.run_id
-        h = header(type_, run)
-        h.update(fields)
-        frames = [identity, *codec.encode(h)]
+        run = None if msg.type in PRE_HANDSHAKE else self.core.run_id
+        frames = [identity, *codec.encode(msg.to_header(run))]
         try:
             send_frames(self.control, frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             ok, suppressed = self.core.log_limit.allow(f"send:{identity.hex()}")
             if ok:
-                log.warning("broker.send_failed", identity=identity.hex(), type=type_, error=str(e),
+                log.warning("broker.send_failed", identity=identity.hex(), type=msg.type, error=str(e),
                             suppressed=suppressed)
 
     def close(self) -> None:

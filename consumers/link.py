@@ -284,8 +284,8 @@ class BrokerHooks:
         any ack names it, so the broker sends back to the pool what these weights lack."""
         if record.origin != "healed" and record.lineage != self.lineage:
             msg = record.lineage_message(self.resumed_from)
-            log.info("consume.lineage", **msg, origin=record.origin)
-            self.link.send_control("lineage", **msg)
+            log.info("consume.lineage", **msg.fields(), origin=record.origin)
+            self.link.send_control(msg)
         self.lineage = record.lineage
 
     def resume_point(self) -> str | None:

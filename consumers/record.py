@@ -34,6 +34,8 @@ from typing import Iterable
 
 import numpy as np
 
+from dflash.protocol.messages import LineageStart
+
 FILE = "trained.safetensors"
 FORMAT = "dflash-trained-v1"
 
@@ -57,9 +59,9 @@ class TrainedRecord:
         self.lineage = hashlib.sha256(f"{previous}/{self.lineage}/{step}".encode()).hexdigest()[:16]
         self.origin = "checkpoint"
 
-    def lineage_message(self, checkpoint: str | None) -> dict:
-        """The broker's `lineage` message fields for this record's lineage."""
-        return {"lineage": self.lineage, "parent": self.parent, "step": self.parent_step, "checkpoint": checkpoint}
+    def lineage_message(self, checkpoint: str | None) -> LineageStart:
+        """The broker's `lineage` message for this record's lineage."""
+        return LineageStart(self.lineage, self.parent_step, parent=self.parent, checkpoint=checkpoint)
 
     def holds(self, epoch: int, sample: int) -> bool:
         counts = self.epochs.get(epoch)

@@ -62,7 +62,7 @@ def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"
     of the frames. For tests and benchmarks of the receiving side."""
     from dflash.protocol import codec
     from dflash.protocol.fp8 import ENCODING, encode_fp8
-    from dflash.protocol.messages import header
+    from dflash.protocol.messages import Batch as BatchHeader
 
     fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
                   seq_lens=b.seq_lens, layer_ids=b.layer_ids)
@@ -73,4 +73,4 @@ def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"
         fields["hidden_encoding"] = ENCODING
     else:
         tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    return codec.decode([bytes(f) for f in codec.encode(header("batch", run, **fields), tensors)])
+    return codec.decode([bytes(f) for f in codec.encode(BatchHeader(**fields).to_header(run), tensors)])

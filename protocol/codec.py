@@ -28,9 +28,9 @@ from .messages import (
     MAX_MESSAGE_BYTES,
     MAX_NDIM,
     MAX_TENSORS,
+    MESSAGES,
     PRE_HANDSHAKE,
     PROTOCOL_VERSION,
-    SCHEMAS,
 )
 from .sockets import recv_frames, send_frames
 
@@ -173,25 +173,17 @@ def unpack_header(raw) -> dict:
     return h
 
 
-_MISSING = object()
-
-
 def check_header(h: dict, *, allowed: frozenset[str] | None = None, run: str | None = None) -> None:
     """Validate version, type, required fields and run ID of a parsed header."""
     v = h.get("v")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {v!r} unsupported (this side speaks {PROTOCOL_VERSION})")
     t = h.get("type")
-    if not isinstance(t, str) or t not in SCHEMAS:
+    if not isinstance(t, str) or t not in MESSAGES:
         raise ProtocolError(f"unknown message type {t!r}")
     if allowed is not None and t not in allowed:
         raise ProtocolError(f"message type {t!r} not accepted on this socket")
-    for name, types in SCHEMAS[t].items():
-        val = h.get(name, _MISSING)
-        if val is _MISSING:
-            raise ProtocolError(f"{t}: missing field {name!r}")
-        if not isinstance(val, types) or (val.__class__ is bool and bool not in types):
-            raise ProtocolError(f"{t}: field {name!r} has type {type(val).__name__}")
+    MESSAGES[t].check(h)
     if t not in PRE_HANDSHAKE:
         if not isinstance(h.get("run"), str):
             raise ProtocolError(f"{t}: missing run ID")

@@ -1,11 +1,14 @@
-"""Message types and the header schema of every message (docs/PROTOCOL.md is normative).
+"""Every message type with its required and optional fields, and the wire limits (PROTOCOL.md is normative).
 
 A message is a msgpack map (the header) followed by zero or more raw tensor frames
 described in order by ``header["tensors"]``. This module only knows headers; the codec
 (codec.py) knows frames.
 """
 
-from __future__ import annotations
+from dataclasses import Field, dataclass, field, fields
+from typing import ClassVar
+
+from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 
@@ -18,42 +21,264 @@ MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: docs/DESIGN.md keeps one message well unde
 # (a control message is a header only, so this is the largest frame either side accepts).
 CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 
-# type -> {field: accepted python types}. Fields listed here are required; others
-# are optional and ignored by receivers that do not know them (forward compatible).
-_STR = (str,)
-_INT = (int,)
-_NUM = (int, float)
-_LIST = (list,)
-_MAP = (dict,)
+# Every message type, one frozen dataclass each: required fields first (no default; the
+# annotation is the msgpack type a receiver accepts), then optional ones (a default, and
+# `optional()`'s rules for parsing and sending). docs/PROTOCOL.md's tables mirror these
+# (tests/protocol/test_protocol_doc.py). Unknown header fields are ignored (forward compatible).
 
-SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
-    # control plane, peer -> broker
-    "hello": {"role": _STR, "instance": _STR, "host": _STR, "pid": _INT},
-    "lease": {"want": _INT},
-    "done": {"lease": _INT, "skipped": _LIST},
-    "credit": {"credit": _INT},
-    "ack": {"batch_ids": _LIST, "step": _INT},
-    "commit": {"step": _INT, "checkpoint": _STR},
-    "lineage": {"lineage": _STR, "step": _INT},
-    "heartbeat": {"stats": _MAP},
-    "bye": {"reason": _STR},
-    "status": {},
-    # control plane, broker -> peer
-    "welcome": {"run": _STR, "peer": _STR, "heartbeat_s": _NUM, "timeout_s": _NUM},
-    "reject": {"reason": _STR, "code": _STR},
-    "grant": {"lease": _INT, "epoch": _INT, "samples": _LIST, "end": (bool,)},
-    "stop": {"reason": _STR},
-    "status_reply": {"status": _MAP},
-    # data plane
-    "batch": {
-        "batch_id": _STR,
-        "producer": _STR,
-        "lease": _INT,
-        "epoch": _INT,
-        "samples": _LIST,
-        "seq_lens": _LIST,
-        "layer_ids": _LIST,
-    },
+# A required field's annotation -> the python types a received value may have
+# (a msgpack int is a valid float; a bool is never an int: checked apart).
+_WIRE_TYPES = {str: (str,), int: (int,), float: (int, float), bool: (bool,), list: (list,), dict: (dict,)}
+
+
+def optional(default=None, *, factory=None, parse=None, nil: bool = False):
+    """An optional field. Received, it is `parse(value)` when present (as it came without
+    `parse`), else the default. Sent, it is left out while None, unless `nil`: then it
+    goes out as nil too (the fields PROTOCOL.md says are nil when unknown)."""
+    meta = {"optional": True, "parse": parse, "nil": nil}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def local(**kw):
+    """A field a receiver keeps beside the header's (keyword only, never on the wire)."""
+    return field(kw_only=True, metadata={"local": True}, **kw)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One header's fields. `raw` is the header it was parsed from ({} when built here):
+    what a `reject` echoes and log lines quote. The envelope (`v`, `type`, the run ID after
+    the handshake, `tensors`) is the codec's and `to_header`'s, not a field."""
+
+    type: ClassVar[str] = ""
+    raw: dict = field(default_factory=dict, repr=False, compare=False, kw_only=True)
+
+    @classmethod
+    def wire_fields(cls) -> tuple[Field, ...]:
+        """The header's fields: not `raw`, nor what a receiver keeps beside them (`local`)."""
+        return tuple(f for f in fields(cls) if f.name != "raw" and not f.metadata.get("local"))
+
+    @classmethod
+    def required(cls) -> dict[str, tuple[type, ...]]:
+        """Required field -> the python types a received value may have."""
+        return _plan(cls).required
+
+    @classmethod
+    def check(cls, h: dict) -> None:
+        """Raise ProtocolError unless every required field is in `h` with an accepted type."""
+        for name, types in _plan(cls).required.items():
+            val = h.get(name, _MISSING)
+            if val is _MISSING:
+                raise ProtocolError(f"{cls.type}: missing field {name!r}")
+            if not isinstance(val, types) or (val.__class__ is bool and bool not in types):
+                raise ProtocolError(f"{cls.type}: field {name!r} has type {type(val).__name__}")
+
+    @classmethod
+    def from_header(cls, h: dict, **extra):
+        """The message of header `h`, checked as `check` does; `extra`: fields a subclass
+        adds beside the wire's (broker/inbound.py's Batch: its frames and sizes)."""
+        cls.check(h)
+        plan = _plan(cls)
+        # required fields positionally (they come first), optional ones only when present
+        kw = {name: parse(h[name]) if parse else h[name] for name, parse in plan.optional if name in h}
+        return cls(*[h[name] for name in plan.required], **kw, **extra, raw=h)
+
+    def fields(self) -> dict:
+        """The fields as they go on the wire: an optional one left out while None (unless nil)."""
+        out = {}
+        for name, keep_none in _plan(type(self)).sent:
+            val = getattr(self, name)
+            if val is not None or keep_none:
+                out[name] = val
+        return out
+
+    def to_header(self, run: str | None = None) -> dict:
+        """The header for the codec: version, type, `run` (after the handshake), the fields."""
+        h = header(self.type, run)
+        h.update(self.fields())  # welcome's and hello's `run` is a field of their own
+        return h
+
+
+class _Plan:
+    """What `check`, `from_header` and `fields` need of a message class, worked out once
+    (dataclasses.fields on every message was most of the broker's cost per batch)."""
+
+    def __init__(self, cls: type[Message]):
+        wire = cls.wire_fields()
+        self.required = {f.name: _WIRE_TYPES[f.type] for f in wire if not f.metadata.get("optional")}
+        self.optional = tuple((f.name, f.metadata["parse"]) for f in wire if f.metadata.get("optional"))
+        # (name, sent when None): required fields always go out, optional ones per `nil`
+        self.sent = tuple((f.name, not f.metadata.get("optional") or f.metadata["nil"]) for f in wire)
+
+
+_PLANS: dict[type, _Plan] = {}
+_MISSING = object()
+
+
+def _plan(cls: type[Message]) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _Plan(cls)
+    return plan
+
+
+# ---------------------------------------------------------------- control, peer -> broker
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """The first message of every producer or consumer (PROTOCOL.md 4.1)."""
+
+    type: ClassVar[str] = "hello"
+    role: str
+    instance: str
+    host: str
+    pid: int
+    gpu: int | None = optional(parse=lambda v: v if isinstance(v, int) else None, nil=True)
+    run: str | None = optional()  # the run the peer means to join
+    config: dict = optional(factory=dict, parse=lambda v: v or {})  # a non-map is refused by the broker
+
+
+@dataclass(frozen=True)
+class LeaseAsk(Message):
+    """`lease {want}`: a producer asks for up to `want` samples."""
+
+    type: ClassVar[str] = "lease"
+    want: int
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """`done {lease, skipped}`: a producer made what it could of a lease."""
+
+    type: ClassVar[str] = "done"
+    lease: int
+    skipped: list  # [sample, reason] pairs
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    type: ClassVar[str] = "credit"
+    credit: int
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    type: ClassVar[str] = "ack"
+    batch_ids: list
+    step: int
+    lineage: object = optional()  # a str names the lineage; anything else is the default one
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    type: ClassVar[str] = "commit"
+    step: int
+    checkpoint: str
+    lineage: object = optional()  # as in Ack
+
+
+@dataclass(frozen=True)
+class LineageStart(Message):
+    """`lineage {lineage, step, parent, checkpoint}`: a consumer starts new weights."""
+
+    type: ClassVar[str] = "lineage"
+    lineage: str
+    step: int
+    parent: object = optional(nil=True)  # the lineage it starts from (a str), else from nothing
+    checkpoint: str | None = optional(nil=True)  # the checkpoint it loaded, for log lines
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Both ways: a peer's figures to the broker, the broker's queue and progress to peers."""
+
+    type: ClassVar[str] = "heartbeat"
+    stats: dict
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    type: ClassVar[str] = "bye"
+    reason: str
+
+
+@dataclass(frozen=True)
+class StatusAsk(Message):
+    """`status {}`: any DEALER, no handshake."""
+
+    type: ClassVar[str] = "status"
+
+
+# ---------------------------------------------------------------- control, broker -> peer
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    type: ClassVar[str] = "welcome"
+    run: str
+    peer: str
+    heartbeat_s: float
+    timeout_s: float
+    data_in: str | None = optional()  # producers
+    data_out: str | None = optional()  # consumers: the first of data_streams
+    data_streams: list | None = optional()
+    run_config: dict | None = optional()
+
+
+@dataclass(frozen=True)
+class Reject(Message):
+    type: ClassVar[str] = "reject"
+    reason: str
+    code: str
+    answers: dict | None = optional()  # the refused message's type and identifying fields
+
+
+@dataclass(frozen=True)
+class Grant(Message):
+    type: ClassVar[str] = "grant"
+    lease: int
+    epoch: int
+    samples: list
+    end: bool
+    retry_ms: int | None = optional()  # an empty grant without end: ask again after this
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    type: ClassVar[str] = "stop"
+    reason: str
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    type: ClassVar[str] = "status_reply"
+    status: dict
+
+
+# ---------------------------------------------------------------- data plane
+
+
+@dataclass(frozen=True)
+class Batch(Message):
+    """A batch's header; its tensors travel as frames (`tensors` in the envelope)."""
+
+    type: ClassVar[str] = "batch"
+    batch_id: str
+    producer: str
+    lease: int
+    epoch: int
+    samples: list
+    seq_lens: list
+    layer_ids: list
+    hidden_encoding: str | None = optional()  # raw when absent
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, StatusAsk,
+                              Welcome, Reject, Grant, Stop, StatusReply, Batch)
 }
 
 # Messages that may be sent before a run ID is known; every other one carries `run`.

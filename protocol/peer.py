@@ -35,7 +35,8 @@ from . import codec
 from .credit import CreditWindow
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
-from .messages import CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, DATA, MAX_HEADER_BYTES, header
+from .messages import (CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, DATA, MAX_HEADER_BYTES, Ack, Batch, Bye, Commit, Credit,
+                       Done, Heartbeat, Hello, LeaseAsk, Message)
 from .sockets import (AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, nth_other_thread,
                       other_threads, readable, recv_frames, send_frames)
 
@@ -202,12 +203,10 @@ class PeerLink:
         return self.welcome
 
     def _handshake(self, ctl) -> dict:
-        hello = header("hello", role=self.role, instance=self.instance, host=_socket.gethostname(),
-                       pid=os.getpid(), gpu=self.gpu, config=self.config)
-        if self.expect_run:
-            hello["run"] = self.expect_run
+        hello = Hello(self.role, self.instance, _socket.gethostname(), os.getpid(), gpu=self.gpu,
+                      run=self.expect_run or None, config=self.config)
         log.info("link.connect", broker=self.broker, expect_run=self.expect_run)
-        codec.send(ctl, hello)
+        codec.send(ctl, hello.to_header())
         if not ctl.poll(int(self.connect_timeout_s * 1000)):
             # With Curve a refused key looks exactly like this: the broker says nothing.
             hint = (f" (CurveZMQ on: is key {self.curve.name!r} in the broker's authorized/ folder?)"
@@ -276,7 +275,7 @@ class PeerLink:
             sock.close(linger=linger)
         if self.error is None:
             try:
-                codec.send(self._ctl, header("bye", self.run_id, reason=reason), flags=zmq.NOBLOCK)
+                codec.send(self._ctl, Bye(reason).to_header(self.run_id), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         self._ctl.close(linger=1000 if self.error is None else 0)
@@ -297,21 +296,21 @@ class PeerLink:
         except OSError:
             pass
 
-    def send_control(self, type_: str, **fields) -> None:
+    def send_control(self, msg: Message) -> None:
         """Queue a control message. Raises MessageTooLarge for one over the control limit:
         refused here, since the broker's ZeroMQ would close the connection and drop it."""
         self._check()
-        h = header(type_, self.run_id, **fields)
+        h = msg.to_header(self.run_id)
         n = len(codec.encode(h)[0])
         if n > MAX_HEADER_BYTES:
-            raise MessageTooLarge(f"control message {type_!r} is {n} bytes, over the control limit of "
+            raise MessageTooLarge(f"control message {msg.type!r} is {n} bytes, over the control limit of "
                                   f"{MAX_HEADER_BYTES} bytes (PROTOCOL.md 3): not sent")
         self._control_out.put(h)
         self._wake()
 
     def request_lease(self, want: int, timeout_s: float | None = None) -> dict:
         """Ask for up to `want` samples; returns the `grant` header (may be empty, see `end`)."""
-        self.send_control("lease", want=want)
+        self.send_control(LeaseAsk(want))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._check()
@@ -322,9 +321,10 @@ class PeerLink:
                     raise TimeoutError(f"no grant from the broker within {timeout_s}s") from None
 
     def push_batch(self, fields: dict, tensors: dict, timeout_s: float | None = None) -> str:
-        """Queue one batch for the broker; blocks while the outbox is full. Returns its ID."""
+        """Queue one batch for the broker (`fields`: Batch's but its ID and producer); blocks
+        while the outbox is full. Returns its ID."""
         batch_id = f"{self.peer_id}-{next(self._seq)}"
-        h = header("batch", self.run_id, batch_id=batch_id, producer=self.peer_id, **fields)
+        h = Batch(batch_id=batch_id, producer=self.peer_id, **fields).to_header(self.run_id)
         frames = codec.encode(h, tensors)
         self._check_size(batch_id, frames)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -350,7 +350,7 @@ class PeerLink:
                 "--token-budget or --max-batch-size, or raise the broker's --max-message-bytes")
 
     def lease_done(self, lease: int, skipped: list) -> None:
-        self.send_control("done", lease=lease, skipped=[[int(s), str(r)] for s, r in skipped])
+        self.send_control(Done(lease, [[int(s), str(r)] for s, r in skipped]))
 
     def next_batch(self, timeout_s: float | None = None) -> codec.Message | None:
         """The next batch, or None on timeout or once stopped and drained. Grants credit."""
@@ -374,13 +374,12 @@ class PeerLink:
             except ProtocolError as e:
                 log.error("link.bad_message", reason=e.reason, peer="broker")
 
+    # (no lineage, or "", is sent as none: the broker's default lineage)
     def ack(self, batch_ids: list[str], step: int, lineage: str | None = None) -> None:
-        extra = {"lineage": lineage} if lineage else {}
-        self.send_control("ack", batch_ids=list(batch_ids), step=int(step), **extra)
+        self.send_control(Ack(list(batch_ids), int(step), lineage or None))
 
     def commit(self, step: int, checkpoint: str, lineage: str | None = None) -> None:
-        extra = {"lineage": lineage} if lineage else {}
-        self.send_control("commit", step=int(step), checkpoint=str(checkpoint), **extra)
+        self.send_control(Commit(int(step), str(checkpoint), lineage or None))
 
     def prefetched(self) -> int:
         return self._inbox.qsize() if self.role == "consumer" else self._outbox.qsize()
@@ -460,7 +459,7 @@ class PeerLink:
     def _grant_credit(self) -> None:
         n = self._credit.to_grant(self._inbox.qsize())
         if n:
-            codec.send(self._ctl, header("credit", self.run_id, credit=n))
+            codec.send(self._ctl, Credit(n).to_header(self.run_id))
 
     def _flush_control(self) -> None:
         while True:
@@ -488,4 +487,4 @@ class PeerLink:
             stats: dict[str, Any] = dict(self.stats())
         except Exception as e:  # a broken stats callback must not kill liveness
             stats = {"stats_error": repr(e)}
-        codec.send(self._ctl, header("heartbeat", self.run_id, stats=stats))
+        codec.send(self._ctl, Heartbeat(stats).to_header(self.run_id))

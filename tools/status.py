@@ -24,7 +24,7 @@ import msgpack
 import zmq
 
 from dflash.protocol.curve import CurveClient, CurveKeyError, client_from
-from dflash.protocol.messages import MAX_HEADER_BYTES, PROTOCOL_VERSION
+from dflash.protocol.messages import MAX_HEADER_BYTES, StatusAsk
 from dflash.protocol.sockets import split_endpoint
 from dflash.runtime.config import broker_option, command, curve_options, fail, option, runs_dir_option
 from dflash.runtime.run import resolve_run, runs_root
@@ -49,7 +49,7 @@ def ask(endpoint: str, timeout_s: float, curve: CurveClient | None = None) -> di
         curve.apply(sock)
     try:
         sock.connect(endpoint)
-        sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "status"}))
+        sock.send(msgpack.packb(StatusAsk().to_header()))
         if not sock.poll(int(timeout_s * 1000)):
             raise NoAnswer(f"no answer from {endpoint} within {timeout_s:g}s (is dflash-broker running there?)")
         frames = sock.recv_multipart()

@@ -71,7 +71,8 @@ class Rig:
 
     def batch(self, producer: str, lease: int, epoch: int, samples: list[int], batch_id: str | None = None):
         bid = batch_id or f"{producer}-{lease}-{samples[0]}"
-        b = Batch(bid, producer, lease, epoch, list(samples), [4] * len(samples), [1, 2], 100, 10, [b"h", b"t"])
+        b = Batch(bid, producer, lease, epoch, list(samples), [4] * len(samples), [1, 2], payload_bytes=100,
+                  header_bytes=10, frames=[b"h", b"t"])
         return self.core.on_batch(b)
 
     def relay(self, c, qb) -> bool:

@@ -21,7 +21,7 @@ import zmq
 from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
-from dflash.protocol.messages import header
+from dflash.protocol.messages import Heartbeat, header
 from dflash.protocol.peer import PeerLink
 from dflash.runtime.logs import close_logging, setup_logging
 
@@ -91,7 +91,7 @@ def test_a_batch_over_the_limit_from_another_client_is_logged_and_its_producer_t
 
 def test_a_control_message_over_the_limit_is_refused_at_the_call_and_the_link_goes_on(broker, producer):
     with pytest.raises(MessageTooLarge, match="'heartbeat' is .* bytes, over the control limit"):
-        producer.send_control("heartbeat", stats={"blob": "x" * (2 << 20)})
+        producer.send_control(Heartbeat({"blob": "x" * (2 << 20)}))
     g = producer.request_lease(2, timeout_s=10)  # nothing was lost or refused: the session goes on
     assert len(g["samples"]) == 2
 
