@@ -145,15 +145,21 @@ def block_loss(
         # draft stops being accepted at the first mismatch.
         streak = ok.int().cumprod(dim=1).sum(dim=1)  # [n_blocks]
         has_loss = vb.any(dim=1)
+        # Every figure in one read-back (each read waits for the GPU to drain); float64
+        # holds the counts exactly.
+        sums = torch.stack([loss_sum.detach().double(), w.sum().double(), vb.sum().double(), ok.sum().double(),
+                            (streak * has_loss).sum().double(), has_loss.sum().double()])
+        figs = torch.cat([sums, ok.sum(dim=0).double(), vb.sum(dim=0).double()]).tolist()
+        n = B - 1
         stats = LossStats(
-            loss_sum=float(loss_sum.detach()),
-            weight=float(w.sum()),
-            valid=int(vb.sum()),
-            correct=int(ok.sum()),
-            streak=float(streak[has_loss].sum()),
-            blocks=int(has_loss.sum()),
-            pos_correct=ok.sum(dim=0).tolist(),
-            pos_valid=vb.sum(dim=0).tolist(),
+            loss_sum=figs[0],
+            weight=figs[1],
+            valid=int(figs[2]),
+            correct=int(figs[3]),
+            streak=figs[4],
+            blocks=int(figs[5]),
+            pos_correct=[int(x) for x in figs[6:6 + n]],
+            pos_valid=[int(x) for x in figs[6 + n:6 + 2 * n]],
         )
     return loss_sum, stats
 
