@@ -51,9 +51,12 @@ def test_two_ranks_stay_identical_and_equal_single_process_on_the_union(heads, t
     for s in range(1, 5):
         assert torch.equal(r0[f"step{s}"], r1[f"step{s}"]), f"ranks differ after step {s}"
         assert torch.equal(r0[f"grad{s}"], r1[f"grad{s}"])
-        # The averaged gradient is the union's gradient up to float summation order.
+        # The averaged gradient is the union's gradient up to float summation order; from
+        # step 2 on it is taken at weights that differ where Adam moved near-eps ones (below),
+        # which is worth about 1e-5 more on some CPUs' kernels. A wrong reduction is O(1).
         err = float((r0[f"grad{s}"] - ref_grad[s]).norm() / ref_grad[s].norm())
-        assert err < 1e-5, f"step {s}: gradient differs from single-process by {err:.2e} (relative)"
+        limit = 1e-5 if s == 1 else 1e-4
+        assert err < limit, f"step {s}: gradient differs from single-process by {err:.2e} (relative)"
         # Parameters: Adam divides by sqrt(v) + eps, so where a gradient was ever near eps
         # (1e-8) a 1e-9 difference moved that weight by a fraction of lr, and its moments
         # carry the difference on; allow up to lr per step there, nothing more elsewhere.
