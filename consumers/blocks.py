@@ -130,8 +130,18 @@ def build_layout(
         spans.append(span)
         ctx_start += L
         q_start += pos.numel()
-    cat = lambda xs: torch.cat(xs).long().to(device) if xs else torch.zeros(0, dtype=torch.long, device=device)
-    return BlockLayout(B, list(seq_lens), anchors, cat(ctx_pos), cat(q_pos), cat(q_index), spans, backend)
+    return BlockLayout(B, list(seq_lens), anchors, *_to_device([ctx_pos, q_pos, q_index], device), spans, backend)
+
+
+def _to_device(parts: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """Each list of host tensors concatenated (long) on `device`, in one copy from pinned
+    memory on a GPU: a copy from pageable memory blocks the host while the GPU could work."""
+    flat = [torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long) for xs in parts]
+    if device.type != "cuda":
+        return [x.to(device) for x in flat]
+    sizes = [x.numel() for x in flat]
+    both = torch.cat(flat).pin_memory().to(device, non_blocking=True)
+    return list(both.split(sizes))
 
 
 def _seq_mask(anchors: torch.Tensor, L: int, B: int) -> torch.Tensor:
@@ -226,19 +236,24 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
                            [torch.zeros(0, dtype=torch.long)]).repeat_interleave(B)  # [Q]
     first = torch.arange(n_q) * N  # [n_q] the tile's first and last query
     last = torch.clamp(first + N, max=Q) - 1
-    c_lo, c_hi = ctx_start[q_seq[first]], abs_anchor[last]  # keys [c_lo, c_hi) hold all it may see
-    k_lo, k_hi = T + first // B * B, T + (last // B + 1) * B  # the tile's own blocks' keys
-    kv_lo = torch.arange(n_kv) * N  # [n_kv]
-    kv_hi = torch.clamp(kv_lo + N, max=KV)
-    lo, hi = kv_lo[None, :], kv_hi[None, :]
-    reach = ((lo < c_hi[:, None]) & (hi > c_lo[:, None]) & (lo < T)) | ((hi > k_lo[:, None]) & (lo < k_hi[:, None]))
     one_seq = (q_seq[first] == q_seq[last]) & (last - first + 1 == N)
-    full = one_seq[:, None] & (lo >= c_lo[:, None]) & (hi <= abs_anchor[first][:, None]) & (hi <= T)
+    # Per query tile: keys [c_lo, c_hi) hold all the context it may see, [k_lo, k_hi) its own
+    # blocks, and keys below f_hi are seen by all its queries where one_seq. These [n_q]
+    # vectors go over in one copy; the [n_q, n_kv] tile matrices are built where they are used.
+    bounds = torch.stack([ctx_start[q_seq[first]], abs_anchor[last], T + first // B * B, T + (last // B + 1) * B,
+                          abs_anchor[first], one_seq.long()])  # [6, n_q]
+    if device.type == "cuda":
+        bounds = bounds.pin_memory()
+    c_lo, c_hi, k_lo, k_hi, f_hi, one = bounds.to(device, non_blocking=True)[:, :, None]
+    lo = torch.arange(n_kv, device=device)[None, :] * N  # [1, n_kv] each key tile's bounds
+    hi = torch.clamp(lo + N, max=KV)
+    reach = ((lo < c_hi) & (hi > c_lo) & (lo < T)) | ((hi > k_lo) & (lo < k_hi))
+    full = (one > 0) & (lo >= c_lo) & (hi <= f_hi) & (hi <= T)
     partial = reach & ~full
 
     def as_indices(m: torch.Tensor):  # [n_q, n_kv] bool -> counts [1, 1, n_q], indices [1, 1, n_q, n_kv]
         order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)  # the tiles of m first, in order
-        return m.sum(1, dtype=torch.int32)[None, None].to(device), order.to(torch.int32)[None, None].to(device)
+        return m.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
     (num, idx), (fnum, fidx) = as_indices(partial), as_indices(full)
     return BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=N, mask_mod=_mask_mod(layout, device),
