@@ -3,6 +3,9 @@
 # and runs one command for at most 10 minutes: three calls in a row.
 #
 #   bash bench/gpu_quality.sh install       # wheels from .whl/ into /tmp/site; .carry/part-a to /tmp
+#   bash bench/gpu_quality.sh prepare       # join .carry/part-b, build prompts (PROMPT_ARGS), and
+#                                           # regenerate them into the producer's cache
+#                                           # (bench/regen_data.py, for up to REGEN_S seconds)
 #   bash bench/gpu_quality.sh start ARGS    # join .carry/part-b, build prompts, start
 #                                           # bench/real_quality.py ARGS in the background and
 #                                           # wait for it up to START_WAIT_S
@@ -23,12 +26,21 @@ mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
 
-case "${1:?usage: gpu_quality.sh install|start|wait}" in
+case "${1:?usage: gpu_quality.sh install|prepare|start|sweep|wait}" in
 install)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
   cp .carry/part-a "$W/part-a" && ls -la "$W"
   python3 -c "import zmq, structlog, gguf, dflash.consumers.train; print('imports ok')"
+  ;;
+prepare)
+  [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  [ -f "$W/prompts/train.jsonl" ] || python3 bench/real_prompts.py --tokenizer "$W" --gguf-file "$(basename "$GGUF")" \
+      --out "$W/prompts" ${PROMPT_ARGS:-} || exit 1
+  python3 bench/regen_data.py --target "$GGUF" --data "$W/prompts/train.jsonl" --regen-cache "$W/regen" \
+      --max-new-tokens "${SEED_MAX_NEW_TOKENS:-256}" --gpu 0 --chunk 4000 --budget-s "${REGEN_S:-240}" \
+      2> "$W/regen.err" | tee "$OUT/regen.json"; tail -2 "$W/regen.err"
   ;;
 start)
   shift
