@@ -3,7 +3,7 @@
     python bench/scaling.py                       # 1x1, 2x2, 4x4 at 16 MiB; ~1.5 min on 2 cores
     python bench/scaling.py --layouts 1x1,1x4,4x1 --mib 64
 
-Every peer is a real client process (protocol.peer.PeerLink, bench/transport_peers.py)
+Every peer is a real client process (protocol/links.py, bench/transport_peers.py)
 and the broker a real `dflash-broker`. The aggregate counts the batches all consumers
 received while all of them were running (from the last consumer's warm-up to the first
 consumer's last batch). Beside it: the cores each kind of process kept busy, and the

@@ -10,8 +10,8 @@ For each batch size, in the same run:
            memory, as ZeroMQ's are: page faults included);
   direct   two processes, PUSH -> PULL, the producer's and consumer's socket options,
            codec.encode / codec.decode, copy=False both sides;
-  broker   producer process (PeerLink) -> real `dflash-broker` process -> consumer process
-           (PeerLink: credit, ack per batch, commit at end of stream); once per value of
+  broker   producer process (ProducerLink) -> real `dflash-broker` process -> consumer process
+           (ConsumerLink: credit, ack per batch, commit at end of stream); once per value of
            --broker-io-threads (e.g. 1,2: the broker's ZeroMQ I/O threads, side by side).
 A batch is header + input_ids + loss_mask + hidden [T, 5*4096] bf16 frames, as producers
 send. CPU columns are seconds of CPU per GB moved, per process (every thread): on a
@@ -169,11 +169,11 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="memcpy,direct,broker")
     ap.add_argument("--repeat", type=int, default=1, help="runs per size; the table shows medians")
     ap.add_argument("--credit", type=int, default=2,
-                    help="consumer inbox floor in batches (PeerLink inbox_batches); direct rcvhwm = credit+1")
+                    help="consumer inbox floor in batches (ConsumerLink inbox_batches); direct rcvhwm = credit+1")
     ap.add_argument("--inbox-bytes", type=parse_bytes, default="256MiB",
                     help="consumer inbox bound in bytes, as dflash-consume --inbox-bytes (0: exactly --credit batches)")
-    ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads of the peers (0: PeerLink's auto)")
-    ap.add_argument("--sndhwm", type=int, default=1, help="direct sender's SNDHWM (PeerLink's producer: 1)")
+    ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads of the peers (0: the links' auto)")
+    ap.add_argument("--sndhwm", type=int, default=1, help="direct sender's SNDHWM (ProducerLink's: 1)")
     ap.add_argument("--sndbuf", type=int, default=-1, help="SO_SNDBUF of the direct sender (-1: OS default)")
     ap.add_argument("--rcvbuf", type=int, default=-1, help="SO_RCVBUF of the direct receiver")
     ap.add_argument("--queue-bytes", default="1GiB", help="broker --queue-bytes")

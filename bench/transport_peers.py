@@ -2,8 +2,8 @@
 
     direct-recv  PULL bound on loopback, codec.decode every message (as a consumer does)
     direct-send  PUSH connected to it, codec.encode'd batches, copy=False (as a producer does)
-    produce      a real producer's client (protocol.peer.PeerLink): lease, push, done
-    consume      a real consumer's client (PeerLink): credit, take, ack, commit at stop
+    produce      a real producer's client (protocol.links.ProducerLink): lease, push, done
+    consume      a real consumer's client (ConsumerLink): credit, take, ack, commit at stop
 
 Receivers time from the first message after `--warm` to the last, so connection set-up
 and first-touch page faults are not in the rate, and report that window (perf_counter:
@@ -78,13 +78,13 @@ def direct_send(a) -> dict:
 
 
 def produce(a) -> dict:
-    from dflash.protocol.peer import PeerLink
+    from dflash.protocol.links import ProducerLink
 
     t = batch_tensors(a.mib)
     T = t["input_ids"].numel()
     cfg = {"target": "bench", "layer_ids": LAYER_IDS, "hidden_size": HIDDEN,
            "dataset": {"n_samples": a.n_samples, "fingerprint": "bench"}}
-    link = PeerLink(a.broker, "producer", a.instance, config=cfg, runs_dir=a.runs_dir, io_threads=a.io_threads)
+    link = ProducerLink(a.broker, a.instance, config=cfg, runs_dir=a.runs_dir, io_threads=a.io_threads)
     link.start()
     sent = 0
     while not link.stopped.is_set():
@@ -103,11 +103,11 @@ def produce(a) -> dict:
 
 
 def consume(a) -> dict:
-    from dflash.protocol.peer import PeerLink
+    from dflash.protocol.links import ConsumerLink
 
     reuse_freed_memory()  # as dflash-consume does, before any ZeroMQ thread
-    link = PeerLink(a.broker, "consumer", a.instance, runs_dir=a.runs_dir, inbox_batches=a.credit,
-                    inbox_bytes=a.inbox_bytes or None, io_threads=a.io_threads)
+    link = ConsumerLink(a.broker, a.instance, runs_dir=a.runs_dir, inbox_batches=a.credit,
+                        inbox_bytes=a.inbox_bytes or None, io_threads=a.io_threads)
     link.start()
     times, sizes, step = [], [], 0
     while True:
@@ -172,9 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="senders: a new copy of the batch for every message")
     ap.add_argument("--credit", type=int, default=2, help="consumer inbox: at least this many batches")
     ap.add_argument("--inbox-bytes", type=int, default=0, help="consumer inbox bound in bytes (0: --credit batches)")
-    ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads (0: PeerLink's auto)")
-    ap.add_argument("--sndhwm", type=int, default=1, help="PeerLink's producer PUSH uses 1")
-    ap.add_argument("--rcvhwm", type=int, default=3, help="PeerLink's consumer PULL uses credit + 1")
+    ap.add_argument("--io-threads", type=int, default=0, help="ZeroMQ I/O threads (0: the links' auto)")
+    ap.add_argument("--sndhwm", type=int, default=1, help="ProducerLink's PUSH uses 1")
+    ap.add_argument("--rcvhwm", type=int, default=3, help="ConsumerLink's PULL uses credit + 1")
     ap.add_argument("--sndbuf", type=int, default=-1)
     ap.add_argument("--rcvbuf", type=int, default=-1)
     a = ap.parse_args(argv)

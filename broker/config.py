@@ -33,7 +33,7 @@ def data_in_frame_cap(max_message_bytes: int) -> int:
     gone), and the producer's PUSH reconnects unaware. Under the cap the broker reads the
     header, so a batch over the limit is logged with its producer, size and limit and that
     producer is told (intake.too_large); the cap stays a bound on what one frame can make
-    the broker allocate. Our PeerLink never sends over the limit (it checks first)."""
+    the broker allocate. Our ProducerLink never sends over the limit (it checks first)."""
     return 2 * max_message_bytes
 
 

@@ -1,6 +1,6 @@
 """One consumer process, given its `ConsumerConfig`: setup (logging, device, target
 heads), then either the broker's run (`_serve`: its ranks and batches, through
-protocol/peer.py PeerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
+protocol/links.py ConsumerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
 a run of its own), each handing the batches to the Trainer (train.py).
 
 The command line (command.py) only maps options onto `ConsumerConfig`.
@@ -23,7 +23,8 @@ from dflash.runtime.config import as_dict, fail
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from
-from dflash.protocol.peer import BrokerLost, PeerLink, exit_broker_lost, exit_when_stuck
+from dflash.protocol.links import ConsumerLink
+from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.runtime.run import run_dir as run_folder
 from dflash.runtime.stop import GracefulStop
@@ -170,12 +171,13 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     RunConfigMismatch, SignalMismatch, BatchMismatch, RankLost."""
     own = bool(cfg.dist_init) or "RANK" in os.environ  # ranks arranged outside the broker
     dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
-    link = PeerLink(cfg.broker, "consumer", cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
-                    curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
-                    config=hello_config(resolve_signal(tcfg, heads), dist_addr, auto_layers=tcfg.target_layers is None,
-                                        group=_own_group(cfg) if own else None),
-                    stats=lambda: plugs.heartbeat() if plugs else dict(early),
-                    on_lost=exit_when_stuck("consumer"))
+    link = ConsumerLink(cfg.broker, cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
+                        curve=client_from(cfg.curve_keys, cfg.curve_name), inbox_bytes=cfg.inbox_bytes,
+                        config=hello_config(resolve_signal(tcfg, heads), dist_addr,
+                                            auto_layers=tcfg.target_layers is None,
+                                            group=_own_group(cfg) if own else None),
+                        stats=lambda: plugs.heartbeat() if plugs else dict(early),
+                        on_lost=exit_when_stuck("consumer"))
     plugs, dist, reason, early, sink = None, None, "failed", {"state": "starting"}, None
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:

@@ -1,5 +1,5 @@
-"""The consumer's plugs onto the broker link (protocol/peer.py `PeerLink`), as
-producers/link.py is the producer's.
+"""The consumer's policy on its broker link (protocol/links.py `ConsumerLink`: inbox,
+credit, acks, commits), as producers/link.py is the producer's.
 
 - `hello_config`: what a consumer tells the broker (its training signal, and the
   rendezvous address it offers if it becomes rank 0: PROTOCOL.md 4.1);

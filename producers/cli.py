@@ -141,15 +141,15 @@ def _dry_run(cfg: ProducerConfig, c) -> dict:
 def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
     """Connect to the broker, produce until it says there is no work left (or a signal
     says stop), leave."""
-    from dflash.protocol.peer import PeerLink
+    from dflash.protocol.links import ProducerLink
 
     from .link import BrokerWorkSource, Stopped, link_sink
 
     producer = None
-    link = PeerLink(cfg.broker, "producer", instance, gpu=cfg.gpu, config=hello_config(c, cfg),
-                    curve=client_from(cfg.curve_keys, cfg.curve_name),
-                    runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"},
-                    on_lost=exit_when_stuck("producer"))
+    link = ProducerLink(cfg.broker, instance, gpu=cfg.gpu, config=hello_config(c, cfg),
+                        curve=client_from(cfg.curve_keys, cfg.curve_name),
+                        runs_dir=cfg.runs_dir, stats=lambda: producer.stats() if producer else {"state": "starting"},
+                        on_lost=exit_when_stuck("producer"))
     link.start()  # until we are welcome, a signal ends us at once: nothing is ours to hand back
     # First SIGINT/SIGTERM: finish the batch in hand, say bye (the broker takes back our
     # leases), exit 0. Second: die (PROTOCOL.md 4.6).

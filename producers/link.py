@@ -1,4 +1,6 @@
-"""The producer's two plugs onto the broker link (protocol/peer.py `PeerLink`).
+"""The producer's policy on its broker link (protocol/links.py `ProducerLink`): how big a
+lease to ask for, how to wait for work, and how a signal stops a blocked push. The wire
+(lease asks, grants, batches, `done`) stays in the link.
 
 `BrokerWorkSource` turns `grant`s into leases (an empty grant without `end` means "ask
 again after `retry_ms`"); `link_sink` pushes batches, blocking while the link's outbox is

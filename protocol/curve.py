@@ -177,5 +177,5 @@ def key_name(frame) -> str | None:
 
 
 def client_from(keys_dir: str | None, name: str | None) -> CurveClient | None:
-    """`--curve-keys`/`--curve-name` as PeerLink's `curve=` argument. Raises CurveKeyError."""
+    """`--curve-keys`/`--curve-name` as a link's `curve=` argument (protocol/links.py). Raises CurveKeyError."""
     return client_keys(keys_dir, name) if keys_dir else None

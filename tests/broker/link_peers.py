@@ -1,5 +1,5 @@
-"""A minimal producer and consumer on the project's own client, `protocol.peer.PeerLink`
-(tiny tensors, no model), run as processes by test_peerlink.py:
+"""A minimal producer and consumer on the project's own client, `protocol.links`
+(ProducerLink, ConsumerLink; tiny tensors, no model), run as processes by test_peerlink.py:
 
     python -m tests.broker.link_peers producer BROKER RUNS_DIR N_SAMPLES
     python -m tests.broker.link_peers consumer BROKER RUNS_DIR [IO_THREADS]
@@ -17,7 +17,7 @@ import time
 import torch
 import zmq
 
-from dflash.protocol.peer import PeerLink
+from dflash.protocol.links import ConsumerLink, ProducerLink
 from dflash.runtime.logs import close_logging, setup_logging
 
 SEQ = 3
@@ -25,7 +25,7 @@ SEQ = 3
 
 def produce(broker: str, runs_dir: str, n: int) -> None:
     cfg = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": n, "fingerprint": "x"}}
-    link = PeerLink(broker, "producer", "link-prod", config=cfg, runs_dir=runs_dir)
+    link = ProducerLink(broker, "link-prod", config=cfg, runs_dir=runs_dir)
     link.start()
     while not link.stopped.is_set():
         g = link.request_lease(8, timeout_s=10)
@@ -46,7 +46,7 @@ def produce(broker: str, runs_dir: str, n: int) -> None:
 
 
 def consume(broker: str, runs_dir: str, io_threads: int = 0) -> None:
-    link = PeerLink(broker, "consumer", "link-cons", runs_dir=runs_dir, io_threads=io_threads)
+    link = ConsumerLink(broker, "link-cons", runs_dir=runs_dir, io_threads=io_threads)
     link.start()
     got, step = [], 0
     while True:
@@ -72,7 +72,7 @@ def hold(broker: str, runs_dir: str, n: int, inbox_bytes: int) -> None:
     prints {"held": K, "io_threads": [control mask, data mask]} once
     its inbox stopped growing (1 s), waits for a line on stdin, then takes and acks all
     `n` batches and prints {"samples": [...]}."""
-    link = PeerLink(broker, "consumer", "link-hold", runs_dir=runs_dir, inbox_bytes=inbox_bytes, io_threads=2)
+    link = ConsumerLink(broker, "link-hold", runs_dir=runs_dir, inbox_bytes=inbox_bytes, io_threads=2)
     link.start()
     last, since = -1, time.monotonic()
     while link.prefetched() == 0 or time.monotonic() - since < 1.0:

@@ -1,4 +1,4 @@
-"""A real consumer's credit (PeerLink + protocol/credit.py) against a real broker: small
+"""A real consumer's credit (ConsumerLink + protocol/credit.py) against a real broker: small
 batches get a deeper inbox, large ones keep two, and the bound holds at the broker."""
 
 from __future__ import annotations

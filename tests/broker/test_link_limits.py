@@ -1,5 +1,5 @@
 """Messages over a limit, and a control connection that ZeroMQ closed and reopened, with a
-real broker process and the project's own client (`PeerLink`, in this process). Issue 19,
+real broker process and the project's own client (`ProducerLink`, in this process). Issue 19,
 finding 10: none of these may lose a message without a word.
 
 - a batch over --max-message-bytes is refused by the link before it leaves, naming the
@@ -22,7 +22,7 @@ from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
 from dflash.protocol.messages import Heartbeat, header
-from dflash.protocol.peer import PeerLink
+from dflash.protocol.links import ProducerLink
 from dflash.runtime.logs import close_logging, setup_logging
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ def broker(tmp_path):
 @pytest.fixture
 def producer(broker):
     setup_logging("producer", "lim-prod", level="warning")  # as dflash-produce does: the link binds it to the run
-    link = PeerLink(broker.control, "producer", "lim-prod", config=CFG, runs_dir=broker.runs_dir, connect_timeout_s=10)
+    link = ProducerLink(broker.control, "lim-prod", config=CFG, runs_dir=broker.runs_dir, connect_timeout_s=10)
     link.start()
     yield link
     try:

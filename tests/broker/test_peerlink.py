@@ -1,5 +1,5 @@
-"""The broker with the project's own client (protocol.peer.PeerLink) on both sides, as
-processes: tensors go through intact and the run ends cleanly."""
+"""The broker with the project's own client (protocol/links.py: ProducerLink, ConsumerLink)
+on both sides, as processes: tensors go through intact and the run ends cleanly."""
 
 from __future__ import annotations
 

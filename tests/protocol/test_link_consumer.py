@@ -1,4 +1,4 @@
-"""A consumer's PeerLink against a hand-written broker on real sockets: batches may come
+"""A consumer's ConsumerLink against a hand-written broker on real sockets: batches may come
 over several data streams, each is decoded (and validated) when the caller takes it, and
 a malformed one is logged and dropped without losing the batches around it."""
 
@@ -11,7 +11,7 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from dflash.protocol.peer import PeerLink
+from dflash.protocol.links import ConsumerLink
 from dflash.runtime.logs import close_logging, setup_logging
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ class HandBroker:
 def test_batches_from_every_stream_are_taken_and_a_bad_one_is_dropped(tmp_path, streams):
     setup_logging("consumer", "t", level="warning")  # as dflash-consume does: the link binds it to the run
     hb = HandBroker(streams)
-    link = PeerLink(f"tcp://127.0.0.1:{hb.port}", "consumer", "t", runs_dir=tmp_path, io_threads=1 + streams)
+    link = ConsumerLink(f"tcp://127.0.0.1:{hb.port}", "t", runs_dir=tmp_path, io_threads=1 + streams)
     with capture_logs() as logs:
         link.start()
         try:

@@ -1,4 +1,4 @@
-"""The project's own client (protocol.peer.PeerLink) over CurveZMQ, as a process:
+"""The project's own client (protocol.links.ProducerLink) over CurveZMQ, as a process:
 
     python -m tests.reliability.curve_link BROKER RUNS_DIR KEYS NAME
 
@@ -13,7 +13,7 @@ import sys
 
 from dflash.protocol.curve import client_keys
 from dflash.protocol.errors import DFlashError
-from dflash.protocol.peer import PeerLink
+from dflash.protocol.links import ProducerLink
 from dflash.runtime.logs import close_logging, setup_logging
 
 CONFIG = {"target": "t", "layer_ids": [1], "hidden_size": 4, "dataset": {"n_samples": 8, "fingerprint": "f"}}
@@ -21,8 +21,8 @@ CONFIG = {"target": "t", "layer_ids": [1], "hidden_size": 4, "dataset": {"n_samp
 
 def main(broker: str, runs_dir: str, keys: str, name: str) -> None:
     setup_logging("producer", f"link-{name}")
-    link = PeerLink(broker, "producer", f"link-{name}", config=CONFIG, runs_dir=runs_dir,
-                    curve=client_keys(keys, name), connect_timeout_s=2.0)
+    link = ProducerLink(broker, f"link-{name}", config=CONFIG, runs_dir=runs_dir,
+                        curve=client_keys(keys, name), connect_timeout_s=2.0)
     try:
         welcome = link.start()
     except DFlashError as e:

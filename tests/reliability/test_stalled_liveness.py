@@ -26,7 +26,8 @@ from tests.harness.fakes import FakeProducer
 from dflash.broker import runinfo
 from dflash.broker.config import BrokerConfig
 from dflash.broker.server import Broker
-from dflash.protocol.peer import PeerLink, broker_silent
+from dflash.protocol.links import ProducerLink
+from dflash.protocol.peer import broker_silent
 from dflash.protocol.sockets import free_port_block
 from dflash.runtime.config import as_dict
 from dflash.runtime.logs import close_logging, setup_logging
@@ -120,8 +121,8 @@ def test_the_broker_loop_and_a_peer_link_freeze_what_setup_left_alive(tmp_path):
             assert gc.get_freeze_count() > 0, "the broker's loop started without freezing its setup"
             gc.unfreeze()
             setup_logging("producer", "gc-p", level="warning")
-            link = PeerLink(f"tcp://127.0.0.1:{b.cfg.port}", "producer", "gc-p", runs_dir=tmp_path,
-                            connect_timeout_s=30)
+            link = ProducerLink(f"tcp://127.0.0.1:{b.cfg.port}", "gc-p", runs_dir=tmp_path,
+                                connect_timeout_s=30)
             link.start()
             assert gc.get_freeze_count() > 0, "the link started its I/O thread without freezing the setup"
         finally:

@@ -1,0 +1,244 @@
+"""Each role's link to the broker: the base (peer.py `PeerLink`: I/O thread, control
+socket, handshake, heartbeats, liveness, close) plus that role's data side and calls.
+
+- `ProducerLink`: `request_lease()`, `push_batch()` (blocks while the outbox is full: that
+  is the backpressure from the broker), `lease_done()`; one PUSH socket, flushed on close.
+- `ConsumerLink`: `next_batch()` (credit is granted for free room in the inbox: credit.py),
+  `ack()`, `commit()`, and `stopped` once the broker signals end of stream; one PULL per
+  data stream the broker opened.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+
+import zmq
+
+from dflash.runtime.logs import get_logger
+
+from . import codec
+from .credit import CreditWindow
+from .errors import MessageTooLarge, ProtocolError
+from .messages import DATA, MAX_HEADER_BYTES, Ack, Batch, Commit, Credit, Done, LeaseAsk
+from .peer import PeerLink
+from .sockets import SocketOpts, make_socket, nth_other_thread, other_threads, readable, recv_frames, send_frames
+
+log = get_logger()
+
+MAX_AUTO_CREDIT = 16  # the deepest inbox small batches get (credit.py); the broker caps at max_credit
+
+
+class ProducerLink(PeerLink):
+    """A producer's link: leases asked and done on the control socket, batches out through
+    a bounded outbox that the I/O thread flushes to one PUSH socket."""
+
+    role = "producer"
+
+    def __init__(self, broker: str, instance: str, *, outbox_batches: int = 2, **kw):
+        super().__init__(broker, instance, **kw)
+        self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
+        self._grants: queue.Queue = queue.Queue()
+        self._seq = itertools.count()
+        self._pending_batch: list | None = None  # frames a full PUSH pipe refused, sent next turn
+
+    def _open_data(self) -> list:
+        # A tiny send HWM: memory stays bounded and backpressure reaches the producer
+        # as soon as the broker stops reading. One PUSH, connected once per data stream
+        # the broker asks for (the same endpoint again: a TCP connection each, which
+        # libzmq puts on the least busy I/O thread of the mask); batches take them in turn.
+        endpoints = self.welcome.get("data_streams") or [self.welcome["data_in"]]
+        sock = make_socket(self._ctx, zmq.PUSH, endpoints[0], bind=False,
+                           opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
+                                           affinity=other_threads(self._io_threads)))
+        for endpoint in endpoints[1:]:
+            sock.connect(endpoint)
+        return [sock]
+
+    def _wait_flushed(self, deadline: float) -> None:
+        while self.error is None and time.monotonic() < deadline:
+            if self._outbox.empty() and self._pending_batch is None:
+                break
+            time.sleep(0.01)
+
+    def _data_linger_ms(self, flush_timeout_s: float) -> int:
+        # Deliver what ZeroMQ still holds before saying bye, so the broker does not return
+        # leases whose batches are merely in transit.
+        return int(flush_timeout_s * 1000)
+
+    # ------------------------------------------------------------ caller API
+
+    def request_lease(self, want: int, timeout_s: float | None = None) -> dict:
+        """Ask for up to `want` samples; returns the `grant` header (may be empty, see `end`)."""
+        self.send_control(LeaseAsk(want))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check()
+            try:
+                return self._grants.get(timeout=0.1)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no grant from the broker within {timeout_s}s") from None
+
+    def push_batch(self, fields: dict, tensors: dict, timeout_s: float | None = None) -> str:
+        """Queue one batch for the broker (`fields`: Batch's but its ID and producer); blocks
+        while the outbox is full. Returns its ID."""
+        batch_id = f"{self.peer_id}-{next(self._seq)}"
+        h = Batch(batch_id=batch_id, producer=self.peer_id, **fields).to_header(self.run_id)
+        frames = codec.encode(h, tensors)
+        self._check_size(batch_id, frames)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check()
+            try:
+                self._outbox.put(frames, timeout=0.1)
+                self._wake()
+                return batch_id
+            except queue.Full:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("outbox still full: the broker is not reading") from None
+
+    def _check_size(self, batch_id: str, frames: list) -> None:
+        """Refuse a batch over the broker's limits (its welcome's `max_message_bytes`) before
+        it leaves: sent, it would be dropped or refused at the broker, its samples lost."""
+        limit = int((self.welcome.get("run_config") or {}).get("max_message_bytes") or self.max_message_bytes)
+        payload = codec.payload_bytes(frames)
+        if len(frames[0]) > MAX_HEADER_BYTES or payload > limit:
+            raise MessageTooLarge(
+                f"batch {batch_id} is {payload} tensor bytes (header {len(frames[0])}), over the broker's "
+                f"limit of {limit} bytes per message (header {MAX_HEADER_BYTES}): not sent; lower "
+                "--token-budget or --max-batch-size, or raise the broker's --max-message-bytes")
+
+    def lease_done(self, lease: int, skipped: list) -> None:
+        self.send_control(Done(lease, [[int(s), str(r)] for s, r in skipped]))
+
+    def prefetched(self) -> int:
+        return self._outbox.qsize()
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _before_poll(self, poller: zmq.Poller) -> None:
+        # A batch the full pipe refused: wake the moment the pipe has room again,
+        # not at the next heartbeat tick (that capped a producer at ~4 batches/s).
+        poller.modify(self._data, zmq.POLLOUT if self._pending_batch is not None else 0)
+
+    def _turn(self, events: dict) -> None:
+        self._flush_control()
+        self._flush_batches()
+
+    def _on_control(self, msg: codec.Message) -> None:
+        if msg.header["type"] == "grant":
+            self._grants.put(msg.header)
+        else:
+            super()._on_control(msg)
+
+    def _flush_batches(self) -> None:
+        while True:
+            if self._pending_batch is None:
+                try:
+                    self._pending_batch = self._outbox.get_nowait()
+                except queue.Empty:
+                    return
+            try:
+                send_frames(self._data, self._pending_batch, zmq.NOBLOCK)
+            except zmq.Again:
+                return  # the broker is not reading: keep it, heartbeats go on meanwhile
+            self._pending_batch = None
+
+
+class ConsumerLink(PeerLink):
+    """A consumer's link: batches in on one PULL per data stream into an inbox bounded by
+    the credit it grants; acks and commits out on the control socket."""
+
+    role = "consumer"
+
+    def __init__(self, broker: str, instance: str, *, inbox_batches: int = 2, inbox_bytes: int | None = None,
+                 **kw):
+        super().__init__(broker, instance, **kw)
+        self._inbox: queue.Queue = queue.Queue()  # bounded by the credit we grant
+        # Sized once the welcome says the broker's max_credit (_open_data).
+        self._inbox_bounds = (inbox_batches, inbox_bytes)
+        self._credit: CreditWindow | None = None
+
+    def _open_data(self) -> list:
+        # The I/O thread grants the first credit on its first turn.
+        most = min(MAX_AUTO_CREDIT, int(self.welcome.get("max_credit") or MAX_AUTO_CREDIT))
+        self._credit = CreditWindow(self._inbox_bounds[0], self._inbox_bounds[1], max_batches=most)
+        self._wake()  # so the I/O thread's first poll returns at once and grants it
+        # One PULL per data stream the broker opened for us (PROTOCOL.md 4.1), each on an
+        # I/O thread of its own while there are threads; a broker that names none has one.
+        endpoints = self.welcome.get("data_streams") or [self.welcome["data_out"]]
+        socks = []
+        try:
+            for i, endpoint in enumerate(endpoints):
+                socks.append(make_socket(
+                    self._ctx, zmq.PULL, endpoint, bind=False,
+                    opts=SocketOpts(rcvhwm=self._credit.max_batches + 1, maxmsgsize=self.max_message_bytes,
+                                    curve=self.curve, affinity=nth_other_thread(self._io_threads, i))))
+        except Exception:
+            for sock in socks:
+                sock.close(linger=0)
+            raise
+        self.stream_batches = [0] * len(socks)  # batches received on each data stream
+        return socks
+
+    # ------------------------------------------------------------ caller API
+
+    def next_batch(self, timeout_s: float | None = None) -> codec.Message | None:
+        """The next batch, or None on timeout or once stopped and drained. Grants credit."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check()
+            try:
+                frames = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                if self.stopped.is_set() and self._inbox.empty():
+                    return None
+                if deadline is not None and time.monotonic() > deadline:
+                    return None
+                continue
+            if self._credit.would_grant(self._inbox.qsize()):
+                self._wake()  # room for a lump of credit: the I/O thread grants it now
+            # Decoded here, in the caller's thread, not on the I/O thread: at thousands of
+            # small batches a second that thread was a relay's busiest (0.84 core).
+            try:
+                return codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker")
+            except ProtocolError as e:
+                log.error("link.bad_message", reason=e.reason, peer="broker")
+
+    # (no lineage, or "", is sent as none: the broker's default lineage)
+    def ack(self, batch_ids: list[str], step: int, lineage: str | None = None) -> None:
+        self.send_control(Ack(list(batch_ids), int(step), lineage or None))
+
+    def commit(self, step: int, checkpoint: str, lineage: str | None = None) -> None:
+        self.send_control(Commit(int(step), str(checkpoint), lineage or None))
+
+    def prefetched(self) -> int:
+        return self._inbox.qsize()
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _watch_data(self, poller: zmq.Poller) -> None:
+        for sock in self._streams:
+            poller.register(sock, zmq.POLLIN)
+
+    def _turn(self, events: dict) -> None:
+        for i, sock in enumerate(self._streams):
+            if sock in events:
+                self._drain_data(i)
+        self._grant_credit()
+        self._flush_control()
+
+    def _drain_data(self, stream: int) -> None:
+        sock = self._streams[stream]
+        while readable(sock):
+            frames = recv_frames(sock, zmq.NOBLOCK)
+            self.stream_batches[stream] += 1
+            self._credit.arrived(sum(len(f) for f in frames))
+            self._inbox.put(frames)  # validated and decoded by next_batch
+
+    def _grant_credit(self) -> None:
+        n = self._credit.to_grant(self._inbox.qsize())
+        if n:
+            codec.send(self._ctl, Credit(n).to_header(self.run_id))
