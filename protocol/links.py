@@ -120,7 +120,7 @@ class ProducerLink(PeerLink):
 
     def _before_poll(self, poller: zmq.Poller) -> None:
         # A batch the full pipe refused: wake the moment the pipe has room again,
-        # not at the next heartbeat tick (that capped a producer at ~4 batches/s).
+        # not at the next heartbeat tick (that capped a producer's batch rate).
         poller.modify(self._data, zmq.POLLOUT if self._pending_batch is not None else 0)
 
     def _turn(self, events: dict) -> None:
@@ -201,7 +201,7 @@ class ConsumerLink(PeerLink):
             if self._credit.would_grant(self._inbox.qsize()):
                 self._wake()  # room for a lump of credit: the I/O thread grants it now
             # Decoded here, in the caller's thread, not on the I/O thread: at thousands of
-            # small batches a second that thread was a relay's busiest (0.84 core).
+            # small batches a second that thread was a relay's busiest.
             try:
                 return codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker")
             except ProtocolError as e:

@@ -53,7 +53,7 @@ def test_two_ranks_stay_identical_and_equal_single_process_on_the_union(heads, t
         assert torch.equal(r0[f"grad{s}"], r1[f"grad{s}"])
         # The averaged gradient is the union's gradient up to float summation order; from
         # step 2 on it is taken at weights that differ where Adam moved near-eps ones (below),
-        # which is worth about 1e-5 more on some CPUs' kernels. A wrong reduction is O(1).
+        # which some CPUs' kernels turn into more than float rounding. A wrong reduction is O(1).
         err = float((r0[f"grad{s}"] - ref_grad[s]).norm() / ref_grad[s].norm())
         limit = 1e-5 if s == 1 else 1e-4
         assert err < limit, f"step {s}: gradient differs from single-process by {err:.2e} (relative)"
