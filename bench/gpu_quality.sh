@@ -3,9 +3,11 @@
 # and runs one command for at most 10 minutes: three calls in a row.
 #
 #   bash bench/gpu_quality.sh install       # wheels from .whl/ into /tmp/site; .carry/part-a to /tmp
-#   bash bench/gpu_quality.sh prepare       # join .carry/part-b, build prompts (PROMPT_ARGS), and
-#                                           # regenerate them into the producer's cache
-#                                           # (bench/regen_data.py, for up to REGEN_S seconds)
+#   bash bench/gpu_quality.sh prepare       # join .carry/part-b, have the target write SELF_PROMPTS
+#                                           # prompts (dflash-prompts; 0: none), build prompts
+#                                           # (PROMPT_ARGS) with them mixed in, and regenerate them
+#                                           # into the producer's cache (bench/regen_data.py, for up
+#                                           # to REGEN_S seconds)
 #   bash bench/gpu_quality.sh start ARGS    # join .carry/part-b, build prompts, start
 #                                           # bench/real_quality.py ARGS in the background and
 #                                           # wait for it up to START_WAIT_S
@@ -36,8 +38,14 @@ install)
 prepare)
   [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  self=()
+  if [ "${SELF_PROMPTS:-0}" -gt 0 ]; then
+    [ -f "$W/self.jsonl" ] || python3 -m dflash.tools.self_prompts --target "$GGUF" --count "$SELF_PROMPTS" \
+        --out "$W/self.jsonl" --gpu 0 2> "$W/self.err" | tee "$OUT/self_prompts.json" || { tail -5 "$W/self.err"; exit 1; }
+    head -c 2000 "$W/self.jsonl"; cp "$W/self.jsonl" "$OUT/"; self=(--self-prompts "$W/self.jsonl")
+  fi
   [ -f "$W/prompts/train.jsonl" ] || python3 bench/real_prompts.py --tokenizer "$W" --gguf-file "$(basename "$GGUF")" \
-      --out "$W/prompts" ${PROMPT_ARGS:-} || exit 1
+      --out "$W/prompts" "${self[@]}" ${PROMPT_ARGS:-} || exit 1
   python3 bench/regen_data.py --target "$GGUF" --data "$W/prompts/train.jsonl" --regen-cache "$W/regen" \
       --max-new-tokens "${SEED_MAX_NEW_TOKENS:-256}" --gpu 0 --chunk 4000 --budget-s "${REGEN_S:-240}" \
       2> "$W/regen.err" | tee "$OUT/regen.json"; tail -2 "$W/regen.err"

@@ -10,7 +10,8 @@ sources, both shipped with what is installed:
     docstrings (the documentation Python ships).
 Each prompt family is a set of request styles. Training families and held-out families
 share no style and no topic, so held-out tau measures a different task family, not a
-paraphrase of the training set. Writes `train.jsonl`, `indist.jsonl` (training prompts, for
+paraphrase of the training set. `--self-prompts` mixes in prompts the target wrote itself
+(`dflash-prompts`), less any that ask for a held-out kind of text. Writes `train.jsonl`, `indist.jsonl` (training prompts, for
 evaluation) and `heldout.jsonl` (every held-out family, IDs `<family>-<n>`), as chat rows
 {"id": ..., "messages": [{"role": "user", "content": ...}]}.
 """
@@ -187,6 +188,34 @@ def build(tokenizer, n_train: int, n_held_out: int, seed: int = 0) -> tuple[list
     return rows, held
 
 
+# Prompts the target wrote itself (dflash-prompts) that ask for a held-out family's kind of
+# text, or about a held-out module, are left out of training, so held-out stays held out.
+HELD_OUT_PATTERN = re.compile(
+    r"dialog|conversation|summar|product description|quiz|riddle|unit test|\btests?\b|"
+    r"\b(" + "|".join(re.escape(m) for m in HELD_OUT_MODULES) + r")\b", re.IGNORECASE)
+
+
+def mix_in(rows: list[dict], path: Path, seed: int) -> tuple[list[dict], int]:
+    """`rows` and the chat rows of `path` not matching HELD_OUT_PATTERN, shuffled together;
+    and how many of `path` were left out."""
+    extra, dropped = [], 0
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        try:
+            text = " ".join(m["content"] for m in row["messages"])
+        except (KeyError, TypeError):
+            raise click.ClickException(f"{path}:{n}: not a chat row (needs messages with content)") from None
+        if HELD_OUT_PATTERN.search(text):
+            dropped += 1
+        else:
+            extra.append(row)
+    mixed = rows + extra
+    random.Random(seed + 1).shuffle(mixed)
+    return mixed, dropped
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -198,8 +227,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 @click.option("--train", "n_train", default=24000, help="Training prompts.")
 @click.option("--held-out", "n_held_out", default=10, help="Prompts per held-out family.")
 @click.option("--in-dist", "n_in_dist", default=40, help="Training prompts copied to indist.jsonl for evaluation.")
+@click.option("--self-prompts", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Prompts the target wrote (dflash-prompts) to mix into training, less any of a held-out kind.")
 @click.option("--seed", default=0)
-def main(tokenizer, gguf_file, out, n_train, n_held_out, n_in_dist, seed) -> None:
+def main(tokenizer, gguf_file, out, n_train, n_held_out, n_in_dist, self_prompts, seed) -> None:
     """Write train.jsonl, indist.jsonl and heldout.jsonl under OUT."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -207,12 +238,15 @@ def main(tokenizer, gguf_file, out, n_train, n_held_out, n_in_dist, seed) -> Non
     hf_logging.set_verbosity_error()
     tok = AutoTokenizer.from_pretrained(tokenizer, **({"gguf_file": gguf_file} if gguf_file else {}))
     rows, held = build(tok, n_train, n_held_out, seed)
+    left_out = 0
+    if self_prompts:
+        rows, left_out = mix_in(rows, Path(self_prompts), seed)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     write_jsonl(folder / "train.jsonl", rows)
     write_jsonl(folder / "indist.jsonl", rows[:n_in_dist])
     write_jsonl(folder / "heldout.jsonl", [r for fam_rows in held.values() for r in fam_rows])
-    click.echo(json.dumps({"train": len(rows), "indist": min(n_in_dist, len(rows)),
+    click.echo(json.dumps({"train": len(rows), "self_prompts_left_out": left_out, "indist": min(n_in_dist, len(rows)),
                            **{f"heldout-{k}": len(v) for k, v in held.items()}, "out": str(folder)}))
 
 

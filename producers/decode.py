@@ -378,11 +378,12 @@ class GreedyDecoder:
     synchronisation), and refills when at least `refill_min` rows are free or nothing else runs.
 
     Each output is the greedy continuation up to and including the first stop token, or
-    `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives."""
+    `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives. `pick` (logits
+    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
-                 prefill_tokens: int = 2048):
+                 prefill_tokens: int = 2048, pick: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
@@ -404,6 +405,7 @@ class GreedyDecoder:
         self.prefills = 0  # prefill forwards run
         self.packed_prefills = 0  # of which packed (Core.fresh_packed)
         self.prefill_tokens = max(1, prefill_tokens)
+        self.pick = pick or _argmax
         with self.core.attending(), torch.inference_mode():
             self.core.allocate()
             self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
@@ -411,7 +413,7 @@ class GreedyDecoder:
     @torch.inference_mode()
     def _decode_step(self) -> None:
         logits, _ = self.core.step(self.tok[:, None], self.start, self.off, last_only=True)
-        nxt = logits[:, -1].argmax(-1)
+        nxt = self.pick(logits[:, -1])
         live = ~self.done
         col = self.n.clamp_max(self.max_new - 1)
         self.out[self._ar, col] = torch.where(live, nxt, self.out[self._ar, col])
@@ -509,14 +511,14 @@ class GreedyDecoder:
         lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
         lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
         if packed:
-            first = self.core.fresh_packed(rows, [j.prompt for _, j in part]).argmax(-1)
+            first = self.pick(self.core.fresh_packed(rows, [j.prompt for _, j in part]))
             off = torch.zeros_like(lens)
         else:
             W = int(lens.max())
             ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
             off = W - lens
             logits, _ = self.core.fresh(rows, ids, off)
-            first = logits[:, -1].argmax(-1)
+            first = self.pick(logits[:, -1])
             lens = torch.full_like(lens, W)
         self.packed_prefills += packed
         self.prefills += 1
@@ -527,6 +529,30 @@ class GreedyDecoder:
         self.out[rows, 0] = first
         self.limit[rows] = lim
         self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+class Sampler:
+    """Draws from softmax(logits / temperature), restricted to the `top_k` most likely
+    tokens when top_k > 0, by the Gumbel-max trick: argmax(logits / T + G), G ~ Gumbel(0, 1).
+    Elementwise ops and an argmax only, so it runs inside the decode step's CUDA graph
+    (the default generator's offset advances on every replay); seed it with torch.manual_seed."""
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0):
+        if not temperature > 0 or top_k < 0:
+            raise ValueError(f"temperature {temperature} must be > 0 and top_k {top_k} >= 0")
+        self.temperature, self.top_k = temperature, top_k
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits.float() / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        u = torch.rand(x.shape, device=x.device).clamp_(min=torch.finfo(torch.float32).tiny)
+        return (x - torch.log(-torch.log(u))).argmax(-1)
 
 
 def greedy_generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],
