@@ -8,7 +8,7 @@ Face cache holds the tiny target under that name. Two producers and two consumer
 this one host with their default instance names (no `--instance`). Model sizes come
 through each command's environment variables (DFLASH_PRODUCE_*, DFLASH_CONSUME_*, ...).
 `pip install` is what CI runs first, `python -m pytest -q` is this suite, and
-`dflash-demo` runs in test_demo.py.
+`dflash-demo` runs in test_demo.py; `dflash-prompts` runs on its own (fewer prompts).
 
 The scenario is the README's own story: start a run, look at it with dflash-status,
 crash everything with SIGKILL, resume, finish, read the logs with jq, plot.
@@ -39,6 +39,7 @@ EXPECTED = [
     'pip install -e ".[test]"',
     "dflash-demo",
     "python -m pytest -q",
+    "dflash-prompts --target Qwen/Qwen3-8B --count 20000 --out prompts.jsonl --gpu 0",
     "dflash-broker --epochs 6 --consumers 2",
     "dflash-produce --broker tcp://broker-host:5555 --device cuda:0 --target Qwen/Qwen3-8B --data chats.jsonl",
     "dflash-produce --broker tcp://broker-host:5555 --device cuda:1 --target Qwen/Qwen3-8B --data chats.jsonl",
@@ -150,12 +151,25 @@ def loc(tmp_path):
             p.wait()
 
 
+def test_readme_prompts_command_writes_data_the_producer_reads(tmp_path, loc):
+    from dflash.producers.data import open_dataset
+
+    cmd = readme_commands()[3]
+    # the tiny random target seldom ends a turn: fewer prompts from more candidates; CPU
+    cmd = cmd.replace("--count 20000", "--count 4 --max-tries 2000 --max-new-tokens 64").replace(" --gpu 0", "")
+    r = loc.run(cmd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["prompts"] == 4
+    ds = open_dataset(tmp_path / "prompts.jsonl")
+    assert len(ds) == 4 and all(ds.read(i).messages[0]["role"] == "user" for i in range(4))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # five processes start torch on two shared cores
 def test_readme_story_runs_as_written(tmp_path, loc):
     cmds = dict(enumerate(readme_commands()))
-    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd, consume_resume_cmd = (cmds[i] for i in (3, 8, 9, 10, 11, 12))
-    produce_cmds, consume_cmds = [cmds[4], cmds[5]], [cmds[6], cmds[7]]  # the "Real use" block: 2 and 2, one host
+    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd, consume_resume_cmd = (cmds[i] for i in (4, 9, 10, 11, 12, 13))
+    produce_cmds, consume_cmds = [cmds[5], cmds[6]], [cmds[7], cmds[8]]  # the "Real use" block: 2 and 2, one host
     procs = loc.procs
     procs.append(loc.start(broker_cmd))
     first = loc.wait_for_new_run(None)

@@ -147,7 +147,7 @@ def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, te
 @click.option("--max-tries", default=None, type=int, help="Candidates to try at most [default: 4 x --count].")
 @click.option("--exclude", multiple=True, help="Drop prompts matching this regular expression (case ignored); "
               "repeatable, e.g. to keep an evaluation's task families out of training.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Random seed of the sampling (the same seed, device and batch size give the same prompts).")
 @click.option("--gpu", default=None, type=int, help="CUDA device index; CPU if not given.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="auto: bfloat16 on a GPU, float32 on CPU.")
@@ -155,8 +155,10 @@ def main(target, out, count, max_new_tokens, temperature, top_k, rows, max_tries
     """Have the target write COUNT user prompts and save them as a data set."""
     import torch
 
+    from dflash.runtime.logs import setup_logging
     from dflash.runtime.targets import load_causal_lm, load_tokenizer
 
+    setup_logging("tool", "prompts", gpu=gpu, stream=sys.stderr)  # stdout is the one JSON report
     device = torch.device(f"cuda:{gpu}" if gpu is not None else "cpu")
     dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype) or (
         torch.bfloat16 if device.type == "cuda" else torch.float32)

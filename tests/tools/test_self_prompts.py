@@ -141,7 +141,7 @@ def test_the_command_writes_the_producers_data_format(smollm2, tmp_path):
                         "--out", str(out), "--max-new-tokens", "64", "--batch-size", "8", "--exclude", "python"],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    report = json.loads(r.stdout.strip().splitlines()[-1])
+    report = json.loads(r.stdout)  # the report alone: logs go to stderr
     assert report["prompts"] == 6 and report["candidates"] == report["usable"] + sum(report["rejected"].values())
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"self-{i}" for i in range(6)]
     ds = open_dataset(out)  # what dflash-produce --data reads
