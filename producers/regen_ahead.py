@@ -7,8 +7,9 @@ its first batch, so in epoch 1 the drafters wait for every lease's longest answe
 - the thread decodes continuously (decode.py's continuous batching, never drained between
   leases): first the rows of the leases in hand (`request`), in the free rows of the batch
   the next rows of the run's sample order (epoch 1's shuffle, which the broker leases in
-  order), up to `ahead` rows past the furthest row leased so far (the first `ahead` rows
-  from the start, before any lease: while the drafters load);
+  order), up to `ahead` rows to make past the furthest row leased so far (the first
+  `ahead` from the start, before any lease: while the drafters load); rows the cache holds
+  do not count, so a mostly regenerated data set still keeps the decoder's batch full;
 - each conversation goes to the shared cache (regenerate.py `RegenCache`) the moment it is
   finished, so a crash loses only the rows being decoded and a restart reads the rest back;
 - the prefetch thread takes a lease's rows as they become ready (`wait`) and packs and
@@ -105,7 +106,7 @@ class Claims:
 
 class RegenAhead:
     """The regeneration thread (module docstring). `order` is the run's sample order (epoch
-    1's); `ahead` how many rows past the furthest leased row it may regenerate."""
+    1's); `ahead` how many rows not yet cached it may regenerate past the furthest leased row."""
 
     def __init__(self, regen: Regenerator, dataset: DataSource, *, ahead: int, order: list[int] | None = None,
                  slice_s: float = 0.25, owner: str | None = None):
@@ -249,6 +250,9 @@ class RegenAhead:
             self._cursor += len(chunk)
             with self._cond:
                 cached = self.cache.get(chunk)
+                # `ahead` bounds decoding, not rows passed over: a cached row costs nothing, so
+                # the look-ahead reaches one row further for each (else it trickles, few rows a step)
+                self._horizon += len(cached)
                 chunk = [s for s in chunk if s not in cached and s not in self._running and s not in self._want]
             for s in chunk:
                 try:

@@ -171,3 +171,18 @@ time.sleep(600)
     assert {s: (r.input_ids, r.loss_mask) for s, r in got.items()} == ref
     assert cache._db.execute("SELECT COUNT(*) FROM regen_claims").fetchone()[0] == 0
     assert isinstance(rows[0], Row)
+
+
+@pytest.mark.unit
+def test_the_look_ahead_counts_rows_to_make_not_rows_the_cache_holds(tiny, tokenizer, tmp_path):
+    # Half of the data regenerated beforehand: `ahead` rows of work still lie ahead, so the
+    # decoder's batch stays full instead of trickling through the cached rows.
+    n, ahead = 24, 4
+    path = write_jsonl(tmp_path / "d.jsonl", _rows(n))
+    data = open_dataset(path)
+    target = load_target(str(tiny), None, device=CPU, full=True)
+    regen = _regenerator(target, tokenizer, tmp_path / "cache")
+    regen.apply([data.read(s) for s in range(0, n, 2)])  # the even rows are cached
+    engine = RegenAhead(regen, data, ahead=ahead, order=list(range(n)))
+    made_first = [r.sample for r in engine._next_ahead(room=100)]
+    assert made_first == [1, 3, 5, 7]  # 4 rows to make, past 4 cached ones
