@@ -31,8 +31,13 @@ import click
               "regenerates the rest when its leases reach them).")
 @click.option("--gpu", default=None, type=int)
 def main(target, data, regen_cache, max_new_tokens, regen_batch_size, chunk, limit, budget_s, gpu) -> None:
+    import sys
+
     from dflash.producers.build import load_components
     from dflash.producers.config import ProducerConfig
+    from dflash.runtime.logs import setup_logging
+
+    setup_logging("tool", "regen_data", gpu=gpu, stream=sys.stderr)  # stdout is the JSON report alone
 
     cfg = ProducerConfig(target=target, data=data, gpu=gpu, device=None if gpu is not None else "cpu",
                          regenerate=True, regen_cache=regen_cache, max_new_tokens=max_new_tokens,
