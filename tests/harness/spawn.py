@@ -4,10 +4,13 @@ folder's scripts run as modules of the tests package, waited for, their memory r
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: where the `tests` package lies
 
@@ -27,6 +30,22 @@ def child_env(env: dict | None = None) -> dict:
 def module_argv(module: str, *args: str) -> list[str]:
     """argv of `python -m module args`, for a module of the tests package."""
     return [sys.executable, "-m", module, *args]
+
+
+@contextmanager
+def default_sigint() -> Iterator[None]:
+    """Children started inside get SIGINT at its default, as from an interactive shell, so
+    that Python turns it into KeyboardInterrupt. A runner started as a background job of a
+    shell without job control ignores SIGINT; exec keeps an ignored signal ignored (and
+    Python then installs no handler) but resets a caught one. Main thread only."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, lambda *_: None)  # caught: not inherited, still a no-op here
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def spawn(fakes: str, role: str, broker, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
