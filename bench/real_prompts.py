@@ -11,9 +11,9 @@ sources, both shipped with what is installed:
 Each prompt family is a set of request styles. Training families and held-out families
 share no style and no topic, so held-out tau measures a different task family, not a
 paraphrase of the training set. `--self-prompts` mixes in prompts the target wrote itself
-(`dflash-prompts`), less any that ask for a held-out kind of text. Writes `train.jsonl`, `indist.jsonl` (training prompts, for
-evaluation) and `heldout.jsonl` (every held-out family, IDs `<family>-<n>`), as chat rows
-{"id": ..., "messages": [{"role": "user", "content": ...}]}.
+(`dflash-prompts`), less any that ask for a held-out kind of text. Writes `train.jsonl`,
+`indist.jsonl` (training prompts, for evaluation) and `heldout.jsonl` (every held-out family,
+IDs `<family>-<n>`), as chat rows {"id": ..., "messages": [{"role": "user", "content": ...}]}.
 """
 
 from __future__ import annotations

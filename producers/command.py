@@ -48,8 +48,9 @@ from .config import DEFAULT_REGEN_CACHE
         "batching; capped by the GPU memory the KV cache may take).")
 @option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
 @option("--regen-ahead", type=int, default=1024, help="With --regenerate: rows of the run's order a regeneration "
-        "thread may make ahead of the furthest leased row (rows already cached do not count), decoding continuously while ready rows are captured "
-        "(producers/regen_ahead.py); 0: regenerate each lease's rows when it comes, all before its first batch.")
+        "thread may make ahead of the furthest leased row (rows already cached do not count), decoding "
+        "continuously while ready rows are captured (producers/regen_ahead.py); 0: regenerate each lease's rows "
+        "when it comes, all before its first batch.")
 @option("--chat-template-kwargs", default="{}", help="JSON object passed to the chat template, "
         "e.g. '{\"enable_thinking\": false}'.")
 @option("--hidden-encoding", default="raw", type=click.Choice(["raw", "fp8_e4m3_rowscale"]),

@@ -63,10 +63,14 @@ def turn_end_ids(tokenizer, after: str, eos: set[int]) -> set[int]:
 
 @dataclass
 class Tally:
-    """What happened to every candidate: kept, or why not."""
+    """What happened to every candidate: kept (in order), or why not."""
 
-    kept: int = 0
+    usable: list[str] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
+
+    @property
+    def kept(self) -> int:
+        return len(self.usable)
 
     @property
     def tried(self) -> int:
@@ -111,7 +115,6 @@ def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, te
     torch.manual_seed(seed)
     dec = GreedyDecoder(model, rows=min(rows, max_tries), max_prompt=len(prompt), max_new_tokens=max_new_tokens,
                         stop_ids=ends, pick=Sampler(temperature, top_k))
-    kept: list[str] = []
     seen: set[str] = set()
     tally = Tally()
 
@@ -120,20 +123,19 @@ def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, te
         text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=False).strip()
         why = judge(text, ended, markup, patterns, seen)
         if why is None:
-            kept.append(text)
-            tally.kept += 1
+            tally.usable.append(text)
         else:
             tally.dropped[why] += 1
 
-    while len(kept) < count and tally.tried < max_tries:
+    while tally.kept < count and tally.tried < max_tries:
         # Ask for what is still missing, with headroom for rejections, but never past max_tries.
-        want = min(max_tries - tally.tried, max(dec.rows, int((count - len(kept)) * 1.25)))
+        want = min(max_tries - tally.tried, max(dec.rows, int((count - tally.kept) * 1.25)))
         dec.run(deque(Job(i, prompt) for i in range(want)), done)
-    if len(kept) < count:
-        raise PromptError(f"the target wrote {len(kept)} usable prompts of the {count} asked for in {tally.tried} "
+    if tally.kept < count:
+        raise PromptError(f"the target wrote {tally.kept} usable prompts of the {count} asked for in {tally.tried} "
                           f"candidates (rejected: {dict(tally.dropped)}); raise --max-tries or --max-new-tokens, "
                           "or ask for fewer")
-    return kept[:count], tally
+    return tally.usable[:count], tally
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -147,7 +149,8 @@ def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, te
 @click.option("--max-tries", default=None, type=int, help="Candidates to try at most [default: 4 x --count].")
 @click.option("--exclude", multiple=True, help="Drop prompts matching this regular expression (case ignored); "
               "repeatable, e.g. to keep an evaluation's task families out of training.")
-@click.option("--seed", default=0, show_default=True, help="Random seed of the sampling (the same seed, device and batch size give the same prompts).")
+@click.option("--seed", default=0, show_default=True,
+              help="Random seed of the sampling (the same seed, device and batch size give the same prompts).")
 @click.option("--gpu", default=None, type=int, help="CUDA device index; CPU if not given.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="auto: bfloat16 on a GPU, float32 on CPU.")
@@ -185,4 +188,4 @@ def main(target, out, count, max_new_tokens, temperature, top_k, rows, max_tries
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
