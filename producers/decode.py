@@ -13,7 +13,7 @@ Layout: row b's slot s holds the token at position s - off[b] (left padding: slo
 off[b] are empty). A query at slot t sees slot s iff off[b] <= s <= t, s < end[b] and, on a
 sliding layer, t - s < window (transformers' rule: the token itself and window-1 before).
 
-Imports torch and transformers only, so a GPU benchmark can load it on a bare machine.
+Imports torch, numpy and transformers only, so a GPU benchmark can load it on a bare machine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -270,16 +271,23 @@ class Core:
         n = torch.tensor(lens, device=dev)
         seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), n)  # [T] which prompt
         pos = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        ids = torch.tensor([t for p in prompts for t in p], device=dev)[None]
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)
+        return self.packed(ids, seg, pos, rows[seg], pos, torch.cumsum(n, 0) - 1)
+
+    def packed(self, ids: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, slot: torch.Tensor,
+               last: torch.Tensor) -> torch.Tensor:
+        """One forward of packed tokens ids [T]: token t is at position pos[t] of segment seg[t]
+        (it sees the earlier tokens of its own segment only) and its K/V go to cache row
+        row[t], slot slot[t]. Returns the logits at the tokens `last` [R] -> [R, V]. Tensors
+        in, tensors out: capturable in a CUDA graph for fixed T and R."""
         vis = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
         masks = {}
         for w in self.kinds:
             v = vis if w is None else vis & (pos[:, None] - pos[None, :] < w)
             masks[_FULL if w is None else _SLIDING] = torch.where(v, 0.0, self._neg).to(self.dtype)[None, None]
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
-        self.cache.begin_packed(rows[seg], pos)
-        last = torch.cumsum(n, 0) - 1
-        logits, _ = self._run(ids, pos[None], mask, None, last)
+        self.cache.begin_packed(row, slot)
+        logits, _ = self._run(ids[None], pos[None], mask, None, last)
         return logits[0]
 
     def step(self, ids: torch.Tensor, start: torch.Tensor, off: torch.Tensor, *,
@@ -364,6 +372,70 @@ class _attention:
 # ---------------------------------------------------------------- greedy decoding
 
 
+def pack_sizes(limit: int) -> list[int]:
+    """The fixed sizes packed prefills are padded to, up to `limit` tokens: 64, 128, 256, 512,
+    then steps of 512, so padding wastes at most half of a small pack and an eighth of a
+    large one (for a large target a pack's compute is GPU time, not host time)."""
+    sizes = [x for x in (64, 128, 256, 512) if x < limit] + list(range(512, limit, 512)) + [limit]
+    return sorted(set(sizes))
+
+
+class PackedPrefill:
+    """Prefill of refilled rows, their prompts packed back to back into one forward
+    (Core.packed), padded to the smallest of `sizes` that holds them, and from a size's
+    second use on replayed from a CUDA graph of that size: an eager forward of a small
+    target costs the host far more than the GPU (with transformers' per-layer Python), and
+    a decoder refills many times. Pad tokens are a segment of their own, written to the
+    cache's last slot, which no live row ever attends (GreedyDecoder sizes the cache one
+    slot longer than any row can reach). Returns the first token of each prompt, `pick`ed
+    from its last position's logits."""
+
+    def __init__(self, core: Core, rows: int, sizes: Iterable[int], pick: Callable[[torch.Tensor], torch.Tensor]):
+        self.core, self.rows, self.pick = core, rows, pick
+        self.sizes = sorted(set(sizes))
+        self._used: set[int] = set()
+        self._static: dict[int, tuple[torch.Tensor, torch.Tensor, Callable[[], None]]] = {}
+        self._first = torch.zeros(rows, dtype=torch.long, device=core.device)  # every graph's output
+        self.replays = 0  # forwards run from a graph, or from its fallback (figures for benchmarks)
+
+    @property
+    def limit(self) -> int:
+        return self.sizes[-1]
+
+    def __call__(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        lens = [len(p) for p in prompts]
+        T, R = sum(lens), len(prompts)
+        if T > self.limit or R > self.rows:
+            raise ValueError(f"a pack of {T} tokens in {R} rows exceeds {self.limit} tokens or {self.rows} rows")
+        size = next(x for x in self.sizes if x >= T)
+        seg = np.repeat(np.arange(R), lens)
+        pos = np.arange(T) - np.repeat(np.cumsum(lens) - lens, lens)
+        host = np.zeros((5, size), dtype=np.int64)  # ids, segment, position, cache row, cache slot
+        host[0, :T] = [t for p in prompts for t in p]
+        host[1, :T], host[1, T:] = seg, R  # pads: a segment of their own
+        host[2, :T] = pos
+        host[3, :T] = np.asarray(rows)[seg]
+        host[4, :T], host[4, T:] = pos, self.core.slots - 1
+        last = np.zeros(self.rows, dtype=np.int64)
+        last[:R] = np.cumsum(lens) - 1
+        if size not in self._static:
+            packed = torch.from_numpy(host).to(self.core.device)
+            where = torch.from_numpy(last).to(self.core.device)
+            if size not in self._used:  # a size used once (one eval prompt) is not worth a capture
+                self._used.add(size)
+                return self.pick(self.core.packed(*packed, where))[:R]
+            # The capture's warm-up runs the prefill twice on these inputs: the same writes each time.
+            replay = self.core.graphed(lambda: self._first.copy_(self.pick(self.core.packed(*packed, where))))
+            self._static[size] = (packed, where, replay)
+        else:
+            packed, where, replay = self._static[size]
+            packed.copy_(torch.from_numpy(host))
+            where.copy_(torch.from_numpy(last))
+        replay()
+        self.replays += 1
+        return self._first[:R].clone()
+
+
 @dataclass
 class Job:
     key: object
@@ -383,10 +455,13 @@ class GreedyDecoder:
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
-                 prefill_tokens: int = 2048, pick: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 prefill_tokens: int | None = None, prefill_sizes: Iterable[int] | None = None,
+                 pick: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
+        # A live row writes at most slot max_prompt + max_new_tokens - 2: the slots after it
+        # are never attended, and PackedPrefill's pad tokens write to the last.
         self.core = Core(model, rows, max_prompt + max_new_tokens + 1, graphs=graphs)
         self.rows, self.sync_every = rows, max(1, sync_every)
         self.refill_min = max(1, rows // 16) if refill_min is None else max(1, refill_min)
@@ -403,9 +478,14 @@ class GreedyDecoder:
         self._ar = torch.arange(rows, device=dev)
         self.steps = 0  # decode steps run (figures for benchmarks)
         self.prefills = 0  # prefill forwards run
-        self.packed_prefills = 0  # of which packed (Core.fresh_packed)
-        self.prefill_tokens = max(1, prefill_tokens)
+        self.packed_prefills = 0  # of which packed (Core.fresh_packed, PackedPrefill)
         self.pick = pick or _argmax
+        # Graphed: prompts packed into fixed sizes (PackedPrefill); eager: exact shapes, packed
+        # or left padded by their cost (_fill). Explicit sizes take the first path on a CPU too.
+        if prefill_sizes is None and self.core.graphs:
+            prefill_sizes = pack_sizes(prefill_tokens or 4096)
+        self.prefill = PackedPrefill(self.core, rows, prefill_sizes, self.pick) if prefill_sizes else None
+        self.prefill_tokens = max(1, prefill_tokens or 2048)
         with self.core.attending(), torch.inference_mode():
             self.core.allocate()
             self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
@@ -493,23 +573,42 @@ class GreedyDecoder:
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
         """Prefill the prompts of `take` into their rows and set the rows' state, in as few
-        forwards as fit: sorted by length, up to 64 rows each. A part goes packed back to
-        back (no padding, at most `prefill_tokens` tokens) where that computes fewer
-        attention scores than left padding to its longest prompt (T^2 < R * W^2: lengths
-        that differ a lot), else left padded (with a dense mask, packed attention is
-        quadratic in the total length)."""
-        take = sorted(take, key=lambda t: len(t[1].prompt))  # similar widths share a forward
+        forwards as fit, sorted by length (similar widths share a forward). With
+        `self.prefill`: packs of up to its limit, a longer prompt alone. Else parts of up to 64
+        rows, each packed back to back (no padding, at most `prefill_tokens` tokens) where
+        that computes fewer attention scores than left padding to its longest prompt (T^2 <
+        R * W^2: lengths that differ a lot), else left padded (with a dense mask, packed
+        attention is quadratic in the total length)."""
+        take = sorted(take, key=lambda t: len(t[1].prompt))
+        if self.prefill is not None:
+            pack: list[tuple[int, Job]] = []
+            for r, j in take:
+                if len(j.prompt) > self.prefill.limit:
+                    self._prefill([(r, j)], packed=False)
+                    continue
+                if pack and (sum(len(x.prompt) for _, x in pack) + len(j.prompt) > self.prefill.limit):
+                    self._prefill_pack(pack)
+                    pack = []
+                pack.append((r, j))
+            if pack:
+                self._prefill_pack(pack)
+            return
         for i in range(0, len(take), 64):
             part = take[i:i + 64]
             lens = [len(j.prompt) for _, j in part]
             t = sum(lens)
             self._prefill(part, packed=t * t < len(lens) * max(lens) ** 2 and t <= self.prefill_tokens)
 
+    def _prefill_pack(self, part: list[tuple[int, Job]]) -> None:
+        first = self.prefill([r for r, _ in part], [j.prompt for _, j in part])
+        lens = torch.tensor([len(j.prompt) for _, j in part], device=self.core.device)
+        self._begin(part, first, lens, torch.zeros_like(lens))
+        self.packed_prefills += 1
+
     def _prefill(self, part: list[tuple[int, Job]], packed: bool) -> None:
         dev = self.core.device
         rows = torch.tensor([r for r, _ in part], device=dev)
         lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
-        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
         if packed:
             first = self.pick(self.core.fresh_packed(rows, [j.prompt for _, j in part]))
             off = torch.zeros_like(lens)
@@ -520,10 +619,17 @@ class GreedyDecoder:
             logits, _ = self.core.fresh(rows, ids, off)
             first = self.pick(logits[:, -1])
             lens = torch.full_like(lens, W)
+        self._begin(part, first, lens, off)
         self.packed_prefills += packed
+
+    def _begin(self, part: list[tuple[int, Job]], first: torch.Tensor, start: torch.Tensor, off: torch.Tensor) -> None:
+        """The state of rows just prefilled: `first` token of each, its next slot `start`."""
+        dev = self.core.device
+        rows = torch.tensor([r for r, _ in part], device=dev)
+        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
         self.prefills += 1
         self.tok[rows] = first
-        self.start[rows] = lens
+        self.start[rows] = start
         self.off[rows] = off
         self.n[rows] = 1
         self.out[rows, 0] = first

@@ -62,3 +62,44 @@ def test_rows_refilled_several_at_a_time_decode_exactly_like_generate(model):
     # fewer prefill passes than prompts: rows were filled together, packed where the
     # lengths differ enough, else left padded
     assert dec.prefills < len(prompts) and 0 < dec.packed_prefills < dec.prefills
+
+
+def test_prefills_packed_into_fixed_sizes_decode_exactly_like_generate(model):
+    # What a GPU runs (PackedPrefill: prompts padded to one of a few sizes, a size's second
+    # use replayed from its static buffers), here eager: rows keep decoding while others are
+    # refilled with padded packs, so a pad token written where a live row looks would show;
+    # the longest prompt exceeds the largest size and goes alone.
+    lengths = (3, 2 * WINDOW + 5, 7, 1, 11, WINDOW + 2, 4, 2 * WINDOW, 6, 5, 2, 9, 3 * WINDOW + 1, 8)
+    prompts = _prompts(model.config.vocab_size, lengths)
+    lens = [NEW, 3, NEW, 5, 2, NEW, 7, 4, NEW, 6, NEW, 3, NEW, 2]
+    want = [_reference(model, p, n, set()) for p, n in zip(prompts, lens)]
+    sizes = (8, 16, 2 * WINDOW + 8)
+    dec = GreedyDecoder(model, rows=4, max_prompt=max(lengths), max_new_tokens=NEW, stop_ids=[], graphs=False,
+                        sync_every=2, refill_min=2, prefill_sizes=sizes)
+    from collections import deque
+
+    from dflash.producers.decode import Job
+
+    got: dict[int, list[int]] = {}
+    left = dec.run(deque(Job(i, p, n) for i, (p, n) in enumerate(zip(prompts, lens))),
+                   lambda job, out: got.__setitem__(job.key, out))
+    assert left == [] and [got[i] for i in range(len(prompts))] == want
+    assert dec.prefill.replays > 0  # sizes used again ran from their static buffers
+    assert dec.packed_prefills < dec.prefills  # the prompt longer than every size went alone
+
+
+def test_a_pack_larger_than_its_sizes_is_refused(model):
+    dec = GreedyDecoder(model, rows=2, max_prompt=40, max_new_tokens=4, stop_ids=[], graphs=False,
+                        prefill_sizes=(16,))
+    with pytest.raises(ValueError, match="exceeds 16 tokens"):
+        dec.prefill([0, 1], _prompts(model.config.vocab_size, (10, 10)))
+
+
+@pytest.mark.parametrize("limit", [64, 100, 1000, 4096])
+def test_pack_sizes_end_at_the_limit_and_waste_at_most_half_a_small_pack(limit):
+    from dflash.producers.decode import pack_sizes
+
+    sizes = pack_sizes(limit)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == limit and sizes[0] == min(64, limit)
+    for a, b in zip(sizes, sizes[1:]):  # a pack of a + 1 tokens pads to b
+        assert b <= 2 * a and b - a <= 512, sizes
