@@ -177,7 +177,7 @@ def old_loop_ms(model, rows: list[list[int]], steps: int) -> float:
     DynamicCache, attention mask grown each step, one host sync per step)."""
     from transformers import DynamicCache
 
-    from dflash.producers.decode import cache_kwarg
+    from dflash.runtime.hf_compat import cache_kwarg
 
     dev = model.device
     width = max(map(len, rows))

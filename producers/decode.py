@@ -13,7 +13,8 @@ Layout: row b's slot s holds the token at position s - off[b] (left padding: slo
 off[b] are empty). A query at slot t sees slot s iff off[b] <= s <= t, s < end[b] and, on a
 sliding layer, t - s < window (transformers' rule: the token itself and window-1 before).
 
-Imports torch, numpy and transformers only, so a GPU benchmark can load it on a bare machine.
+Imports torch, numpy, transformers and runtime/hf_compat.py only, so a GPU benchmark can load
+it on a bare machine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 from torch import nn
+
+from dflash.runtime.hf_compat import cache_kwarg
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -104,12 +107,6 @@ def decode_attention(model: nn.Module) -> str:
     if getattr(cfg, "attn_logit_softcapping", None) or not getattr(type(model), "_supports_sdpa", True):
         return "eager"
     return _PACKED if _HAS_PACKED else "sdpa"
-
-
-def cache_kwarg(model: nn.Module) -> str:
-    """The forward() argument that takes the KV cache: transformers 5.2x renamed
-    `past_key_values` to `cache` (the old name warns); older versions know only the old one."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # ---------------------------------------------------------------- the cache

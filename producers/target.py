@@ -27,6 +27,7 @@ from torch import nn
 from dflash.runtime import targets
 from dflash.runtime.targets import default_layer_ids  # noqa: F401  (the one rule; imported here by callers)
 from dflash.runtime.logs import get_logger
+from dflash.runtime.hf_compat import causal_lm_class
 
 log = get_logger()
 
@@ -111,17 +112,6 @@ def attn_candidates(name: str, device: torch.device, model_cls: type | None) -> 
     else:
         order = [("sdpa", sdpa), ("eager", True), ("flex_attention", flex)]
     return [impl for impl, usable in order if usable]
-
-
-def causal_lm_class(config) -> type | None:
-    """The transformers class AutoModelForCausalLM builds for `config` (None: not a
-    built-in family, e.g. custom code)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        return None
 
 
 def find_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:

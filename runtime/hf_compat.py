@@ -33,3 +33,14 @@ def renamed_key(key: str, renamings, converters, prefix: str | None, meta: dict)
         return rename_source_key(key, list(renamings), list(converters), prefix, meta)[0]
     except Exception:  # noqa: BLE001  (a renaming that cannot read this key: it is not renamed)
         return key
+
+
+def causal_lm_class(config) -> type | None:
+    """The transformers class AutoModelForCausalLM builds for `config` (None: not a
+    built-in family, e.g. custom code)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None

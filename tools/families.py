@@ -73,7 +73,7 @@ def build(config, *, seed: int = 0, dtype=None, device=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.producers.target import causal_lm_class
+    from dflash.runtime.hf_compat import causal_lm_class
 
     torch.manual_seed(seed)
     cls = causal_lm_class(config)  # sdpa where the class has it (Gemma 2 and GPT-OSS do not)

@@ -13,7 +13,8 @@ from dflash.producers.build import Components, _check_packing, make_producer
 from dflash.producers.config import ProducerConfig
 from dflash.producers.packing import PackingError, check_packing
 from dflash.producers.producer import LocalWorkSource
-from dflash.producers.target import attn_candidates, causal_lm_class, load_target
+from dflash.producers.target import attn_candidates, load_target
+from dflash.runtime.hf_compat import causal_lm_class
 
 from tests.harness.families import family_config, family_target
 

@@ -129,3 +129,16 @@ def test_a_job_may_ask_for_fewer_new_tokens():
     # A prompt longer than the decoder takes comes back undecoded, for a larger decoder.
     left = dec.run(deque([Job("long", list(range(3, 50)))]), lambda j, out: None)
     assert [j.key for j in left] == ["long"]
+
+
+def test_the_decoding_core_and_the_shape_builder_load_without_zmq_or_structlog():
+    """bench/decode_speed.py runs on a bare GPU machine (torch and transformers only): the
+    modules it imports must not pull in the wire or the logs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['zmq'] = sys.modules['structlog'] = None\n"
+            "import dflash.producers.decode, dflash.tools.families\n"
+            "dflash.tools.families.build(dflash.tools.families.tiny_config('llama', layers=2))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
