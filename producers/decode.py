@@ -478,7 +478,8 @@ class GreedyDecoder:
         self.packed_prefills = 0  # of which packed (Core.fresh_packed, PackedPrefill)
         self.pick = pick or _argmax
         # Graphed: prompts packed into fixed sizes (PackedPrefill); eager: exact shapes, packed
-        # or left padded by their cost (_fill). Explicit sizes take the first path on a CPU too.
+        # or left padded by their cost (_fill). Explicit sizes take the first path on a CPU
+        # too, and no sizes (an empty list) the eager one on a GPU.
         if prefill_sizes is None and self.core.graphs:
             prefill_sizes = pack_sizes(prefill_tokens or 4096)
         self.prefill = PackedPrefill(self.core, rows, prefill_sizes, self.pick) if prefill_sizes else None
