@@ -28,8 +28,9 @@ SmolLM2-135M, Qwen3-0.6B, Qwen3-8B): shape alone decides speed. bf16, sdpa. Sect
               the eager one (ms per step, same tokens), time-guarded;
   where       where regeneration's time goes at batch 256: the graphed step's cost against
               the cache's slots (every step attends all of them), the regen loop split into
-              prefill forwards, graphed steps and the host's turn-around, and the step's
-              GPU time by kernel (torch.profiler).
+              prefill forwards, graphed steps and the host's turn-around, with eager
+              prefills and with PackedPrefill's graphed packs, and the step's GPU time by
+              kernel (torch.profiler).
 
 Imports torch, transformers and the project's decoding modules only (no zmq/structlog), so
 it runs on a bare GPU machine from a checkout.
@@ -64,7 +65,7 @@ _project()
 import torch  # noqa: E402
 
 from dflash.producers.decode import (GreedyDecoder, Job, divergence, kv_bytes_per_slot,  # noqa: E402
-                                     TIE_TOLERANCE)
+                                     pack_sizes, TIE_TOLERANCE)
 from dflash.tools.families import build, shape_config  # noqa: E402
 
 T0 = time.monotonic()
@@ -430,7 +431,8 @@ def _random_drafter(model, n_layers: int):
 def where_section(name: str, model, jobs: int, rows: int = 256) -> dict:
     """Regeneration's time at `rows` rows split three ways, each measured on its own: the
     graphed step against slots, the loop's prefills (synchronised around each, so their
-    GPU time is theirs), and the step's kernels."""
+    GPU time is theirs), eager and packed into graphed sizes (PackedPrefill), and the
+    step's kernels."""
     vocab = model.config.vocab_size
     res: dict = {"shape": name, "rows": rows, "jobs": jobs, "step_ms_by_slots": {}}
     for P in (64, 192, 384, 640):  # slots = P + 256 + 1, as regeneration sizes them
@@ -444,52 +446,58 @@ def where_section(name: str, model, jobs: int, rows: int = 256) -> dict:
         except Exception as e:
             res["step_ms_by_slots"][P + 257] = f"{type(e).__name__}: {e}"[:200]
         empty_cache()
-    try:
-        rng = random.Random(5)
-        ps = prompts(jobs, 32, 384, vocab, seed=3)
-        dec = GreedyDecoder(model, rows=rows, max_prompt=384, max_new_tokens=256, stop_ids=set())
-        from collections import deque
-
-        dec.run(deque(Job(-1 - i, p, max_new=16) for i, p in enumerate(ps[:rows])), lambda j, o: None)
-        fill = {"s": 0.0, "n": 0, "tokens": 0}
-        inner = dec._fill
-
-        def timed_fill(take):
-            sync()
-            t0 = time.perf_counter()
-            inner(take)
-            sync()
-            fill["s"] += time.perf_counter() - t0
-            fill["n"] += 1
-            fill["tokens"] += sum(len(j.prompt) for _, j in take)
-
-        dec._fill = timed_fill
-        dec.steps = dec.prefills = dec.packed_prefills = 0
-        got = {}
-        sync()
-        t = time.perf_counter()
-        dec.run(deque(Job(i, p, max_new=rng.randint(32, 256)) for i, p in enumerate(ps)),
-                lambda j, o: got.__setitem__(j.key, len(o)))
-        sync()
-        t = time.perf_counter() - t
-        with dec.core.attending(), torch.inference_mode():
-            step_s = timed(dec._step, 24)
-        new = sum(got.values())
-        res["loop"] = {"seconds": round(t, 3), "new_tokens": new, "tokens_per_s": round(new / t, 1), "steps": dec.steps,
-                       "graphed_steps_s": round(dec.steps * step_s, 3), "step_ms": round(1e3 * step_s, 4),
-                       "fills": fill["n"], "prefill_forwards": dec.prefills, "packed": dec.packed_prefills,
-                       "prefill_replays": dec.prefill.replays if dec.prefill else 0,
-                       "prefill_tokens": fill["tokens"], "fill_s": round(fill["s"], 3),
-                       "host_s": round(t - fill["s"] - dec.steps * step_s, 3),
-                       "slot_utilisation": round(new / max(1, dec.steps * rows), 4)}
-        with dec.core.attending(), torch.inference_mode():
-            res["step_kernels"] = _kernels(dec._step, 8)
-        del dec
-    except Exception as e:
-        res["error"] = f"{type(e).__name__}: {e}"[:400]
-    empty_cache()
+    ps = prompts(jobs, 32, 384, vocab, seed=3)
+    for name_, sizes in (("loop", None), ("loop_packed_prefill", pack_sizes(4096))):
+        try:
+            res[name_] = _timed_loop(model, ps, rows, sizes, kernels=name_ == "loop", out=res)
+        except Exception as e:
+            res[name_] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        empty_cache()
     print(json.dumps(res), flush=True)
     return res
+
+
+def _timed_loop(model, ps: list[list[int]], rows: int, sizes, *, kernels: bool, out: dict) -> dict:
+    """GreedyDecoder.run over `ps` (answers of 32..256), its prefills timed between two
+    synchronisations, against its graphed steps timed alone; `sizes`: PackedPrefill's."""
+    from collections import deque
+
+    rng = random.Random(5)
+    dec = GreedyDecoder(model, rows=rows, max_prompt=384, max_new_tokens=256, stop_ids=set(), prefill_sizes=sizes)
+    dec.run(deque(Job(-1 - i, p, max_new=16) for i, p in enumerate(ps[:rows])), lambda j, o: None)
+    fill = {"s": 0.0, "n": 0, "tokens": 0}
+    inner = dec._fill
+
+    def timed_fill(take):
+        sync()
+        t0 = time.perf_counter()
+        inner(take)
+        sync()
+        fill["s"] += time.perf_counter() - t0
+        fill["n"] += 1
+        fill["tokens"] += sum(len(j.prompt) for _, j in take)
+
+    dec._fill = timed_fill
+    dec.steps = dec.prefills = dec.packed_prefills = 0
+    got = {}
+    sync()
+    t = time.perf_counter()
+    dec.run(deque(Job(i, p, max_new=rng.randint(32, 256)) for i, p in enumerate(ps)),
+            lambda j, o: got.__setitem__(j.key, len(o)))
+    sync()
+    t = time.perf_counter() - t
+    with dec.core.attending(), torch.inference_mode():
+        step_s = timed(dec._step, 24)
+        if kernels:
+            out["step_kernels"] = _kernels(dec._step, 8)
+    new = sum(got.values())
+    return {"seconds": round(t, 3), "new_tokens": new, "tokens_per_s": round(new / t, 1), "steps": dec.steps,
+            "graphed_steps_s": round(dec.steps * step_s, 3), "step_ms": round(1e3 * step_s, 4),
+            "fills": fill["n"], "prefill_forwards": dec.prefills, "packed": dec.packed_prefills,
+            "prefill_replays": dec.prefill.replays if dec.prefill else 0, "prefill_graphs": max(0, dec.core.captured - 1),
+            "prefill_tokens": fill["tokens"], "fill_s": round(fill["s"], 3),
+            "host_s": round(t - fill["s"] - dec.steps * step_s, 3),
+            "slot_utilisation": round(new / max(1, dec.steps * rows), 4)}
 
 
 def _kernels(fn, reps: int, top: int = 12) -> list[dict]:

@@ -380,12 +380,12 @@ def pack_sizes(limit: int) -> list[int]:
 class PackedPrefill:
     """Prefill of refilled rows, their prompts packed back to back into one forward
     (Core.packed), padded to the smallest of `sizes` that holds them, and from a size's
-    second use on replayed from a CUDA graph of that size: an eager forward of a small
-    target costs the host far more than the GPU (with transformers' per-layer Python), and
-    a decoder refills many times. Pad tokens are a segment of their own, written to the
-    cache's last slot, which no live row ever attends (GreedyDecoder sizes the cache one
-    slot longer than any row can reach). Returns the first token of each prompt, `pick`ed
-    from its last position's logits."""
+    second use on replayed from a CUDA graph of that size: a decoder refills many times,
+    and each eager forward pays transformers' per-layer Python again (whether that is most
+    of a prefill's time, `bench/decode_speed.py --sections where` measures). Pad tokens
+    are a segment of their own, written to the cache's last slot, which no live row ever
+    attends (GreedyDecoder sizes the cache one slot longer than any row can reach).
+    Returns the first token of each prompt, `pick`ed from its last position's logits."""
 
     def __init__(self, core: Core, rows: int, sizes: Iterable[int], pick: Callable[[torch.Tensor], torch.Tensor]):
         self.core, self.rows, self.pick = core, rows, pick
@@ -452,7 +452,7 @@ class GreedyDecoder:
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
-                 prefill_tokens: int | None = None, prefill_sizes: Iterable[int] | None = None,
+                 prefill_tokens: int = 2048, prefill_sizes: Iterable[int] | None = None,
                  pick: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
@@ -477,13 +477,11 @@ class GreedyDecoder:
         self.prefills = 0  # prefill forwards run
         self.packed_prefills = 0  # of which packed (Core.fresh_packed, PackedPrefill)
         self.pick = pick or _argmax
-        # Graphed: prompts packed into fixed sizes (PackedPrefill); eager: exact shapes, packed
-        # or left padded by their cost (_fill). Explicit sizes take the first path on a CPU
-        # too, and no sizes (an empty list) the eager one on a GPU.
-        if prefill_sizes is None and self.core.graphs:
-            prefill_sizes = pack_sizes(prefill_tokens or 4096)
+        # `prefill_sizes` (e.g. pack_sizes(4096)): prompts packed into those sizes, graphed on a
+        # GPU (PackedPrefill); else exact shapes, packed or left padded by their cost (_fill).
+        # Off by default until a GPU measurement says it is faster (docs/REGENERATION.md).
         self.prefill = PackedPrefill(self.core, rows, prefill_sizes, self.pick) if prefill_sizes else None
-        self.prefill_tokens = max(1, prefill_tokens or 2048)
+        self.prefill_tokens = max(1, prefill_tokens)
         with self.core.attending(), torch.inference_mode():
             self.core.allocate()
             self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
