@@ -290,24 +290,9 @@ def exactness(name: str, model, n: int = 8, new: int = 48) -> dict:
 
 
 def regen_section(name: str, model, jobs: int, rows: int = 256) -> dict:
-    vocab = model.config.vocab_size
-    rng = random.Random(5)
-    ps = prompts(jobs, 32, 384, vocab, seed=3)
-    q = [Job(i, p, max_new=rng.randint(32, 256)) for i, p in enumerate(ps)]
     res = {"shape": name, "rows": rows, "jobs": jobs}
     try:
-        dec = GreedyDecoder(model, rows=rows, max_prompt=384, max_new_tokens=256, stop_ids=set())
-        got = {}
-        from collections import deque
-
-        warm = deque(Job(-1 - i, p, max_new=16) for i, p in enumerate(ps[:rows]))
-        dec.run(warm, lambda j, o: None)
-        dec.steps = 0
-        sync()
-        t = time.perf_counter()
-        dec.run(deque(q), lambda j, o: got.__setitem__(j.key, len(o)))
-        sync()
-        t = time.perf_counter() - t
+        dec, q, got, t = _run_regen(model, prompts(jobs, 32, 384, model.config.vocab_size, seed=3), rows)
         new = sum(got.values())
         res.update({"seconds": round(t, 3), "new_tokens": new, "tokens_per_s": round(new / t, 1),
                     "steps": dec.steps, "ms_per_step": round(1e3 * t / dec.steps, 3),
@@ -318,6 +303,27 @@ def regen_section(name: str, model, jobs: int, rows: int = 256) -> dict:
     empty_cache()
     print(json.dumps(res), flush=True)
     return res
+
+
+def _run_regen(model, ps: list[list[int]], rows: int, sizes=None, wrap_fill=None):
+    """GreedyDecoder.run over `ps`, answers of 32..256 tokens drawn per job, after a warm-up
+    round (graph captures, allocator): (decoder, jobs, new tokens by job key, seconds).
+    `sizes`: PackedPrefill's; `wrap_fill`: replaces the decoder's `_fill` by wrap_fill(_fill)."""
+    from collections import deque
+
+    rng = random.Random(5)
+    jobs = [Job(i, p, max_new=rng.randint(32, 256)) for i, p in enumerate(ps)]
+    dec = GreedyDecoder(model, rows=rows, max_prompt=384, max_new_tokens=256, stop_ids=set(), prefill_sizes=sizes)
+    dec.run(deque(Job(-1 - i, p, max_new=16) for i, p in enumerate(ps[:rows])), lambda j, o: None)
+    if wrap_fill is not None:
+        dec._fill = wrap_fill(dec._fill)
+    dec.steps = dec.prefills = dec.packed_prefills = 0
+    got: dict = {}
+    sync()
+    t = time.perf_counter()
+    dec.run(deque(jobs), lambda j, o: got.__setitem__(j.key, len(o)))
+    sync()
+    return dec, jobs, got, time.perf_counter() - t
 
 
 # ---------------------------------------------------------------- eval
@@ -449,7 +455,9 @@ def where_section(name: str, model, jobs: int, rows: int = 256) -> dict:
     ps = prompts(jobs, 32, 384, vocab, seed=3)
     for name_, sizes in (("loop", None), ("loop_packed_prefill", pack_sizes(4096))):
         try:
-            res[name_] = _timed_loop(model, ps, rows, sizes, kernels=name_ == "loop", out=res)
+            res[name_] = _timed_loop(model, ps, rows, sizes, kernels=name_ == "loop")
+            if "step_kernels" in res[name_]:
+                res["step_kernels"] = res[name_].pop("step_kernels")
         except Exception as e:
             res[name_] = {"error": f"{type(e).__name__}: {e}"[:400]}
         empty_cache()
@@ -457,47 +465,35 @@ def where_section(name: str, model, jobs: int, rows: int = 256) -> dict:
     return res
 
 
-def _timed_loop(model, ps: list[list[int]], rows: int, sizes, *, kernels: bool, out: dict) -> dict:
-    """GreedyDecoder.run over `ps` (answers of 32..256), its prefills timed between two
-    synchronisations, against its graphed steps timed alone; `sizes`: PackedPrefill's."""
-    from collections import deque
-
-    rng = random.Random(5)
-    dec = GreedyDecoder(model, rows=rows, max_prompt=384, max_new_tokens=256, stop_ids=set(), prefill_sizes=sizes)
-    dec.run(deque(Job(-1 - i, p, max_new=16) for i, p in enumerate(ps[:rows])), lambda j, o: None)
+def _timed_loop(model, ps: list[list[int]], rows: int, sizes, *, kernels: bool) -> dict:
+    """`_run_regen` with each prefill timed between two synchronisations, against its graphed
+    steps timed alone; `sizes`: PackedPrefill's; `kernels`: the step's kernel table too."""
     fill = {"s": 0.0, "n": 0, "tokens": 0}
-    inner = dec._fill
 
-    def timed_fill(take):
-        sync()
-        t0 = time.perf_counter()
-        inner(take)
-        sync()
-        fill["s"] += time.perf_counter() - t0
-        fill["n"] += 1
-        fill["tokens"] += sum(len(j.prompt) for _, j in take)
+    def timing(inner):
+        def timed_fill(take):
+            sync()
+            t0 = time.perf_counter()
+            inner(take)
+            sync()
+            fill["s"] += time.perf_counter() - t0
+            fill["n"] += 1
+            fill["tokens"] += sum(len(j.prompt) for _, j in take)
+        return timed_fill
 
-    dec._fill = timed_fill
-    dec.steps = dec.prefills = dec.packed_prefills = 0
-    got = {}
-    sync()
-    t = time.perf_counter()
-    dec.run(deque(Job(i, p, max_new=rng.randint(32, 256)) for i, p in enumerate(ps)),
-            lambda j, o: got.__setitem__(j.key, len(o)))
-    sync()
-    t = time.perf_counter() - t
+    dec, _, got, t = _run_regen(model, ps, rows, sizes, wrap_fill=timing)
     with dec.core.attending(), torch.inference_mode():
         step_s = timed(dec._step, 24)
-        if kernels:
-            out["step_kernels"] = _kernels(dec._step, 8)
+        table = _kernels(dec._step, 8) if kernels else None
     new = sum(got.values())
-    return {"seconds": round(t, 3), "new_tokens": new, "tokens_per_s": round(new / t, 1), "steps": dec.steps,
-            "graphed_steps_s": round(dec.steps * step_s, 3), "step_ms": round(1e3 * step_s, 4),
-            "fills": fill["n"], "prefill_forwards": dec.prefills, "packed": dec.packed_prefills,
-            "prefill_replays": dec.prefill.replays if dec.prefill else 0, "prefill_graphs": max(0, dec.core.captured - 1),
-            "prefill_tokens": fill["tokens"], "fill_s": round(fill["s"], 3),
-            "host_s": round(t - fill["s"] - dec.steps * step_s, 3),
-            "slot_utilisation": round(new / max(1, dec.steps * rows), 4)}
+    res = {"seconds": round(t, 3), "new_tokens": new, "tokens_per_s": round(new / t, 1), "steps": dec.steps,
+           "graphed_steps_s": round(dec.steps * step_s, 3), "step_ms": round(1e3 * step_s, 4),
+           "fills": fill["n"], "prefill_forwards": dec.prefills, "packed": dec.packed_prefills,
+           "prefill_replays": dec.prefill.replays if dec.prefill else 0, "prefill_graphs": max(0, dec.core.captured - 1),
+           "prefill_tokens": fill["tokens"], "fill_s": round(fill["s"], 3),
+           "host_s": round(t - fill["s"] - dec.steps * step_s, 3),
+           "slot_utilisation": round(new / max(1, dec.steps * rows), 4)}
+    return {**res, "step_kernels": table} if kernels else res
 
 
 def _kernels(fn, reps: int, top: int = 12) -> list[dict]:
