@@ -160,10 +160,8 @@ class TargetGreedy:
 
     def __init__(self, model: nn.Module, *, max_prompt: int, max_new_tokens: int, stop_ids: set[int],
                  graphs: bool | None = None):
-        # The eager prefill (no PackedPrefill), as Speculative prefills: a speedup then
-        # compares the two decodings, not two prefill paths.
         self.dec = GreedyDecoder(model, rows=1, max_prompt=max_prompt, max_new_tokens=max_new_tokens,
-                                 stop_ids=stop_ids, graphs=graphs, sync_every=8, prefill_sizes=())
+                                 stop_ids=stop_ids, graphs=graphs, sync_every=8)
 
     def __call__(self, prompt: list[int], max_new_tokens: int | None = None) -> Generation:
         if max_new_tokens is not None and max_new_tokens != self.dec.max_new:

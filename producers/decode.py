@@ -19,7 +19,6 @@ it on a bare machine.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -578,14 +577,16 @@ class GreedyDecoder:
         take = sorted(take, key=lambda t: len(t[1].prompt))
         if self.prefill is not None:
             pack: list[tuple[int, Job]] = []
+            tokens = 0
             for r, j in take:
                 if len(j.prompt) > self.prefill.limit:
                     self._prefill([(r, j)], packed=False)
                     continue
-                if pack and (sum(len(x.prompt) for _, x in pack) + len(j.prompt) > self.prefill.limit):
+                if pack and tokens + len(j.prompt) > self.prefill.limit:
                     self._prefill_pack(pack)
-                    pack = []
+                    pack, tokens = [], 0
                 pack.append((r, j))
+                tokens += len(j.prompt)
             if pack:
                 self._prefill_pack(pack)
             return
@@ -596,9 +597,10 @@ class GreedyDecoder:
             self._prefill(part, packed=t * t < len(lens) * max(lens) ** 2 and t <= self.prefill_tokens)
 
     def _prefill_pack(self, part: list[tuple[int, Job]]) -> None:
+        dev = self.core.device
         first = self.prefill([r for r, _ in part], [j.prompt for _, j in part])
-        lens = torch.tensor([len(j.prompt) for _, j in part], device=self.core.device)
-        self._begin(part, first, lens, torch.zeros_like(lens))
+        lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
+        self._begin(part, torch.tensor([r for r, _ in part], device=dev), first, lens, torch.zeros_like(lens))
         self.packed_prefills += 1
 
     def _prefill(self, part: list[tuple[int, Job]], packed: bool) -> None:
@@ -615,14 +617,14 @@ class GreedyDecoder:
             logits, _ = self.core.fresh(rows, ids, off)
             first = self.pick(logits[:, -1])
             lens = torch.full_like(lens, W)
-        self._begin(part, first, lens, off)
+        self._begin(part, rows, first, lens, off)
         self.packed_prefills += packed
 
-    def _begin(self, part: list[tuple[int, Job]], first: torch.Tensor, start: torch.Tensor, off: torch.Tensor) -> None:
-        """The state of rows just prefilled: `first` token of each, its next slot `start`."""
-        dev = self.core.device
-        rows = torch.tensor([r for r, _ in part], device=dev)
-        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=dev)
+    def _begin(self, part: list[tuple[int, Job]], rows: torch.Tensor, first: torch.Tensor, start: torch.Tensor,
+               off: torch.Tensor) -> None:
+        """The state of `part`'s rows (`rows`, on the device) just prefilled: `first` token of
+        each, its next slot `start`, its padding `off`."""
+        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=self.core.device)
         self.prefills += 1
         self.tok[rows] = first
         self.start[rows] = start
