@@ -27,7 +27,7 @@ from torch import nn
 from dflash.runtime import targets
 from dflash.runtime.targets import default_layer_ids  # noqa: F401  (the one rule; imported here by callers)
 from dflash.runtime.logs import get_logger
-from dflash.runtime.hf_compat import causal_lm_class
+from dflash.runtime.hf_compat import causal_lm_class, sharded_config
 
 log = get_logger()
 
@@ -268,14 +268,15 @@ class Target:
         raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list (or final norm)")
 
 
-def _check_tp_plan(name: str, trust_remote_code: bool) -> None:
-    """Refuse (TargetError) a model whose transformers class has no tensor-parallel plan:
-    loading it with tp_plan auto would give every rank the whole model, unsharded."""
-    config = targets.load_config(name, trust_remote_code=trust_remote_code)
-    plan = getattr(config.get_text_config(), "base_model_tp_plan", None)
+def _check_tp_plan(name: str, trust_remote_code: bool):
+    """The target's text config; TargetError for a model whose transformers class has no
+    tensor-parallel plan: loading it with tp_plan auto would give every rank the whole model."""
+    config = targets.load_config(name, trust_remote_code=trust_remote_code).get_text_config()
+    plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
         raise TargetError(f"{getattr(config, 'model_type', name)}: transformers has no tensor-parallel plan for this "
                           "model (config base_model_tp_plan), so --tensor-parallel cannot shard it")
+    return config
 
 
 def load_target(
@@ -306,10 +307,9 @@ def load_target(
     t0 = time.monotonic()
     kw: dict = {}
     if tensor_parallel:
-        from transformers.distributed.configuration_utils import DistributedConfig
-
-        _check_tp_plan(name, trust_remote_code)
-        kw["distributed_config"] = DistributedConfig(tp_plan="auto")  # each rank loads its slices only
+        config = _check_tp_plan(name, trust_remote_code)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        kw["distributed_config"] = sharded_config(config, world)  # each rank loads its slices only
     elif device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = {"": str(device)}  # straight to the GPU, no full CPU copy
     for i, attn in enumerate(options):

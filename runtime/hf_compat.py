@@ -1,5 +1,5 @@
 """The few transformers calls whose spelling differs across the versions we support
-(4.51 to 5.x), in one place for producers and consumers alike."""
+(the lower bound in pyproject.toml to today's 5.x), in one place for producers and consumers alike."""
 
 from __future__ import annotations
 
@@ -44,3 +44,20 @@ def causal_lm_class(config) -> type | None:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         return None
+
+
+def sharded_config(text_config, world_size: int):
+    """The DistributedConfig that shards a target over `world_size` ranks, experts included.
+    Up to transformers 5.2x the tensor-parallel plan sharded a mixture-of-experts layer's
+    experts; since then that plan leaves them whole on every rank and the expert-parallel
+    plan shards them, only when `ep_size` asks for it. With ep_size equal to the tensor-
+    parallel size every rank runs its own experts on the one batch the ranks share, and the
+    outputs are summed (transformers' "all_reduce" expert parallelism)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    fields = getattr(DistributedConfig, "__dataclass_fields__", {})
+    experts_by_ep = getattr(text_config, "base_model_ep_plan", None) and "ep_size" in fields
+    tp_plan = getattr(text_config, "base_model_tp_plan", None) or {}
+    if experts_by_ep and not any(".experts" in k for k in tp_plan) and world_size > 1:
+        return DistributedConfig(tp_plan="auto", ep_size=world_size)
+    return DistributedConfig(tp_plan="auto")
