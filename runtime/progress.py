@@ -1,0 +1,95 @@
+"""Progress of a long command: a tqdm bar on a terminal, a `progress.update` log line now and then
+otherwise (a pipe, a file, CI), so nobody waits on a silent command and logs stay JSON.
+
+    with progress("prompts", total=20000, unit="prompt") as bar:
+        bar.update(n)           # n more done
+        bar.note(kept=..., ...)  # figures shown beside the bar and logged with each line
+
+tqdm (a dependency of transformers, so always installed) draws the bar on stderr when
+stderr is a TTY; `DFLASH_PROGRESS=bar|log|off` forces one way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .logs import get_logger
+
+log = get_logger()
+
+LOG_EVERY_S = 30.0  # a log line at most this often (and one at the end)
+
+
+class Progress:
+    """One long task's counter; see the module docstring. `clock` is injected for tests."""
+
+    def __init__(self, what: str, total: int | None, unit: str, *, mode: str, every_s: float = LOG_EVERY_S,
+                 clock=time.monotonic, stream=None):
+        self.what, self.total, self.unit, self.mode = what, total, unit, mode
+        self.done = 0
+        self.figures: dict = {}
+        self._clock, self._every = clock, every_s
+        self._t0 = self._last = clock()
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            stream = stream or sys.stderr
+            try:  # a terminal that reports no size (a bare pseudo-terminal) gets tqdm's default width
+                sized = os.get_terminal_size(stream.fileno()).columns > 0
+            except (OSError, ValueError, AttributeError):
+                sized = False
+            self._bar = tqdm(total=total, desc=what, unit=unit, file=stream, dynamic_ncols=sized,
+                             ncols=None if sized else 100, nrows=None if sized else 24, smoothing=0.1)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.mode == "log" and self._clock() - self._last >= self._every:
+            self._log()
+
+    def note(self, **figures) -> None:
+        """Figures to show beside the bar (and in each log line), e.g. kept=, rejected=."""
+        self.figures.update(figures)
+        if self._bar is not None:
+            self._bar.set_postfix(figures, refresh=False)
+
+    def _log(self) -> None:
+        now = self._clock()
+        self._last = now
+        elapsed = max(now - self._t0, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if self.total and rate > 0 else None
+        log.info("progress.update", what=self.what, done=self.done, total=self.total, unit=self.unit,
+                 rate_per_s=round(rate, 2), elapsed_s=round(elapsed, 1),
+                 eta_s=None if eta is None else round(eta, 1), **self.figures)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.mode == "log":
+            self._log()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_mode(stream=None) -> str:
+    """'bar' on a terminal, 'log' otherwise; DFLASH_PROGRESS overrides (bar, log, off)."""
+    forced = os.environ.get("DFLASH_PROGRESS", "").strip().lower()
+    if forced in ("bar", "log", "off"):
+        return forced
+    stream = stream or sys.stderr
+    return "bar" if getattr(stream, "isatty", lambda: False)() else "log"
+
+
+def progress(what: str, total: int | None = None, unit: str = "it", **kw) -> Progress:
+    """A Progress for `what` in the mode that fits where stderr goes (progress_mode)."""
+    return Progress(what, total, unit, mode=progress_mode(kw.get("stream")), **kw)
