@@ -161,7 +161,7 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
         if sink is not None:
             sink.close()
     if live and state.end_reason != "stop":
-        live.final(state.step, state.model)
+        live.final(state.step, state.model, state.samples)
     return state
 
 
@@ -216,7 +216,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
         if live and state.end_reason != "stop" and state.model is not None:  # the finished drafter's real tau
-            live.final(state.step, state.model)
+            live.final(state.step, state.model, state.samples)
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist

@@ -104,10 +104,11 @@ class LiveEval:
         else:
             log.info("eval.start", every=every, prompts=0, max_new_tokens=None, target_tokens=0, load_s=0.0)
 
-    def before_step(self, step: int, model: nn.Module, batch: Batch | None, record: TrainedRecord) -> None:
-        """Evaluate the weights of `step` (optimizer steps so far) on `batch`, which the
-        next step is about to train. A rank without a batch (an empty step) tries again
-        at the next step, so an evaluation is late rather than lost."""
+    def before_step(self, step: int, model: nn.Module, batch: Batch | None, record: TrainedRecord,
+                    samples: int) -> None:
+        """Evaluate the weights of `step` (optimizer steps so far, `samples` trained by all
+        ranks) on `batch`, which the next step is about to train. A rank without a batch (an
+        empty step) tries again at the next step, so an evaluation is late rather than lost."""
         if self.rank != 0 or step < self.due or batch is None:
             return
         self.due = (step // self.every + 1) * self.every
@@ -117,34 +118,34 @@ class LiveEval:
         sim_s = time.monotonic() - t0
         unseen = sum(not any(record.holds(e, s) for e in record.epochs) for s in batch.samples)
         unseen_frac = round(unseen / max(1, len(batch.samples)), 4)
-        log.info("eval.step", step=step, batch_id=batch.batch_id, epoch=batch.epoch, sequences=len(batch.samples),
-                 unseen_frac=unseen_frac, seconds=round(sim_s, 3), **sim)
-        real = self._real_tau(step, model) if self.real is not None else None
-        self._publish(step, sim, unseen_frac, real, t0)
+        log.info("eval.step", step=step, samples=samples, batch_id=batch.batch_id, epoch=batch.epoch,
+                 sequences=len(batch.samples), unseen_frac=unseen_frac, seconds=round(sim_s, 3), **sim)
+        real = self._real_tau(step, samples, model) if self.real is not None else None
+        self._publish(step, samples, sim, unseen_frac, real, t0)
 
-    def final(self, step: int, model: nn.Module) -> None:
-        """Real tau of the finished weights, if not measured at this step already (there is
-        no next batch for a simulated figure)."""
+    def final(self, step: int, model: nn.Module, samples: int) -> None:
+        """Real tau of the finished weights (`samples` trained), if not measured at this step
+        already (there is no next batch for a simulated figure)."""
         if self.rank != 0 or self.real is None or step == 0 or step == self.last_step:
             return
         t0 = time.monotonic()
-        real = self._real_tau(step, model)
-        self._publish(step, None, None, real, t0)
+        real = self._real_tau(step, samples, model)
+        self._publish(step, samples, None, None, real, t0)
 
-    def _real_tau(self, step: int, model: nn.Module) -> dict:
+    def _real_tau(self, step: int, samples: int, model: nn.Module) -> dict:
         t0 = time.monotonic()
         rep = self.real.evaluate(model, self.signal.block_size, self.signal.mask_token_id,
                                  list(self.signal.target_layers))
         figures = {k: rep[k] for k in ("tau", "tau_pooled", "tau_hist", "drafted", "accepted", "acceptance_rate",
                                        "prompts", "cycles", "new_tokens", "speedup", "mismatches", "tie_flips")}
-        log.info("eval.tau", step=step, seconds=round(time.monotonic() - t0, 3), **figures)
+        log.info("eval.tau", step=step, samples=samples, seconds=round(time.monotonic() - t0, 3), **figures)
         for r in rep["per_prompt"]:
             if not r["lossless"] and not r["tie_flip"]:
                 log.error("eval.mismatch", step=step, prompt=r["prompt"], first_difference=r["first_difference"],
                           new_tokens=r["new_tokens"], top2_margin=r["top2_margin"], flip_margin=r["flip_margin"])
         return figures
 
-    def _publish(self, step: int, sim: dict | None, unseen_frac: float | None, real: dict | None,
+    def _publish(self, step: int, samples: int, sim: dict | None, unseen_frac: float | None, real: dict | None,
                  t0: float) -> None:
         """Log the evaluation's cost and hand the figures to the heartbeat."""
         end = time.monotonic()
@@ -152,7 +153,7 @@ class LiveEval:
         # Share of the wall time since the previous evaluation spent evaluating.
         overhead = seconds / (end - self.last_end) if self.last_end is not None else None
         self.last_end = end
-        log.info("eval.cost", step=step, seconds=round(seconds, 3),
+        log.info("eval.cost", step=step, samples=samples, seconds=round(seconds, 3),
                  overhead_frac=round(overhead, 4) if overhead is not None else None)
         if self.stats is None:
             return

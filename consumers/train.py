@@ -322,7 +322,7 @@ class Trainer:
         if batch is not None:
             state.epoch = batch.epoch
         if hooks.before_step is not None:  # e.g. live evaluation, on weights that have not seen the batch
-            hooks.before_step(state.step, self.model, batch, state.record)
+            hooks.before_step(state.step, self.model, batch, state.record, state.samples)
         step = state.step + 1
         # The schedule: its plan (the lr's value needs the step's samples, known below) and the noise
         plan = self._plan(step)

@@ -90,8 +90,9 @@ class Hooks:
     stop: threading.Event | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
     # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
-    # or None, the record); live evaluation on a batch the weights have not trained on yet.
-    before_step: Callable[[int, torch.nn.Module, Batch | None, TrainedRecord], None] | None = None
+    # or None, the record, samples trained so far by all ranks); live evaluation on a batch
+    # the weights have not trained on yet.
+    before_step: Callable[[int, torch.nn.Module, Batch | None, TrainedRecord, int], None] | None = None
     # Updated in place after every step with the consumer's heartbeat keys (PROTOCOL.md
     # 4.2: step, loss, acc, streak, tokens_per_s, batches_per_s, state), for an I/O thread
     # to read.

@@ -48,6 +48,8 @@ def test_live_eval_measures_the_weights_before_they_train_the_batch(heads):
         upto4 = train(cfg, heads, iter(stream[:4]))  # same seed: the same weights after 4 steps
     sims = [e for e in logs if e["event"] == "eval.step"]
     assert [(e["step"], e["batch_id"]) for e in sims] == [(4, stream[4].batch_id), (8, stream[8].batch_id)]
+    # samples trained by the weights evaluated: the x axis of tau against samples (bench/tau_curve.py)
+    assert [e["samples"] for e in sims] == [sum(len(b.samples) for b in stream[:n]) for n in (4, 8)]
     assert sims[0]["unseen_frac"] == 1.0 and full.step == 9
     offline = simulated_acceptance(upto4.model, heads, [stream[4]], signal)
     assert {k: sims[0][k] for k in offline} == offline  # step 4's weights, the batch not trained yet
@@ -69,10 +71,10 @@ def test_live_eval_is_late_not_lost_and_counts_seen_samples(heads):
     record.add([(0, 0), (0, 1), (0, 2)])  # three of them were trained in epoch 0
     with capture_logs() as logs:
         live = LiveEval(heads, signal, 3, stats={})
-        live.before_step(2, model, batch, record)  # not due
-        live.before_step(3, model, None, record)  # due, but this rank has no batch: later
-        live.before_step(4, model, batch, record)
-        live.before_step(5, model, batch, record)  # next due at 6
+        live.before_step(2, model, batch, record, 8)  # not due
+        live.before_step(3, model, None, record, 12)  # due, but this rank has no batch: later
+        live.before_step(4, model, batch, record, 12)
+        live.before_step(5, model, batch, record, 16)  # next due at 6
     (e,) = [e for e in logs if e["event"] == "eval.step"]
-    assert e["step"] == 4 and e["unseen_frac"] == 0.25
+    assert e["step"] == 4 and e["samples"] == 12 and e["unseen_frac"] == 0.25
     assert live.stats["eval"]["step"] == 4 and live.stats["eval"]["unseen_frac"] == 0.25

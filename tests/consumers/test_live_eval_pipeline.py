@@ -3,7 +3,8 @@ tiny real target over the bundled chats with --regenerate, and a consumer, each 
 process on loopback. The consumer logs `eval.step` (simulated acceptance on the batch about to be
 trained), `eval.tau` (real speculative decoding of the whole target on --eval-prompts,
 lossless) and `eval.cost`; `dflash-status --json` on the live run shows the latest figures,
-and the human view an EVAL row.
+and the human view an EVAL row. bench/tau_curve.py turns the run's logs into tau against
+samples trained (PNG and JSON).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dflash.tools.procs import ProcessGroup
 
 pytestmark = pytest.mark.integration
 
+ROOT = Path(__file__).resolve().parents[2]
+
 N_ROWS, EPOCHS, EVERY, B, PROMPTS, NEW, REGEN_NEW = 48, 2, 4, 4, 3, 16, 24
 
 
@@ -39,7 +42,8 @@ def _consumer_eval(st: dict | None) -> dict | None:
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
     """Run the pipeline to its end, catching `dflash-status` (--json and text) once the
-    consumer reported an evaluation. Returns (consumer events, status map, status text)."""
+    consumer reported an evaluation. Returns (consumer events, status map, status text,
+    producer events, run folder)."""
     from dflash.tools.tiny import tiny_target
 
     import dflash.producers.sample_data as sample_data
@@ -90,11 +94,11 @@ def live_run(tmp_path_factory):
     (log,) = (run_dir / "logs").glob("consumer-*.jsonl")
     (plog,) = (run_dir / "logs").glob("producer-*.jsonl")
     producer = [json.loads(x) for x in plog.read_text().splitlines()]
-    return [json.loads(x) for x in log.read_text().splitlines()], st, text, producer
+    return [json.loads(x) for x in log.read_text().splitlines()], st, text, producer, run_dir
 
 
 def test_eval_events_every_n_steps_with_sane_figures(live_run):
-    events, _, _, _ = live_run
+    events, *_ = live_run
     done = next(e for e in events if e["event"] == "consume.done")
     sims = [e for e in events if e["event"] == "eval.step"]
     taus = [e for e in events if e["event"] == "eval.tau"]
@@ -120,7 +124,7 @@ def test_eval_events_every_n_steps_with_sane_figures(live_run):
 
 
 def test_status_json_and_view_show_the_latest_eval(live_run):
-    events, st, text, _ = live_run
+    events, st, text, *_ = live_run
     ev = _consumer_eval(st)
     assert ev is not None, f"no eval in the live status: {json.dumps(st)[:2000]}"
     sim = next(e for e in events if e["event"] == "eval.step" and e["step"] == ev["step"])
@@ -140,9 +144,37 @@ def test_status_json_and_view_show_the_latest_eval(live_run):
 
 
 def test_the_producer_regenerates_once_and_reads_the_cache_in_epoch_2(live_run):
-    *_, producer = live_run
+    producer = live_run[3]
     regen = [e for e in producer if e["event"] == "produce.regen"]
     assert sum(e["generated"] for e in regen) == N_ROWS  # each chat generated once, in epoch 1
     assert sum(e["cached"] for e in regen) == N_ROWS * (EPOCHS - 1)  # and read back after
     assert all(e["rows"] == e["generated"] + e["cached"] and (e["new_tokens"] > 0) == (e["generated"] > 0)
                for e in regen)
+
+
+def test_tau_against_samples_trained_from_the_runs_logs(live_run, tmp_path):
+    events, *_, run_dir = live_run
+    taus = [e for e in events if e["event"] == "eval.tau"]
+    # Every evaluation says how many samples its weights trained: one step trains a batch of 1
+    # or 2 sequences (--max-batch-size 2), and the last one, the finished weights, all of them.
+    assert all(e["step"] <= e["samples"] <= 2 * e["step"] for e in taus)
+    assert [e["samples"] for e in taus] == sorted({e["samples"] for e in taus})
+    assert taus[-1]["samples"] == next(e for e in events if e["event"] == "consume.done")["samples"] == N_ROWS * EPOCHS
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "tau_curve.py"), "--run", f"tiny={run_dir}",
+                        "--out", str(tmp_path / "tau.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    curve = json.loads((tmp_path / "tau.json").read_text())["tiny"]
+    assert [(p["step"], p["samples"], p["tau"]) for p in curve["tau"]] == [(e["step"], e["samples"], e["tau"])
+                                                                          for e in taus]
+    assert len(curve["tau"]) >= 4 and all(p["mismatches"] == 0 for p in curve["tau"])
+    sims = [e for e in events if e["event"] == "eval.step"]
+    assert [(p["samples"], p["tau"]) for p in curve["simulated"]] == [(e["samples"], e["tau"]) for e in sims]
+    # A run without --eval-prompts has no curve: a named error, not an empty plot.
+    bare = tmp_path / "bare"
+    (bare / "logs").mkdir(parents=True)
+    (bare / "logs" / "consumer-c0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events
+                                                             if e["event"] != "eval.tau"))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "tau_curve.py"), "--run", str(bare),
+                        "--out", str(tmp_path / "bare.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "no eval.tau events" in r.stderr and not (tmp_path / "bare.png").exists()

@@ -48,7 +48,9 @@ class Watch:
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().flatten().clone() for p in self.model.parameters()])
 
-    def before_step(self, done, model, batch, record):
+    def before_step(self, done, model, batch, record, samples):
+        # the samples trained so far are those of the batches acked so far
+        assert samples == sum(len(self.samples[b][1]) for b in self.acked), (done, samples, self.acked)
         self.model, self.record = model, record
         self.weights[done + 1] = self._flat()
         self.events.append(("forward", done + 1))
