@@ -11,7 +11,8 @@ counted as a tie-flip when both tokens are within `--tie-tolerance` of the best 
 beyond it, it is an error (docs/EVAL.md). Errors exit 1, naming the prompts.
 
 Prompts are JSON Lines: {"prompt": "raw text"}, {"text": ...}, or {"messages": [...]} (the
-turns before the first assistant turn, rendered with the tokenizer's chat template and its
+turns before the first assistant turn, or every turn of a conversation that ends in a user
+turn, e.g. a follow-up after an answer; rendered with the tokenizer's chat template and its
 generation prompt). An optional "id" names the prompt; otherwise FILE:LINE does.
 """
 
@@ -64,7 +65,10 @@ def read_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[
 def prompt_ids(row: dict, tokenizer) -> list[int]:
     if "messages" in row:
         msgs = row["messages"]
-        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+        # A conversation that ends in a user turn awaits its answer as a whole (a follow-up
+        # row of dflash-prompts); a chat with answers is cut before its first one.
+        first = len(msgs) if msgs and msgs[-1]["role"] == "user" else \
+            next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
         if first == 0:
             raise ValueError("no turn before the first assistant turn")
         text = tokenizer.apply_chat_template(msgs[:first], tokenize=False, add_generation_prompt=True)

@@ -1,20 +1,22 @@
-"""Prompts written by the target itself, for a user who has no data set (`dflash-prompts`).
+"""`dflash-prompts`: the target writes a broad prompt set itself, for a user who has no data.
 
-    dflash-prompts --target T --count 20000 --out prompts.jsonl [--gpu 0]
+    dflash-prompts --target T --count 20000 --out prompts.jsonl [--holdout 8] [--gpu 0]
 
-An instruction-tuned model given only the opening of a user turn in its chat template
-(e.g. `<|im_start|>user\\n`) writes a user request of the kind it was tuned on (the
-"Magpie" method). Sampled many times, that is a varied prompt set drawn from what the
-target expects to be asked; `dflash-produce --regenerate` then has the target answer each
-one. Drafters learn what the target says, so prompts the target finds natural are the ones
-worth training on.
+The target writes user requests of seven task families (tools/prompt_families.py:
+programming, maths, reasoning, writing, factual, constraints, follow_up), steered through
+its own chat template (tools/prompt_writer.py; by default each user turn is pre-filled with
+a family's first words). Families are balanced (`--families` chooses and weights them);
+near-duplicates are removed (tools/near_dup.py), every rejection is counted per family and
+reason, and a family that falls short within `--max-tries` candidates is an error, not a
+smaller file.
 
-Each candidate is kept only if the target ended the turn itself (a turn-end token), it is
-not empty, it holds no chat markup, it matches no `--exclude` pattern and it is not a
-repeat (case and spacing ignored). Rejections are counted by reason and reported; if the
-target cannot write `--count` usable prompts within `--max-tries` candidates, the command
-fails instead of writing fewer. Output: chat rows {"id": "self-<n>", "messages": [{"role":
-"user", "content": ...}]}, the producer's `--data` format.
+Output: chat rows {"id": "self-<n>", "family": F, "messages": [...]}, the producer's `--data`
+format (a follow-up row ends in its second user turn; `--regenerate` answers both turns),
+families interleaved. `--holdout N` writes N more rows per family to a second file
+(`--holdout-out`, default OUT with `.holdout` before the suffix), never in the training file
+and no near-duplicate of any row in it, families interleaved so that `dflash-consume
+--eval-prompts FILE --eval-limit K` sees every family in its first K. stdout is one JSON
+report (the counts per family); logs and the progress bar go to stderr.
 """
 
 from __future__ import annotations
@@ -22,131 +24,79 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections import Counter, deque
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 
 import click
 
-_MARK = "\x00DFLASH-USER-TURN\x00"
+from .prompt_families import FAMILIES, FamilySpecError, parse_families, split_count
+from .prompt_writer import STEERS, FamilyTally, PromptError, PromptWriter, Written
 
 
-class PromptError(ValueError):
-    """The target or its template cannot write prompts this way."""
+def holdout_path(out: Path) -> Path:
+    """prompts.jsonl -> prompts.holdout.jsonl."""
+    return out.with_name(f"{out.stem}.holdout{out.suffix or '.jsonl'}")
 
 
-def user_turn(tokenizer) -> tuple[str, str]:
-    """(the template's text before a user message, the text right after it), from the
-    chat template rendered around a marker; a system prompt the template adds by default
-    stays in the opening."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("the target's tokenizer has no chat template: it cannot be asked to write a user turn")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False)
-    if text.count(_MARK) != 1:
-        raise PromptError("the chat template does not copy a user message verbatim: cannot find where a user turn starts")
-    before, after = text.split(_MARK)
-    return before, after
+def split_rows(tallies: dict[str, FamilyTally], wants: dict[str, int],
+               holdout: int) -> tuple[list[Written], list[Written], int]:
+    """(training rows, held-out rows, surplus): the first `holdout` rows kept of each family are
+    held out, the next `wants[family]` train; rows kept past that (the last round's headroom)
+    are the surplus, written nowhere. Both lists interleave the families."""
+    train: dict[str, list[Written]] = {}
+    held: dict[str, list[Written]] = {}
+    surplus = 0
+    for name, t in tallies.items():
+        held[name] = t.kept[:holdout]
+        train[name] = t.kept[holdout:holdout + wants[name]]
+        surplus += len(t.kept) - len(held[name]) - len(train[name])
+    return interleave(train), interleave(held), surplus
 
 
-def turn_end_ids(tokenizer, after: str, eos: set[int]) -> set[int]:
-    """What ends a user turn: the special token the template puts right after the message
-    (e.g. <|im_end|>, <|eot_id|>, <end_of_turn>), and the model's end-of-sequence IDs."""
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    ends = set(eos)
-    if ids and ids[0] in special:
-        ends.add(ids[0])
-    if not ends:
-        raise PromptError("found no token that ends a user turn (no special token after the message, no eos)")
-    return ends
+def interleave(by_family: dict[str, list[Written]]) -> list[Written]:
+    """One row of each family in turn, by its share: family f's i-th row goes at (i + 0.5) / n_f."""
+    keyed = [((i + 0.5) / len(rows), k, row) for k, rows in enumerate(by_family.values()) for i, row in enumerate(rows)]
+    return [row for *_, row in sorted(keyed, key=lambda x: (x[0], x[1]))]
 
 
-@dataclass
-class Tally:
-    """What happened to every candidate: kept (in order), or why not."""
-
-    usable: list[str] = field(default_factory=list)
-    dropped: Counter = field(default_factory=Counter)
-
-    @property
-    def kept(self) -> int:
-        return len(self.usable)
-
-    @property
-    def tried(self) -> int:
-        return self.kept + sum(self.dropped.values())
+def write_jsonl(path: Path, rows: list[Written], prefix: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text("".join(json.dumps({"id": f"{prefix}-{i}", "family": r.family, "messages": r.messages}) + "\n"
+                           for i, r in enumerate(rows)))
+    tmp.replace(path)
 
 
-def judge(text: str, ended: bool, markup: list[str], exclude: list[re.Pattern], seen: set[str]) -> str | None:
-    """Why a candidate is rejected, or None to keep it (and remember it in `seen`)."""
-    if not ended:
-        return "unfinished"  # hit --max-new-tokens before the turn ended: a cut request
-    if not text:
-        return "empty"
-    if any(m in text for m in markup):
-        return "markup"  # the model wrote past its turn into the template's tags
-    if any(p.search(text) for p in exclude):
-        return "excluded"
-    key = " ".join(text.lower().split())
-    if key in seen:
-        return "repeat"
-    seen.add(key)
-    return None
-
-
-def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, temperature: float = 1.0,
-                  top_k: int = 0, rows: int = 256, max_tries: int | None = None,
-                  exclude: list[str] = (), seed: int = 0) -> tuple[list[str], Tally]:
-    """`count` distinct user requests written by `model`; raises PromptError if fewer than
-    `count` usable ones come out of `max_tries` candidates (default 4 x count)."""
-    import torch
-
-    from dflash.producers.decode import GreedyDecoder, Job, Sampler
-    from dflash.producers.regenerate import stop_ids
-
-    if count < 1:
-        raise PromptError(f"--count {count} must be >= 1")
-    before, after = user_turn(tokenizer)
-    prompt = tokenizer(before, add_special_tokens=False)["input_ids"]
-    ends = turn_end_ids(tokenizer, after, stop_ids(model, tokenizer))
-    markup = [t for t in tokenizer.all_special_tokens if len(t) > 1]
-    patterns = [re.compile(p, re.IGNORECASE) for p in exclude]
-    max_tries = max_tries or 4 * count
-    torch.manual_seed(seed)
-    dec = GreedyDecoder(model, rows=min(rows, max_tries), max_prompt=len(prompt), max_new_tokens=max_new_tokens,
-                        stop_ids=ends, pick=Sampler(temperature, top_k))
-    seen: set[str] = set()
-    tally = Tally()
-
-    def done(job: Job, out: list[int]) -> None:
-        ended = bool(out) and out[-1] in ends
-        text = tokenizer.decode(out[:-1] if ended else out, skip_special_tokens=False).strip()
-        why = judge(text, ended, markup, patterns, seen)
-        if why is None:
-            tally.usable.append(text)
-        else:
-            tally.dropped[why] += 1
-
-    while tally.kept < count and tally.tried < max_tries:
-        # Ask for what is still missing, with headroom for rejections, but never past max_tries.
-        want = min(max_tries - tally.tried, max(dec.rows, int((count - tally.kept) * 1.25)))
-        dec.run(deque(Job(i, prompt) for i in range(want)), done)
-    if tally.kept < count:
-        raise PromptError(f"the target wrote {tally.kept} usable prompts of the {count} asked for in {tally.tried} "
-                          f"candidates (rejected: {dict(tally.dropped)}); raise --max-tries or --max-new-tokens, "
-                          "or ask for fewer")
-    return tally.usable[:count], tally
+def family_counts(tallies: dict[str, FamilyTally], train: list[Written], held: list[Written]) -> dict:
+    return {name: {"train": sum(r.family == name for r in train), "holdout": sum(r.family == name for r in held),
+                   "candidates": t.tried, "kept": len(t.kept), "rejected": dict(t.dropped),
+                   **({"answers_cut": t.answers_cut} if FAMILIES[name].follow_up else {})}
+            for name, t in tallies.items()}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target", required=True, help="The target: a Hugging Face folder or name, or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSONL file to write (chat rows).")
-@click.option("--count", required=True, type=int, help="Distinct prompts to write.")
+@click.option("--count", required=True, type=click.IntRange(1), help="Training prompts to write, over all families.")
+@click.option("--families", default="all", show_default=True,
+              help=f"Families and weights, NAME[=WEIGHT],... of: {', '.join(FAMILIES)}; --count is shared by weight.")
+@click.option("--holdout", default=0, show_default=True, type=click.IntRange(0),
+              help="Also write N prompts per family to --holdout-out, for live evaluation (never in --out).")
+@click.option("--holdout-out", default=None, type=click.Path(dir_okay=False),
+              help="The held-out file [default: OUT with .holdout before the suffix].")
+@click.option("--steer", type=click.Choice(STEERS), default="opening", show_default=True,
+              help="How a family is asked for: opening (pre-filled first words), system (a system prompt "
+              "describing the user), seeds (example requests in a system prompt), none (unsteered).")
 @click.option("--max-new-tokens", default=128, show_default=True, help="Longest prompt; longer candidates are dropped.")
+@click.option("--answer-tokens", default=256, show_default=True,
+              help="Longest answer a follow-up is written after (a longer one is cut there and counted).")
 @click.option("--temperature", default=1.0, show_default=True, help="Sampling temperature.")
 @click.option("--top-k", default=0, show_default=True, help="Sample among the k likeliest tokens (0: all).")
+@click.option("--near-dup", default=0.6, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Drop a prompt whose word-3-gram Jaccard similarity to a kept one is at least this.")
 @click.option("--batch-size", "rows", default=256, show_default=True, help="Rows decoded at once.")
-@click.option("--max-tries", default=None, type=int, help="Candidates to try at most [default: 4 x --count].")
+@click.option("--max-tries", default=None, type=int,
+              help="Candidates to try at most [default: 4 x the prompts wanted, held-out ones included].")
 @click.option("--exclude", multiple=True, help="Drop prompts matching this regular expression (case ignored); "
               "repeatable, e.g. to keep an evaluation's task families out of training.")
 @click.option("--seed", default=0, show_default=True,
@@ -154,37 +104,71 @@ def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, te
 @click.option("--gpu", default=None, type=int, help="CUDA device index; CPU if not given.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="auto: bfloat16 on a GPU, float32 on CPU.")
-def main(target, out, count, max_new_tokens, temperature, top_k, rows, max_tries, exclude, seed, gpu, dtype) -> None:
-    """Have the target write COUNT user prompts and save them as a data set."""
+def main(target, out, count, families, holdout, holdout_out, steer, max_new_tokens, answer_tokens, temperature,
+         top_k, near_dup, rows, max_tries, exclude, seed, gpu, dtype) -> None:
+    """Have the target write COUNT user prompts of several task families and save them as a data set."""
     import torch
 
-    from dflash.runtime.logs import setup_logging
+    from dflash.runtime.logs import get_logger, setup_logging
+    from dflash.runtime.progress import progress
     from dflash.runtime.targets import load_causal_lm, load_tokenizer
 
     setup_logging("tool", "prompts", gpu=gpu, stream=sys.stderr)  # stdout is the one JSON report
-    device = torch.device(f"cuda:{gpu}" if gpu is not None else "cpu")
-    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype) or (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    log = get_logger()
+    try:
+        weights = parse_families(families)
+    except FamilySpecError as e:
+        raise click.BadParameter(str(e), param_hint="--families") from None
     for p in exclude:
         try:
             re.compile(p)
         except re.error as e:
             raise click.BadParameter(f"{p!r}: {e}", param_hint="--exclude") from None
+    path = Path(out)
+    held_path = Path(holdout_out) if holdout_out else holdout_path(path)
+    if holdout and held_path.resolve() == path.resolve():
+        raise click.BadParameter(f"{held_path} is --out itself", param_hint="--holdout-out")
+    wants = split_count(count, weights)  # a --count below the families' number leaves the last ones at 0
+    goal = {n: w + holdout for n, w in wants.items() if w + holdout > 0}
+    device = torch.device(f"cuda:{gpu}" if gpu is not None else "cpu")
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    log.info("prompts.start", target=target, families=wants, holdout=holdout, steer=steer,
+             max_new_tokens=max_new_tokens, temperature=temperature, near_dup=near_dup)
+    t0 = time.monotonic()
     tok = load_tokenizer(target)
     model = load_causal_lm(target, dtype=dt).to(device).eval()
-    try:
-        texts, tally = write_prompts(model, tok, count, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_k=top_k, rows=rows, max_tries=max_tries, exclude=list(exclude), seed=seed)
-    except PromptError as e:
-        raise click.ClickException(f"{target}: {e}") from None
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text("".join(json.dumps({"id": f"self-{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
-                           for i, t in enumerate(texts)))
-    tmp.replace(path)
-    click.echo(json.dumps({"out": str(path), "prompts": len(texts), "candidates": tally.tried,
-                           "usable": tally.kept, "rejected": dict(tally.dropped)}))
+    with progress("prompts", total=sum(goal.values()), unit="prompt") as bar:
+        def kept(name: str, tallies: dict[str, FamilyTally]) -> None:
+            if len(tallies[name].kept) <= goal[name]:
+                bar.update()
+            bar.note(rejected=sum(sum(t.dropped.values()) for t in tallies.values()))
+
+        try:
+            writer = PromptWriter(model, tok, steer=steer, max_new_tokens=max_new_tokens, answer_tokens=answer_tokens,
+                                  temperature=temperature, top_k=top_k, rows=rows, exclude=list(exclude),
+                                  near_dup=near_dup, seed=seed)
+            written = writer.write(goal, max_tries=max_tries, on_kept=kept)
+        except PromptError as e:
+            raise click.ClickException(f"{target}: {e}") from None
+    tallies = {n: written.get(n, FamilyTally()) for n in wants}
+    train, held, surplus = split_rows(tallies, wants, holdout)
+    write_jsonl(path, train, "self")
+    if holdout:
+        write_jsonl(held_path, held, "holdout")
+    counts = family_counts(tallies, train, held)
+    rejected: dict[str, int] = {}
+    for t in tallies.values():
+        for why, n in t.dropped.items():
+            rejected[why] = rejected.get(why, 0) + n
+    candidates = sum(t.tried for t in tallies.values())
+    log.info("prompts.done", out=str(path), holdout_out=str(held_path) if holdout else None, prompts=len(train),
+             held_out=len(held), candidates=candidates, rejected=rejected, surplus=surplus, families=counts,
+             seconds=round(time.monotonic() - t0, 1))
+    click.echo(json.dumps({"out": str(path), "prompts": len(train), "holdout_out": str(held_path) if holdout else None,
+                           "holdout": len(held), "candidates": candidates,
+                           "usable": sum(len(t.kept) for t in tallies.values()), "surplus": surplus,
+                           "rejected": rejected, "families": counts}))
 
 
 if __name__ == "__main__":
