@@ -29,7 +29,7 @@ class ProducerConfig:
     skip_bad_rows: bool = False
     regenerate: bool = False
     max_new_tokens: int = 1024
-    regen_batch_size: int = 256
+    regen_batch_size: int = 0  # 0: rows sized by the KV memory (producers/regenerate.py auto_rows)
     regen_cache: str = DEFAULT_REGEN_CACHE
     regen_ahead: int = 1024
     chat_template_kwargs: str = "{}"
@@ -63,6 +63,8 @@ class ProducerConfig:
         if self.max_length > self.token_budget:
             raise ValueError(f"--max-length {self.max_length} exceeds --token-budget {self.token_budget}: "
                              "a full-length sequence would never fit in one forward pass")
+        if self.regen_batch_size < 0:
+            raise ValueError(f"--regen-batch-size {self.regen_batch_size}: 0 (sized by memory) or a number of rows")
         if self.regen_ahead < 0:
             raise ValueError(f"--regen-ahead {self.regen_ahead}: a count of rows, 0 or more")
         if self.lease_size < 1 or self.prefetch < 1:

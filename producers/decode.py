@@ -244,6 +244,25 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * 2 * kv * hd * torch.empty(0, dtype=dtype).element_size()
 
 
+def rows_for_memory(model: nn.Module, dtype: torch.dtype, budget_bytes: int, slots: int, cap: int) -> int:
+    """How many rows of `slots` slots a KV cache of `budget_bytes` holds, 1..cap."""
+    per_row = kv_bytes_per_slot(model, dtype) * max(1, slots)
+    return max(1, min(cap, budget_bytes // per_row))
+
+
+def graphed_prefill_default(model: nn.Module, device: torch.device) -> bool:
+    """Whether prefills run as PackedPrefill's graphed packs by default: on a GPU, for targets
+    small enough that an eager prefill's time is mostly the host running transformers'
+    per-layer Python (a graph removes it); a large target's prefill is GPU time, which the
+    packs' padding only adds to (docs/REGENERATION.md "Batched prefills")."""
+    if device.type != "cuda":
+        return False
+    return sum(p.numel() for p in model.parameters()) <= GRAPHED_PREFILL_MAX_PARAMS
+
+
+GRAPHED_PREFILL_MAX_PARAMS = 2_000_000_000
+
+
 # ---------------------------------------------------------------- the forward
 
 

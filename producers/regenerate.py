@@ -42,7 +42,9 @@ import torch
 from dflash.runtime.logs import get_logger
 
 from .data import BadRow, Row
-from .decode import GreedyDecoder, Job, kv_bytes_per_slot
+from dflash.runtime.progress import progress
+
+from .decode import GreedyDecoder, Job, graphed_prefill_default, kv_bytes_per_slot, pack_sizes, rows_for_memory
 from .target import Target
 
 log = get_logger()
@@ -124,15 +126,45 @@ class _Conversation:
         return len(self.generated) == len(self.turns)
 
 
+AUTO_ROWS_CAP = 1024  # rows past this add little: a decode step is then bound by reading the KV cache
+AUTO_KV_FRACTION = 0.4  # of the GPU's free memory, for the cache of the auto row count
+AUTO_PROMPT_SLOTS = 512  # prompt room assumed when sizing rows (longer prompts get fewer rows, _decoder)
+CPU_ROWS = 16
+
+
+def auto_rows(target: Target, max_new_tokens: int) -> tuple[int, dict]:
+    """The rows to decode side by side when `--regen-batch-size` is 0: as many as a KV cache
+    of AUTO_KV_FRACTION of the free GPU memory holds at AUTO_PROMPT_SLOTS + max_new_tokens
+    slots a row, at most AUTO_ROWS_CAP (CPU_ROWS on a CPU). Returns (rows, how it was sized)."""
+    dev = target.device
+    if dev.type != "cuda":
+        return CPU_ROWS, {"device": dev.type}
+    free, _ = torch.cuda.mem_get_info(dev)
+    budget = int(free * AUTO_KV_FRACTION)
+    slots = AUTO_PROMPT_SLOTS + max_new_tokens
+    rows = rows_for_memory(target.model, target.model.dtype, budget, slots, AUTO_ROWS_CAP)
+    return rows, {"free_bytes": free, "budget_bytes": budget, "slots": slots,
+                  "kv_bytes_per_row": kv_bytes_per_slot(target.model, target.model.dtype) * slots}
+
+
 class Regenerator:
-    """Regenerates the assistant turns of chat rows with `target` (a full model)."""
+    """Regenerates the assistant turns of chat rows with `target` (a full model). `batch_size`
+    0: rows sized by memory (auto_rows)."""
 
     def __init__(self, target: Target, tokenizer, cache: RegenCache, *, max_new_tokens: int = 1024,
-                 batch_size: int = 16, template_kwargs: dict | None = None):
+                 batch_size: int = 0, template_kwargs: dict | None = None):
         if target.model is None:
             raise ValueError("regeneration needs the full model: load the target with full=True")
+        if batch_size < 0:
+            raise ValueError(f"regeneration batch size {batch_size}: 0 (sized by memory) or more")
         self.target, self.tok, self.cache = target, tokenizer, cache
+        sized = {"source": "--regen-batch-size"}
+        if not batch_size:
+            batch_size, sized = auto_rows(target, max_new_tokens)
+            sized["source"] = "memory"
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.graphed_prefill = graphed_prefill_default(target.model, target.device)
+        log.info("produce.regen_rows", rows=batch_size, graphed_prefill=self.graphed_prefill, **sized)
         self.kw = dict(template_kwargs or {})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = stop_ids(target.model, tokenizer)
@@ -180,6 +212,7 @@ class Regenerator:
             self._append(c, self._render(c, 0), loss=0)  # the template text up to turn 0
             jobs.append(Job(i, list(c.ids)))
         total = 0
+        bar = progress("regenerate", total=len(jobs), unit="chat")
 
         def turn_done(job: Job, out: list[int]) -> None:
             nonlocal total
@@ -191,13 +224,17 @@ class Regenerator:
             if not c.done:  # its next turn waits for a free row like any other
                 self._append(c, self._render(c, len(c.generated)), loss=0)
                 jobs.append(Job(job.key, list(c.ids)))
+            else:
+                bar.update()
+                bar.note(new_tokens=total)
 
-        while jobs:
-            # A later turn's prompt holds the earlier turns; a job that still does not fit
-            # the decoder goes to the next round.
-            dec = self._decoder(len(jobs), self.prompt_slots(jobs, lambda j: convs[j.key]))
-            leftover = self._run(dec, jobs, turn_done)
-            jobs = deque(leftover)
+        with bar:
+            while jobs:
+                # A later turn's prompt holds the earlier turns; a job that still does not fit
+                # the decoder goes to the next round.
+                dec = self._decoder(len(jobs), self.prompt_slots(jobs, lambda j: convs[j.key]))
+                leftover = self._run(dec, jobs, turn_done)
+                jobs = deque(leftover)
         return [self._finish(c) for c in convs], total
 
     def prompt_slots(self, jobs, conv_of) -> int:
@@ -224,12 +261,13 @@ class Regenerator:
                 rows = fit
         with self.target.lock:  # building it runs the model under another attention (see _run)
             return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
-                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
+                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
+                                 prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None)
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
-        # Decoding runs with sdpa (or eager where the model needs it, decode.py) whatever
-        # packed capture uses: flex attention under generation failed to compile on an
-        # H200 (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
+        # Decoding runs with the core's own attention (decode.py), whatever packed capture
+        # uses: transformers' flex attention under generation failed to compile on an H200
+        # (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
         with self.target.lock:
             return dec.run(jobs, on_done)
 

@@ -275,3 +275,26 @@ def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
     assert slots(jobs, lambda j: j.key) == 128
     assert slots([Job(single, [0] * 64)], lambda j: j.key) == 64
     assert slots(jobs + [Job(two_turns, [0] * 10)], lambda j: j.key) == 384  # 70 + 256, rounded up
+
+
+def test_rows_sized_by_memory_unless_given(tiny, tokenizer, tmp_path):
+    """--regen-batch-size 0 sizes the rows (on a CPU: CPU_ROWS) and says so; a given size is
+    kept; the arithmetic of rows for a KV budget; a negative size is refused."""
+    from dflash.producers.decode import kv_bytes_per_slot, rows_for_memory
+    from dflash.producers.regenerate import CPU_ROWS
+
+    tiny = load_target(str(tiny), None, device=CPU, full=True)
+    cache = RegenCache(tmp_path, "k")
+    with capture_logs() as logs:
+        auto = Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=0)
+        given = Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=7)
+    assert auto.batch_size == CPU_ROWS and given.batch_size == 7
+    said = [e for e in logs if e["event"] == "produce.regen_rows"]
+    assert [(e["rows"], e["source"]) for e in said] == [(CPU_ROWS, "memory"), (7, "--regen-batch-size")]
+    assert not auto.graphed_prefill  # graphed packs only on a GPU
+    per_slot = kv_bytes_per_slot(tiny.model, tiny.model.dtype)
+    assert rows_for_memory(tiny.model, tiny.model.dtype, per_slot * 100 * 37 + 5, 100, 1024) == 37
+    assert rows_for_memory(tiny.model, tiny.model.dtype, per_slot * 100 * 37, 100, 20) == 20
+    assert rows_for_memory(tiny.model, tiny.model.dtype, 1, 100, 20) == 1
+    with pytest.raises(ValueError, match="0 .sized by memory. or more"):
+        Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=-1)
