@@ -330,9 +330,8 @@ class Core:
             last = torch.div(qslot[:, -1], self.kv_block, rounding_mode="floor").to(torch.int32)
             count = (last - first + 1).clamp_min(1)[:, None, None]  # [R, 1, 1]
             index = (first[:, None] + self._block_ar[None]).clamp_max(self._blocks - 1)[:, None, None]  # [R,1,1,n]
-            out[_FULL if w is None else _SLIDING] = BlockMask.from_kv_blocks(
-                count, index, BLOCK_SIZE=(128, self.kv_block), mask_mod=_visible(qslot, off, w),
-                seq_lengths=(q, self.slots), compute_q_blocks=False)
+            out[_FULL if w is None else _SLIDING] = _block_mask(count, index, (128, self.kv_block),
+                                                                 _visible(qslot, off, w), (q, self.slots))
         return next(iter(out.values())) if len(out) == 1 else out
 
     # ------------------------------------------------------------ forwards
@@ -460,6 +459,15 @@ class Core:
         if len(self.cache) == 0:
             z = torch.zeros(1, dtype=torch.long, device=self.device)
             self.fresh(z, z[:, None], z)
+
+
+def _block_mask(count, index, block_size, mask_mod, seq_lengths):
+    try:  # no transposed (backward) block lists: decoding never runs a backward
+        return BlockMask.from_kv_blocks(count, index, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                        seq_lengths=seq_lengths, compute_q_blocks=False)
+    except TypeError:  # a torch without the flag
+        return BlockMask.from_kv_blocks(count, index, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                        seq_lengths=seq_lengths)
 
 
 def _visible(qslot: torch.Tensor, off: torch.Tensor, window: int | None):
