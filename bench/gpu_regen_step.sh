@@ -22,10 +22,10 @@ run)
   [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-  timeout --kill-after=10 "${REGEN_S:-330}" python3 bench/regen_speed.py --gguf "$GGUF" --out "$OUT/regen.json" \
+  timeout --kill-after=10 "${REGEN_S:-400}" python3 bench/regen_speed.py --gguf "$GGUF" --out "$OUT/regen.json" \
       ${REGEN_ARGS:-} 2> "$W/regen.err" | cut -c1-600
   echo "regen rc=$?"; grep -v Warning "$W/regen.err" | tail -5 | cut -c1-300
-  timeout --kill-after=10 "${STEP_S:-150}" python3 bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 \
+  timeout --kill-after=10 "${STEP_S:-130}" python3 bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 \
       --vary --steps 40 --profile 5 --skip-check ${STEP_ARGS:-} > "$OUT/step_profile.txt" 2> "$W/step.err"
   echo "step rc=$?"; grep '^{' "$OUT/step_profile.txt" | grep -v '"stage"' | tee "$OUT/step.jsonl" | cut -c1-600
   tail -3 "$W/step.err" | cut -c1-300

@@ -185,7 +185,8 @@ def load(name: str, gguf: str):
         model = load_causal_lm(gguf, dtype=torch.bfloat16, attn_implementation="sdpa")
     else:
         torch.manual_seed(0)
-        model = build(shape_config(name), dtype=torch.bfloat16)
+        with torch.device(ds.DEV):  # random init on the GPU: an 8B's on the host takes minutes
+            model = build(shape_config(name), dtype=torch.bfloat16)
     return model.to(ds.DEV).eval().requires_grad_(False)
 
 
@@ -193,7 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct's GGUF file (the tokenizer and the real target)")
     ap.add_argument("--targets", default="real,qwen3-8b")
-    ap.add_argument("--jobs", type=int, default=4096, help="prompts for the 135M targets (a quarter for the 8B)")
+    ap.add_argument("--jobs", type=int, default=3072, help="prompts for the 135M targets (a quarter for the 8B)")
     ap.add_argument("--new", type=int, default=256, help="new tokens at most per answer")
     ap.add_argument("--baseline-jobs", type=int, default=256, help="prompts for transformers' generate_batch")
     ap.add_argument("--out", default=None)
@@ -232,11 +233,11 @@ def main() -> None:
             **common)
         run(model, jobs, rows=rows, kernel="auto", packed=not graphed_prefill_default(model, model.device),
             label=f"{name}:default_other_prefill", **common)
-        try:
-            if outs and sdpa:
+        try:  # a random model's top-2 margins sit below bf16 rounding: only the real one's differences mean anything
+            if real and outs and sdpa:
                 compare(model, jobs, outs, sdpa, f"{name}:default_vs_sdpa")
             if real and outs:
-                vs_generate(model, jobs, outs, args.new, stops, 24)
+                vs_generate(model, jobs, outs, args.new, stops, 12)
         except Exception as e:  # the speed figures stand without it
             emit({"compare_error": f"{type(e).__name__}: {e}"[:600]})
         if real and outs:
