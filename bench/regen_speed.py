@@ -38,9 +38,8 @@ import decode_speed as ds  # noqa: E402  (sets up `dflash` from this checkout; c
 import torch  # noqa: E402
 
 from dflash.producers.decode import (TIE_TOLERANCE, GreedyDecoder, Job, divergence,  # noqa: E402
-                                     graphed_prefill_default, is_tie_flip, kv_bytes_per_slot, pack_sizes,
-                                     rows_for_memory)
-from dflash.producers.regenerate import AUTO_KV_FRACTION, AUTO_PROMPT_SLOTS, AUTO_ROWS_CAP  # noqa: E402
+                                     graphed_prefill_default, is_tie_flip, kv_bytes_per_slot, pack_sizes)
+from dflash.producers.regenerate import decoder_rows  # noqa: E402
 from dflash.tools.families import build, shape_config  # noqa: E402
 
 OUT: list[dict] = []
@@ -65,22 +64,23 @@ def templated_prompts(gguf: str, n: int, seed: int = 0) -> tuple[list[list[int]]
     return out, tok
 
 
-def default_rows(model, new: int) -> int:
-    """The producer's row count (producers/regenerate.py auto_rows) for this model now."""
-    if ds.DEV.type != "cuda":
-        return 16
-    free, _ = torch.cuda.mem_get_info()
-    return rows_for_memory(model, model.dtype, int(free * AUTO_KV_FRACTION), AUTO_PROMPT_SLOTS + new, AUTO_ROWS_CAP)
+def default_rows(model, n_jobs: int, slots: int) -> int:
+    """The rows a producer's decoder gets for these jobs (producers/regenerate.py decoder_rows)."""
+    return decoder_rows(model, ds.DEV, 0, n_jobs, slots)[0]
 
 
 def roofline(model, ceil: dict, jobs: list[Job], lens: dict, steps: int) -> dict:
     per_slot = kv_bytes_per_slot(model, model.dtype)
     kv = sum(per_slot * (a * len(j.prompt) + a * (a - 1) // 2) for j in jobs for a in [lens.get(j.key, 0)])
-    wbytes, _ = ds.weights(model)
-    t = (steps * wbytes + kv) / ceil["hbm_bytes_per_s"]
+    wbytes, mm = ds.weights(model)
     new = sum(lens.values())
+    t_mem = (steps * wbytes + kv) / ceil["hbm_bytes_per_s"]
+    t_cmp = 2 * mm * new / ceil["bf16_flops_per_s"]  # the matmuls of every generated token
+    t = max(t_mem, t_cmp)
     return {"roof_s": round(t, 3), "roof_tokens_per_s": round(new / t) if t else None,
-            "roof_kv_gb": round(kv / 1e9, 2), "roof_weight_gb": round(steps * wbytes / 1e9, 2)}
+            "roof_bound": "memory" if t_mem >= t_cmp else "compute", "roof_mem_s": round(t_mem, 3),
+            "roof_flops_s": round(t_cmp, 3), "roof_kv_gb": round(kv / 1e9, 2),
+            "roof_weight_gb": round(steps * wbytes / 1e9, 2)}
 
 
 def run(model, jobs: list[Job], *, rows: int, new: int, stops: set[int], kernel: str, packed: bool | None,
@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=3072, help="prompts for the 135M targets (a quarter for the 8B)")
     ap.add_argument("--new", type=int, default=256, help="new tokens at most per answer")
     ap.add_argument("--baseline-jobs", type=int, default=256, help="prompts for transformers' generate_batch")
+    ap.add_argument("--runs", default="sdpa,before,prefill,vs_generate,generate_batch",
+                    help="runs besides the default path: sdpa, before, prefill, vs_generate, generate_batch, rows=N")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t_start = time.monotonic()
@@ -221,26 +223,33 @@ def main() -> None:
             V = model.config.vocab_size
             jobs = [Job(i, [t % V for t in p], max_new=rng.choice(answer_lens) if answer_lens else rng.randint(32, args.new))
                     for i, p in enumerate(prompts[:n])]
-        rows = default_rows(model, args.new)
+        rows = default_rows(model, len(jobs), -(-max(len(j.prompt) for j in jobs) // 64) * 64 + args.new)
         emit({"target": name, "params": sum(p.numel() for p in model.parameters()), "default_rows": rows,
               "kv_bytes_per_slot": kv_bytes_per_slot(model, model.dtype), "elapsed_s": round(time.monotonic() - t_start)})
         common = dict(new=args.new, stops=stops, ceil=ceil)
+        runs = set(args.runs.split(","))
         head, outs = run(model, jobs, rows=rows, kernel="auto", packed=None, label=f"{name}:default", **common)
         if real and outs:
             answer_lens = [len(o) for o in outs.values()]
-        _, sdpa = run(model, jobs, rows=rows, kernel="sdpa", packed=None, label=f"{name}:sdpa_same_rows", **common)
-        run(model, jobs, rows=256, kernel="sdpa", packed=False, label=f"{name}:before(sdpa,256 rows,eager prefill)",
-            **common)
-        run(model, jobs, rows=rows, kernel="auto", packed=not graphed_prefill_default(model, model.device),
-            label=f"{name}:default_other_prefill", **common)
+        sdpa = {}
+        if "sdpa" in runs:
+            _, sdpa = run(model, jobs, rows=rows, kernel="sdpa", packed=None, label=f"{name}:sdpa_same_rows", **common)
+        if "before" in runs:
+            run(model, jobs, rows=256, kernel="sdpa", packed=False, label=f"{name}:before(sdpa,256 rows,eager prefill)",
+                **common)
+        if "prefill" in runs:
+            run(model, jobs, rows=rows, kernel="auto", packed=not graphed_prefill_default(model, model.device),
+                label=f"{name}:default_other_prefill", **common)
+        for r in (int(x[5:]) for x in runs if x.startswith("rows=")):
+            run(model, jobs, rows=r, kernel="auto", packed=None, label=f"{name}:rows={r}", **common)
         try:  # a random model's top-2 margins sit below bf16 rounding: only the real one's differences mean anything
             if real and outs and sdpa:
                 compare(model, jobs, outs, sdpa, f"{name}:default_vs_sdpa")
-            if real and outs:
+            if real and outs and "vs_generate" in runs:
                 vs_generate(model, jobs, outs, args.new, stops, 12)
         except Exception as e:  # the speed figures stand without it
             emit({"compare_error": f"{type(e).__name__}: {e}"[:600]})
-        if real and outs:
+        if real and outs and "generate_batch" in runs:
             generate_batch(model, jobs, args.new, stops, ceil, args.baseline_jobs)
         del model
         ds.empty_cache()

@@ -45,7 +45,7 @@ from .config import DEFAULT_REGEN_CACHE
         "per dataset, target and settings.")
 @option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
 @option("--regen-batch-size", type=int, default=0, help="Rows decoded side by side with --regenerate (continuous "
-        "batching). 0: as many as a KV cache in 40% of the free GPU memory holds, at most 1024 (16 on a CPU); "
+        "batching). 0: as many as a KV cache in 40% of the free GPU memory holds, at most 2048 (16 on a CPU); "
         "any number: that many, capped by the GPU memory the KV cache may take.")
 @option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
 @option("--regen-ahead", type=int, default=1024, help="With --regenerate: rows of the run's order a regeneration "

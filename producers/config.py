@@ -29,7 +29,7 @@ class ProducerConfig:
     skip_bad_rows: bool = False
     regenerate: bool = False
     max_new_tokens: int = 1024
-    regen_batch_size: int = 0  # 0: rows sized by the KV memory (producers/regenerate.py auto_rows)
+    regen_batch_size: int = 0  # 0: rows sized by the KV memory (producers/regenerate.py decoder_rows)
     regen_cache: str = DEFAULT_REGEN_CACHE
     regen_ahead: int = 1024
     chat_template_kwargs: str = "{}"

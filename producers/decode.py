@@ -273,7 +273,7 @@ class Core:
     (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter."""
 
     def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None, kernel: str = "auto",
-                 kv_block: int = 64):
+                 kv_block: int = 128):
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -594,7 +594,7 @@ class GreedyDecoder:
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
                  prefill_tokens: int = 2048, prefill_sizes: Iterable[int] | None = None,
                  pick: Callable[[torch.Tensor], torch.Tensor] | None = None, kernel: str = "auto",
-                 kv_block: int = 64):
+                 kv_block: int = 128):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens

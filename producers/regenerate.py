@@ -126,30 +126,34 @@ class _Conversation:
         return len(self.generated) == len(self.turns)
 
 
-AUTO_ROWS_CAP = 1024  # rows past this add little: a decode step is then bound by reading the KV cache
-AUTO_KV_FRACTION = 0.4  # of the GPU's free memory, for the cache of the auto row count
-AUTO_PROMPT_SLOTS = 512  # prompt room assumed when sizing rows (longer prompts get fewer rows, _decoder)
+AUTO_ROWS_CAP = 2048  # rows past this add little: a decode step is then bound by reading the KV cache
+AUTO_KV_FRACTION = 0.4  # of the GPU's free memory, for the KV cache of the rows sized by memory
 CPU_ROWS = 16
+EXPLICIT_KV_FRACTION = 0.5  # a given --regen-batch-size is capped where its cache would pass this
 
 
-def auto_rows(target: Target, max_new_tokens: int) -> tuple[int, dict]:
-    """The rows to decode side by side when `--regen-batch-size` is 0: as many as a KV cache
-    of AUTO_KV_FRACTION of the free GPU memory holds at AUTO_PROMPT_SLOTS + max_new_tokens
-    slots a row, at most AUTO_ROWS_CAP (CPU_ROWS on a CPU). Returns (rows, how it was sized)."""
-    dev = target.device
-    if dev.type != "cuda":
-        return CPU_ROWS, {"device": dev.type}
-    free, _ = torch.cuda.mem_get_info(dev)
-    budget = int(free * AUTO_KV_FRACTION)
-    slots = AUTO_PROMPT_SLOTS + max_new_tokens
-    rows = rows_for_memory(target.model, target.model.dtype, budget, slots, AUTO_ROWS_CAP)
-    return rows, {"free_bytes": free, "budget_bytes": budget, "slots": slots,
-                  "kv_bytes_per_row": kv_bytes_per_slot(target.model, target.model.dtype) * slots}
+def decoder_rows(model, device: torch.device, batch_size: int, n_jobs: int, slots: int) -> tuple[int, dict]:
+    """Rows of a decoder for `n_jobs` jobs of at most `slots` slots each (prompt room plus
+    answer): `batch_size` 0 sizes them by memory (as many as a KV cache in AUTO_KV_FRACTION
+    of the free GPU memory holds, at most AUTO_ROWS_CAP; CPU_ROWS on a CPU), else
+    `batch_size` capped by EXPLICIT_KV_FRACTION of it. Returns (rows, how they were sized)."""
+    info: dict = {"source": "memory" if batch_size == 0 else "--regen-batch-size", "slots": slots}
+    if device.type != "cuda":
+        return min(n_jobs, batch_size or CPU_ROWS), info
+    free, _ = torch.cuda.mem_get_info(device)
+    info.update(free_bytes=free, kv_bytes_per_row=kv_bytes_per_slot(model, model.dtype) * slots)
+    if batch_size == 0:
+        rows = rows_for_memory(model, model.dtype, int(free * AUTO_KV_FRACTION), slots, AUTO_ROWS_CAP)
+        return min(n_jobs, rows), info
+    fit = rows_for_memory(model, model.dtype, int(free * EXPLICIT_KV_FRACTION), slots, batch_size)
+    if fit < min(n_jobs, batch_size):
+        info["capped_from"] = batch_size
+    return min(n_jobs, fit), info
 
 
 class Regenerator:
     """Regenerates the assistant turns of chat rows with `target` (a full model). `batch_size`
-    0: rows sized by memory (auto_rows)."""
+    0: each decoder's rows sized by memory (decoder_rows)."""
 
     def __init__(self, target: Target, tokenizer, cache: RegenCache, *, max_new_tokens: int = 1024,
                  batch_size: int = 0, template_kwargs: dict | None = None):
@@ -158,13 +162,10 @@ class Regenerator:
         if batch_size < 0:
             raise ValueError(f"regeneration batch size {batch_size}: 0 (sized by memory) or more")
         self.target, self.tok, self.cache = target, tokenizer, cache
-        sized = {"source": "--regen-batch-size"}
-        if not batch_size:
-            batch_size, sized = auto_rows(target, max_new_tokens)
-            sized["source"] = "memory"
-        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.max_new_tokens, self.rows_asked = max_new_tokens, batch_size
+        # the most rows a decoder may have (how far regen_ahead.py fills its queue)
+        self.batch_size = batch_size or (AUTO_ROWS_CAP if target.device.type == "cuda" else CPU_ROWS)
         self.graphed_prefill = graphed_prefill_default(target.model, target.device)
-        log.info("produce.regen_rows", rows=batch_size, graphed_prefill=self.graphed_prefill, **sized)
         self.kw = dict(template_kwargs or {})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = stop_ids(target.model, tokenizer)
@@ -247,18 +248,15 @@ class Regenerator:
         return -(-(longest + (self.max_new_tokens if more else 0)) // 64) * 64
 
     def _decoder(self, n_jobs: int, max_prompt: int) -> GreedyDecoder:
-        """A decoder of up to `batch_size` rows whose KV cache fits the device's free memory
-        (a cap of half of it, so the capture of hidden states keeps its room)."""
-        rows = min(self.batch_size, n_jobs)
-        dev = self.target.device
-        if dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
-            per_row = kv_bytes_per_slot(self.target.model, self.target.model.dtype) * (max_prompt + self.max_new_tokens)
-            fit = max(1, int(free * 0.5) // max(1, per_row))
-            if fit < rows:
-                log.warning("produce.regen_rows_capped", rows=rows, fit=fit, max_prompt=max_prompt,
-                            reason="kv_cache_memory")
-                rows = fit
+        """A decoder for `n_jobs` prompts of up to `max_prompt` tokens, its rows sized by
+        `decoder_rows` (the KV cache leaves the capture of hidden states its room)."""
+        rows, info = decoder_rows(self.target.model, self.target.device, self.rows_asked, n_jobs,
+                                  max_prompt + self.max_new_tokens)
+        if "capped_from" in info:
+            log.warning("produce.regen_rows_capped", rows=info["capped_from"], fit=rows, max_prompt=max_prompt,
+                        reason="kv_cache_memory")
+        log.info("produce.regen_rows", rows=rows, jobs=n_jobs, max_prompt=max_prompt,
+                 graphed_prefill=self.graphed_prefill, **{k: v for k, v in info.items() if k != "capped_from"})
         with self.target.lock:  # building it runs the model under another attention (see _run)
             return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
