@@ -26,7 +26,7 @@ run)
       ${REGEN_ARGS:-} 2> "$W/regen.err" | cut -c1-600
   echo "regen rc=$?"; grep -v Warning "$W/regen.err" | tail -5 | cut -c1-300
   timeout --kill-after=10 "${STEP_S:-130}" python3 bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 \
-      --vary --steps 40 --profile 5 --skip-check ${STEP_ARGS:-} > "$OUT/step_profile.txt" 2> "$W/step.err"
+      --vary --steps 24 --profile 4 --skip-check ${STEP_ARGS:-} > "$OUT/step_profile.txt" 2> "$W/step.err"
   echo "step rc=$?"; grep '^{' "$OUT/step_profile.txt" | grep -v '"stage"' | tee "$OUT/step.jsonl" | cut -c1-600
   tail -3 "$W/step.err" | cut -c1-300
   ;;
