@@ -124,8 +124,21 @@ def _flex(query, key, value, block_mask, scaling):
                     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
             _flex_compiled = torch.compile(flex_attention, dynamic=False)
         fn = _flex_compiled
-    out = fn(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    B, Hq, q, hd = query.shape
+    g = Hq // key.shape[1]
+    if fold_heads(Hq, key.shape[1]):  # the query heads of a K/V head as more queries of it (Core._block_masks)
+        out = fn(query.reshape(B, key.shape[1], g * q, hd), key, value, block_mask=block_mask, scale=scaling)
+        return out.reshape(B, Hq, q, hd).transpose(1, 2).contiguous()
+    out = fn(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=g > 1)
     return out.transpose(1, 2).contiguous()
+
+
+def fold_heads(heads: int, kv_heads: int) -> bool:
+    """Whether flex decoding takes a layer's query heads folded into the query length: the
+    flex-decoding kernel serves grouped-query attention only for a power-of-two group (else
+    inductor falls back to the prefill kernel, which pads each row's one query to a tile)."""
+    g = heads // kv_heads
+    return g > 1 and g & (g - 1) != 0
 
 
 def _register() -> bool:
@@ -286,6 +299,9 @@ class Core:
         self.attn = decode_attention(model)
         self.kernel = step_kernel(model, self.device, kernel)
         self.kv_block = kv_block  # flex: K/V blocks a step reads whole (a multiple of its kernel's tile)
+        cfg = _text_config(model)
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self._blocks = -(-slots // kv_block)
         self._block_ar = torch.arange(self._blocks, device=self.device, dtype=torch.int32)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -323,6 +339,7 @@ class Core:
         last query's slot, so the kernel reads no block of the row's padding or empty slots.
         Tensors only (no host sync): capturable in the step's CUDA graph."""
         R, q = qslot.shape
+        g = self.heads // self.kv_heads if fold_heads(self.heads, self.kv_heads) else 1  # flex's query length: g * q
         out = {}
         for w in self.kinds:
             lo = off if w is None else torch.maximum(off, qslot[:, 0] - (w - 1))
@@ -331,7 +348,7 @@ class Core:
             count = (last - first + 1).clamp_min(1)[:, None, None]  # [R, 1, 1]
             index = (first[:, None] + self._block_ar[None]).clamp_max(self._blocks - 1)[:, None, None]  # [R,1,1,n]
             out[_FULL if w is None else _SLIDING] = _block_mask(count, index, (128, self.kv_block),
-                                                                 _visible(qslot, off, w), (q, self.slots))
+                                                                 _visible(qslot, off, w, q), (g * q, self.slots))
         return next(iter(out.values())) if len(out) == 1 else out
 
     # ------------------------------------------------------------ forwards
@@ -470,11 +487,12 @@ def _block_mask(count, index, block_size, mask_mod, seq_lengths):
                                         seq_lengths=seq_lengths)
 
 
-def _visible(qslot: torch.Tensor, off: torch.Tensor, window: int | None):
-    """flex's mask_mod for `Core._block_masks`: the element-level rule inside listed blocks."""
+def _visible(qslot: torch.Tensor, off: torch.Tensor, window: int | None, q: int):
+    """flex's mask_mod for `Core._block_masks`: the element-level rule inside listed blocks
+    (query index i is query i % q of its row: folded heads repeat the row's q queries)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        t = qslot[b, q_idx]
+        t = qslot[b, q_idx % q]
         vis = (kv_idx >= off[b]) & (kv_idx <= t)
         return vis if window is None else vis & (t - kv_idx < window)
 

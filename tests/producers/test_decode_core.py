@@ -176,14 +176,23 @@ def test_flex_block_lists_cover_every_visible_slot_and_no_block_outside_the_row(
                 assert listed <= need, (kind, b, sorted(listed - need))
 
 
-def test_the_compiled_flex_kernel_decodes_exactly(monkeypatch):
+@pytest.mark.parametrize("group", [2, 3])
+def test_the_compiled_flex_kernel_decodes_exactly(monkeypatch, group):
     """The flex path as it runs on a GPU (compiled: the kernel reads only the listed blocks),
     here on the CPU's compiled kernel, full and sliding layers, small blocks so that rows
-    span several: equal to generate()."""
+    span several, query heads per K/V head a power of two (grouped-query flex) or not
+    (heads folded into the query length): equal to generate()."""
     import dflash.producers.decode as decode
+    from dflash.tools.families import build, tiny_config
 
     monkeypatch.setattr(decode, "FLEX_COMPILE", True)
-    model = tiny_model("qwen2_sliding")
+    if group == 2:
+        model = tiny_model("qwen2_sliding")
+    else:
+        cfg = tiny_config("mistral")
+        cfg.num_attention_heads, cfg.num_key_value_heads = 6, 2
+        model = build(cfg)
+    assert decode.fold_heads(model.config.num_attention_heads, model.config.num_key_value_heads) == (group == 3)
     prompts = _prompts(model.config.vocab_size)
     want = [_reference(model, p, NEW, set()) for p in prompts]
     dec = GreedyDecoder(model, rows=3, max_prompt=max(map(len, prompts)), max_new_tokens=NEW, stop_ids=set(),
