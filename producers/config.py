@@ -31,7 +31,7 @@ class ProducerConfig:
     max_new_tokens: int = 1024
     regen_batch_size: int = 0  # 0: rows sized by the KV memory (producers/regenerate.py decoder_rows)
     regen_cache: str = DEFAULT_REGEN_CACHE
-    regen_ahead: int = 1024
+    regen_ahead: int = 8192  # several times a decoder's rows, so the look-ahead keeps them all decoding
     chat_template_kwargs: str = "{}"
     hidden_encoding: str = "raw"
     final_hidden: bool = False  # also send the final-norm output (the consumer's --distill-weight needs it)
