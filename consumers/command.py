@@ -120,6 +120,8 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @curve_options
 def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
+    if o["eval_prompts"] and not o["eval_every"]:  # refused before torch and the target load
+        fail("--eval-prompts is used by the live evaluation: give --eval-every N too")
     from .consumer import ConsumerConfig, run
     from .train import TrainConfig
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .logs import get_logger
+from .target_arg import looks_like_hub_id, resolve_hub_id  # noqa: F401  (torch-free: --target's check uses them)
 
 log = get_logger()
 
@@ -54,29 +55,6 @@ def gguf_path(target: str | Path) -> Path | None:
     if not p.is_file():
         raise FileNotFoundError(f"--target {target}: no such GGUF file")
     return p
-
-
-def looks_like_hub_id(value: str) -> bool:
-    """'org/name' that is no existing path: a Hugging Face hub ID."""
-    return value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).expanduser().exists()
-
-
-def resolve_hub_id(value: str) -> str:
-    """A hub ID 'org/name' as its snapshot folder in the local Hugging Face cache
-    (`$HF_HUB_CACHE`, `$HF_HOME`). Nothing is downloaded at run time: a hub ID that is
-    not cached raises FileNotFoundError saying how to fetch it."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(value, local_files_only=True)
-    except LocalEntryNotFoundError:
-        raise FileNotFoundError(
-            f"{value}: no such folder, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            f"nothing is downloaded at run time: fetch it once with `hf download {value}` (or give a model "
-            "folder)") from None
-    except ValueError as e:  # a malformed ID, e.g. 'a/b c'
-        raise FileNotFoundError(f"{value}: no such folder, and not a hub ID ({e})") from None
 
 
 def describe(target: str | Path) -> str:
