@@ -37,8 +37,9 @@ from .integrity import CheckpointDamaged, check_finite, load_weights, verify_che
 from .record import save_record
 
 __all__ = ["CheckpointDamaged", "Signal", "SignalMismatch", "check_finite", "check_signal", "load_checkpoint",
-           "load_weights", "newest_checkpoint", "nothing_to_resume", "read_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs",
-           "verify_checkpoint", "write_checkpoint"]
+           "load_weights", "newest_checkpoint", "nothing_to_resume", "read_checkpoint", "read_state",
+           "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs", "verify_checkpoint",
+           "write_checkpoint"]
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 

@@ -163,8 +163,8 @@ def describe(run_dir: Path, ask: Callable[[str], dict | None], broker: str | Non
     cfg, led = info.get("config") or {}, out["ledger"]
     epochs = cfg.get("epochs")
     # the ledger's epochs table has a row once a lease was granted; a resumed run knows its dataset before
-    n = (led.get("n_samples") if led else None) or ((info.get("facts") or {}).get("dataset") or {}).get("n_samples") \
-        or cfg.get("num_samples")
+    dataset_n = ((info.get("facts") or {}).get("dataset") or {}).get("n_samples")
+    n = (led.get("n_samples") if led else None) or dataset_n or cfg.get("num_samples")
     out["samples_total"] = n * epochs if isinstance(n, int) and isinstance(epochs, int) else None
     live = _ask_brokers(out, ask, broker, (br.get("endpoints") or {}).get("control"))
     if live is not None:
