@@ -17,7 +17,7 @@ from dflash.runtime.alloc import reuse_freed_memory
 from dflash.protocol import curve
 from dflash.runtime.config import as_dict, fail
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
-from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest
+from dflash.runtime.run import give_back_latest, hostname, latest_run, make_run_dir, new_run_id, point_latest
 from dflash.runtime.stop import GracefulStop
 
 from . import resume, runinfo, security
@@ -40,8 +40,10 @@ def start(opts: dict) -> None:
         if cfg.curve_keys:
             curve.server_keys(cfg.curve_keys)  # a missing key is a one-line error now, not at bind
         if cfg.resume:
-            parent = resume.load(cfg.resume, cfg.runs_dir)
+            parent = resume.load(cfg.resume, cfg.runs_dir, again=cfg.force_resume)
             cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
+        elif cfg.force_resume:
+            raise ValueError("--force-resume goes with --resume RUN")
         cfg.check()
         if cfg.tensorboard or cfg.wandb:
             from dflash.runtime.sinks import require_tensorboard, require_wandb
@@ -84,6 +86,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         return 1
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
+    before = latest_run(cfg.runs_dir)
     point_latest(run_id, cfg.runs_dir)
     if cfg.tensorboard or cfg.wandb:
         from dflash.runtime.sinks import open_sinks
@@ -117,7 +120,11 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
         runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal,
                        **({"reason": why} if why else {}))
-        log.info("broker.exit", outcome=outcome, exit_code=code)
+        if parent is None and broker.core.peer_messages == 0:
+            # A fresh run no peer even tried to join holds nothing; `latest` goes back to the run
+            # before it (RELIABILITY.md 10). A resumed one keeps it: it is where its chain goes on.
+            give_back_latest(run_id, before, cfg.runs_dir)
+        log.info("broker.exit", outcome=outcome, exit_code=code, latest=latest_run(cfg.runs_dir))
         close_logging()
     if outcome == "nothing_to_train":
         click.echo(f"error: nothing to train in run {run_id}: {why}", err=True)

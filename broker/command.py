@@ -82,7 +82,11 @@ from dflash.runtime.config import command, config_option, option, runs_dir_optio
 @option("--resume", default=None, metavar="RUN",
         help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
              "trained again, everything else is made again, in the same per-epoch order (its --seed). "
-             "Consumers load the checkpoint of its last commit. Producers/consumers may number differently.")
+             "Consumers load the checkpoint of its last commit. Producers/consumers may number differently. "
+             "A run another run resumed already is refused (resume the end of its chain).")
+@option("--force-resume", is_flag=True, default=False,
+        help="With --resume: resume RUN even though another run resumed it already, as a second branch from "
+             "RUN's last commit (what the first continuation trained since is trained again, into another drafter).")
 def main(**opts) -> None:
     """The dflash broker: creates a run, hands out work leases to producers, queues their
     hidden-state batches (bounded in bytes) and dispatches them to consumers by credit.

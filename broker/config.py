@@ -97,6 +97,7 @@ class BrokerConfig:
     wandb: str | None = None  # ... and to this Weights & Biases project
     log_level: str = "info"
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
+    force_resume: bool = False  # resume it even though another run resumed it already (resume.py)
     max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
     curve_keys: str | None = None  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
     drain_s: float = 120.0  # on SIGINT/SIGTERM: longest wait for peers' last commit and bye

@@ -38,6 +38,8 @@ def handle(core: BrokerCore, identity: bytes, h: dict | None, error: str | None,
     None when it did not parse; `error` when the codec refused it). Never raises on bad input."""
     peer = core.peers.by_identity.get(identity)
     who = peer.id if peer else identity.hex()
+    if h is None or h.get("type") != "status":
+        core.peer_messages += 1  # someone tried to take part (a run nobody tried is empty: cli.py)
     if peer is not None:
         peer.last_seen = now  # any message counts as a heartbeat
     if h is None:

@@ -113,6 +113,7 @@ class BrokerCore:
         self.publish_status = bool(cfg.metrics_port)  # the --metrics-port endpoint wants the map
         self.metric_sink = None  # --tensorboard / --wandb (runtime/sinks.py)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
+        self.peer_messages = 0  # control messages other than status asks, refused ones included
         self._out: list[Action] = []
         self._depth = 0
 

@@ -103,9 +103,10 @@ _RECEIVED = 11  # the column of a _SQL["batch"] row a later write leaves alone w
 class Ledger:
     """Queued, batched writes of sample transitions, plus in-memory counts per state."""
 
-    def __init__(self, path: Path, *, flush_s: float = 0.2, max_ops: int = 50_000):
+    def __init__(self, path: Path, *, flush_s: float = 0.2, max_ops: int = 50_000, clock=time.monotonic):
         self.path = Path(path)
         self.flush_s, self.max_ops = flush_s, max_ops
+        self._clock = clock  # when a flush is due (injected by tests)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
@@ -121,7 +122,7 @@ class Ledger:
         # moves only after its lease row, so writing these after `_ops` keeps the order.)
         self._batches: dict[str, tuple] = {}
         self._states: dict[tuple[int, int], tuple] = {}
-        self._last_flush = time.monotonic()
+        self._last_flush = clock()
         self.counts: Counter[str] = Counter()
         self.flush_seconds = 0.0  # total time spent writing, for the status map
         # (step, checkpoint) of this run's newest commit: a later ack of a step <= it is
@@ -327,13 +328,13 @@ class Ledger:
             self.flush()
 
     def maybe_flush(self, now: float | None = None) -> None:
-        if (self._ops or self._batches or self._states) and (now or time.monotonic()) - self._last_flush >= self.flush_s:
+        if (self._ops or self._batches or self._states) and (now or self._clock()) - self._last_flush >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         """Hand every queued transition to the writer thread: one transaction, in order.
         Returns at once; an error of an earlier write is raised here."""
-        self._last_flush = time.monotonic()
+        self._last_flush = self._clock()
         while self._writes and self._writes[0].done():
             self._writes.popleft().result()  # raises what the write raised (disk full, ...)
         if not (self._ops or self._batches or self._states):

@@ -37,8 +37,9 @@ from .integrity import CheckpointDamaged, check_finite, load_weights, verify_che
 from .record import save_record
 
 __all__ = ["CheckpointDamaged", "Signal", "SignalMismatch", "check_finite", "check_signal", "load_checkpoint",
-           "load_weights", "read_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs",
-           "verify_checkpoint", "write_checkpoint"]
+           "load_weights", "newest_checkpoint", "nothing_to_resume", "read_checkpoint", "read_state",
+           "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs", "verify_checkpoint",
+           "write_checkpoint"]
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -184,18 +185,36 @@ def write_checkpoint(
     return final
 
 
-def resolve_checkpoint(ref: str, runs_dir: str | os.PathLike | None = None) -> Path:
-    """A checkpoint folder from `latest`, a run ID, a run folder or a step folder.
+def newest_checkpoint(runs_dir: str | os.PathLike | None = None) -> Path | None:
+    """The newest checkpoint of the newest run that has one (`latest`: a resumed run gets
+    a new run ID, so the checkpoint to resume is usually in an earlier run's folder), or
+    None when no run under `runs_dir` has one yet."""
+    root = runs_root(runs_dir)
+    runs = sorted((p for p in root.iterdir() if is_run_id(p.name)), reverse=True) if root.is_dir() else []
+    for run in runs:
+        if found := step_dirs(run / "checkpoints"):
+            return found[-1][1]
+    return None
 
-    `latest` is the newest checkpoint of the newest run that has one (a resumed run gets
-    a new run ID, so the checkpoint to resume is usually in an earlier run's folder).
-    Raises FileNotFoundError saying where it looked."""
+
+def nothing_to_resume(ref: str | None, runs_dir: str | os.PathLike | None = None) -> str | None:
+    """Why `--resume latest` starts from scratch: no run under `runs_dir` has a checkpoint
+    yet (a first start, or a restart before the first --save-every). None otherwise. The
+    same command then serves the first start and every restart; a resume that names a
+    checkpoint, run or folder still fails when there is none."""
+    if ref != "latest" or newest_checkpoint(runs_dir) is not None:
+        return None
+    return (f"--resume latest: no checkpoint under {runs_root(runs_dir).resolve()} yet, so nothing to resume: "
+            "this consumer starts as it would without --resume")
+
+
+def resolve_checkpoint(ref: str, runs_dir: str | os.PathLike | None = None) -> Path:
+    """A checkpoint folder from `latest` (newest_checkpoint), a run ID, a run folder or a
+    step folder. Raises FileNotFoundError saying where it looked."""
     root = runs_root(runs_dir)
     if ref == "latest":
-        runs = sorted((p for p in root.iterdir() if is_run_id(p.name)), reverse=True) if root.is_dir() else []
-        for run in runs:
-            if found := step_dirs(run / "checkpoints"):
-                return found[-1][1]
+        if (found := newest_checkpoint(runs_dir)) is not None:
+            return found
         raise FileNotFoundError(f"--resume latest: no checkpoint in any run under {root.resolve()}")
     p = Path(ref)
     if not p.exists() and is_run_id(ref):

@@ -86,7 +86,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
 @option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
 @option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")
-@option("--resume", default=None, help="Checkpoint folder, run ID or run folder, or 'latest', to continue from.")
+@option("--resume", default=None,
+        help="Checkpoint folder, run ID or run folder, or 'latest', to continue from. In a broker run none is needed "
+             "(the broker names the checkpoint); 'latest' where no checkpoint exists yet starts as without --resume.")
 @option("--force", is_flag=True, default=False, help="Resume even if the training signal differs from the checkpoint's.")
 @option("--log-position-every", default=100, type=click.IntRange(0), help="Log per-position accuracy every N steps.")
 @option("--epoch-samples", default=None, type=click.IntRange(1),
@@ -120,6 +122,8 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @curve_options
 def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
+    if o["eval_prompts"] and not o["eval_every"]:  # refused before torch and the target load
+        fail("--eval-prompts is used by the live evaluation: give --eval-every N too")
     from .consumer import ConsumerConfig, run
     from .train import TrainConfig
 

@@ -29,7 +29,7 @@ from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest,
 from dflash.runtime.run import run_dir as run_folder
 from dflash.runtime.stop import GracefulStop
 
-from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
+from .checkpoint import SignalMismatch, nothing_to_resume, resolve_checkpoint, signal_differences
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
@@ -90,6 +90,9 @@ def run(cfg: ConsumerConfig) -> None:
         heads = load_target_heads(cfg.target, device=device,
                                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         tcfg = cfg.train
+        if cfg.synthetic_batches and (why := nothing_to_resume(tcfg.resume, cfg.runs_dir)):
+            log.info("consume.resume_point", checkpoint=None, parent_run=None, why=why)
+            tcfg = replace(tcfg, resume=None)
         if tcfg.resume and cfg.synthetic_batches:  # before this run's folder exists; records the parent
             tcfg = replace(tcfg, resume=str(resolve_checkpoint(tcfg.resume, cfg.runs_dir)))
         elif tcfg.resume and tcfg.resume != "latest":
@@ -108,7 +111,12 @@ def run(cfg: ConsumerConfig) -> None:
         log.info("consume.done", step=state.step, reason=state.end_reason, tokens=state.tokens,
                  samples=state.samples, last_checkpoint=str(state.last_checkpoint) if state.last_checkpoint else None)
         # stderr: stdout carries only the JSON log lines (a pipe into jq must parse every line)
-        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}", err=True)
+        if state.end_reason == "left":
+            click.echo(f"left the elastic group at step {state.step}; the other consumers go on and commit these "
+                       "weights (theirs too); stop the broker to stop the whole job", err=True)
+        else:
+            click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}",
+                       err=True)
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
@@ -201,6 +209,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             if not dist.elastic:  # elastic: a joiner checks the signal of the state it is healed with
                 _same_signal(dist, signal_)
             plugs = BrokerHooks(link, dist.rank, stop, device, resumed_from=tcfg.resume)
+            # A signal to this process (not the broker's stop): in an elastic group it leaves alone
+            plugs.hooks.leave = lambda: getattr(stop, "signal_name", None) is not None
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
             plugs.hooks.on_metrics = sink = _sink(cfg, link.run_id, run_folder(link.run_id, cfg.runs_dir), dist.rank)
@@ -215,7 +225,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             sink.close()
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
-        if live and state.end_reason != "stop" and state.model is not None:  # the finished drafter's real tau
+        if live and state.end_reason not in ("stop", "left") and state.model is not None:  # the finished drafter's real tau
             live.final(state.step, state.model)
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason

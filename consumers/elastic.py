@@ -91,6 +91,7 @@ class ElasticDist:
         self.max_world = max_world
         self.quorums = 0
         self.healed_from: int | None = None  # the step this replica had before its last heal
+        self._closed = False
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
 
@@ -233,6 +234,10 @@ class ElasticDist:
         """Nothing to wait for: a rank that fails after this leaves, the others go on."""
 
     def close(self) -> None:
+        """Leave the group (stop heartbeating to the lighthouse); again, nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._manager.shutdown(wait=False)
         except Exception as e:  # shutting down after a failure: say so, do not mask the failure

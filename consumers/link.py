@@ -31,7 +31,7 @@ from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import is_run_id
 
-from .checkpoint import Signal, resolve_checkpoint
+from .checkpoint import Signal, nothing_to_resume, resolve_checkpoint
 from .dist import Dist, DistGroup
 from .elastic import ElasticDist, replica_name
 from .train import Hooks, TrainConfig
@@ -177,6 +177,9 @@ def resume_point(ref: str | None, run_config: dict, runs_dir, run_id: str | None
     FileNotFoundError."""
     if "resumed_from" not in run_config:
         if not ref:
+            return None
+        if why := nothing_to_resume(ref, runs_dir):
+            log.info("consume.resume_point", checkpoint=None, parent_run=None, why=why)
             return None
         path = resolve_checkpoint(ref, runs_dir)
         if run_id is not None:

@@ -30,6 +30,7 @@ from torch import nn
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.target_id import describe_target, same_target  # noqa: F401  (re-exported)
 from dflash.runtime import targets
+from dflash.runtime.progress import ticking
 
 # Where checkpoints keep the two tensors when transformers cannot build the model class
 # (a model_type it does not know): plain causal LMs first, then multimodal wrappers
@@ -411,8 +412,10 @@ def load_target_heads(
         return _load_gguf_heads(Path(path), device, dtype)
     folder = Path(path)
     loc, raw = _locate(folder)
-    embed = _read(loc.embed_name, loc.where[loc.embed_name], device, dtype)
-    lm_head = embed if loc.head_name is None else _read(loc.head_name, loc.where[loc.head_name], device, dtype)
+    # a large target's two vocabulary tensors are gigabytes: seconds to read, shown while they take
+    with ticking(f"read embed_tokens and lm_head of {folder.name}", end_line=False):
+        embed = _read(loc.embed_name, loc.where[loc.embed_name], device, dtype)
+        lm_head = embed if loc.head_name is None else _read(loc.head_name, loc.where[loc.head_name], device, dtype)
     return _heads(loc.spec, embed, lm_head, str(folder), raw, loc.embed_scale)
 
 

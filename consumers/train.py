@@ -296,17 +296,22 @@ class Trainer:
         # empty step while another has one; nobody steps while nobody has data. A bad
         # batch on any rank ends every rank, so none is left waiting in a collective.
         starting = not self.stepped_here and time.monotonic() - self.started < START_WAIT_S
-        have, stops, ended, bads, n_starting = dist.all_sum(
-            [batch is not None, want_stop, self.exhausted, bad is not None, starting])
+        # An elastic rank signalled alone leaves; the group stops only when the broker says so,
+        # or when every rank was signalled (the last one checkpoints and commits as any stop).
+        leaving = want_stop and dist.elastic and hooks.leave is not None and hooks.leave()
+        have, stops, ended, bads, n_starting, n_leaving = dist.all_sum(
+            [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving])
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
             self.held = _dropped(batch, state, dist, "quorum")
             return _SKIP
         if bads > 0:
             raise bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
+        if 0 < n_leaving < dist.world_size and stops == 0:
+            return self._leave(batch, leaving)
         if want_stop:
             log.warning("train.stopping", step=state.step, rank=dist.rank)
-        if stops > 0 or ended == dist.world_size:
-            state.end_reason = "stop" if stops > 0 else "end_of_stream"
+        if stops > 0 or n_leaving or ended == dist.world_size:
+            state.end_reason = "stop" if stops > 0 or n_leaving else "end_of_stream"
             return _END
         if have == 0 or _short_at_start(dist, n_starting):
             if batch is not None:  # waiting for ranks with a batch in hand: no source wait, so sleep
@@ -316,6 +321,20 @@ class Trainer:
                 hooks.stats["state"] = "waiting"
             return _SKIP
         return _STEP
+
+    def _leave(self, batch: Batch | None, leaving: bool) -> str:
+        """Ranks leave the group between two steps (nobody steps now: their batches will not
+        be in this step's collectives). A leaver ends without a checkpoint (the others hold
+        the same weights and commit them) and leaves the quorum at once; the others keep
+        their batch and meet again without it once the lighthouse sees it gone."""
+        state, dist = self.state, self.dist
+        if not leaving:
+            self.held = batch
+            return _SKIP
+        log.warning("train.leaving", step=state.step, rank=dist.rank, world_size=dist.world_size)
+        state.end_reason = "left"
+        dist.close()  # stop heartbeating to the lighthouse: the next quorum forms without us
+        return _END
 
     def step(self, batch: Batch | None) -> None:
         """One optimizer step with every rank, in the order things happen; none at all if a
@@ -457,7 +476,7 @@ class Trainer:
     def finish(self) -> TrainState:
         """The last checkpoint (if steps came after the newest), the end line, the state."""
         state = self.state
-        if self.ckpt_root is not None and state.step > state.saved_step:
+        if self.ckpt_root is not None and state.step > state.saved_step and state.end_reason != "left":
             self._commit(self._save())
         log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank)
         state.model = self.model

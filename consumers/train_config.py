@@ -88,6 +88,9 @@ class Hooks:
     # starts, when neither --total-samples, the broker nor a resumed checkpoint gives one
     stream_samples: int | None = None
     stop: threading.Event | None = None
+    # Whether the stop asked is this process's alone (a signal to it, not the broker's stop):
+    # in an elastic group such a rank leaves and the others go on (train.py `agree`)
+    leave: Callable[[], bool] | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
     # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
     # or None, the record); live evaluation on a batch the weights have not trained on yet.

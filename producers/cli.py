@@ -28,13 +28,8 @@ from .target import resolve_device
 log = get_logger()
 
 
-def run(kw: dict) -> None:
-    """dflash-produce with its options (command.py parses them)."""
-    cfg = ProducerConfig(**kw)
-    try:
-        cfg.check()
-    except ValueError as e:
-        fail(str(e))
+def run(cfg: ProducerConfig) -> None:
+    """dflash-produce with its options (command.py parses and checks them)."""
     world = _join_world(cfg) if cfg.tensor_parallel else None
     instance = cfg.instance or _default_instance(cfg)
     if world is not None and not world.leader:

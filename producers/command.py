@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, option, runs_dir_option,
-                                    target_option)
+from dflash.runtime.config import (broker_option, command, config_option, curve_options, fail, option,
+                                    runs_dir_option, target_option)
 
-from .config import DEFAULT_REGEN_CACHE
+from .config import DEFAULT_REGEN_CACHE, ProducerConfig
 
 
 @command("PRODUCE")
@@ -75,6 +75,11 @@ from .config import DEFAULT_REGEN_CACHE
 @curve_options
 def main(**kw) -> None:
     """Run a frozen target model on leased samples and stream hidden states to the broker."""
+    cfg = ProducerConfig(**kw)
+    try:  # options that cannot work together are refused now, not after torch and the target load
+        cfg.check()
+    except ValueError as e:
+        fail(str(e))
     from .cli import run
 
-    run(kw)
+    run(cfg)

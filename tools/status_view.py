@@ -77,10 +77,10 @@ def _live_state(state) -> str:
     return "LIVE, JOB LOST (training cannot go on: resume the run)" if state == "job_lost" else f"LIVE ({state})"
 
 
-def _inherited(p: dict) -> str:
-    """A resumed run's samples done by the runs before it (they count towards progress)."""
-    n = p.get("inherited")
-    return f" (+{n} from the resumed run)" if isinstance(n, int) and n else ""
+def inherited(n) -> str:
+    """A resumed run's samples committed by the runs before it: counted in its trained and
+    committed figures (broker/status.py trained_figures), and said so."""
+    return f" (incl. {n} from the resumed run)" if isinstance(n, int) and n else ""
 
 
 def header(st: dict) -> list[str]:
@@ -97,7 +97,7 @@ def header(st: dict) -> list[str]:
     epoch = "-" if p.get("epoch") is None else p["epoch"] + 1  # 1-based for people
     lines.append(f"progress epoch {epoch}/"
                  f"{p.get('epochs', '?')} ({epochs_done} epochs done)  samples trained {p.get('trained', 0)} "
-                 f"committed {p.get('committed', 0)}{_inherited(p)} of {total if total is not None else '?'}{pct}  skipped "
+                 f"committed {p.get('committed', 0)}{inherited(p.get('inherited'))} of {total if total is not None else '?'}{pct}  skipped "
                  f"{s.get('skipped', 0)}  {eta}")
     lines.append(f"queue    {q.get('batches', 0)} batches  {size(q.get('bytes'))} of {size(q.get('capacity_bytes'))}"
                  f"  oldest {dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"

@@ -94,8 +94,11 @@ def _last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_dir, tmp_path):
-    b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both_or_takes_one_out(target_dir, tmp_path,
+                                                                                          elastic):
+    b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8",
+                                       "--elastic" if elastic else "--no-elastic"])
     # Layers given: a consumer left to auto waits for a producer's layers before it trains (and forms no group)
     cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}", "--target-layers", "1")
           for i in range(2)]
@@ -109,18 +112,26 @@ def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_d
         assert all(u < 0.4 for u in used), used
         rank1 = next(p for p in rows if p["rank"] == 1)
         os.kill(rank1["pid"], signal.SIGTERM)  # rank 0 learns it through the step's collective
-        results = [c.wait(60) for c in cs]
+        by_rank = {p["rank"]: c for p in rows for c in cs if c.proc.pid == p["pid"]}
+        if elastic:  # only the signalled one goes (issue 29); the broker's stop ends the other
+            leaver = by_rank[1].wait(60)
+            assert by_rank[0].proc.poll() is None, by_rank[0].out.read_text()[-1500:]
+            b.stop()
+            results = [by_rank[0].wait(60), leaver]
+        else:
+            results = [by_rank[0].wait(60), by_rank[1].wait(60)]
     finally:
         for c in cs:
             if c.proc.poll() is None:
                 c.proc.kill()
         b.stop()
     assert [code for code, _ in results] == [0, 0], [out[-1500:] for _, out in results]
-    for c in cs:
-        (end,) = c.events("train.end")
-        assert end["reason"] == "stop" and end["step"] == 0
+    ends = {r: c.events("train.end") for r, c in by_rank.items()}
+    want = {0: "stop", 1: "left" if elastic else "stop"}
+    got = {r: [(e["reason"], e["step"]) for e in ev] for r, ev in ends.items()}
+    assert got == {r: [(w, 0)] for r, w in want.items()}, got
     left = b.events("broker.peer_left")
-    assert sorted(e["reason"] for e in left) == ["stop", "stop"]
+    assert sorted(e["reason"] for e in left) == sorted(want.values())
 
 
 def test_refused_or_lost_broker_exits_1_with_the_reason(target_dir, tmp_path):

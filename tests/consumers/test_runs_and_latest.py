@@ -24,6 +24,7 @@ from dflash.consumers.train import TrainConfig, train
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 
 from tests.harness.broker import BrokerProc
+from tests.harness.wait import wait_until
 from tests.consumers.test_consume_broker import Consumer
 
 pytestmark = pytest.mark.integration
@@ -123,3 +124,33 @@ def test_a_consumer_resuming_latest_against_a_fresh_broker_run_exits_at_start(ta
         assert not c.events("train.start")
     finally:
         b.stop()
+
+
+def test_resume_latest_before_any_checkpoint_starts_as_without_resume_and_says_so(target_dir, tmp_path):
+    # The README's restart command works on a first start, and on a restart before the first
+    # --save-every: nothing to resume is said in the log, not an exit 2 (issue 29).
+    runs = tmp_path / "runs"
+    with capture_logs() as logs:
+        assert resume_point("latest", {}, runs, run_id=new_run_id(1_700_000_000)) is None
+    [line] = [e for e in logs if e["event"] == "consume.resume_point"]
+    assert line["checkpoint"] is None and "no checkpoint under" in line["why"] and "nothing to resume" in line["why"]
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):  # a named one must exist
+        resume_point(str(tmp_path / "nowhere"), {}, runs, run_id=new_run_id(1_700_000_000))
+    # A local run likewise trains from scratch.
+    r = CliRunner().invoke(main, _args(target_dir, runs, "--synthetic-batches", "2", "--resume", "latest"))
+    assert r.exit_code == 0, r.output
+    (run,) = [p for p in runs.iterdir() if p.name != "latest"]
+    events = [json.loads(x) for x in (run / "logs" / "consumer-local-cpu.jsonl").read_text().splitlines()]
+    assert [e["checkpoint"] for e in events if e["event"] == "consume.resume_point"] == [None]
+    assert [e["step"] for e in events if e["event"] == "train.step"] == [1, 2]
+    # Against a broker: the consumer joins and trains.
+    b = BrokerProc(runs / "b", ["--num-samples", "4"])
+    c = Consumer(b, target_dir, tmp_path / "c.out", "--instance", "restarted", "--resume", "latest")
+    try:
+        wait_until(lambda: c.events("consume.resume_point") or c.proc.poll() is not None, 120, "the resume point")
+        [said] = c.events("consume.resume_point")
+        assert said["checkpoint"] is None and "nothing to resume" in said["why"], said
+        assert c.proc.poll() is None, c.out.read_text()[-1500:]  # still in the run, waiting for a producer
+    finally:
+        b.stop()
+        c.wait(60)
