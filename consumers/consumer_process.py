@@ -3,7 +3,7 @@ heads), then either the broker's run (`_serve`: its ranks and batches, through
 protocol/links.py ConsumerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
 a run of its own), each handing the batches to the Trainer (train.py).
 
-The command line (command.py) only maps options onto `ConsumerConfig`.
+consume_command.py makes the `ConsumerConfig` from the command line.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
-                   nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
+from .broker_hooks import BrokerHooks, broker_batches, nothing_left_to_train
+from .join import arranged_dist, await_run_facts, check_run_target, hello_config, offer_dist_addr, resume_point, run_layers
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train

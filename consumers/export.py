@@ -287,10 +287,3 @@ def run(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force:
     click.echo(f"exported {src} -> {out} (block_size {cfg['block_size']}, "
                f"target_layer_ids {cfg['dflash_config']['target_layer_ids']}, "
                f"mask_token_id {cfg['dflash_config']['mask_token_id']})")
-
-
-# The command (options parsed without importing torch); kept here for callers of export.main.
-from dflash.consumers.export_command import main  # noqa: E402
-
-if __name__ == "__main__":
-    main()

@@ -48,7 +48,7 @@ def load_components(cfg: ProducerConfig) -> Components:
     target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype,
                          attn_impl=cfg.attn_impl, full=cfg.regenerate, final=cfg.final_hidden,
                          trust_remote_code=cfg.trust_remote_code, tensor_parallel=cfg.tensor_parallel)
-    if cfg.tensor_parallel:  # rank 0 (cli.py): the followers run every forward pass with us from here on
+    if cfg.tensor_parallel:  # rank 0 (producer_process.py): the followers run every forward pass with us from here on
         from .shard import Leader
 
         target.shard = Leader(target.device)

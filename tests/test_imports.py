@@ -35,15 +35,7 @@ BROKER_POLICY_NOT_YET_ONE_CORE = frozenset({
     "dflash.broker.replies", "dflash.broker.runinfo", "dflash.broker.status",
 })
 
-# Issue 32 phase 1 breaks these next (start-up code, the trainer's checkpoint) and moves
-# what the roles share to shared ground; each entry goes with its fix.
-CYCLES_NOT_YET_BROKEN = [
-    ["dflash.broker.cli", "dflash.broker.command"],
-    ["dflash.consumers.export", "dflash.consumers.export_command"],
-    ["dflash.consumers.train", "dflash.consumers.train_checkpoint"],
-    ["dflash.producers.cli", "dflash.producers.command"],
-    ["dflash.tools.eval", "dflash.tools.eval_command"],
-]
+# Issue 32 phase 1 moves what the roles share to shared ground next; each entry goes with its fix.
 ROLE_IMPORTS_NOT_YET_MOVED = frozenset({
     ("dflash.producers.build", "dflash.consumers.target_heads"),
     ("dflash.producers.link", "dflash.broker.leases"),
@@ -78,17 +70,14 @@ def test_the_graph_is_the_installed_packages():
 
 def test_no_import_cycle(graph):
     found = cycles(graph)
-    allowed = [c for c in found if set(c) <= BROKER_POLICY_NOT_YET_ONE_CORE or c in CYCLES_NOT_YET_BROKEN]
+    allowed = [c for c in found if set(c) <= BROKER_POLICY_NOT_YET_ONE_CORE]
     bad = [c for c in found if c not in allowed]
     for c in found:
-        why = (" (allowed: broker policy, phase 2)" if set(c) <= BROKER_POLICY_NOT_YET_ONE_CORE else
-               " (allowed for now)" if c in allowed else "")
-        print(f"cycle{why}: {', '.join(c)}\n    {_loop(graph, c)}")
+        print(f"cycle{' (allowed: broker policy, phase 2)' if c in allowed else ''}: {', '.join(c)}\n    "
+              f"{_loop(graph, c)}")
     assert not bad, "import cycles among the project's modules (each with one loop through it):\n" + "\n".join(
         f"  {', '.join(c)}\n    {_loop(graph, c)}" for c in bad)
-    stale = [c for c in CYCLES_NOT_YET_BROKEN if c not in found]
-    assert not stale, f"no longer a cycle: remove from CYCLES_NOT_YET_BROKEN: {stale}"
-    assert any(set(c) <= BROKER_POLICY_NOT_YET_ONE_CORE for c in found), (
+    assert allowed, (
         "the broker's policy modules no longer import each other in a cycle: remove BROKER_POLICY_NOT_YET_ONE_CORE")
 
 

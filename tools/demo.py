@@ -34,8 +34,8 @@ def _sample_data() -> Path:
 
 def _cli(name: str) -> list[str]:
     """Run our console scripts through this interpreter, so the demo works from any venv."""
-    module = {"broker": "dflash.broker.cli", "produce": "dflash.producers.cli",
-              "consume": "dflash.consumers.cli"}[name]
+    module = {"broker": "dflash.broker.broker_command", "produce": "dflash.producers.produce_command",
+              "consume": "dflash.consumers.consume_command"}[name]
     return [sys.executable, "-m", module]
 
 

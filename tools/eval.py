@@ -273,10 +273,3 @@ def enable_fused(fuse: str, device: torch.device) -> bool:
     on = fuse == "on" or (fuse == "auto" and auto_compiles(device))
     fused.enable(on)
     return on
-
-
-# The command (options parsed without importing torch); kept here for callers of eval.main.
-from dflash.tools.eval_command import main  # noqa: E402
-
-if __name__ == "__main__":
-    main()

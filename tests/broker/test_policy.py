@@ -252,7 +252,7 @@ def test_option_parsing_and_config_checks():
 
 
 def test_cli_refuses_bad_options_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--queue-bytes", "lots"],
+    r = subprocess.run([sys.executable, "-m", "dflash.broker.broker_command", "--queue-bytes", "lots"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lots" in r.stderr
 

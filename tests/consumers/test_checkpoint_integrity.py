@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import CheckpointDamaged, verify_checkpoint
 from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.export import main as export_main
+from dflash.consumers.export_command import main as export_main
 from dflash.consumers.finite import NonFiniteStep
 from dflash.consumers.train import Hooks, TrainConfig, train
 

@@ -33,7 +33,7 @@ class Consumer:
         self.out = out
         with open(out, "w") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dflash.consumers.cli", "--broker", broker.control, "--target",
+                [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", broker.control, "--target",
                  str(target_dir), "--runs-dir", str(broker.runs_dir), "--draft-layers", "1", "--block-size", "4",
                  "--anchors", "6", "--mask-token-id", str(mask_token_id), *extra],
                 stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -201,7 +201,7 @@ def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_p
 
 def test_a_resumed_run_names_the_checkpoint_to_start_from(tmp_path):
     """PROTOCOL.md 8: the newest *commit* of the chain, not a newer checkpoint on disk."""
-    from dflash.consumers.link import RunConfigMismatch, resume_point
+    from dflash.consumers.join import RunConfigMismatch, resume_point
 
     runs = tmp_path / "runs"
     old = runs / "20260101T000000Z-aaaa" / "checkpoints"
@@ -261,7 +261,7 @@ def test_a_consumer_started_before_any_producer_trains_on_the_runs_layers(tmp_pa
         env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
         with open(tmp_path / "p.out", "w") as f:
             producer = subprocess.Popen(
-                [sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--runs-dir", str(b.runs_dir),
+                [sys.executable, "-m", "dflash.producers.produce_command", "--broker", b.control, "--runs-dir", str(b.runs_dir),
                  "--instance", "p0", "--device", "cpu", "--target", str(target), "--data", str(data),
                  "--target-layers", "0,2", "--token-budget", "256", "--max-length", "128", "--max-batch-size", "2",
                  "--lease-size", "4", "--prefetch", "1"], stdout=f, stderr=subprocess.STDOUT, env=env)

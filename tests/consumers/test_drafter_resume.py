@@ -97,7 +97,7 @@ def test_a_joiner_whose_checkpoint_was_pruned_after_the_stream_ended_trains_noth
     import threading
     from types import SimpleNamespace
 
-    from dflash.consumers.link import nothing_left_to_train
+    from dflash.consumers.broker_hooks import nothing_left_to_train
 
     gone = tmp_path / "runs" / "r" / "checkpoints" / "step-140"
     with pytest.raises(FileNotFoundError) as err:

@@ -18,8 +18,8 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import save_checkpoint, step_dirs
-from dflash.consumers.cli import main
-from dflash.consumers.link import RunConfigMismatch, resume_point
+from dflash.consumers.consume_command import main
+from dflash.consumers.join import RunConfigMismatch, resume_point
 from dflash.consumers.train import TrainConfig, train
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, batch_message, random_batch, tiny_target
 from dflash.consumers.batch import BatchMismatch
 from dflash.consumers.export import ExportError, check_drafter_target, export_checkpoint
-from dflash.consumers.link import RunConfigMismatch, check_run_target
+from dflash.consumers.join import RunConfigMismatch, check_run_target
 from dflash.consumers.target_heads import identity_of, load_target_heads
 from dflash.consumers.train import TrainConfig, train
 
@@ -124,7 +124,7 @@ def test_export_records_the_target_and_eval_refuses_another(target_dir, other_di
 
 
 def test_dflash_eval_refuses_a_drafter_of_another_target(tmp_path):
-    from dflash.tools.eval import main as eval_main
+    from dflash.tools.eval_command import main as eval_main
     from dflash.tools.tiny import tiny_target as tiny_with_tokenizer
 
     a, b = tiny_with_tokenizer(layers=4, seed=0), tiny_with_tokenizer(layers=4, seed=5)

@@ -53,13 +53,13 @@ def test_training_across_three_network_namespaces(hosts, tmp_path):
            "OMP_NUM_THREADS": "1", "DFLASH_LOG_JSON": "1"}
     common = ["--runs-dir", str(runs)]
     argv = {
-        "broker": [sys.executable, "-m", "dflash.broker.cli", "--bind", b, "--advertise-host", b,
+        "broker": [sys.executable, "-m", "dflash.broker.broker_command", "--bind", b, "--advertise-host", b,
                    "--port", str(PORT), "--data-in-port", str(PORT + 1), "--data-out-ports", f"{PORT + 2}-{PORT + 5}",
                    "--epochs", "2", "--consumers", "1", *common],
-        "producer": [sys.executable, "-m", "dflash.producers.cli", "--broker", f"tcp://{b}:{PORT}",
+        "producer": [sys.executable, "-m", "dflash.producers.produce_command", "--broker", f"tcp://{b}:{PORT}",
                      "--device", "cpu", "--target", str(target), "--data", str(data), "--max-length", "512",
                      "--token-budget", "2048", "--instance", "nsP", *common],
-        "consumer": [sys.executable, "-m", "dflash.consumers.cli", "--broker", f"tcp://{b}:{PORT}",
+        "consumer": [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", f"tcp://{b}:{PORT}",
                      "--target", str(target), "--block-size", "8", "--anchors", "32", "--draft-layers", "1",
                      "--instance", "nsC", *common],
     }

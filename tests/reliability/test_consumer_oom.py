@@ -29,7 +29,7 @@ def test_a_consumer_out_of_memory_splits_its_steps_and_trains_every_sample_once(
     try:
         run = pipe.start_broker(None)
         # Batches of up to 4 chats, so a step splits into 2 and then 4 micro-batches.
-        pipe._spawn("p0", "dflash.producers.cli", [
+        pipe._spawn("p0", "dflash.producers.produce_command", [
             "--broker", pipe.control, "--runs-dir", str(pipe.runs), "--instance", "p0", "--device", "cpu",
             "--target", pipe.target, "--data", str(pipe.data), "--token-budget", "640", "--max-length", "512",
             "--max-batch-size", "4", "--lease-size", "8", "--prefetch", "2"])

@@ -215,10 +215,10 @@ def test_real_producer_and_consumer_train_over_curve_and_a_keyless_producer_is_r
 
     produce = ["--device", "cpu", "--target", target, "--data", str(data), "--max-length", "512",
                "--token-budget", "2048"]
-    keyless = start("dflash.producers.cli", *produce, "--instance", "nokey")
-    procs = [start("dflash.producers.cli", *produce, "--instance", "p", "--curve-keys", str(keys),
+    keyless = start("dflash.producers.produce_command", *produce, "--instance", "nokey")
+    procs = [start("dflash.producers.produce_command", *produce, "--instance", "p", "--curve-keys", str(keys),
                    "--curve-name", "good-p"),
-             start("dflash.consumers.cli", "--target", target, "--block-size", "8", "--anchors", "32",
+             start("dflash.consumers.consume_command", "--target", target, "--block-size", "8", "--anchors", "32",
                    "--draft-layers", "1", "--instance", "c", "--curve-keys", str(keys), "--curve-name", "good-c")]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]

@@ -1,5 +1,5 @@
 """`--help` answers at once (issue 20: `dflash-consume --help` took ~3.8 s, importing torch
-before parsing). The click commands of the roles live in command.py modules that import
+before parsing). The click commands of the roles live in <script>_command.py modules that import
 neither torch nor transformers; `-h` works on every command."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_help_imports_no_model_library(script):
 
 def test_consume_help_is_quick():
     exe = Path(sys.executable).parent / "dflash-consume"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from dflash.consumers.command import main; main()"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from dflash.consumers.consume_command import main; main()"]
     best = min(_timed([*cmd, "--help"]) for _ in range(2))
     # under 1 s on the dev VM; generous for a loaded CI machine (torch alone took ~3 s here)
     assert best < 2.5, f"dflash-consume --help took {best:.2f} s"
