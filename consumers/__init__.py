@@ -1,7 +1,7 @@
 """Drafter consumers: the DFlash drafter, its training loop, checkpoints and data-parallel ranks.
 
 What the command (consume_command.py -> consumer_process.run) and the broker link call:
-  target_heads.load_target_heads(path, device=, dtype=) -> TargetHeads   (embed + lm_head only)
+  runtime.target_heads.load_target_heads(path, device=, dtype=) -> TargetHeads  (embed + lm_head only)
   train.TrainConfig                                                       (all training options)
   train.train(cfg, heads, batches, dist=, ckpt_root=, runs_dir=, run_config=, hooks=) -> TrainState
   train.Hooks(on_step, on_checkpoint, queue, stop, after_step, before_step, stats)  (ack, commit, figures, stop, eval)

@@ -29,7 +29,9 @@ from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest,
 from dflash.runtime.run import run_dir as run_folder
 from dflash.runtime.stop import GracefulStop
 
-from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
+
+from .checkpoint import resolve_checkpoint
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
@@ -37,7 +39,7 @@ from .real_tau import RealTauSet
 from .broker_hooks import BrokerHooks, broker_batches, nothing_left_to_train
 from .join import arranged_dist, await_run_facts, check_run_target, hello_config, offer_dist_addr, resume_point, run_layers
 from .synthetic import synthetic_stream
-from .target_heads import TargetLoadError, load_target_heads
+from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
 from .train_config import TrainState
 

@@ -254,7 +254,8 @@ def drafter_target(folder: str | os.PathLike) -> dict | None:
 def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike) -> dict | None:
     """Refuse (ExportError naming both) a drafter trained for another target than the one
     at `target_dir`. Returns the recorded identity (None: nothing recorded, not checked)."""
-    from .target_heads import TargetLoadError, describe_target, identity_of, same_target
+    from dflash.protocol.target_id import describe_target, same_target
+    from dflash.runtime.target_heads import TargetLoadError, identity_of
 
     want = drafter_target(drafter_dir)
     if want is None:

@@ -25,7 +25,9 @@ from dflash.protocol.errors import DFlashError
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import is_run_id
 
-from .checkpoint import Signal, resolve_checkpoint
+from dflash.protocol.training_signal import Signal
+
+from .checkpoint import resolve_checkpoint
 from .dist import Dist, DistGroup
 from .elastic import ElasticDist, replica_name
 from .train_config import TrainConfig

@@ -35,7 +35,7 @@ from dflash.runtime.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import finite, fused
-from .checkpoint import SignalMismatch, signal_differences
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
@@ -46,7 +46,7 @@ from .oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .staging import BatchStager
 from .step import batch_loss
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 from . import train_checkpoint
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
                            resolve_signal)

@@ -16,7 +16,9 @@ import torch
 
 from dflash.runtime.logs import get_logger
 
-from .checkpoint import Signal, check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
+from dflash.protocol.training_signal import Signal
+
+from .checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
 from .dist import DistGroup
 from .record import TrainedRecord
 from .train_config import TrainConfig, TrainState

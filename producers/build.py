@@ -32,7 +32,7 @@ class Components:
     dataset: DataSource
     encoder: ChatEncoder
     regenerator: Regenerator | None = None
-    target_id: dict | None = None  # consumers.target_heads identity: the run's fact every role checks
+    target_id: dict | None = None  # runtime/target_heads.py identity: the run's fact every role checks
 
 
 def load_components(cfg: ProducerConfig) -> Components:
@@ -74,7 +74,7 @@ def load_components(cfg: ProducerConfig) -> Components:
 def target_identity(path: str) -> dict | None:
     """The target's identity as consumers compute it (config and heads hashes), or None
     where the folder does not hold them in safetensors (then the broker cannot check it)."""
-    from dflash.consumers.target_heads import TargetLoadError, identity_of
+    from dflash.runtime.target_heads import TargetLoadError, identity_of
 
     try:
         return identity_of(path)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from dflash.protocol.sample_order import epoch_order
+
 from .prefetch import Lease
 from .producer import BatchSink
 
@@ -43,8 +45,6 @@ class BrokerWorkSource:
     def order(self) -> list[int] | None:
         """Epoch 1's sample order as the broker leases it (its shuffle of the welcome's seed
         and dataset size), for --regenerate to work ahead; None if the welcome lacks them."""
-        from dflash.broker.leases import epoch_order
-
         cfg = self.link.welcome.get("run_config") or {}
         n = (cfg.get("dataset") or {}).get("n_samples")
         if not isinstance(n, int) or cfg.get("seed") is None:

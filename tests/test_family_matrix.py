@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from dflash.consumers.export import export_checkpoint
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.build import Components, load_components, make_producer
 from dflash.producers.config import ProducerConfig

@@ -35,12 +35,6 @@ BROKER_POLICY_NOT_YET_ONE_CORE = frozenset({
     "dflash.broker.replies", "dflash.broker.runinfo", "dflash.broker.status",
 })
 
-# Issue 32 phase 1 moves what the roles share to shared ground next; each entry goes with its fix.
-ROLE_IMPORTS_NOT_YET_MOVED = frozenset({
-    ("dflash.producers.build", "dflash.consumers.target_heads"),
-    ("dflash.producers.link", "dflash.broker.leases"),
-})
-
 
 def _role(module: str) -> str | None:
     return next((r for r in ROLES if module == r or module.startswith(r + ".")), None)
@@ -84,14 +78,14 @@ def test_no_import_cycle(graph):
 def test_no_import_between_roles(graph):
     crossing = [e for edges in graph.values() for e in edges
                 if _role(e.source) and _role(e.target) and _role(e.source) != _role(e.target)]
-    allow = DECODING_CORE_NOT_YET_SHARED | ROLE_IMPORTS_NOT_YET_MOVED
+    allow = DECODING_CORE_NOT_YET_SHARED
     for e in crossing:
-        print(f"role import{' (allowed for now)' if (e.source, e.target) in allow else ''}: {e}")
+        print(f"role import{' (allowed: decoding core not yet shared)' if (e.source, e.target) in allow else ''}: {e}")
     bad = [e for e in crossing if (e.source, e.target) not in allow]
     assert not bad, ("imports between producers/, consumers/ and broker/ (move what two roles share to "
                      "protocol/ or runtime/):\n" + "\n".join(f"  {e}" for e in bad))
     stale = allow - {(e.source, e.target) for e in crossing}
-    assert not stale, f"no longer imported: remove from the allowed role imports: {sorted(stale)}"
+    assert not stale, f"no longer imported: remove from DECODING_CORE_NOT_YET_SHARED: {sorted(stale)}"
 
 
 # ---------------------------------------------------------------- the walker on a tree made here

@@ -140,7 +140,7 @@ def test_final_checkpoint_exists_and_loads(run):
 
     from dflash.consumers.checkpoint import load_checkpoint
     from dflash.consumers.model import DFlashDraft, DrafterConfig
-    from dflash.consumers.target_heads import load_target_heads
+    from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 
     run_dir, _, _ = run

@@ -14,7 +14,8 @@ import zmq
 
 from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
 from dflash.broker.dispatch import BatchQueue, QueuedBatch, dispatch
-from dflash.broker.leases import LeasePool, StaleBatch, epoch_order
+from dflash.broker.leases import LeasePool, StaleBatch
+from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 from dflash.broker.liveness import RateLimit, RateMeter
 

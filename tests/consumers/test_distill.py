@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.batch import Batch, BatchMismatch
 from dflash.consumers.loss import ChunkedCE
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoint import SignalMismatch, resolve_checkpoint
+from dflash.consumers.checkpoint import resolve_checkpoint
+from dflash.protocol.training_signal import SignalMismatch
 from dflash.consumers.train import Hooks, TrainConfig, train
 from dflash.runtime.run import make_run_dir, new_run_id
 

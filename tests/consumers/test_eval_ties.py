@@ -89,7 +89,7 @@ def pair(tmp_path_factory):
     from safetensors.torch import save_file
 
     from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-    from dflash.consumers.target_heads import TargetSpec
+    from dflash.runtime.target_heads import TargetSpec
     from dflash.tools.tiny import MASK_TOKEN, tiny_target
     from transformers import AutoTokenizer
 

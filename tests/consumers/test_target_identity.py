@@ -16,7 +16,7 @@ from tests.harness.tiny import MASK_ID, batch_message, random_batch, tiny_target
 from dflash.consumers.batch import BatchMismatch
 from dflash.consumers.export import ExportError, check_drafter_target, export_checkpoint
 from dflash.consumers.join import RunConfigMismatch, check_run_target
-from dflash.consumers.target_heads import identity_of, load_target_heads
+from dflash.runtime.target_heads import identity_of, load_target_heads
 from dflash.consumers.train import TrainConfig, train
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected

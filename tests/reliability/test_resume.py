@@ -14,7 +14,7 @@ from tests.harness.ledger import committed, ledger_rows
 from tests.harness.spawn import COMMITTING, finish, spawn
 from tests.harness.wait import wait_until
 
-from dflash.broker.leases import epoch_order
+from dflash.protocol.sample_order import epoch_order
 
 pytestmark = pytest.mark.integration
 

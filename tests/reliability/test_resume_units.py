@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from dflash.broker import resume
-from dflash.broker.leases import LeasePool, epoch_order
+from dflash.broker.leases import LeasePool
+from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 
 pytestmark = pytest.mark.integration
