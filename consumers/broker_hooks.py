@@ -128,7 +128,7 @@ class BrokerHooks:
         stats = self.link.broker_stats
         if stats.get("samples_total") is None and not self.plan_waited:
             self.plan_waited = True
-            beat = float((getattr(self.link, "welcome", None) or {}).get("heartbeat_s") or 1.0)
+            beat = self.link.welcome.heartbeat_s
             deadline = time.monotonic() + PLAN_WAIT_BEATS * beat
             while stats.get("samples_total") is None and time.monotonic() < deadline:
                 time.sleep(0.02)

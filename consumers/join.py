@@ -4,6 +4,7 @@
 - `hello_config`: what a consumer tells the broker (its training signal, and the
   rendezvous address it offers if it becomes rank 0: PROTOCOL.md 4.1);
 - `resume_point`: the checkpoint to start from (a resumed run names it);
+- `run_config_of`: the welcome's run facts (protocol/messages.py `RunConfig`);
 - `await_run_facts`: the run's target layers, waited for when no producer fixed them yet;
 - `check_run_target`, `run_layers`: the welcome's run facts against this drafter (fail
   before training);
@@ -21,7 +22,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from dflash.protocol.errors import DFlashError
+from dflash.protocol.errors import DFlashError, ProtocolError
+from dflash.protocol.messages import RunConfig, RunFacts, nested
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import is_run_id
 
@@ -87,15 +89,25 @@ def reachable_ip(host: str) -> str:
         return socket.gethostname()
 
 
-def await_run_facts(link, run_config: dict, poll_s: float = 0.05) -> dict | None:
+def run_config_of(link) -> RunConfig:
+    """The welcome's run facts. Raises ProtocolError when the broker sent none: a consumer
+    cannot check its drafter against a run it knows nothing of."""
+    if link.welcome.run_config is None:
+        raise ProtocolError("welcome: no run_config (the run's facts, PROTOCOL.md 4.1): a consumer needs them",
+                            peer="broker")
+    return link.welcome.run_config
+
+
+def await_run_facts(link, run_config: RunConfig, poll_s: float = 0.05) -> RunConfig | None:
     """`run_config` (the welcome's) with the run's facts (target layers, hidden size, target
     identity) once a producer has fixed them: a consumer that joins before any producer waits
     here, in the broker's heartbeats, so that its drafter is never built on layers it guessed
     (the first batch would refuse it). None when the broker stops us first.
 
     A broker whose heartbeat carries no `run_facts` (older than this field) cannot tell:
-    the batches are checked as they come, as before. Raises what the link raises (BrokerLost)."""
-    if run_config.get("layer_ids") is not None:
+    the batches are checked as they come, as before. Raises what the link raises (BrokerLost),
+    ProtocolError for `run_facts` that are not what PROTOCOL.md 4.2 says."""
+    if run_config.layer_ids is not None:
         return run_config
     t0 = time.monotonic()
     log.info("consume.waiting_for_layers", hint="no producer has joined this run yet: the drafter is built once "
@@ -104,36 +116,42 @@ def await_run_facts(link, run_config: dict, poll_s: float = 0.05) -> dict | None
         if link.error is not None:
             raise link.error
         stats = link.broker_stats
-        facts = stats.get("run_facts")
-        if facts is None and stats:
+        if "run_facts" not in stats and stats:
             log.warning("consume.layers_unknown", hint="this broker does not send the run's facts in its heartbeat: "
                         "each batch's layers are checked against the drafter's as it comes")
             return run_config
-        if facts and facts.get("layer_ids") is not None:
-            known = {k: v for k, v in facts.items() if v is not None}
-            log.info("consume.layers_known", layer_ids=list(known["layer_ids"]),
-                     waited_s=round(time.monotonic() - t0, 2))
-            return {**run_config, **known}
+        facts = _run_facts(stats.get("run_facts"))
+        if facts is not None and facts.layer_ids is not None:
+            log.info("consume.layers_known", layer_ids=list(facts.layer_ids), waited_s=round(time.monotonic() - t0, 2))
+            return run_config.with_facts(facts)
         if link.stopped.is_set():
             return None
         time.sleep(poll_s)
 
 
-def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainConfig:
+def _run_facts(value) -> RunFacts | None:
+    """The heartbeat's `stats.run_facts` (nil while the broker knows none)."""
+    try:
+        return nested(RunFacts)(value)
+    except ProtocolError as e:
+        raise ProtocolError(f"heartbeat: stats.run_facts {e.reason}", peer="broker") from None
+
+
+def run_layers(tcfg: TrainConfig, run_config: RunConfig, hidden_size: int) -> TrainConfig:
     """`tcfg` with the run's target layers when this consumer left them to `auto`.
 
     Raises RunConfigMismatch when the run's producers send other layers than
     --target-layers asks for, or features of another width (another target)."""
-    run_hidden = run_config.get("hidden_size")
+    run_hidden = run_config.hidden_size
     if run_hidden is not None and run_hidden != hidden_size:
         raise RunConfigMismatch(f"this run's target has hidden size {run_hidden}, --target here has {hidden_size}: "
                                 "consumers must load the producers' target")
-    layers = run_config.get("layer_ids")
+    layers = run_config.layer_ids
     if layers is None:  # no producer yet: batches are checked as they come
         return tcfg
     if tcfg.target_layers is None:
         log.info("consume.layers_from_run", target_layers=list(layers))
-        return replace(tcfg, target_layers=tuple(int(i) for i in layers))
+        return replace(tcfg, target_layers=tuple(layers))
     if list(tcfg.target_layers) != list(layers):
         raise RunConfigMismatch(f"--target-layers {','.join(map(str, tcfg.target_layers))} but this run's "
                                 f"producers capture layers {','.join(map(str, layers))}: use the same layers "
@@ -141,19 +159,19 @@ def run_layers(tcfg: TrainConfig, run_config: dict, hidden_size: int) -> TrainCo
     return tcfg
 
 
-def check_run_target(run_config: dict, identity: dict) -> None:
+def check_run_target(run_config: RunConfig, identity: dict) -> None:
     """Raise RunConfigMismatch (naming both) when the run's target (`target_id`, stated by
     its producers) is not the one this consumer loaded. The broker refuses such a hello
     already; this covers a broker that does not check."""
     from dflash.protocol.target_id import describe_target, same_target
 
-    theirs = run_config.get("target_id")
+    theirs = run_config.target_id
     if theirs is not None and not same_target(theirs, identity):
         raise RunConfigMismatch(f"this run's target is {describe_target(theirs)}, --target here is "
                                 f"{describe_target(identity)}: consumers must load the producers' target")
 
 
-def resume_point(ref: str | None, run_config: dict, runs_dir, run_id: str | None = None) -> str | None:
+def resume_point(ref: str | None, run_config: RunConfig, runs_dir, run_id: str | None = None) -> str | None:
     """The checkpoint folder to start from, or None to start fresh.
 
     A resumed broker run names it (`resumed_from`: the newest commit of its chain,
@@ -162,21 +180,21 @@ def resume_point(ref: str | None, run_config: dict, runs_dir, run_id: str | None
     but (given this broker run's `run_id`) only a checkpoint of this run: see
     `fresh_run_resume`. Raises RunConfigMismatch for an explicit other checkpoint,
     FileNotFoundError."""
-    if "resumed_from" not in run_config:
+    if not run_config.names_start():
         if not ref:
             return None
         path = resolve_checkpoint(ref, runs_dir)
         if run_id is not None:
             fresh_run_resume(ref, path, run_id)
         return str(path)
-    named = run_config["resumed_from"]
-    want = resolve_checkpoint(named["checkpoint"], runs_dir).resolve() if named else None
+    named = run_config.resumed_from
+    want = resolve_checkpoint(named.checkpoint, runs_dir).resolve() if named else None
     if ref not in (None, "latest"):
         have = resolve_checkpoint(ref, runs_dir).resolve()
         if have != want:
-            raise RunConfigMismatch(f"--resume {ref} but this run continues run {run_config.get('parent_run')} "
+            raise RunConfigMismatch(f"--resume {ref} but this run continues run {run_config.parent_run} "
                                     f"from {want or 'no checkpoint'}; leave out --resume (the broker says where)")
-    log.info("consume.resume_point", checkpoint=str(want) if want else None, parent_run=run_config.get("parent_run"))
+    log.info("consume.resume_point", checkpoint=str(want) if want else None, parent_run=run_config.parent_run)
     return str(want) if want else None
 
 
@@ -198,27 +216,31 @@ def fresh_run_resume(ref: str, path: Path, run_id: str) -> None:
                             "then need no --resume); to train this run from scratch, leave out --resume")
 
 
-def arranged_dist(run_config: dict, device: torch.device, instance: str = "",
+def arranged_dist(run_config: RunConfig, device: torch.device, instance: str = "",
                   broker: str = "") -> DistGroup | None:
     """The data-parallel group the broker arranged (rank, world_size, dist or lighthouse in
     the welcome), or None if it arranges none. Elastic: joins the lighthouse at once.
     Fixed: blocks until every rank has joined (Dist.init's timeout). Raises DFlashError
-    when ranks are arranged but rank 0 offered no rendezvous."""
-    world = run_config.get("world_size")
+    when ranks are arranged but rank 0 offered no rendezvous, ProtocolError when the broker
+    arranges ranks without saying ours."""
+    world = run_config.world_size
     if not world:
         return None
-    rank = int(run_config["rank"])
-    if run_config.get("lighthouse"):
+    rank = run_config.rank
+    if rank is None:
+        raise ProtocolError(f"welcome: run_config arranges {world} ranks (world_size) but names no rank",
+                            peer="broker")
+    if run_config.lighthouse:
         host = urlsplit(broker).hostname
-        return ElasticDist.join(lighthouse=run_config["lighthouse"], replica=replica_name(rank, instance),
+        return ElasticDist.join(lighthouse=run_config.lighthouse, replica=replica_name(rank, instance),
                                 host=reachable_ip(host) if host else socket.gethostname(), device=device,
-                                rank=rank, max_world=int(world), timeout_s=ELASTIC_COLLECTIVE_TIMEOUT_S,
+                                rank=rank, max_world=world, timeout_s=ELASTIC_COLLECTIVE_TIMEOUT_S,
                                 quorum_timeout_s=ELASTIC_QUORUM_TIMEOUT_S,
                                 connect_timeout_s=ELASTIC_CONNECT_TIMEOUT_S)
     if world == 1:
         return Dist(0, 1, device)
-    if not run_config.get("dist"):
+    if not run_config.dist:
         raise DFlashError(f"the broker arranges {world} ranks but rank 0 sent no dist_addr to meet at")
-    log.info("consume.dist_join", rank=rank, world_size=world, dist=run_config["dist"],
+    log.info("consume.dist_join", rank=rank, world_size=world, dist=run_config.dist,
              backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist.init(init_method=run_config["dist"], rank=rank, world_size=world, device=device)
+    return Dist.init(init_method=run_config.dist, rank=rank, world_size=world, device=device)

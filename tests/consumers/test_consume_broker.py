@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -202,21 +203,23 @@ def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_p
 def test_a_resumed_run_names_the_checkpoint_to_start_from(tmp_path):
     """PROTOCOL.md 8: the newest *commit* of the chain, not a newer checkpoint on disk."""
     from dflash.consumers.join import RunConfigMismatch, resume_point
+    from dflash.protocol.messages import CommitPoint, RunConfig
 
     runs = tmp_path / "runs"
     old = runs / "20260101T000000Z-aaaa" / "checkpoints"
     for step in (10, 20):  # step-20 was written but its commit never reached the broker
         (old / f"step-{step}").mkdir(parents=True)
         (old / f"step-{step}" / "state.json").write_text("{}")
-    committed = {"parent_run": "20260101T000000Z-aaaa",
-                 "resumed_from": {"run": "20260101T000000Z-aaaa", "step": 10, "checkpoint": str(old / "step-10")}}
+    fresh = RunConfig(epochs=1, seed=0, lease_size=256, max_message_bytes=1 << 30, max_credit=64)
+    committed = replace(fresh, parent_run="20260101T000000Z-aaaa",
+                        resumed_from=CommitPoint("20260101T000000Z-aaaa", 10, str(old / "step-10")))
     assert resume_point(None, committed, runs) == str((old / "step-10").resolve())
     assert resume_point("latest", committed, runs) == str((old / "step-10").resolve())
     with pytest.raises(RunConfigMismatch, match="leave out --resume"):
         resume_point(str(old / "step-20"), committed, runs)
-    assert resume_point("latest", {"parent_run": "x", "resumed_from": None}, runs) is None  # nothing committed yet
-    assert resume_point("latest", {}, runs) == str(old / "step-20")  # not a resumed run: as asked
-    assert resume_point(None, {}, runs) is None
+    assert resume_point("latest", replace(fresh, parent_run="x"), runs) is None  # nothing committed yet
+    assert resume_point("latest", fresh, runs) == str(old / "step-20")  # not a resumed run: as asked
+    assert resume_point(None, fresh, runs) is None
 
 
 def test_the_schedule_runs_over_the_brokers_planned_samples(target_dir, tmp_path):
