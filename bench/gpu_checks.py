@@ -40,7 +40,7 @@ from structlog.testing import capture_logs
 
 from dflash.consumers.batch import Batch
 from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.oom import micro_batches
+from dflash.consumers.step_oom import micro_batches
 from dflash.consumers.staging import FP8_DECODE_ROWS, BatchStager
 from dflash.consumers.synthetic import as_received, rule_batch
 from dflash.runtime.target_heads import load_target_heads

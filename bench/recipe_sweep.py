@@ -40,7 +40,7 @@ _RUN = ("epochs", "samples")
 
 
 def packing_of(c: dict) -> tuple[int, int]:
-    from dflash.producers.config import ProducerConfig
+    from dflash.producers.producer_config import ProducerConfig
 
     return int(c.get("budget", ProducerConfig.token_budget)), int(c.get("seqs", ProducerConfig.max_batch_size))
 

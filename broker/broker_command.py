@@ -12,7 +12,7 @@ import sys
 import click
 
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
-from dflash.runtime.config import command, config_option, option, runs_dir_option
+from dflash.runtime.command_line import command, config_option, option, runs_dir_option
 
 
 @command("BROKER", max_content_width=100)
@@ -106,7 +106,7 @@ def broker_config(opts: dict):
     """(BrokerConfig, the resumed parent run or None) of the command's options; a bad option
     exits 2 with a one-line reason naming it."""
     from dflash.protocol import curve
-    from dflash.runtime.config import fail
+    from dflash.runtime.command_line import fail
 
     from . import resume
     from .config import BrokerConfig, parse_bytes, parse_port_range

@@ -15,7 +15,7 @@ import click
 import zmq
 
 from dflash.runtime.alloc import reuse_freed_memory
-from dflash.runtime.config import as_dict
+from dflash.runtime.command_line import as_dict
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest
 from dflash.runtime.stop import GracefulStop

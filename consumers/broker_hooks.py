@@ -1,5 +1,5 @@
 """What `train()` gets from the broker's link once a consumer has joined (join.py), as
-producers/link.py is the producer's policy on its link (protocol/links.py `ConsumerLink`:
+producers/broker_work.py is the producer's policy on its link (protocol/links.py `ConsumerLink`:
 inbox, credit, acks, commits):
 
 - `broker_batches`: the batch iterator `train()` reads: a message, None when nothing came

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, default_instance, fail,
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, default_instance, fail,
                                     option, runs_dir_option, size_option, target_option)
 
 

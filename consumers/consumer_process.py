@@ -19,7 +19,7 @@ import click
 import torch
 
 from dflash.runtime.alloc import reuse_freed_memory
-from dflash.runtime.config import as_dict, fail
+from dflash.runtime.command_line import as_dict, fail
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from

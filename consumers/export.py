@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from dflash.protocol.errors import DFlashError
 from dflash.runtime import targets
-from dflash.runtime.config import fail
+from dflash.runtime.command_line import fail
 from dflash.runtime.run import write_json_atomic
 
 from . import hf_dflash

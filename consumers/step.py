@@ -98,7 +98,7 @@ def batch_loss(
 
     Every term is per sequence (anchors and noise seeded per sample, attention within a
     sequence, a loss summed over positions): the sums of the batch's parts are the
-    batch's sums, which is what splitting a step into micro-batches relies on (oom.py)."""
+    batch's sums, which is what splitting a step into micro-batches relies on (step_oom.py)."""
     device = heads.embed.device
     layout = make_layout(batch, signal, seed, device, backend)
     if layout.num_queries == 0:

@@ -15,7 +15,7 @@ from dflash.runtime import targets
 from dflash.runtime.logs import get_logger
 
 from .chat import ChatEncoder
-from .config import ProducerConfig
+from .producer_config import ProducerConfig
 from .data import DataSource, open_dataset
 from .packing import PackingError, check_packing
 from .producer import BatchSink, Producer, WorkSource

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, fail, option,
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, fail, option,
                                     runs_dir_option, target_option)
 
-from .config import DEFAULT_REGEN_CACHE, ProducerConfig
+from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
 
 
 @command("PRODUCE")

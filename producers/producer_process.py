@@ -13,14 +13,14 @@ import traceback
 import click
 
 from dflash.protocol.curve import client_from
-from dflash.runtime.config import as_dict, default_instance, fail
+from dflash.runtime.command_line import as_dict, default_instance, fail
 from dflash.protocol.errors import DFlashError
 from dflash.runtime.logs import close_logging, get_logger, setup_logging
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.runtime.stop import GracefulStop
 
 from .build import hello_config, load_components, make_producer
-from .config import ProducerConfig
+from .producer_config import ProducerConfig
 from .producer import LocalWorkSource
 from .target import resolve_device
 
@@ -138,7 +138,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
     says stop), leave."""
     from dflash.protocol.links import ProducerLink
 
-    from .link import BrokerWorkSource, Stopped, link_sink
+    from .broker_work import BrokerWorkSource, Stopped, link_sink
 
     producer = None
     link = ProducerLink(cfg.broker, instance, gpu=cfg.gpu, config=hello_config(c, cfg),

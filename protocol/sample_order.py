@@ -1,6 +1,6 @@
 """Each epoch's shuffled sample order, from the run's seed (PROTOCOL.md 4.3): the broker
 leases samples along it (broker/leases.py), and a producer that regenerates ahead works
-along epoch 0's from the welcome's `seed` and `dataset.n_samples` (producers/link.py), so
+along epoch 0's from the welcome's `seed` and `dataset.n_samples` (producers/broker_work.py), so
 both must compute the very same order.
 """
 

@@ -21,7 +21,7 @@ from dflash.consumers.export import export_checkpoint
 from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.build import Components, load_components, make_producer
-from dflash.producers.config import ProducerConfig
+from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.protocol import codec

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from dflash.runtime.config import command, fail, option
+from dflash.runtime.command_line import command, fail, option
 from dflash.runtime.run import resolve_run, runs_root
 
 from .procs import ProcessGroup, tail_lines

@@ -26,7 +26,7 @@ N_ROWS, EPOCHS, EVERY, B, PROMPTS, NEW, REGEN_NEW = 48, 2, 4, 4, 3, 16, 24
 
 
 def _status(broker: str) -> dict | None:
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", broker, "--json", "--timeout-s", "2"],
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", broker, "--json", "--timeout-s", "2"],
                        capture_output=True, text=True, timeout=30)
     return json.loads(r.stdout) if r.returncode == 0 else None
 
@@ -75,7 +75,7 @@ def live_run(tmp_path_factory):
         while time.monotonic() < deadline and not group.all_exited() and not group.failed():
             st = _status(broker)
             if (_consumer_eval(st) or {}).get("step"):
-                text = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", broker],
+                text = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", broker],
                                       capture_output=True, text=True, timeout=30).stdout
                 break
             time.sleep(0.3)

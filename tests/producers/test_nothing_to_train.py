@@ -30,7 +30,7 @@ def _produce(b: BrokerProc, data: str, *extra: str) -> subprocess.CompletedProce
 
 
 def _status(b: BrokerProc) -> dict:
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--run", b.run_id, "--runs-dir",
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--run", b.run_id, "--runs-dir",
                         str(b.runs_dir), "--json", "--timeout-s", "0.2"], capture_output=True, text=True, timeout=60)
     return json.loads(r.stdout)
 

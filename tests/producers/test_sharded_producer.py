@@ -163,7 +163,7 @@ def test_what_cannot_be_sharded_is_refused_naming_why(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from dflash.producers.produce_command import main
-    from dflash.producers.config import ProducerConfig
+    from dflash.producers.producer_config import ProducerConfig
     from dflash.producers.shard import ShardError, world_from_env
     from dflash.producers.target import TargetError
 

@@ -186,7 +186,7 @@ def test_dflash_status_speaks_curve_with_an_authorised_key_only(curve_broker, ke
     b = curve_broker()
 
     def status(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--json",
+        return subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control, "--json",
                                "--timeout-s", "3", *extra], capture_output=True, text=True, timeout=60)
 
     ok = status("--curve-keys", str(keys), "--curve-name", "good-c")

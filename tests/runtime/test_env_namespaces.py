@@ -13,7 +13,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from dflash.runtime.config import SHARED_ENV
+from dflash.runtime.command_line import SHARED_ENV
 from dflash.tools import clidoc
 
 pytestmark = pytest.mark.unit

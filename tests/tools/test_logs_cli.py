@@ -8,7 +8,7 @@ import textwrap
 from click.testing import CliRunner
 
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
-from dflash.tools.logs import main
+from dflash.tools.logs_command import main
 import pytest
 
 pytestmark = pytest.mark.integration
