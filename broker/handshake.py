@@ -58,7 +58,7 @@ def hello(core: BrokerCore, identity: bytes, m: Hello, key: str | None = None) -
                       f"{other.pid}); give this one another name (--instance)", h)
     if role == "consumer" and core.phase is Phase.JOB_LOST and not takes_over(core, config):
         return refuse(core, identity, "job_lost", job_lost_reason(core), h)
-    facts, pipe, port, rank = None, None, None, None
+    facts, rank = None, None
     wrong_target = target_mismatch(core, role, config)
     if wrong_target is not None:
         return refuse(core, identity, "config_mismatch", wrong_target, h)

@@ -6,7 +6,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs

@@ -16,7 +16,8 @@ from dflash.consumers.speculative import Generation, _target_step, greedy, propo
 from dflash.runtime.hf_compat import new_cache
 from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.target import load_target
-from dflash.tools.eval import Prompt, main, prompt_report, summarise
+from dflash.tools.eval import Prompt, prompt_report, summarise
+from dflash.tools.eval_command import main
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from dflash.consumers.speculative import TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE
-from dflash.tools.eval import Prompt, format_report, main, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval import Prompt, format_report, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval_command import main
 from dflash.tools.families import tiny_model
 
 pytestmark = pytest.mark.unit

@@ -82,9 +82,9 @@ def test_training_across_three_network_namespaces(hosts, tmp_path):
     con = sqlite3.connect(run_dir / "ledger.sqlite")
     states = dict(con.execute("SELECT state, COUNT(*) FROM samples GROUP BY state"))
     assert states == {"committed": 2 * 40}, states
-    steps = [json.loads(l) for l in (run_dir / "logs" / "consumer-nsC.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (run_dir / "logs" / "consumer-nsC.jsonl").read_text().splitlines()]
     assert any(e["event"] == "train.step" for e in steps)
     # Each role ran in its own namespace with its own interface; the broker bound only its
     # namespace's address, so the producer and consumer reached it over the bridge.
-    joined = [json.loads(l) for l in (run_dir / "logs" / "broker-main.jsonl").read_text().splitlines()]
+    joined = [json.loads(line) for line in (run_dir / "logs" / "broker-main.jsonl").read_text().splitlines()]
     assert {e["peer_instance"] for e in joined if e["event"] == "broker.peer_joined"} == {"nsP", "nsC"}
