@@ -11,5 +11,6 @@ What the command (consume_command.py -> consumer_process.run) and the broker lin
   staging.BatchStager(batches, device, dtype)                             (the next batch made ready on a thread)
   dist.Dist.init(...) / Dist.from_torchrun(device)                        (gloo on CPU, NCCL on GPU)
   dist.DistGroup                               (what the loop asks of a group: Dist, elastic.ElasticDist)
-  checkpoint.resolve_checkpoint(ref, runs_dir), SignalMismatch
+  checkpoint.resolve_checkpoint(ref, runs_dir)      (protocol.training_signal.SignalMismatch: another signal)
+  join.* (hello config, run facts, resume point, ranks), broker_hooks.BrokerHooks / broker_batches
 """

@@ -103,7 +103,7 @@ class Hooks:
     # heals us (the broker's newest commit, which may be newer than its welcome said).
     resume_point: Callable[[], str | None] | None = None
     # Rank 0, after each step's train.step line: (step, that line's fields), for the
-    # metric sinks (--tensorboard, consumers/sinks.py)
+    # metric sinks (--tensorboard, runtime/sinks.py)
     on_metrics: Callable[[int, dict], None] | None = None
 
 
