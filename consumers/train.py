@@ -224,6 +224,7 @@ class Trainer:
         stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
         self.source: Iterator = stager if stager is not None else iter(batches)
         self.exhausted, self.started = False, time.monotonic()
+        self.waited_s, self.reported_at = 0.0, self.started  # waiting for batches since the last step line
         self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
         self.stepped_here = False  # this process took a step (the startup wait ends)
         try:
@@ -267,10 +268,12 @@ class Trainer:
         want_stop = self._stop_asked()
         batch, bad, self.held = self.held, None, None
         if batch is None and not self.exhausted and not want_stop:
+            t0 = time.monotonic()
             try:
                 batch = next(self.source)  # None: nothing arrived in time (the source waited)
             except StopIteration:
                 self.exhausted = True
+            self.waited_s += time.monotonic() - t0  # the step line's wait_s: starved or not
             # A stop asked while we waited (a signal, the broker's shutdown) counts now, so
             # the stream a shutdown ends is not taken for its natural end.
             want_stop = self._stop_asked()
@@ -425,7 +428,11 @@ class Trainer:
                 noise: float, grad_norm: float) -> None:
         """The step's log line (metrics.Meter) and the heartbeat figures in `hooks.stats`."""
         state, hooks, dist, splitter = self.state, self.hooks, self.dist, self.splitter
+        now = time.monotonic()
+        waited, wall = self.waited_s, now - self.reported_at
+        self.waited_s, self.reported_at = 0.0, now
         line = self.meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
+                                   wait_s=waited, wall_s=wall,
                                    tokens_seen=state.tokens, epoch=state.epoch,
                                    queue=hooks.queue() if hooks.queue else {},
                                    progress=hooks.progress() if hooks.progress else None, rank=dist.rank,

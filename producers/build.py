@@ -93,7 +93,7 @@ def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
     forward pass (`target.per_sequence`, logged as produce.per_sequence), never a silent leak.
     An explicit --attn-impl is never overridden: a leak raises PackingError naming what
     packs correctly on this model."""
-    options = attn_candidates("auto", target.device, type(target.decoder))
+    options = attn_candidates("auto", target.device, type(target.decoder), target.decoder.config)
     first = target.info.attn_impl
     if not auto_attn:
         try:

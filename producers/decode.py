@@ -13,6 +13,12 @@ Layout: row b's slot s holds the token at position s - off[b] (left padding: slo
 off[b] are empty). A query at slot t sees slot s iff off[b] <= s <= t, s < end[b] and, on a
 sliding layer, t - s < window (transformers' rule: the token itself and window-1 before).
 
+Attention in a decode step (docs/REGENERATION.md "Decode attention"): on a GPU, torch's
+flex attention over a block mask built from each row's own slot range, so a step reads only
+the K/V blocks a row uses (the flex-decoding kernel: the K/V split over the GPU, query heads
+that share a K/V head in one pass); on a CPU, or with `kernel="sdpa"`, sdpa over all slots
+with an additive mask. Prefills always take the sdpa path (their masks are dense).
+
 Imports torch, numpy, transformers and runtime/hf_compat.py only, so a GPU benchmark can load
 it on a bare machine.
 """
@@ -27,6 +33,11 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 from torch import nn
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch < 2.5: the sdpa path only
+    BlockMask = flex_attention = None
 
 from dflash.runtime.hf_compat import cache_kwarg
 
@@ -59,53 +70,112 @@ def layer_windows(model: nn.Module) -> list[int | None]:
     return [window if t == _SLIDING else None for t in types[:n]]
 
 
-_PACKED = "gqa_packed_sdpa"  # no "flash" in it: transformers takes such names for hub kernels
+_DECODE = "decoding_core"  # no "flash" in it: transformers takes such names for hub kernels
 
 
-def _sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The core's attention: flex attention when the core passes a BlockMask (decode steps on
+    a GPU), else sdpa with the core's additive mask (`_sdpa_packed`)."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError(f"{_DECODE}: soft-capping and attention sinks are not supported (decoding uses eager)")
+    if BlockMask is not None and isinstance(attention_mask, BlockMask):
+        return _flex(query, key, value, attention_mask, scaling), None
+    return _sdpa_packed(query, key, value, attention_mask, scaling), None
+
+
+def _sdpa_packed(query, key, value, attention_mask, scaling):
     """sdpa for the core's masks without repeating K/V for every query head: transformers
     repeats them whenever a mask is given (a copy of the whole cache per layer and step,
     which dominated a decode step at batch 256). Query heads that share a K/V head (head h
     uses K/V head h // g, as repeat_kv lays them out) become extra query rows instead."""
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise ValueError("gqa_packed_sdpa: soft-capping and attention sinks are not supported (decoding uses eager)")
     B, Hq, q, hd = query.shape
     Hkv = key.shape[1]
     g = Hq // Hkv
     if attention_mask is None:  # a plain forward of the model (not the core's): causal
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=q > 1, scale=scaling,
                                                                enable_gqa=g > 1)
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
     qp = query.reshape(B, Hkv, g * q, hd)
     mask = attention_mask[:, :, :, : key.shape[2]]
     if g > 1:
         mask = mask[:, :, None].expand(B, mask.shape[1], g, q, mask.shape[-1]).reshape(B, mask.shape[1], g * q, -1)
     out = torch.nn.functional.scaled_dot_product_attention(qp, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(B, Hq, q, hd).transpose(1, 2).contiguous(), None
+    return out.reshape(B, Hq, q, hd).transpose(1, 2).contiguous()
 
 
-def _register_packed() -> bool:
+FLEX_COMPILE: bool | None = None  # None: compiled on CUDA, eager elsewhere (tests set True to run the CPU kernel)
+_flex_compiled = None
+
+
+def _flex(query, key, value, block_mask, scaling):
+    """flex attention over the block mask: compiled (the Triton flex-decoding kernel on a GPU;
+    uncompiled flex computes every score in full)."""
+    global _flex_compiled
+    fn = flex_attention
+    if FLEX_COMPILE or (FLEX_COMPILE is None and query.is_cuda):
+        if _flex_compiled is None:
+            import torch._dynamo
+
+            # Each cache shape (rows, slots, q) and window kind is one compiled graph; a producer
+            # builds a few decoders over a run, and past the limit dynamo would fall back to
+            # uncompiled flex, which is correct but computes every score.
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        fn = _flex_compiled
+    B, Hq, q, hd = query.shape
+    g = Hq // key.shape[1]
+    if fold_heads(Hq, key.shape[1]):  # the query heads of a K/V head as more queries of it (Core._block_masks)
+        out = fn(query.reshape(B, key.shape[1], g * q, hd), key, value, block_mask=block_mask, scale=scaling)
+        return out.reshape(B, Hq, q, hd).transpose(1, 2).contiguous()
+    out = fn(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=g > 1)
+    return out.transpose(1, 2).contiguous()
+
+
+def fold_heads(heads: int, kv_heads: int) -> bool:
+    """Whether flex decoding takes a layer's query heads folded into the query length: the
+    flex-decoding kernel serves grouped-query attention only for a power-of-two group (else
+    inductor falls back to the prefill kernel, which pads each row's one query to a tile)."""
+    g = heads // kv_heads
+    return g > 1 and g & (g - 1) != 0
+
+
+def _register() -> bool:
     try:
         from transformers import AttentionInterface
 
-        AttentionInterface.register(_PACKED, _sdpa_packed)
+        AttentionInterface.register(_DECODE, _decode_attention)
         return True
     except (ImportError, AttributeError):  # older transformers: plain sdpa
         return False
 
 
-_HAS_PACKED = _register_packed()
+_HAS_DECODE = _register()
 
 
 def decode_attention(model: nn.Module) -> str:
-    """The attention implementation decoding runs with: sdpa without K/V repetition
-    (`_sdpa_packed`), or eager where the model needs what sdpa lacks (logit soft-capping,
-    Gemma 2; attention sinks, GPT-OSS, whose class refuses sdpa). Both take the core's
-    additive 4D masks."""
+    """The attention implementation decoding runs with: the core's own (`_decode_attention`:
+    flex or sdpa without K/V repetition), or eager where the model needs what those lack
+    (logit soft-capping, Gemma 2; attention sinks, GPT-OSS, whose class refuses sdpa). All
+    take the core's masks."""
     cfg = _text_config(model)
     if getattr(cfg, "attn_logit_softcapping", None) or not getattr(type(model), "_supports_sdpa", True):
         return "eager"
-    return _PACKED if _HAS_PACKED else "sdpa"
+    return _DECODE if _HAS_DECODE else "sdpa"
+
+
+def step_kernel(model: nn.Module, device: torch.device, kernel: str = "auto") -> str:
+    """The decode step's attention kernel: "flex" (block-sparse over each row's slots) or
+    "sdpa" (all slots, masked). auto: flex on a GPU where the model runs the core's own
+    attention, sdpa elsewhere (on a CPU uncompiled flex computes every score)."""
+    if kernel not in ("auto", "flex", "sdpa"):
+        raise ValueError(f"decode kernel {kernel!r}: expected auto, flex or sdpa")
+    if kernel == "auto":
+        kernel = "flex" if device.type == "cuda" else "sdpa"
+    if kernel == "flex" and (BlockMask is None or decode_attention(model) != _DECODE):
+        return "sdpa"  # eager-attention models and old torch: masks only
+    return kernel
 
 
 # ---------------------------------------------------------------- the cache
@@ -187,6 +257,25 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * 2 * kv * hd * torch.empty(0, dtype=dtype).element_size()
 
 
+def rows_for_memory(model: nn.Module, dtype: torch.dtype, budget_bytes: int, slots: int, cap: int) -> int:
+    """How many rows of `slots` slots a KV cache of `budget_bytes` holds, 1..cap."""
+    per_row = kv_bytes_per_slot(model, dtype) * max(1, slots)
+    return max(1, min(cap, budget_bytes // per_row))
+
+
+def graphed_prefill_default(model: nn.Module, device: torch.device) -> bool:
+    """Whether prefills run as PackedPrefill's graphed packs by default: on a GPU, for targets
+    small enough that an eager prefill's time is mostly the host running transformers'
+    per-layer Python (a graph removes it); a large target's prefill is GPU time, which the
+    packs' padding only adds to (docs/REGENERATION.md "Batched prefills")."""
+    if device.type != "cuda":
+        return False
+    return sum(p.numel() for p in model.parameters()) <= GRAPHED_PREFILL_MAX_PARAMS
+
+
+GRAPHED_PREFILL_MAX_PARAMS = 2_000_000_000
+
+
 # ---------------------------------------------------------------- the forward
 
 
@@ -196,7 +285,8 @@ class Core:
     `rows` x `slots` is the cache; `layer_ids` (optional) are the layers whose outputs
     (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter."""
 
-    def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None):
+    def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None, kernel: str = "auto",
+                 kv_block: int = 128):
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -207,6 +297,13 @@ class Core:
         if len([w for w in self.kinds if w is not None]) > 1:
             raise ValueError(f"layers with different sliding windows {self.kinds} are not supported")
         self.attn = decode_attention(model)
+        self.kernel = step_kernel(model, self.device, kernel)
+        self.kv_block = kv_block  # flex: K/V blocks a step reads whole (a multiple of its kernel's tile)
+        cfg = _text_config(model)
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self._blocks = -(-slots // kv_block)
+        self._block_ar = torch.arange(self._blocks, device=self.device, dtype=torch.int32)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -216,6 +313,8 @@ class Core:
         self._pool = None
         self.captured = 0  # graphs captured (figures for benchmarks)
         self.graph_error: str | None = None  # why the last capture failed, if it did
+        self.kernel_error: str | None = None  # why flex was given up for sdpa, if it was
+        self._flex_tried = False  # the first graphed function runs once uncaptured to try flex (_try_flex)
 
     # ------------------------------------------------------------ masks
 
@@ -232,6 +331,25 @@ class Core:
         if len(out) == 1:
             return next(iter(out.values()))
         return out
+
+    def _block_masks(self, qslot: torch.Tensor, off: torch.Tensor):
+        """flex's masks for a step, qslot [R, q] (slots of the queries, consecutive), off [R]:
+        a query at slot t sees off[b] <= s <= t (and t - s < window on a sliding layer), as
+        `_masks`; the blocks listed for row b are those from its first visible slot to its
+        last query's slot, so the kernel reads no block of the row's padding or empty slots.
+        Tensors only (no host sync): capturable in the step's CUDA graph."""
+        R, q = qslot.shape
+        g = self.heads // self.kv_heads if fold_heads(self.heads, self.kv_heads) else 1  # flex's query length: g * q
+        out = {}
+        for w in self.kinds:
+            lo = off if w is None else torch.maximum(off, qslot[:, 0] - (w - 1))
+            first = torch.div(lo, self.kv_block, rounding_mode="floor").to(torch.int32)
+            last = torch.div(qslot[:, -1], self.kv_block, rounding_mode="floor").to(torch.int32)
+            count = (last - first + 1).clamp_min(1)[:, None, None]  # [R, 1, 1]
+            index = (first[:, None] + self._block_ar[None]).clamp_max(self._blocks - 1)[:, None, None]  # [R,1,1,n]
+            out[_FULL if w is None else _SLIDING] = _block_mask(count, index, (128, self.kv_block),
+                                                                 _visible(qslot, off, w, q), (g * q, self.slots))
+        return next(iter(out.values())) if len(out) == 1 else out
 
     # ------------------------------------------------------------ forwards
 
@@ -292,7 +410,12 @@ class Core:
         Returns (logits [B, q or 1, V], features or None). Fixed shapes: graph-capturable."""
         q = ids.shape[1]
         qslot = (start[:, None] + torch.arange(q, device=self.device)[None]).clamp_max(self.slots - 1)
-        mask = self._masks(qslot, off, qslot[:, -1] + 1, self.slots)
+        # flex only where the model runs the core's attention (a transformers that refused its
+        # name runs plain sdpa, which takes tensor masks)
+        if self.kernel == "flex" and getattr(self.model.config, "_attn_implementation", None) == _DECODE:
+            mask = self._block_masks(qslot, off)
+        else:
+            mask = self._masks(qslot, off, qslot[:, -1] + 1, self.slots)
         self.cache.begin_step(qslot)
         return self._run(ids, qslot - off[:, None], mask, layer_ids, 1 if last_only else 0)
 
@@ -307,6 +430,8 @@ class Core:
         """`fn` (reads and writes only tensors that live as long as it) as a replayable CUDA
         graph; `fn` itself on CPU or with graphs off. Capturing runs `fn` for warm-up, so
         call this before the tensors hold real state."""
+        if self.kernel == "flex" and not self._flex_tried:
+            self._try_flex(fn)
         if not self.graphs:
             return fn
         try:
@@ -316,6 +441,19 @@ class Core:
             self.graph_error = f"{type(e).__name__}: {e}"[:500]
             torch.cuda.synchronize(self.device)
             return fn
+
+    def _try_flex(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (the first function graphed: a decode step or cycle) once; its first flex
+        call compiles the kernel. If flex fails to compile or run here, decode with sdpa
+        instead, warned and recorded, rather than not at all."""
+        self._flex_tried = True
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (inductor and Triton raise many kinds)
+            self.kernel, self.kernel_error = "sdpa", f"{type(e).__name__}: {e}"[:500]
+            warnings.warn(f"flex decode attention failed, decoding with sdpa: {self.kernel_error}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         stream = torch.cuda.Stream(self.device)
@@ -340,6 +478,27 @@ class Core:
             self.fresh(z, z[:, None], z)
 
 
+def _block_mask(count, index, block_size, mask_mod, seq_lengths):
+    try:  # no transposed (backward) block lists: decoding never runs a backward
+        return BlockMask.from_kv_blocks(count, index, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                        seq_lengths=seq_lengths, compute_q_blocks=False)
+    except TypeError:  # a torch without the flag
+        return BlockMask.from_kv_blocks(count, index, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                        seq_lengths=seq_lengths)
+
+
+def _visible(qslot: torch.Tensor, off: torch.Tensor, window: int | None, q: int):
+    """flex's mask_mod for `Core._block_masks`: the element-level rule inside listed blocks
+    (query index i is query i % q of its row: folded heads repeat the row's q queries)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        t = qslot[b, q_idx % q]
+        vis = (kv_idx >= off[b]) & (kv_idx <= t)
+        return vis if window is None else vis & (t - kv_idx < window)
+
+    return mask_mod
+
+
 class _attention:
     """Run the model with attention implementation `name` for the duration (restored after)."""
 
@@ -353,9 +512,9 @@ class _attention:
             try:
                 self.model.set_attn_implementation(self.name)
             except (ValueError, KeyError) as e:  # a transformers that refuses registered names
-                if self.name != _PACKED:
+                if self.name != _DECODE:
                     raise
-                warnings.warn(f"attention {_PACKED} refused ({e}); decoding with sdpa")
+                warnings.warn(f"attention {_DECODE} refused ({e}); decoding with sdpa")
                 self.name = "sdpa"
                 if self.before != self.name:
                     self.model.set_attn_implementation(self.name)
@@ -452,13 +611,14 @@ class GreedyDecoder:
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
                  prefill_tokens: int = 2048, prefill_sizes: Iterable[int] | None = None,
-                 pick: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 pick: Callable[[torch.Tensor], torch.Tensor] | None = None, kernel: str = "auto",
+                 kv_block: int = 128):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
         # A live row writes at most slot max_prompt + max_new_tokens - 2: the slots after it
         # are never attended, and PackedPrefill's pad tokens write to the last.
-        self.core = Core(model, rows, max_prompt + max_new_tokens + 1, graphs=graphs)
+        self.core = Core(model, rows, max_prompt + max_new_tokens + 1, graphs=graphs, kernel=kernel, kv_block=kv_block)
         self.rows, self.sync_every = rows, max(1, sync_every)
         self.refill_min = max(1, rows // 16) if refill_min is None else max(1, refill_min)
         dev = self.core.device
