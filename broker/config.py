@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
-from dflash.runtime.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
+from dflash.runtime.command_line import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 
 
 def __getattr__(name: str):

@@ -11,10 +11,11 @@ order is the same shuffle with those left out, so a resume neither repeats nor s
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from dflash.protocol.sample_order import epoch_order
 
 # A producer holding this many unfinished leases gets "ask again later": one producer
 # cannot drain the pool ahead of what it can make.
@@ -23,16 +24,6 @@ MAX_OPEN_LEASES = 4
 
 class StaleBatch(Exception):
     """A batch that no open lease expects (lost producer, resent, or wrong samples)."""
-
-
-def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
-    """The shuffled sample order of `epoch`: the same for the same (seed, epoch, n).
-
-    A str seed is hashed with SHA-512 by `random.Random`, stable across Python versions.
-    """
-    order = list(range(n))
-    random.Random(f"dflash:{seed}:{epoch}").shuffle(order)
-    return order
 
 
 @dataclass(eq=False)

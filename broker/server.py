@@ -84,7 +84,7 @@ class Broker:
             self.close()
             raise
 
-    # What callers (cli.py, tests) read of the run: the core's.
+    # What callers (broker_process.py, tests) read of the run: the core's.
     run_id = property(lambda self: self.core.run_id)
     run_dir = property(lambda self: self.core.run_dir)
     peers = property(lambda self: self.core.peers)

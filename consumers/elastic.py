@@ -63,15 +63,6 @@ def route_torchft_logs() -> None:
         tf.propagate = False
 
 
-def available() -> str | None:
-    """None if torchft imports here, else why not (one line)."""
-    try:
-        import torchft  # noqa: F401
-    except Exception as e:  # an ImportError, or a torch too old for it
-        return f"torchft does not import: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return None
-
-
 def replica_name(rank: int, instance: str) -> str:
     """The replica ID at the lighthouse. Quorum ranks follow the sorted replica IDs, so the
     broker's rank leads: the lowest live broker rank is the quorum's rank 0 (it checkpoints)."""

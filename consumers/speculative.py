@@ -31,7 +31,7 @@ from dflash.runtime.hf_compat import cache_kwarg
 
 from .export import Drafter
 from .model import apply_rope
-from .target_heads import embed_block
+from dflash.runtime.target_heads import embed_block
 
 
 @dataclass

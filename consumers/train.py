@@ -35,18 +35,18 @@ from dflash.runtime.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import finite, fused
-from .checkpoint import SignalMismatch, signal_differences
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
 from .mask_token import mask_in_batch
-from .metrics import Meter, StepFigures
+from .step_metrics import Meter, StepFigures
 from .model import DFlashDraft, DrafterConfig, calibrate_features, published_config
-from .oom import OomInjection, StepSplitter
+from .step_oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .staging import BatchStager
 from .step import batch_loss
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 from . import train_checkpoint
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
                            resolve_signal)
@@ -351,7 +351,7 @@ class Trainer:
         noise = noise_at(step, cfg, state.samples, plan)
         if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (model.py)
             self._calibrate(batch)
-        # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (oom.py)
+        # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (step_oom.py)
         self.optimizer.zero_grad(set_to_none=True)
         stats = _no_loss(self.signal.block_size) if batch is None else \
             self.splitter.run(batch, self._forward_backward(step, noise), step)

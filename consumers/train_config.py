@@ -17,16 +17,16 @@ import torch
 from dflash.runtime.targets import default_layer_ids
 
 from .batch import Batch
-from .checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from .loss import default_gamma
 from .record import TrainedRecord
 from .mask_token import mask_choice
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # training signal (recorded in every checkpoint; see checkpoint.Signal)
+    # training signal (recorded in every checkpoint; see protocol/training_signal.py)
     draft_layers: int = 5
     target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
     block_size: int = 16
@@ -106,7 +106,7 @@ class Hooks:
     # heals us (the broker's newest commit, which may be newer than its welcome said).
     resume_point: Callable[[], str | None] | None = None
     # Rank 0, after each step's train.step line: (step, that line's fields), for the
-    # metric sinks (--tensorboard, consumers/sinks.py)
+    # metric sinks (--tensorboard, runtime/sinks.py)
     on_metrics: Callable[[int, dict], None] | None = None
 
 

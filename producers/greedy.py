@@ -22,9 +22,3 @@ def greedy_batch(model: nn.Module, prompts: list[list[int]], *, pad_id: int, sto
         return [[] for _ in prompts]
     return greedy_generate(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            batch_size=len(prompts))
-
-
-def until_stop(tokens: list[int], stops: set[int]) -> list[int]:
-    """`tokens` up to and including the first stop token (a finished row is padded after it)."""
-    end = next((i for i, t in enumerate(tokens) if t in stops), None)
-    return tokens if end is None else tokens[: end + 1]

@@ -87,18 +87,3 @@ def target_problem(value: str, *, hub_ok: bool, need_tokenizer: bool) -> str | N
         return (f"{value} has no tokenizer files ({', '.join(TOKENIZER)}): save the tokenizer into the "
                 "folder too (tokenizer.save_pretrained(folder)) or give the folder it came with")
     return None
-
-
-def click_callback(*, hub_ok: bool, need_tokenizer: bool):
-    """A click callback for --target raising BadParameter (which names the option)."""
-    import click
-
-    def check(_ctx, param, value):
-        if value is None:
-            return value
-        why = target_problem(str(value), hub_ok=hub_ok, need_tokenizer=need_tokenizer)
-        if why is not None:
-            raise click.BadParameter(why, param=param)
-        return value
-
-    return check

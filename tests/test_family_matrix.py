@@ -19,15 +19,15 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from dflash.consumers.export import export_checkpoint
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.build import Components, load_components, make_producer
-from dflash.producers.config import ProducerConfig
+from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.protocol import codec
 from dflash.protocol.messages import header
-from dflash.tools import eval as dflash_eval
+from dflash.tools import eval_command
 from dflash.tools.families import WINDOW, build, tiny_config
 from dflash.tools.tiny import build_tokenizer
 
@@ -137,7 +137,7 @@ def test_family_trains_exports_and_decodes_losslessly(family, tie, tokenizer, tm
     chat = json.loads(CHATS_PATH.read_text().splitlines()[CHATS])  # a chat the drafter never trained on
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "held-out", "messages": chat["messages"]}) + "\n")
-    res = CliRunner().invoke(dflash_eval.main, ["--target", str(folder), "--drafter", str(export), "--prompts",
+    res = CliRunner().invoke(eval_command.main, ["--target", str(folder), "--drafter", str(export), "--prompts",
                                                 str(prompts), "--max-new-tokens", "12", "--threads", "1", "--json"])
     assert res.exit_code == 0, f"{family}: {res.output}"
     rep = json.loads(res.output.strip().splitlines()[-1])

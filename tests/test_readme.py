@@ -227,7 +227,7 @@ def test_readme_story_runs_as_written(tmp_path, loc):
 
     logs = loc.run(logs_cmd, shell=True)
     assert logs.returncode == 0, logs.stderr
-    lines = [json.loads(l) for l in logs.stdout.splitlines()]
+    lines = [json.loads(line) for line in logs.stdout.splitlines()]
     assert lines and set(lines[0]) == {"step", "loss", "acc", "streak", "tokens_per_s"}
     steps = [line["step"] for line in lines]
     assert len(steps) == len(set(steps)), "the jq recipe printed a step more than once"

@@ -33,7 +33,7 @@ import torch
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
-from dflash.runtime.config import fail
+from dflash.runtime.command_line import fail
 from dflash.runtime.progress import progress
 
 
@@ -286,10 +286,3 @@ def enable_fused(fuse: str, device: torch.device) -> bool:
     on = fuse == "on" or (fuse == "auto" and auto_compiles(device))
     fused.enable(on)
     return on
-
-
-# The command (options parsed without importing torch); kept here for callers of eval.main.
-from dflash.tools.eval_command import main  # noqa: E402
-
-if __name__ == "__main__":
-    main()

@@ -21,7 +21,7 @@ from dflash.broker.actions import ClosePipes, Send
 from dflash.broker.config import MAX_CREDIT, BrokerConfig
 from dflash.broker.core import BrokerCore, Phase
 from dflash.broker.inbound import Batch, Bye, Credit
-from dflash.broker.leases import epoch_order
+from dflash.protocol.sample_order import epoch_order
 
 pytestmark = pytest.mark.unit
 

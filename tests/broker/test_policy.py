@@ -14,7 +14,8 @@ import zmq
 
 from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
 from dflash.broker.dispatch import BatchQueue, QueuedBatch, dispatch
-from dflash.broker.leases import LeasePool, StaleBatch, epoch_order
+from dflash.broker.leases import LeasePool, StaleBatch
+from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 from dflash.broker.liveness import RateLimit, RateMeter
 
@@ -264,7 +265,7 @@ def test_option_parsing_and_config_checks():
 
 
 def test_cli_refuses_bad_options_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--queue-bytes", "lots"],
+    r = subprocess.run([sys.executable, "-m", "dflash.broker.broker_command", "--queue-bytes", "lots"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "lots" in r.stderr
 

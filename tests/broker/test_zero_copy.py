@@ -23,7 +23,7 @@ from dflash.protocol.sockets import free_port_block
 from dflash.broker import runinfo
 from dflash.broker.config import BrokerConfig
 from dflash.broker.server import Broker
-from dflash.runtime.config import as_dict
+from dflash.runtime.command_line import as_dict
 from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from dflash.consumers.speculative import TargetGreedy
 from dflash.producers.decode import TIE_TOLERANCE
-from dflash.tools.eval import Prompt, format_report, main, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval import Prompt, format_report, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval_command import main
 from dflash.tools.families import tiny_model
 
 pytestmark = pytest.mark.unit
@@ -89,7 +90,7 @@ def pair(tmp_path_factory):
     from safetensors.torch import save_file
 
     from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-    from dflash.consumers.target_heads import TargetSpec
+    from dflash.runtime.target_heads import TargetSpec
     from dflash.tools.tiny import MASK_TOKEN, tiny_target
     from transformers import AutoTokenizer
 

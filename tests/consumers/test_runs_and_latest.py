@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,9 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import save_checkpoint, step_dirs
-from dflash.consumers.cli import main
-from dflash.consumers.link import RunConfigMismatch, resume_point
+from dflash.consumers.consume_command import main
+from dflash.consumers.join import RunConfigMismatch, resume_point
+from dflash.protocol.messages import RunConfig
 from dflash.consumers.train import TrainConfig, train
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 
@@ -30,6 +30,8 @@ from tests.consumers.test_consume_broker import Consumer
 pytestmark = pytest.mark.integration
 
 LAYERS = [1, 2]
+# the run config of a fresh broker run: it names no checkpoint to start from
+FRESH = RunConfig(epochs=1, seed=0, lease_size=256, max_message_bytes=1 << 30, max_credit=64)
 
 
 def _args(target_dir, runs, *extra):
@@ -99,12 +101,12 @@ def test_resume_of_another_runs_checkpoint_in_a_fresh_broker_run_is_refused(tmp_
     for ref in ("latest", str(other), other.parent.parent.name):
         with pytest.raises(RunConfigMismatch, match=rf"checkpoint of run {other.parent.parent.name}, but this broker "
                            rf"run {this} is a fresh run.*dflash-broker --resume {other.parent.parent.name}"):
-            resume_point(ref, {}, runs, run_id=this)
+            resume_point(ref, FRESH, runs, run_id=this)
     # This run's own checkpoint (rank 0 died between checkpoint and commit) is allowed.
     own = runs / this / "checkpoints" / "step-2"
     own.mkdir(parents=True)
     (own / "state.json").write_text("{}")
-    assert resume_point(str(own), {}, runs, run_id=this) == str(own)
+    assert resume_point(str(own), FRESH, runs, run_id=this) == str(own)
 
 
 def test_a_consumer_resuming_latest_against_a_fresh_broker_run_exits_at_start(target_dir, heads, tmp_path):

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
 from dflash.consumers.batch import Batch
-from dflash.consumers.oom import micro_batches
+from dflash.consumers.step_oom import micro_batches
 from dflash.consumers import staging
 from dflash.consumers.staging import BatchStager
 from dflash.consumers.train import TrainConfig, train

@@ -140,7 +140,7 @@ def test_a_trainer_healed_with_anothers_state_dict_steps_as_it_does(heads):
 
 
 def test_a_heal_from_another_signal_is_refused(heads):
-    from dflash.consumers.checkpoint import SignalMismatch
+    from dflash.protocol.training_signal import SignalMismatch
     from dflash.consumers.dist import Dist
     from dflash.consumers.train import Trainer
 

@@ -15,8 +15,9 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, batch_message, random_batch, tiny_target
 from dflash.consumers.batch import BatchMismatch
 from dflash.consumers.export import ExportError, check_drafter_target, export_checkpoint
-from dflash.consumers.link import RunConfigMismatch, check_run_target
-from dflash.consumers.target_heads import identity_of, load_target_heads
+from dflash.consumers.join import RunConfigMismatch, check_run_target
+from dflash.protocol.messages import RunConfig
+from dflash.runtime.target_heads import identity_of, load_target_heads
 from dflash.consumers.train import TrainConfig, train
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
@@ -90,10 +91,11 @@ def test_a_first_producer_of_another_target_than_a_waiting_consumer_is_refused(t
 
 def test_the_consumer_checks_the_runs_target_itself(target_dir, other_dir):
     mine, other = identity_of(target_dir), identity_of(other_dir)
-    check_run_target({"target_id": mine}, mine)
-    check_run_target({}, mine)  # no producer yet: batches are checked as they come
+    run = RunConfig(epochs=1, seed=0, lease_size=256, max_message_bytes=1 << 30, max_credit=64)
+    check_run_target(replace(run, target_id=mine), mine)
+    check_run_target(run, mine)  # no producer yet: batches are checked as they come
     with pytest.raises(RunConfigMismatch, match=rf"{mine['heads_sha256'][:12]}.*{other['heads_sha256'][:12]}"):
-        check_run_target({"target_id": mine}, other)
+        check_run_target(replace(run, target_id=mine), other)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(heads):
@@ -124,7 +126,7 @@ def test_export_records_the_target_and_eval_refuses_another(target_dir, other_di
 
 
 def test_dflash_eval_refuses_a_drafter_of_another_target(tmp_path):
-    from dflash.tools.eval import main as eval_main
+    from dflash.tools.eval_command import main as eval_main
     from dflash.tools.tiny import tiny_target as tiny_with_tokenizer
 
     a, b = tiny_with_tokenizer(layers=4, seed=0), tiny_with_tokenizer(layers=4, seed=5)

@@ -10,7 +10,7 @@ import torch
 from structlog.testing import capture_logs
 
 from dflash.producers.build import Components, _check_packing, make_producer
-from dflash.producers.config import ProducerConfig
+from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.packing import PackingError, check_packing
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.target import attn_candidates, load_target

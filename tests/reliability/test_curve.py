@@ -186,7 +186,7 @@ def test_dflash_status_speaks_curve_with_an_authorised_key_only(curve_broker, ke
     b = curve_broker()
 
     def status(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--json",
+        return subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control, "--json",
                                "--timeout-s", "3", *extra], capture_output=True, text=True, timeout=60)
 
     ok = status("--curve-keys", str(keys), "--curve-name", "good-c")
@@ -215,10 +215,10 @@ def test_real_producer_and_consumer_train_over_curve_and_a_keyless_producer_is_r
 
     produce = ["--device", "cpu", "--target", target, "--data", str(data), "--max-length", "512",
                "--token-budget", "2048"]
-    keyless = start("dflash.producers.cli", *produce, "--instance", "nokey")
-    procs = [start("dflash.producers.cli", *produce, "--instance", "p", "--curve-keys", str(keys),
+    keyless = start("dflash.producers.produce_command", *produce, "--instance", "nokey")
+    procs = [start("dflash.producers.produce_command", *produce, "--instance", "p", "--curve-keys", str(keys),
                    "--curve-name", "good-p"),
-             start("dflash.consumers.cli", "--target", target, "--block-size", "8", "--anchors", "32",
+             start("dflash.consumers.consume_command", "--target", target, "--block-size", "8", "--anchors", "32",
                    "--draft-layers", "1", "--instance", "c", "--curve-keys", str(keys), "--curve-name", "good-c")]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]

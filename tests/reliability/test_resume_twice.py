@@ -23,7 +23,7 @@ N = 40
 
 
 def _status(runs, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.tools.status", "--runs-dir", str(runs), "--timeout-s", "0.5",
+    return subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--runs-dir", str(runs), "--timeout-s", "0.5",
                            *args], capture_output=True, text=True, timeout=60)
 
 
@@ -51,7 +51,7 @@ def test_a_run_resumed_to_completion_is_not_resumed_again(brokers, tmp_path):
     folders = sorted(p.name for p in runs.iterdir())
 
     # A second resume of A is refused before anything is made, naming B and what to do.
-    r = subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--runs-dir", str(runs), "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "dflash.broker.broker_command", "--runs-dir", str(runs), "--port", "1",
                         "--resume", a.run_id], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert f"run {a.run_id} was resumed already by run {b.run_id} (completed)" in r.stderr, r.stderr

@@ -1,5 +1,5 @@
 """`--help` answers at once (issue 20: `dflash-consume --help` took ~3.8 s, importing torch
-before parsing). The click commands of the roles live in command.py modules that import
+before parsing). The click commands of the roles live in <script>_command.py modules that import
 neither torch nor transformers; `-h` works on every command. Options that cannot work
 together are refused as early, before torch loads (issue 29: `--token-budget 1024` with the
 default `--max-length` took 12-27 s to be refused). Asserted on what was imported, not on

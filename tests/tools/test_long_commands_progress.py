@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-from dflash.consumers.target_heads import TargetSpec
+from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.runtime.targets import load_config
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
@@ -101,7 +101,7 @@ def test_dflash_eval_shows_a_bar_on_a_terminal_and_log_lines_in_a_pipe(eval_setu
 
 def test_a_producers_target_load_shows_a_bar_on_a_terminal_and_nothing_raw_in_a_pipe(tmp_path):
     target = tiny_target()
-    argv = [sys.executable, "-m", "dflash.producers.cli", "--dry-run", "--limit", "4", "--target", str(target),
+    argv = [sys.executable, "-m", "dflash.producers.produce_command", "--dry-run", "--limit", "4", "--target", str(target),
             "--data", str(CHATS_PATH), "--device", "cpu", "--max-length", "256", "--token-budget", "512",
             "--runs-dir", str(tmp_path / "runs")]
     code, seen, out = _on_a_terminal(argv)

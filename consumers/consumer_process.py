@@ -3,7 +3,7 @@ heads), then either the broker's run (`_serve`: its ranks and batches, through
 protocol/links.py ConsumerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
 a run of its own), each handing the batches to the Trainer (train.py).
 
-The command line (command.py) only maps options onto `ConsumerConfig`.
+consume_command.py makes the `ConsumerConfig` from the command line.
 """
 
 from __future__ import annotations
@@ -19,25 +19,29 @@ import click
 import torch
 
 from dflash.runtime.alloc import reuse_freed_memory
-from dflash.runtime.config import as_dict, fail
+from dflash.runtime.command_line import as_dict, fail
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from
 from dflash.protocol.links import ConsumerLink
+from dflash.protocol.messages import RunConfig
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.runtime.run import run_dir as run_folder
 from dflash.runtime.stop import GracefulStop
 
-from .checkpoint import SignalMismatch, nothing_to_resume, resolve_checkpoint, signal_differences
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
+
+from .checkpoint import nothing_to_resume, resolve_checkpoint
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
-                   nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
+from .broker_hooks import BrokerHooks, broker_batches, nothing_left_to_train
+from .join import (arranged_dist, await_run_facts, check_run_target, hello_config, offer_dist_addr, resume_point,
+                   run_config_of, run_layers)
 from .synthetic import synthetic_stream
-from .target_heads import TargetLoadError, load_target_heads
+from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
 from .train_config import TrainState
 
@@ -189,7 +193,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     plugs, dist, reason, early, sink = None, None, "failed", {"state": "starting"}, None
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
-        run_config = link.welcome.get("run_config") or {}
+        run_config = run_config_of(link)
         # Refused at start (another run's checkpoint), before any wait for the run's layers
         resume = resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id)
         if tcfg.target_layers is None:  # auto: never build the drafter on layers guessed here
@@ -218,7 +222,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             try:
                 state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
                               ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
-                              run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
+                              run_config={**_json_config(cfg), "broker_run_config": run_config.fields()},
+                              hooks=plugs.hooks)
             except FileNotFoundError as e:
                 state = nothing_left_to_train(link, e)
         if sink is not None:
@@ -261,9 +266,9 @@ def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | Non
     return LiveEval(heads, signal_, cfg.eval_every, rank=rank, stats=stats, real=real)
 
 
-def _check_world(dist: Dist, run_config: dict) -> None:
+def _check_world(dist: Dist, run_config: RunConfig) -> None:
     """Ranks arranged outside the broker must agree with its --consumers, if it has one."""
-    world = run_config.get("world_size")
+    world = run_config.world_size
     if world and world != dist.world_size and not dist.elastic:
         raise DFlashError(f"this consumer is one of {dist.world_size} ranks (--dist-init/torchrun), but the broker "
                           f"arranges {world} (dflash-broker --consumers): use one or the other")

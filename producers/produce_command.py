@@ -1,14 +1,18 @@
-"""dflash-produce's command line: the options, mapped onto ProducerConfig by cli.run. Kept
-apart from cli.py so that `--help` does not import torch (cli.py and what it imports do)."""
+"""dflash-produce's command line: the options, made into the frozen `ProducerConfig`, then
+handed to producer_process.run. torch is imported only once the options are read (the
+process and what it imports need it), so that `--help` answers at once.
+
+    python -m dflash.producers.produce_command --target Qwen/Qwen3-8B --data chats.jsonl
+"""
 
 from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, fail, option,
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, fail, option,
                                     runs_dir_option, target_option)
 
-from .config import DEFAULT_REGEN_CACHE, ProducerConfig
+from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
 
 
 @command("PRODUCE")
@@ -63,7 +67,7 @@ from .config import DEFAULT_REGEN_CACHE, ProducerConfig
         "do not attend to each other on this model (a few tiny forward passes).")
 @option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
 @option("--tensor-parallel", is_flag=True, default=False, help="One producer over all processes of a torchrun "
-        "launch (torchrun --nproc-per-node N -m dflash.producers.cli --tensor-parallel ...): the target is sharded "
+        "launch (torchrun --nproc-per-node N -m dflash.producers.produce_command --tensor-parallel ...): the target is sharded "
         "by transformers' tensor parallelism (tp_plan auto; NCCL on GPUs, gloo on CPU), rank 0 talks to the broker, "
         "the other ranks follow its forward passes (docs/SHARDING.md).")
 @option("--instance", default=None, help="This producer's name, unique among the run's live producers (default <host>-<device>-<pid>, "
@@ -80,6 +84,10 @@ def main(**kw) -> None:
         cfg.check()
     except ValueError as e:
         fail(str(e))
-    from .cli import run
+    from .producer_process import run
 
     run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.runtime.config import DEFAULT_BROKER
+from dflash.runtime.command_line import DEFAULT_BROKER
 
 DEFAULT_REGEN_CACHE = str(Path.home() / ".cache" / "dflash" / "regen")
 

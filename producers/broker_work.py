@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from dflash.protocol.sample_order import epoch_order
+
 from .prefetch import Lease
 from .producer import BatchSink
 
@@ -30,11 +32,11 @@ class BrokerWorkSource:
     def next_lease(self) -> Lease | None:
         while not self.link.stopped.is_set() and not self.stop.is_set():
             grant = self.link.request_lease(self.want)
-            if grant["samples"]:
-                return Lease(int(grant["lease"]), int(grant["epoch"]), [int(s) for s in grant["samples"]])
-            if grant["end"]:
+            if grant.samples:
+                return Lease(grant.lease, grant.epoch, list(grant.samples))
+            if grant.end:
                 return None
-            time.sleep(max(0.05, grant.get("retry_ms", 500) / 1000))
+            time.sleep(max(0.05, (grant.retry_ms if grant.retry_ms is not None else 500) / 1000))
         return None
 
     def lease_done(self, lease: int, skipped: list[tuple[int, str]]) -> None:
@@ -43,13 +45,10 @@ class BrokerWorkSource:
     def order(self) -> list[int] | None:
         """Epoch 1's sample order as the broker leases it (its shuffle of the welcome's seed
         and dataset size), for --regenerate to work ahead; None if the welcome lacks them."""
-        from dflash.broker.leases import epoch_order
-
-        cfg = self.link.welcome.get("run_config") or {}
-        n = (cfg.get("dataset") or {}).get("n_samples")
-        if not isinstance(n, int) or cfg.get("seed") is None:
+        cfg = self.link.welcome.run_config
+        if cfg is None or cfg.dataset is None:
             return None
-        return epoch_order(cfg["seed"], 0, n)
+        return epoch_order(cfg.seed, 0, cfg.dataset.n_samples)
 
 
 def link_sink(link, stop: threading.Event | None = None) -> BatchSink:

@@ -1,12 +1,15 @@
-"""dflash-consume's command line: the options and their mapping onto ConsumerConfig. Kept
-apart from consumer.py so that `--help` does not import torch (consumer.py and what it
-imports do)."""
+"""dflash-consume's command line: the options, made into the frozen `ConsumerConfig` (with
+its `TrainConfig`), then handed to consumer_process.run. torch is imported only once the
+options are read (the process and what it imports need it), so that `--help` answers at once.
+
+    python -m dflash.consumers.consume_command --target Qwen/Qwen3-8B --broker tcp://host:5555
+"""
 
 from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, default_instance, fail,
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, default_instance, fail,
                                     option, runs_dir_option, size_option, target_option)
 
 
@@ -124,8 +127,8 @@ def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
     if o["eval_prompts"] and not o["eval_every"]:  # refused before torch and the target load
         fail("--eval-prompts is used by the live evaluation: give --eval-every N too")
-    from .consumer import ConsumerConfig, run
-    from .train import TrainConfig
+    from .consumer_process import ConsumerConfig, run
+    from .train_config import TrainConfig
 
     train_fields = set(TrainConfig.__dataclass_fields__)
     tcfg = TrainConfig(**{k: v for k, v in o.items() if k in train_fields})
@@ -149,3 +152,7 @@ def _gpu_of(gpu: int | None, device: str | None) -> int | None:
     if gpu is not None and gpu != index:
         fail(f"--gpu {gpu} and --device {device} name different devices: give one of them")
     return index
+
+
+if __name__ == "__main__":
+    main()

@@ -1,12 +1,18 @@
-"""dflash-broker's command line: the options, mapped onto BrokerConfig by cli.start. Kept
-apart from cli.py so that `--help` does not import the broker's server."""
+"""dflash-broker's command line: the options, made into the frozen `BrokerConfig` (and the
+parent run a `--resume` names), then handed to broker_process.run. The server is imported
+only once the options are read, so that `--help` answers at once.
+
+    python -m dflash.broker.broker_command --epochs 6 --consumers 2
+"""
 
 from __future__ import annotations
+
+import sys
 
 import click
 
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
-from dflash.runtime.config import command, config_option, option, runs_dir_option
+from dflash.runtime.command_line import command, config_option, option, runs_dir_option
 
 
 @command("BROKER", max_content_width=100)
@@ -94,6 +100,55 @@ def main(**opts) -> None:
     Prints one JSON log line per event (key=value on a terminal) and writes the same to
     runs/<run_id>/logs/broker-<instance>.jsonl. See docs/PROTOCOL.md and docs/LOGS.md.
     """
-    from .cli import start
+    cfg, parent = broker_config(opts)
+    from .broker_process import run
 
-    start(opts)
+    sys.exit(run(cfg, parent))
+
+
+def broker_config(opts: dict):
+    """(BrokerConfig, the resumed parent run or None) of the command's options; a bad option
+    exits 2 with a one-line reason naming it."""
+    from dflash.protocol import curve
+    from dflash.runtime.command_line import fail
+
+    from . import resume
+    from .config import BrokerConfig, parse_bytes, parse_port_range
+
+    parent = None
+    try:
+        for name in ("queue_bytes", "max_message_bytes"):  # named: the value may come from env or --config
+            try:
+                opts[name] = parse_bytes(opts[name])
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_BROKER_{name.upper()}, or --config): {e}") from None
+        opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
+        cfg = BrokerConfig(**opts)
+        if cfg.curve_keys:
+            curve.server_keys(cfg.curve_keys)  # a missing key is a one-line error now, not at bind
+        if cfg.resume:
+            parent = resume.load(cfg.resume, cfg.runs_dir, again=cfg.force_resume)
+            cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
+        elif cfg.force_resume:
+            raise ValueError("--force-resume goes with --resume RUN")
+        cfg.check()
+        if cfg.tensorboard or cfg.wandb:
+            from dflash.runtime.sinks import require_tensorboard, require_wandb
+
+            if cfg.tensorboard:
+                require_tensorboard()
+            if cfg.wandb:
+                require_wandb()
+    except (ValueError, TypeError, curve.CurveKeyError) as e:  # resume.ResumeError is a ValueError
+        fail(str(e))
+    return cfg, parent
+
+
+def _explicit(names: tuple[str, ...]) -> set[str]:
+    """Which of `names` the user set (command line, env var or --config), not defaults."""
+    ctx = click.get_current_context()
+    return {n for n in names if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+
+
+if __name__ == "__main__":
+    main()
