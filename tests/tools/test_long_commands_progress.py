@@ -84,7 +84,7 @@ def eval_setup(tmp_path_factory):
 
 def test_dflash_eval_shows_a_bar_on_a_terminal_and_log_lines_in_a_pipe(eval_setup):
     target, drafter, prompts = eval_setup
-    argv = [sys.executable, "-m", "dflash.tools.eval", "--target", str(target), "--drafter", str(drafter),
+    argv = [sys.executable, "-m", "dflash.tools.eval_command", "--target", str(target), "--drafter", str(drafter),
             "--prompts", str(prompts), "--max-new-tokens", "8", "--json"]
     code, seen, out = _on_a_terminal(argv)
     assert code == 0, seen[-2000:]
