@@ -311,7 +311,7 @@ def check_acks(core: BrokerCore, now: float) -> None:
         deadline = core.cfg.ack_deadline(c.slowest_ack_gap)
         waited = now - c.progress_at
         if waited > deadline:
-            log.warning("broker.ack_overdue", peer=c.id, instance=c.instance, in_flight=len(c.in_flight),
+            log.warning("broker.ack_overdue", peer=c.id, peer_instance=c.instance, in_flight=len(c.in_flight),
                         batch_ids=list(c.in_flight)[:16], waited_s=round(waited, 1), deadline_s=round(deadline, 1),
                         acked=c.acked, last_step=c.stats.get("step"), state=c.stats.get("state"))
             drop(core, c, "lost", f"no ack for {waited:.1f}s while holding {len(c.in_flight)} delivered batches "
