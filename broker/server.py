@@ -5,8 +5,8 @@
     data out PUSH x consumers -> one pipe each, sent only against that consumer's credit
 
 Here: the sockets, the poller, the I/O thread affinity, decoding what comes in into the
-core's typed messages, the relay of batches, and carrying out the actions the core
-returns. Everything runs on one thread, so nothing is locked. Every send is NOBLOCK: a
+core's typed messages, the relay of batches, carrying out the actions the core returns,
+and reading the sockets' monitors for failed handshakes (monitor.py). Everything runs on one thread, so nothing is locked. Every send is NOBLOCK: a
 slow or dead peer never stalls the loop.
 """
 
@@ -23,7 +23,7 @@ from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, reada
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
 
-from . import lighthouse, security
+from . import lighthouse, monitor, security
 from .actions import ClosePipes, Publish, Send
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
@@ -56,6 +56,8 @@ class Broker:
         self.signals = 0  # SIGINT/SIGTERM received
         self.curve = self.auth = self.control = self.data_in = self.metrics = self.lighthouse = None
         self.ctx = None
+        self.monitors: dict = {}  # monitor socket -> (the socket it watches, its name): handshake failures
+        self.handshakes = monitor.HandshakeLog(curve=bool(cfg.curve_keys))
         # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
         self.core = BrokerCore(cfg, run_id, run_dir, hostname, parent=parent, bind_pipe=self._bind_pipe,
                                pipe_threads=self.pipe_threads, streams=self.streams,
@@ -75,6 +77,8 @@ class Broker:
                                 curve=self.curve,
                                 affinity=self.in_affinity),
             )
+            for sock, name in ((self.control, "control"), (self.data_in, "data_in")):
+                self.monitors[monitor.watch(sock)] = (sock, name)
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
             if cfg.elastic and cfg.consumers >= 2:  # consumers meet there every step
@@ -140,6 +144,8 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
+        for mon in self.monitors:
+            poller.register(mon, zmq.POLLIN)
         core = self.core
         while core.phase is not Phase.DONE:
             # zguide lbbroker: read producers only while the queue has room. A full
@@ -150,11 +156,15 @@ class Broker:
                 self._drain(self.control, self._control)
             if self.data_in in events:
                 self._drain(self.data_in, self._data, while_room=True)
+            for mon, (_, name) in self.monitors.items():
+                if mon in events:
+                    self.handshakes.read(mon, name)
             core.dispatch(self._send_batch)
             if self.signal is not None:
                 core.on_signal(self.signal, self.signals)
             self.tick(time.monotonic())
         core.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
+        self.handshakes.report(time.monotonic(), force=True)
         return core.outcome
 
     def tick(self, now: float) -> None:
@@ -165,6 +175,7 @@ class Broker:
         if silent(core.peers.live(), now, core.cfg.timeout_s) and self.control.poll(RECHECK_MS):
             self._drain(self.control, self._control)
         self.do(core.tick(now))
+        self.handshakes.report(now)
 
     def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
         for _ in range(DRAIN_MAX):
@@ -264,6 +275,9 @@ class Broker:
         """Release sockets and the ledger. Safe on a half-built broker."""
         for p in list(self.core.peers.live()):
             p.close_pipes()
+        for mon, (sock, _) in self.monitors.items():
+            sock.disable_monitor()
+            mon.close(linger=0)
         if self.control is not None:
             self.control.close(linger=1000)  # let the last stop/replies out
         if self.data_in is not None:
