@@ -6,8 +6,9 @@
 
 Here: the sockets, the poller, the I/O thread affinity, decoding what comes in into the
 core's typed messages, the relay of batches, carrying out the actions the core returns,
-and reading the sockets' monitors for failed handshakes (monitor.py). Everything runs on one thread, so nothing is locked. Every send is NOBLOCK: a
-slow or dead peer never stalls the loop.
+and reading the sockets' monitors for failed handshakes (monitor.py). Everything runs on
+one thread, so nothing is locked. Every send is NOBLOCK: a slow or dead peer never stalls
+the loop.
 """
 
 from __future__ import annotations
