@@ -71,7 +71,8 @@ def handle(core: BrokerCore, identity: bytes, h: dict | None, error: str | None,
 
 def on_lease(core: BrokerCore, p: Peer, m: LeaseAsk) -> None:
     epoch_before = core.leases.epoch
-    lease = None if core.end is not None else core.leases.grant(p.id, min(m.want, core.cfg.lease_size))
+    size = min(m.want, core.cfg.lease_size, core.leases.share(len(core.peers.live("producer"))))
+    lease = None if core.end is not None else core.leases.grant(p.id, size)
     if lease is None:
         # Elastic consumers may restart the training from a checkpoint, sending samples
         # already made back to the pool (on_lineage): producers stay until end of stream.

@@ -44,7 +44,7 @@ def diagnose(st: dict) -> dict:
 # run's phases and alarms (starting, a lost peer, an OOM, stopping...) are said at once.
 HOLD_TICKS = 3
 HOLD_S = 30.0
-HELD = frozenset({"balanced", "drafters_starved", "targets_backed_up", "queue_growing", "gpu_idle"})
+HELD = frozenset({"balanced", "drafters_starved", "lease_starved", "targets_backed_up", "queue_growing", "gpu_idle"})
 
 
 class Steady:
@@ -220,6 +220,9 @@ def _balance(st: dict) -> dict:
     p_cap = sum(_capacity(p.get("tokens_per_s"), full) for p in prod) / len(prod)
     c_cap = sum(_capacity(c.get("tokens_per_s"), w) for c, w in zip(cons, waits)) / len(cons)
     if wait >= WAITS and wait > full:
+        starved = _lease_starved(st, prod)
+        if starved is not None:
+            return starved
         waiting = sum(1 for c in cons if c.get("waiting_s") is not None)
         text = (f"targets limit throughput: drafters starved, queue {q.get('batches', 0)} batches, "
                 f"{waiting} of {len(cons)} drafters waiting now ({wait:.0%} of the last 10 s); "
@@ -239,6 +242,23 @@ def _balance(st: dict) -> dict:
     text = (f"balanced: targets make {_tok(supply)}, drafters train {_tok(trained)}, queue "
             f"{q.get('batches', 0)} batches, drafters waited {wait:.0%} and targets {full:.0%} of the last 10 s")
     return result("balanced", text, _suggest(len(prod), p_cap, len(cons), c_cap, None, _gpus(st)))
+
+
+def _lease_starved(st: dict, prod: list[dict]) -> dict | None:
+    """Drafters wait and some targets hold no lease while nothing is left to lease: the work
+    left is leased to the others, so more targets (or cores) would find none either."""
+    s = st.get("samples") or {}
+    idle = [p for p in prod if p.get("leases_open") == 0]
+    if not idle or s.get("pending") != 0 or not s.get("leased"):
+        return None
+    busy = [p for p in prod if p.get("leases_open")]
+    size = (st.get("config") or {}).get("lease_size")
+    text = (f"targets limit throughput through leases: {len(idle)} of {len(prod)} targets have no work "
+            f"({', '.join(_name(p) for p in idle[:3])}): every sample left is leased, {s.get('leased')} of them to "
+            f"{', '.join(_name(p) for p in busy[:3]) or 'targets that left'}")
+    return result("lease_starved", text, f"no more targets or cores would help: this is the end of the run's "
+                  f"samples, made by the targets that hold them; a smaller --lease-size (now {size}) spreads the "
+                  "last ones over more targets", "targets")
 
 
 # ---------------------------------------------------------------- the arithmetic
