@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from dflash.protocol.messages import PROTOCOL_VERSION, Grant, StatusReply
 from dflash.runtime.logs import get_logger
 
-from . import handshake, runinfo
-from .replies import bad_message, refuse
+from . import handshake, quarantine, runinfo
+from .replies import MAX_REASON, bad_message, clip, refuse
 from .config import CONTROL_MAX_BYTES, MAX_CREDIT
-from .inbound import CONTROL, Ack, Bye, Commit, Credit, Done, Heartbeat, Hello, LeaseAsk, LineageStart
+from .inbound import CONTROL, Ack, Bye, Commit, Credit, Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart
 from .leases import Lease
 from .lineage import DEFAULT, MAX_LINEAGE, TrainedBatch
 from .peers import Peer
@@ -267,8 +267,22 @@ def on_bye(core: BrokerCore, p: Peer, m: Bye) -> None:
     drop(core, p, "left", m.reason[:200])
 
 
+def on_failed(core: BrokerCore, p: Peer, m: Failed) -> None:
+    """A peer stops on an error and says why before its `bye` (PROTOCOL.md 4.2): kept for the
+    status map and the diagnosis; a consumer's `bad_batch` counts against that batch, which
+    is quarantined once --quarantine-after consumers have failed on it (quarantine.py)."""
+    p.failure = {"code": clip(m.code, 64), "reason": clip(m.reason, MAX_REASON), "hint": clip(m.hint, MAX_REASON),
+                 "source": clip(m.source, 256), "batch_id": clip(m.batch_id, 64), "fault": clip(m.fault, 64)}
+    batch = {}
+    if p.role == "consumer" and m.code == "bad_batch" and isinstance(m.batch_id, str):
+        fault = m.fault if isinstance(m.fault, str) and m.fault else "unknown"
+        batch = quarantine.failed_on(core, p, m.batch_id, fault, m.reason)
+    if core.log_limit.allow(f"failed:{p.id}")[0]:
+        log.warning("broker.peer_failed", **p.describe(), **p.failure, **batch)
+
+
 HANDLERS = {LeaseAsk: on_lease, Done: on_done, Credit: on_credit, Ack: on_ack,
-            Commit: on_commit, LineageStart: on_lineage, Heartbeat: on_heartbeat, Bye: on_bye}
+            Commit: on_commit, LineageStart: on_lineage, Heartbeat: on_heartbeat, Bye: on_bye, Failed: on_failed}
 
 
 def drop(core: BrokerCore, p: Peer, state: str, reason: str) -> None:
@@ -342,7 +356,7 @@ def check_end_of_stream(core: BrokerCore) -> None:
         if core.leases.finished() and not core.queue and not any(c.in_flight for c in consumers):
             log.info("broker.end_of_stream", consumers=[c.id for c in consumers],
                      producers=[p.id for p in core.peers.live("producer")], batches=core.rate_in.total,
-                     samples=dict(core.ledger.counts))
+                     samples=dict(core.ledger.counts), bad_batches=core.poison.as_dict())
             core.stop_all("end_of_stream")
             core.phase = Phase.ENDING
     elif core.phase is Phase.ENDING and not any(pid in core.peers.by_id for pid in core.end.told):

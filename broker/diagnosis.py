@@ -2,11 +2,12 @@
 
 `diagnose(status)` is a pure function of the status map (docs/LOGS.md, docs/STATUS.md):
 the broker fills `status.diagnosis` with it, tests feed it hand-written maps. Checks run
-most urgent first and the first that fires wins: the run is stopping, a peer was lost, a
-role has nobody, an OOM backoff, an idle GPU with work waiting, then the balance between
-targets (producers) and drafters (consumers). In the field (docs/DESIGN.md incident 6)
-throughput fell to a quarter with two drafter GPUs idle and nothing said why; this is
-the line that says why.
+most urgent first and the first that fires wins: the run is stopping, the training job is
+lost, a peer stopped on an error (and said why), a peer was lost, a role has nobody, an OOM
+backoff, an idle GPU with work waiting, then the balance between targets (producers) and
+drafters (consumers), where starved drafters may be the leases' doing, not the targets'.
+In the field (docs/DESIGN.md incident 6) throughput fell to a quarter with two drafter GPUs
+idle and nothing said why; this is the line that says why.
 
 Balance: the queue tells which side waits. Drafters with credit and an empty queue wait
 for targets; a full queue (producers blocked on send) waits for drafters, and a queue
@@ -31,7 +32,7 @@ SIDE = {"producer": "targets", "consumer": "drafters"}
 
 def diagnose(st: dict) -> dict:
     """{code, text, suggestion, limited_by} for a status map. Never raises on missing keys."""
-    for check in (_stopping, _job_lost, _lost, _missing, _oom, _idle, _balance):
+    for check in (_stopping, _job_lost, _failed, _lost, _missing, _oom, _idle, _balance):
         d = check(st)
         if d is not None:
             return d
@@ -100,8 +101,34 @@ def _job_lost(st: dict) -> dict | None:
                   f"dflash-broker --resume {run} and start the producers and consumers again", "drafters")
 
 
+def _failed(st: dict) -> dict | None:
+    """A peer that stopped on an error and said why (its `failed`, or the broker refused its
+    batch), not made up for by a newer peer of its role: its cause and fix, not "start one".
+    Said while recent, and for as long as its role has no live peer at all (the run waits)."""
+    peers = st.get("peers") or []
+    failed = [g for g in st.get("gone") or [] if isinstance(g.get("failure"), dict)
+              and (_num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S or not _live(st, g.get("role")))]
+    failed = _not_replaced(failed, peers)
+    if not failed:
+        return None
+    g = failed[-1]
+    f, role = g["failure"], g.get("role")
+    what = {"bad_row": "a bad dataset row", "bad_batch": "a batch that does not fit the run"}.get(f.get("code"),
+                                                                                               "an error")
+    text = f"{WORD.get(role, role)} {_name(g)} stopped {_dur(g.get('ago_s'))} ago on {what}: {f.get('reason')}"
+    if f.get("source") and str(f["source"]) not in str(f.get("reason")):
+        text += f" (at {f['source']})"
+    if len(failed) > 1:
+        text = f"{len(failed)} peers stopped on errors; latest: {text}"
+    left = len(_live(st, role))
+    carry = f"{left} {SIDE.get(role, role)} carry on" if left else f"no {WORD.get(role, role)} is left: the run waits"
+    fix = f.get("hint") or f"read its last lines (dflash-logs --instance {g.get('instance')} --level error), restart it"
+    return result("peer_failed", text, f"{fix} ({carry})", SIDE.get(role))
+
+
 def _lost(st: dict) -> dict | None:
-    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost" and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S]
+    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost" and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S
+            and not isinstance(g.get("failure"), dict)]
     lost = _not_replaced(lost, st.get("peers") or [])
     if not lost:
         return None

@@ -30,7 +30,7 @@ from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_
                      data_in_frame_cap)
 from .core import BrokerCore, Phase
 from .dispatch import QueuedBatch
-from .inbound import Batch
+from .inbound import Batch, connection
 from .liveness import silent
 from .metrics import MetricsServer
 from .peers import Peer
@@ -218,7 +218,7 @@ class Broker:
             msg = codec.decode(frames, allowed=DATA, run=self.core.run_id, views=False)  # relayed, never read
             payload = msg.payload_bytes()
         except ProtocolError as e:
-            return self.do(self.core.on_bad_batch(sender(frames), e.reason))
+            return self.do(self.core.on_bad_batch(sender(frames), e.reason, connection(frames[0]) if frames else {}))
         batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
         self.do(self.core.on_batch(batch))
 
@@ -296,14 +296,15 @@ class Broker:
 
 def sender(frames: list) -> str:
     """Who sent this data message, for log lines: its `producer` field if the header
-    parses, else the TCP peer address ZeroMQ reports for the frame."""
+    parses, else the peer ID its connection's metadata names (PROTOCOL.md 1), else the TCP
+    peer address ZeroMQ reports for the frame (every producer of a host shares it)."""
     try:
         prod = codec.unpack_header(frames[0]).get("producer")
         if isinstance(prod, str) and prod:
             return prod[:64]
     except (ProtocolError, IndexError):
         pass
-    try:
-        return f"addr:{frames[0].get('Peer-Address')}"
-    except Exception:  # not a zmq.Frame, or the transport gives no address
-        return "addr:unknown"
+    conn = connection(frames[0]) if frames else {}
+    if conn.get("peer"):
+        return conn["peer"][:64]
+    return f"addr:{conn.get('address', 'unknown')}"

@@ -35,7 +35,7 @@ from .live_eval import LiveEval
 from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
 from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
-                   nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
+                   failure, nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
 from .synthetic import synthetic_stream
 from .target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
@@ -220,7 +220,9 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, Exception):  # why we leave, ahead of the bye (a signal's exit says nothing)
+            link.report_failure(failure(e))
         if sink is not None:
             sink.close()
         if dist is not None:  # the caller's finally closes it only on success

@@ -11,7 +11,9 @@ credit, acks, commits), as producers/link.py is the producer's.
 - `broker_batches`: the batch iterator `train()` reads: a message, None when nothing came
   in time (an empty step or a wait, never a hang), the end at `stop` once drained;
 - `BrokerHooks`: ack after each step, commit after each checkpoint (rank 0), the queue
-  and progress figures each `train.step` logs, the heartbeat's stats.
+  and progress figures each `train.step` logs, the heartbeat's stats;
+- `failure`: what a consumer that stops on an error tells the broker (`failed`), naming the
+  batch when the batch is at fault.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from urllib.parse import urlsplit
 import torch
 
 from dflash.protocol.errors import DFlashError
+from dflash.protocol.messages import Failed
 from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import is_run_id
 
+from .batch import BatchMismatch
 from .checkpoint import Signal, resolve_checkpoint
 from .dist import Dist, DistGroup
 from .elastic import ElasticDist, replica_name
@@ -209,6 +213,17 @@ def fresh_run_resume(ref: str, path: Path, run_id: str) -> None:
                             f"with its own ledger: that checkpoint's samples would all be skipped as already "
                             f"trained. To continue that run, stop this broker and start {hint} (consumers "
                             "then need no --resume); to train this run from scratch, leave out --resume")
+
+
+def failure(e: BaseException) -> Failed:
+    """What a consumer that stops on `e` tells the broker before its `bye` (PROTOCOL.md 4.2).
+    A batch at fault is named: the broker requeues it and quarantines it once it has failed
+    --quarantine-after consumers, so a restarted consumer does not die on it forever."""
+    if isinstance(e, BatchMismatch) and e.batch_id is not None:
+        return Failed("bad_batch", str(e)[:2000], batch_id=e.batch_id, fault=e.fault,
+                      hint="restart this consumer: the broker quarantines a batch every consumer fails on "
+                           "(dflash-broker --quarantine-after)")
+    return Failed("error", f"{type(e).__name__}: {str(e)[:2000]}")
 
 
 def nothing_left_to_train(link, error: FileNotFoundError) -> TrainState:

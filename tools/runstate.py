@@ -185,10 +185,24 @@ def _skipped(info: dict) -> str:
     return f" ({n} skipped by their producers)" if n else ""
 
 
+def _completed(info: dict) -> str:
+    """Why a completed run ended: every sample trained, less those set aside as poison (by
+    fault, from run.json's `bad_batches`) and those its producers skipped."""
+    samples = info.get("samples") if isinstance(info.get("samples"), dict) else {}
+    aside = samples.get("quarantined") or 0
+    if not aside:
+        return "end of stream: every sample trained" + _skipped(info)
+    faults = ((info.get("bad_batches") or {}).get("quarantined") or {}) if isinstance(info.get("bad_batches"),
+                                                                                        dict) else {}
+    by = ", ".join(f"{n.get('set_aside', 0)} {fault}" for fault, n in sorted(faults.items()) if n.get("set_aside"))
+    return (f"end of stream: every sample trained but {aside} set aside as poison ({by or 'quarantined'}: "
+            "consumers failed on their batches)" + _skipped(info))
+
+
 def _verdict(info: dict, logs: dict, br: dict) -> dict:
     outcome = info.get("outcome")
     if outcome in ENDED:
-        why = {"completed": "end of stream: every sample trained" + _skipped(info),
+        why = {"completed": _completed(info),
                "interrupted": f"stopped by {info.get('signal')}",
                "crashed": f"the broker crashed: {info.get('error')}", "failed": f"failed to start: {info.get('error')}",
                "nothing_to_train": f"end of stream with nothing trained: {info.get('reason')}"}
