@@ -152,7 +152,7 @@ def describe(run_dir: Path, ask: Callable[[str], dict | None], broker: str | Non
            "error": info.get("error"), "signal": info.get("signal"), "last_seen_at": logs["last_ts"],
            "last_seen_ago_s": _age_s(logs["last_ts"]), "last_step": logs["last_step"],
            "last_step_at": logs["last_step_at"], "error_lines": logs["errors"], "ledger": ledger_counts(run_dir),
-           "last_checkpoint": last_checkpoint(run_dir), "notes": []}
+           "last_checkpoint": last_checkpoint(run_dir), "bad_batches": info.get("bad_batches") or {}, "notes": []}
     epochs, led = (info.get("config") or {}).get("epochs"), out["ledger"]
     n = led.get("n_samples") if led else None
     out["samples_total"] = n * epochs if isinstance(n, int) and isinstance(epochs, int) else None
@@ -226,7 +226,7 @@ def _verdict(info: dict, logs: dict, br: dict) -> dict:
 
 def render(d: dict) -> str:
     """The plain-words view of a run that is not live."""
-    from .status_view import clock, dur
+    from .status_view import bad_batch_lines, clock, dur
 
     when = clock(d.get("at"), "%Y-%m-%d %H:%M:%SZ")
     ago = _age_s(d.get("at"))
@@ -246,6 +246,7 @@ def render(d: dict) -> str:
         lines.append(f"  samples     trained {s.get('trained', 0) + s.get('committed', 0)}  committed "
                      f"{s.get('committed', 0)}  skipped {s.get('skipped', 0)}  of {d.get('samples_total') or '?'}"
                      f"{'  last commit step ' + str(commit['step']) if commit else ''}")
+    lines += [f"  {x}" for x in bad_batch_lines(d.get("bad_batches") or {})]
     if d.get("error_lines"):
         lines.append(f"  errors      {d['error_lines']} error lines in this run's logs "
                      f"(dflash-logs --run {d['run_id']} --level error)")

@@ -192,12 +192,16 @@ def _gpu(p: dict) -> str:
 
 def bad_batch_lines(bad: dict) -> list[str]:
     """The run's bad batches by what became of them and why (status map `bad_batches`), or none."""
+    def many(n, word: str) -> str:
+        return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('h') else 's'}"
+
     parts = []
     for fault, n in sorted((bad.get("rejected") or {}).items()):
-        parts.append(f"rejected {n['batches']} batches ({n['samples']} samples) at intake: {fault}")
+        parts.append(f"rejected {many(n['batches'], 'batch')} ({many(n['samples'], 'sample')}) at intake: {fault}")
     for fault, n in sorted((bad.get("quarantined") or {}).items()):
-        parts.append(f"quarantined {n['batches']} batches ({n['samples']} samples: {n.get('remade', 0)} made again, "
-                     f"{n.get('set_aside', 0)} set aside) after consumers failed on them: {fault}")
+        parts.append(f"quarantined {many(n['batches'], 'batch')} ({many(n['samples'], 'sample')}: "
+                     f"{n.get('remade', 0)} made again, {n.get('set_aside', 0)} set aside) after consumers failed "
+                     f"on {'it' if n['batches'] == 1 else 'them'}: {fault}")
     return [f"bad      {p}" for p in parts]
 
 

@@ -225,3 +225,7 @@ def test_a_poison_batch_consumers_fail_on_is_quarantined_and_the_run_finishes(tm
     assert info["bad_batches"] == {"quarantined": {form: {"batches": 1, "samples": 1, "remade": 1, "set_aside": 0}}}
     assert bad_rows(b.run_dir) == [("quarantined", form, 1, 1, 0)]
     assert not info["samples"].get("quarantined")
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--run", b.run_id, "--runs-dir",
+                        str(b.runs_dir), "--timeout-s", "0.2"], capture_output=True, text=True, timeout=60)
+    assert "FINISHED" in r.stdout and f"quarantined 1 batch (1 sample: 1 made again, 0 set aside) after " \
+        f"consumers failed on it: {form}" in r.stdout, r.stdout
