@@ -7,8 +7,9 @@ hidden width (`len(layer_ids) x hidden_size`) and the vocabulary (every token ID
 `0..vocab_size-1`). A batch that does not fit makes every consumer that gets it fail, and
 requeued it would fail the next one: it is refused before it is queued (intake.py).
 
-Reads one tensor, `input_ids`, as int32 in place (numpy, which transformers requires, over
-the frame's memory: no copy, no torch); a fact nobody stated is not checked.
+Reads one tensor, `input_ids`, in place: its largest value as unsigned, so a negative ID
+counts as out of range too (numpy, which transformers requires, over the frame's memory: no
+copy, no torch). A fact nobody stated is not checked.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def misfit(facts: dict, m: Batch) -> Misfit | None:
     vocab = _count(facts.get("vocab_size"))
     ids = specs.get("input_ids")
     if vocab and ids is not None and ids[1]["shape"][0] > 0:
-        lo, hi = token_range(m.frames[1 + ids[0]])
-        if lo < 0 or hi >= vocab:
+        frame = m.frames[1 + ids[0]]
+        if largest_unsigned(frame) >= vocab:  # a negative ID reads as one past 2**31: caught too
+            lo, hi = token_range(frame)
             return Misfit("token_ids", f"token IDs {lo}..{hi} lie outside this run's vocabulary 0..{vocab - 1}")
     return None
 
@@ -58,8 +60,16 @@ def tensor_specs(m: Batch) -> dict[str, tuple[int, dict]]:
     return {s["name"]: (i, s) for i, s in enumerate(specs)}
 
 
+def largest_unsigned(frame) -> int:
+    """The largest int32 of a non-empty input_ids frame, read as unsigned: one pass (the
+    check runs on every batch; a relay of small batches counts microseconds per batch)."""
+    import numpy as np
+
+    return int(np.frombuffer(getattr(frame, "buffer", frame), dtype="<u4").max())
+
+
 def token_range(frame) -> tuple[int, int]:
-    """(smallest, largest) int32 of a non-empty input_ids frame."""
+    """(smallest, largest) int32 of a non-empty input_ids frame: only for the message."""
     import numpy as np
 
     ids = np.frombuffer(getattr(frame, "buffer", frame), dtype="<i4")
