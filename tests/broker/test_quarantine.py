@@ -55,13 +55,13 @@ def rig(tmp_path):
 # ---------------------------------------------------------------- refused at intake
 
 
-@pytest.mark.parametrize("fault", ["hidden_width", "token_ids"])
-def test_a_batch_that_does_not_fit_the_target_is_refused_and_the_producers_own_copy_taken(rig, fault):
+@pytest.mark.parametrize("fault,lie", [("hidden_width", {"width": 12}), ("token_ids", {"ids_plus": 100}),
+                                        ("token_ids", {"ids_plus": -1000})], ids=["width", "ids_past", "ids_negative"])
+def test_a_batch_that_does_not_fit_the_target_is_refused_and_the_producers_own_copy_taken(rig, fault, lie):
     rig.hello(b"prod", "producer", **FACTS)
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
     p = rig.peer(b"prod").id
-    lying = real_batch(p, g["lease"], g["samples"], batch_id="liar-1",
-                       **({"width": 12} if fault == "hidden_width" else {"ids_plus": 100}))
+    lying = real_batch(p, g["lease"], g["samples"], batch_id="liar-1", **lie)
     out = rig.core.on_batch(lying)
     # Not from p1's connection (no ZMTP metadata names it): dropped, p1 neither told nor ended
     assert not sent(out, "reject") and rig.core.peers.by_id.get(p) is not None
