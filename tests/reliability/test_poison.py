@@ -140,28 +140,31 @@ def finished(b: BrokerProc) -> dict:
     return info
 
 
+FORMS = ("hidden_width", "token_ids")
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("form", ["hidden_width", "token_ids"])
-def test_a_poison_batch_the_broker_can_check_is_refused_naming_its_producer(tmp_path, target, facts, data, form):
+def test_poison_batches_the_broker_can_check_are_refused_naming_their_producer(tmp_path, target, facts, data):
     b = BrokerProc(tmp_path / "runs", ["--timeout-s", "30"])
     procs = []
     try:
-        # The liar joins first, stating the run's facts as a real producer would
-        liar = FakeProducer(b.control, "liar", name_connection=True, config={
-            "target": str(target), "layer_ids": LAYERS, **facts, "dataset": {"n_samples": N}})
-        liar.send("lease", want=3)
-        g = liar.wait_for({"grant"}, 10)
-        assert len(g["samples"]) == 3
-        bid, bad = poison(liar, g, form, facts, g["samples"][:2])
-        liar.push(bad)
-        with pytest.raises(Rejected, match=f"bad_batch: batch {bid} does not fit"):
-            liar.wait_for({"nothing"}, 10)
-        ev = b.wait_event("broker.batch_rejected")
-        assert ev["fault"] == form and ev["peer"] == liar.peer and ev["peer_instance"] == "liar", ev
-        assert ev["own_connection"] is True and ev["samples"] == 2
-        lost = b.wait_event("broker.peer_lost", pred=lambda e: e["peer"] == liar.peer)
-        assert lost["held"]["samples_returned"] == 3  # its lease goes back to the pool
-        liar.close()
+        # Two liars join first, stating the run's facts as a real producer would; one lies in each form
+        liars = {form: FakeProducer(b.control, f"liar-{form}", name_connection=True, config={
+            "target": str(target), "layer_ids": LAYERS, **facts, "dataset": {"n_samples": N}}) for form in FORMS}
+        for form, liar in liars.items():
+            liar.send("lease", want=2)
+            g = liar.wait_for({"grant"}, 10)
+            assert len(g["samples"]) == 2
+            bid, bad = poison(liar, g, form, facts, g["samples"])
+            liar.push(bad)
+            with pytest.raises(Rejected, match=f"bad_batch: batch {bid} does not fit"):
+                liar.wait_for({"nothing"}, 10)
+            ev = b.wait_event("broker.batch_rejected", pred=lambda e, p=liar.peer: e["peer"] == p)
+            assert ev["fault"] == form and ev["peer_instance"] == f"liar-{form}", ev
+            assert ev["own_connection"] is True and ev["samples"] == 2
+            lost = b.wait_event("broker.peer_lost", pred=lambda e, p=liar.peer: e["peer"] == p)
+            assert lost["held"]["samples_returned"] == 2  # its lease goes back to the pool
+            liar.close()
 
         procs = [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
                  (consumer(b, target, tmp_path / "c1.out"), tmp_path / "c1.out")]
@@ -173,47 +176,49 @@ def test_a_poison_batch_the_broker_can_check_is_refused_naming_its_producer(tmp_
             if p.poll() is None:
                 p.kill()
         stop(b)
-    assert info["bad_batches"] == {"rejected": {form: {"batches": 1, "samples": 2}}}
-    assert bad_rows(b.run_dir) == [("rejected", form, 2, 0, 0)]
+    assert info["bad_batches"] == {"rejected": {form: {"batches": 1, "samples": 2} for form in FORMS}}
+    assert sorted(bad_rows(b.run_dir)) == [("rejected", form, 2, 0, 0) for form in FORMS]
     assert not info["samples"].get("quarantined")
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("form", ["hidden_width", "token_ids"])
-def test_a_poison_batch_consumers_fail_on_is_quarantined_and_the_run_finishes(tmp_path, target, facts, data, form):
+def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(tmp_path, target, facts, data):
     b = BrokerProc(tmp_path / "runs", ["--timeout-s", "30"])
     procs = []
     try:
         # A client that states no hidden_size or vocab_size: the broker cannot check its batches
         liar = FakeProducer(b.control, "liar", name_connection=True, config={
             "target": str(target), "layer_ids": LAYERS, "dataset": {"n_samples": N}})
-        liar.send("lease", want=4)
+        liar.send("lease", want=5)
         g = liar.wait_for({"grant"}, 10)
         s = g["samples"]
         width = len(LAYERS) * facts["hidden_size"]
         for batch in (frames(liar, g["lease"], g["epoch"], s[:1], width=width),  # trained first
-                      poison(liar, g, form, facts, s[1:2]),
-                      frames(liar, g["lease"], g["epoch"], s[2:], width=width)):
+                      poison(liar, g, FORMS[0], facts, s[1:2]), poison(liar, g, FORMS[1], facts, s[2:3]),
+                      frames(liar, g["lease"], g["epoch"], s[3:], width=width)):
             liar.push(batch[1])
-        wait_for(b.ask, lambda st: st["samples"]["produced"] == 4, 20)
+        wait_for(b.ask, lambda st: st["samples"]["produced"] == 5, 20)
         liar.send("done", lease=g["lease"], skipped=[])
         liar.send("bye", reason="done")
         liar.close()
 
-        for i in (1, 2):  # each consumer fails on it, tells the broker, and exits 2
+        # Each consumer fails on the poison batch at the front of the queue, says so and exits 2;
+        # the second to fail on one quarantines it
+        for i, form, failures in ((1, FORMS[0], 1), (2, FORMS[0], 2), (3, FORMS[1], 1), (4, FORMS[1], 2)):
             out = tmp_path / f"c{i}.out"
             assert waited(consumer(b, target, out), out) == 2, out.read_text()[-2000:]
             ev = b.wait_event("broker.peer_failed", pred=lambda e, n=f"c{i}": e["peer_instance"] == n)
-            assert ev["code"] == "bad_batch" and ev["fault"] == form and ev["batch_held"] is True
-            assert ev["batch_failures"] == i and ev["quarantined"] is (i == 2)
+            assert ev["code"] == "bad_batch" and ev["fault"] == form and ev["batch_held"] is True, ev
+            assert ev["batch_failures"] == failures and ev["quarantined"] is (failures == 2)
         # the first trained the good batch before and committed it on its way out: the job goes on
         assert [e["peer"] for e in b.events("broker.commit")] == ["c1"] and not b.events("broker.job_lost")
-        q = b.wait_event("broker.batch_quarantined")
-        assert q["samples"] == 1 and q["remade"] == 1 and q["set_aside"] == 0 and q["consumers"] == ["c1", "c2"]
+        quarantined = b.events("broker.batch_quarantined")
+        assert [(q["fault"], q["samples"], q["remade"], q["set_aside"], q["consumers"]) for q in quarantined] == [
+            (FORMS[0], 1, 1, 0, ["c1", "c2"]), (FORMS[1], 1, 1, 0, ["c3", "c4"])]
 
-        # The real producer makes the rest, and the poisoned sample again; a third consumer trains it all
+        # The real producer makes the rest, and the poisoned samples again; a fifth consumer trains it all
         procs = [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
-                 (consumer(b, target, tmp_path / "c3.out"), tmp_path / "c3.out")]
+                 (consumer(b, target, tmp_path / "c5.out"), tmp_path / "c5.out")]
         for p, out in procs:
             assert waited(p, out) == 0, out.read_text()[-2000:]
         info = finished(b)
@@ -222,10 +227,12 @@ def test_a_poison_batch_consumers_fail_on_is_quarantined_and_the_run_finishes(tm
             if p.poll() is None:
                 p.kill()
         stop(b)
-    assert info["bad_batches"] == {"quarantined": {form: {"batches": 1, "samples": 1, "remade": 1, "set_aside": 0}}}
-    assert bad_rows(b.run_dir) == [("quarantined", form, 1, 1, 0)]
+    assert info["bad_batches"] == {"quarantined": {
+        form: {"batches": 1, "samples": 1, "remade": 1, "set_aside": 0} for form in FORMS}}
+    assert sorted(bad_rows(b.run_dir)) == [("quarantined", form, 1, 1, 0) for form in FORMS]
     assert not info["samples"].get("quarantined")
     r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--run", b.run_id, "--runs-dir",
                         str(b.runs_dir), "--timeout-s", "0.2"], capture_output=True, text=True, timeout=60)
-    assert "FINISHED" in r.stdout and f"quarantined 1 batch (1 sample: 1 made again, 0 set aside) after " \
-        f"consumers failed on it: {form}" in r.stdout, r.stdout
+    assert "FINISHED" in r.stdout and all(
+        f"quarantined 1 batch (1 sample: 1 made again, 0 set aside) after consumers failed on it: {form}" in r.stdout
+        for form in FORMS), r.stdout
