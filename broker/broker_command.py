@@ -41,6 +41,10 @@ from dflash.runtime.command_line import command, config_option, option, runs_dir
              "batches requeued (it heartbeats, so --timeout-s does not catch it). 0: auto, the larger of 120 s, "
              "12 x --timeout-s and 4 x that consumer's slowest gap between two acks.")
 @option("--lease-size", default=256, type=int, help="Most samples handed to a producer per lease.")
+@option("--quarantine-after", default=2, type=int,
+        help="A batch that this many consumers fail on (each reports it and leaves) is quarantined: its samples "
+             "are made again once, and set aside, counted by reason, if their new batch fails as well "
+             "(docs/RELIABILITY.md, poison batches).")
 @option("--num-samples", default=None, type=int,
         help="Dataset size; normally the first producer tells it (config.dataset.n_samples) and later ones must match.")
 @option("--consumers", default=0, type=int,

@@ -79,12 +79,13 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         log.exception("broker.crashed", error=error)
     finally:
         samples = dict(broker.ledger.counts)
+        bad_batches = broker.core.poison.as_dict()
         broker.close()
         if getattr(broker, "metric_sink", None) is not None:
             broker.metric_sink.close()
         why = getattr(broker, "outcome_why", None)
         code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
-        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal,
+        runinfo.finish(run_dir, outcome, samples=samples, bad_batches=bad_batches, error=error, signal=broker.signal,
                        **({"reason": why} if why else {}))
         if parent is None and broker.core.peer_messages == 0:
             # A fresh run no peer even tried to join holds nothing; `latest` goes back to the run

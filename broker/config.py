@@ -105,6 +105,7 @@ class BrokerConfig:
     lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
     io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
     data_streams: int = 0  # TCP connections per peer for its batches; 0 = auto (stream_count)
+    quarantine_after: int = 2  # consumers that fail on one batch before it is quarantined (quarantine.py)
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -130,6 +131,8 @@ class BrokerConfig:
             raise ValueError("--consumers must be >= 0")
         if self.max_peers < 1:
             raise ValueError("--max-peers must be >= 1")
+        if self.quarantine_after < 1:
+            raise ValueError("--quarantine-after must be >= 1")
         if self.metrics_port and (not 0 < self.metrics_port < 65536
                                   or self.metrics_port in (self.port, self.data_in_port)
                                   or lo <= self.metrics_port <= hi):

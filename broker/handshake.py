@@ -27,8 +27,10 @@ if TYPE_CHECKING:  # the core calls these with itself; imported for the annotati
 log = get_logger()
 
 FACT_KEYS = ("target", "layer_ids", "hidden_size")
-# Facts a producer states that are kept once known (checked by target_mismatch, not by value here).
-KEPT_KEYS = ("target_id",)
+# Facts a producer states that are kept once known: target_id is checked by target_mismatch,
+# vocab_size against the run's when a producer states it (intake checks token IDs with it).
+KEPT_KEYS = ("target_id", "vocab_size")
+COUNT_KEYS = ("hidden_size", "vocab_size")  # facts that must be positive counts when stated
 
 
 def hello(core: BrokerCore, identity: bytes, m: Hello, key: str | None = None) -> None:
@@ -148,7 +150,7 @@ def welcome(core: BrokerCore, p: Peer) -> None:
     run_config = RunConfig(
         core.cfg.epochs, core.cfg.seed, core.cfg.lease_size, core.cfg.max_message_bytes, MAX_CREDIT,
         target=facts.get("target"), target_id=facts.get("target_id"), layer_ids=facts.get("layer_ids"),
-        hidden_size=facts.get("hidden_size"),
+        hidden_size=facts.get("hidden_size"), vocab_size=facts.get("vocab_size"),
         dataset=DatasetFacts(dataset["n_samples"], dataset.get("fingerprint")) if dataset else None,
         parent_run=resume.get("parent_run"),
         resumed_from=CommitPoint(start["run"], start["step"], start["checkpoint"]) if start else None, **ranks)
@@ -236,9 +238,16 @@ def producer_facts(facts: dict, config: dict) -> dict | str:
             return f"dataset has {n} samples; this run's has {known['n_samples']}"
         if fp is not None and known.get("fingerprint") not in (None, fp):
             return f"dataset fingerprint {fp!r} differs from this run's {known['fingerprint']!r}"
+    for k in COUNT_KEYS:
+        v = config.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            return f"config.{k} {v!r} is not a positive count"
     for k in FACT_KEYS:
         if facts.get(k) is not None and config.get(k) != facts[k]:
             return f"{k} {config.get(k)!r} differs from this run's {facts[k]!r}"
+    vocab = config.get("vocab_size")
+    if facts.get("vocab_size") is not None and vocab is not None and vocab != facts["vocab_size"]:
+        return f"vocab_size {vocab!r} differs from this run's {facts['vocab_size']!r}"
     new = dict(facts)
     for k in FACT_KEYS + KEPT_KEYS:
         if new.get(k) is None and config.get(k) is not None:

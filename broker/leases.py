@@ -98,6 +98,15 @@ class LeasePool:
     def open_leases(self, producer: str) -> list[Lease]:
         return [le for le in self.open.values() if le.producer == producer]
 
+    def share(self, producers: int) -> int:
+        """The most samples one lease may take now: what is left to lease in the run, split
+        over the live `producers`. Leases of --lease-size each let the first producer of a
+        small dataset take all of it while the others got nothing; a share leaves work for
+        every live producer, and shrinks the last leases of a run so that its tail spreads
+        too. (A producer that joins once everything is leased finds nothing: the broker
+        cannot keep work back for producers it does not know of.)"""
+        return max(1, -(-self.pending() // max(1, producers)))
+
     def grant(self, producer: str, want: int) -> Lease | None:
         """Lease up to `want` samples of one epoch; None when there is nothing now."""
         if not self.known or want <= 0 or len(self.open_leases(producer)) >= MAX_OPEN_LEASES:

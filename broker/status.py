@@ -70,9 +70,10 @@ def samples(core: BrokerCore) -> dict:
         "total": total, "pending": core.leases.pending() if n is not None else None,
         "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
         "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
+        "quarantined": c["quarantined"],  # set aside as poison (quarantine.py): never trained
         # committed by the runs a resumed run continues: never leased here
         "inherited": c.get("inherited", 0),
-        "done": c["trained"] + c["committed"] + c["skipped"] + c.get("inherited", 0),
+        "done": c["trained"] + c["committed"] + c["skipped"] + c["quarantined"] + c.get("inherited", 0),
         "epoch": core.leases.epoch, "epochs": core.cfg.epochs, "n_samples": n,
     }
 
@@ -145,7 +146,7 @@ def gone_row(p) -> dict:
     return {"peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
             "state": p.state, "at": _iso(p.gone_at), "ago_s": round(time.time() - p.gone_at, 1),
             "reason": p.gone_reason, "held": p.held, "last_stats": p.stats,
-            "last_step": _number(p.stats.get("step"))}
+            "last_step": _number(p.stats.get("step")), "failure": p.failure}
 
 
 def progress(core: BrokerCore, now: float) -> dict:
@@ -192,6 +193,7 @@ def build_status(core: BrokerCore) -> dict:
             "in_flight_bytes": sum(x.nbytes for c in consumers for x in c.in_flight.values()),
         },
         "samples": samples(core),
+        "bad_batches": core.poison.as_dict(),
         "rates": {"batches_in_per_s": round(core.rate_in.rate(now), 3),
                   "batches_out_per_s": round(core.rate_out.rate(now), 3),
                   "batches_in": core.rate_in.total, "batches_out": core.rate_out.total},
@@ -222,7 +224,8 @@ def progress_fields(core: BrokerCore, now: float) -> dict:
         "producers": len(core.peers.live("producer")), "consumers": len(consumers),
         "waiting_consumers": [c.id for c in consumers if c.waiting_since is not None],
         "samples_total": s["total"], "samples_trained": t["trained"], "samples_committed": t["committed"],
-        "samples_inherited": t["inherited"], "samples_skipped": s["skipped"], "epoch": t["epoch"],
+        "samples_inherited": t["inherited"], "samples_skipped": s["skipped"], "samples_quarantined": s["quarantined"],
+        "epoch": t["epoch"],
         "batches_in_per_s": round(core.rate_in.rate(now), 3), "batches_out_per_s": round(core.rate_out.rate(now), 3),
     }
 

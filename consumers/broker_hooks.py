@@ -6,7 +6,9 @@ inbox, credit, acks, commits):
   in time (an empty step or a wait, never a hang), the end at `stop` once drained;
 - `BrokerHooks`: ack after each step, commit after each checkpoint (rank 0), the queue
   and progress figures each `train.step` logs, the heartbeat's stats;
-- `nothing_left_to_train`: a consumer that joined as the run ended.
+- `nothing_left_to_train`: a consumer that joined as the run ended;
+- `failure`: what a consumer that stops on an error tells the broker (`failed`), naming the
+  batch when the batch is at fault.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Iterator
 
 import torch
 
+from dflash.protocol.messages import Failed
 from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger
 
+from .batch import BatchMismatch
 from .train_config import Hooks, TrainState
 
 log = get_logger()
@@ -31,6 +35,17 @@ log = get_logger()
 BATCH_WAIT_S = 0.5
 # How many broker heartbeat intervals the first step waits for the run's planned samples.
 PLAN_WAIT_BEATS = 3
+
+
+def failure(e: BaseException) -> Failed:
+    """What a consumer that stops on `e` tells the broker before its `bye` (PROTOCOL.md 4.2).
+    A batch at fault is named: the broker requeues it and quarantines it once it has failed
+    --quarantine-after consumers, so a restarted consumer does not die on it forever."""
+    if isinstance(e, BatchMismatch) and e.batch_id is not None:
+        return Failed("bad_batch", str(e)[:2000], batch_id=e.batch_id, fault=e.fault,
+                      hint="restart this consumer: the broker quarantines a batch every consumer fails on "
+                           "(dflash-broker --quarantine-after)")
+    return Failed("error", f"{type(e).__name__}: {str(e)[:2000]}")
 
 
 def nothing_left_to_train(link, error: FileNotFoundError) -> TrainState:

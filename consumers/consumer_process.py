@@ -37,7 +37,7 @@ from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
-from .broker_hooks import BrokerHooks, broker_batches, nothing_left_to_train
+from .broker_hooks import BrokerHooks, broker_batches, failure, nothing_left_to_train
 from .join import (arranged_dist, await_run_facts, check_run_target, hello_config, offer_dist_addr, resume_point,
                    run_config_of, run_layers)
 from .synthetic import synthetic_stream
@@ -235,7 +235,9 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, Exception):  # why we leave, ahead of the bye (a signal's exit says nothing)
+            link.report_failure(failure(e))
         if sink is not None:
             sink.close()
         if dist is not None:  # the caller's finally closes it only on success

@@ -82,7 +82,7 @@ def train(
     """Train until the stream ends, `max_steps`, or `hooks.stop`. Returns the final state.
 
     Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
-    another drafter), ValueError (bad config)."""
+    another drafter: after the checkpoint of the steps before it), ValueError (bad config)."""
     trainer = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
     trainer.join_or_resume(runs_dir)
     trainer.announce()
@@ -225,6 +225,7 @@ class Trainer:
         self.source: Iterator = stager if stager is not None else iter(batches)
         self.exhausted, self.started = False, time.monotonic()
         self.waited_s, self.reported_at = 0.0, self.started  # waiting for batches since the last step line
+        self.bad: BatchMismatch | None = None  # a batch no rank could train: the run ends on it
         self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
         self.stepped_here = False  # this process took a step (the startup wait ends)
         try:
@@ -232,7 +233,10 @@ class Trainer:
         finally:
             if stager is not None:
                 stager.close()
-        return self.finish()
+        state = self.finish()
+        if self.bad is not None:  # checkpointed and committed first: what was trained stays
+            raise self.bad
+        return state
 
     def _loop(self) -> None:
         cfg, state = self.cfg, self.state
@@ -304,8 +308,10 @@ class Trainer:
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
             self.held = _dropped(batch, state, dist, "quorum")
             return _SKIP
-        if bads > 0:
-            raise bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
+        if bads > 0:  # ends here, like a stop: the checkpoint and commit of what was trained, then raise
+            self.bad = bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
+            state.end_reason = "bad_batch"
+            return _END
         if 0 < n_leaving < dist.world_size and stops == 0:
             return self._leave(batch, leaving)
         if want_stop:

@@ -167,7 +167,7 @@ def hello_config(c: Components, cfg: ProducerConfig) -> dict:
     """What the broker checks against the run (PROTOCOL.md 4.1 `hello.config`)."""
     return {
         "target": cfg.target, "layer_ids": c.target.layer_ids, "hidden_size": c.target.hidden_size,
-        "target_id": c.target_id,
+        "vocab_size": c.target.info.vocab_size, "target_id": c.target_id,
         "dataset": {"n_samples": len(c.dataset), "fingerprint": c.dataset.fingerprint},
         "encodings": [cfg.hidden_encoding], "dtype": c.target.info.dtype,
         "model_type": c.target.info.model_type, "num_layers": c.target.num_layers,

@@ -138,7 +138,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
     says stop), leave."""
     from dflash.protocol.links import ProducerLink
 
-    from .broker_work import BrokerWorkSource, Stopped, link_sink
+    from .broker_work import BrokerWorkSource, Stopped, failure, link_sink
 
     producer = None
     link = ProducerLink(cfg.broker, instance, gpu=cfg.gpu, config=hello_config(c, cfg),
@@ -164,6 +164,9 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
             reason, flush_s = f"signal {stop.signal_name}", 5.0
             log.warning("produce.stopped", signal=stop.signal_name, **summary)
         return summary
+    except Exception as e:
+        link.report_failure(failure(e))  # why we leave, ahead of the bye
+        raise
     finally:
         link.close(reason=reason, flush_timeout_s=flush_s)
         stop.restore()

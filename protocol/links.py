@@ -21,7 +21,8 @@ from dflash.runtime.logs import get_logger
 from . import codec
 from .credit import CreditWindow
 from .errors import MessageTooLarge, ProtocolError
-from .messages import DATA, MAX_HEADER_BYTES, Ack, Batch, Commit, Credit, Done, Grant, LeaseAsk
+from .messages import (DATA, INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done,
+                       Grant, LeaseAsk)
 from .peer import PeerLink, from_broker
 from .sockets import SocketOpts, make_socket, nth_other_thread, other_threads, readable, recv_frames, send_frames
 
@@ -49,9 +50,12 @@ class ProducerLink(PeerLink):
         # the broker asks for (the same endpoint again: a TCP connection each, which
         # libzmq puts on the least busy I/O thread of the mask); batches take them in turn.
         endpoints = self.welcome.streams(self.welcome.data_in)
+        # The connection names us (PROTOCOL.md 1): the broker can tell which producer sent a
+        # message even when its header does not parse, and that a batch naming us is ours.
+        named = ((PEER_PROPERTY, self.peer_id), (INSTANCE_PROPERTY, self.instance))
         sock = make_socket(self._ctx, zmq.PUSH, endpoints[0], bind=False,
                            opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
-                                           affinity=other_threads(self._io_threads)))
+                                           affinity=other_threads(self._io_threads), metadata=named))
         for endpoint in endpoints[1:]:
             sock.connect(endpoint)
         return [sock]

@@ -21,6 +21,10 @@ MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: docs/DESIGN.md keeps one message well unde
 # (a control message is a header only, so this is the largest frame either side accepts).
 CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 
+# ZMTP metadata properties a producer's data-in connection announces (PROTOCOL.md 1): its
+# peer ID and instance name, so that the broker can name the sender of any message on it.
+PEER_PROPERTY, INSTANCE_PROPERTY = "X-Peer", "X-Instance"
+
 # Every message type, one frozen dataclass each: required fields first (no default; the
 # annotation is the msgpack type a receiver accepts), then optional ones (a default, and
 # `optional()`'s rules for parsing and sending). docs/PROTOCOL.md's tables mirror these
@@ -276,6 +280,21 @@ class Bye(Message):
 
 
 @dataclass(frozen=True)
+class Failed(Message):
+    """`failed {code, reason, ...}`: a peer that stops on an error says why, just before its
+    `bye` (PROTOCOL.md 4.2): the broker's status and diagnosis show the cause and the fix
+    instead of an unexplained departure, and a consumer names the batch that failed it."""
+
+    type: ClassVar[str] = "failed"
+    code: str  # bad_row (producer), bad_batch (consumer), error (anything else)
+    reason: str  # the error, as the peer logged it
+    hint: str | None = optional()  # what fixes it
+    source: str | None = optional()  # bad_row: the row's `file:line`
+    batch_id: str | None = optional()  # bad_batch: the batch this consumer could not train
+    fault: str | None = optional()  # bad_batch: what is wrong with it (hidden_width, token_ids, ...)
+
+
+@dataclass(frozen=True)
 class StatusAsk(Message):
     """`status {}`: any DEALER, no handshake."""
 
@@ -310,6 +329,7 @@ class RunFacts(Fields):
     layer_ids: list | None = optional(parse=typed(list, each=(int,)))
     hidden_size: int | None = optional(parse=typed(int))
     target_id: dict | None = optional(parse=typed(dict))  # {model_type, config_sha256, heads_sha256}
+    vocab_size: int | None = optional(parse=typed(int))
 
 
 @dataclass(frozen=True)
@@ -327,6 +347,7 @@ class RunConfig(Fields):
     target_id: dict | None = optional(parse=typed(dict))
     layer_ids: list | None = optional(parse=typed(list, each=(int,)))
     hidden_size: int | None = optional(parse=typed(int))
+    vocab_size: int | None = optional(parse=typed(int))
     dataset: DatasetFacts | None = optional(parse=nested(DatasetFacts))
     # a resumed run: its parent, and (also in any run that recorded a commit) where to start
     parent_run: str | None = optional(parse=typed(str))
@@ -431,15 +452,15 @@ class Batch(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, StatusAsk,
-                              Welcome, Reject, Grant, Stop, StatusReply, Batch)
+    cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, Failed,
+                              StatusAsk, Welcome, Reject, Grant, Stop, StatusReply, Batch)
 }
 
 # Messages that may be sent before a run ID is known; every other one carries `run`.
 PRE_HANDSHAKE = frozenset({"hello", "welcome", "reject", "status", "status_reply"})
 
 CONTROL_TO_BROKER = frozenset(
-    {"hello", "lease", "done", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "status"}
+    {"hello", "lease", "done", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "failed", "status"}
 )
 CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "stop", "status_reply", "heartbeat"})
 DATA = frozenset({"batch"})

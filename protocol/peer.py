@@ -2,9 +2,10 @@
 
 `PeerLink` owns every socket of a peer in one background I/O thread (ZeroMQ sockets are
 not thread-safe, and the GPU loop must never wait on the network): the control socket,
-the handshake, heartbeats, liveness (`BrokerLost`) and close. Each role's link is a
-subclass in links.py (`ProducerLink`, `ConsumerLink`) that adds its data sockets and the
-calls its loop makes; the training or capture loop talks to it through bounded queues.
+the handshake, heartbeats, liveness (`BrokerLost`), a failure's report (`failed`) and
+close. Each role's link is a subclass in links.py (`ProducerLink`, `ConsumerLink`) that
+adds its data sockets and the calls its loop makes; the training or capture loop talks to
+it through bounded queues.
 
 Failures surface as exceptions on the next call: `BrokerUnreachable` (no handshake),
 `Rejected` (the broker refused us), `BrokerLost` (silent past the timeout).
@@ -269,6 +270,15 @@ class PeerLink(ABC):
                                   f"{MAX_HEADER_BYTES} bytes (PROTOCOL.md 3): not sent")
         self._control_out.put(h)
         self._wake()
+
+    def report_failure(self, msg: Message) -> None:
+        """Queue a `failed` (PROTOCOL.md 4.2): why this peer stops, sent ahead of the `bye`
+        that close() sends. A link that failed itself (the broker lost, or it refused us)
+        has nobody to tell: then nothing is sent (nor raised: the caller is already failing)."""
+        try:
+            self.send_control(msg)
+        except DFlashError:
+            pass
 
     @abstractmethod
     def prefetched(self) -> int:

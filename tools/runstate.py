@@ -154,7 +154,7 @@ def describe(run_dir: Path, ask: Callable[[str], dict | None], broker: str | Non
            "error": info.get("error"), "signal": info.get("signal"), "last_seen_at": logs["last_ts"],
            "last_seen_ago_s": _age_s(logs["last_ts"]), "last_step": logs["last_step"],
            "last_step_at": logs["last_step_at"], "error_lines": logs["errors"], "ledger": ledger_counts(run_dir),
-           "last_checkpoint": last_checkpoint(run_dir), "notes": [],
+           "last_checkpoint": last_checkpoint(run_dir), "bad_batches": info.get("bad_batches") or {}, "notes": [],
            # the runs that continued this one (dflash-broker --resume): where its story goes on
            "resumed_by": [k["run_id"] for k in resumed_by(run_dir)], "chain_end": None}
     if out["resumed_by"]:
@@ -195,10 +195,24 @@ def _skipped(info: dict) -> str:
     return f" ({n} skipped by their producers)" if n else ""
 
 
+def _completed(info: dict) -> str:
+    """Why a completed run ended: every sample trained, less those set aside as poison (by
+    fault, from run.json's `bad_batches`) and those its producers skipped."""
+    samples = info.get("samples") if isinstance(info.get("samples"), dict) else {}
+    aside = samples.get("quarantined") or 0
+    if not aside:
+        return "end of stream: every sample trained" + _skipped(info)
+    faults = ((info.get("bad_batches") or {}).get("quarantined") or {}) if isinstance(info.get("bad_batches"),
+                                                                                        dict) else {}
+    by = ", ".join(f"{n.get('set_aside', 0)} {fault}" for fault, n in sorted(faults.items()) if n.get("set_aside"))
+    return (f"end of stream: every sample trained but {aside} set aside as poison ({by or 'quarantined'}: "
+            "consumers failed on their batches)" + _skipped(info))
+
+
 def _verdict(info: dict, logs: dict, br: dict) -> dict:
     outcome = info.get("outcome")
     if outcome in ENDED:
-        why = {"completed": "end of stream: every sample trained" + _skipped(info),
+        why = {"completed": _completed(info),
                "interrupted": f"stopped by {info.get('signal')}",
                "crashed": f"the broker crashed: {info.get('error')}", "failed": f"failed to start: {info.get('error')}",
                "nothing_to_train": f"end of stream with nothing trained: {info.get('reason')}"}
@@ -227,7 +241,7 @@ def _samples_line(led: dict, total: int | None) -> str:
 
     s, n = led["samples"], led.get("inherited", 0)
     trained, committed = s.get("trained", 0) + s.get("committed", 0) + n, s.get("committed", 0) + n
-    done = trained + s.get("skipped", 0)
+    done = trained + s.get("skipped", 0) + s.get("quarantined", 0)
     pct = f" ({100 * done / total:.1f}%)" if total else ""
     commit = led.get("last_commit")
     return (f"  samples     trained {trained}  committed {committed}{inherited(n)}  skipped {s.get('skipped', 0)}  "
@@ -236,7 +250,7 @@ def _samples_line(led: dict, total: int | None) -> str:
 
 def render(d: dict) -> str:
     """The plain-words view of a run that is not live."""
-    from .status_view import clock, dur
+    from .status_view import bad_batch_lines, clock, dur
 
     when = clock(d.get("at"), "%Y-%m-%d %H:%M:%SZ")
     ago = _age_s(d.get("at"))
@@ -252,6 +266,7 @@ def render(d: dict) -> str:
     led = d.get("ledger")
     if led:
         lines.append(_samples_line(led, d.get("samples_total")))
+    lines += [f"  {x}" for x in bad_batch_lines(d.get("bad_batches") or {})]
     if d.get("error_lines"):
         lines.append(f"  errors      {d['error_lines']} error lines in this run's logs "
                      f"(dflash-logs --run {d['run_id']} --level error)")

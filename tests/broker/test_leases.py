@@ -1,13 +1,16 @@
 """Leases through a real broker: a lost producer's samples are made by another and its
 late batch is dropped as stale; skipped samples complete a lease; a `done` whose batches
-never come is given back after the timeout."""
+never come is given back after the timeout; on a small dataset every live producer gets
+work."""
 
 from __future__ import annotations
 
 import sqlite3
 from datetime import datetime
 
-from tests.harness.fakes import FakeProducer, Pumping, batch_frames
+import threading
+
+from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping, batch_frames
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -66,3 +69,23 @@ def test_skipped_samples_complete_a_lease_and_missing_ones_come_back(start_broke
     db = sqlite3.connect(b.run_dir / "ledger.sqlite")
     states = dict(db.execute("SELECT sample, state FROM samples").fetchall())
     assert states[s[2]] == states[s[3]] == "skipped" and states[s[0]] == "produced"
+
+
+def test_two_producers_both_lease_on_50_samples_with_the_default_lease_size(start_broker):
+    """Issue 29 item 5: with leases of --lease-size 256 the first producer to ask took all 50
+    samples and the other made nothing; a lease is now a share of what is left."""
+    b = start_broker("--num-samples", "50")
+    prods = [FakeProducer(b.control, f"t{i}", n_samples=50, want=256, per_batch=5) for i in range(2)]
+    cons = FakeConsumer(b.control, "c")
+    threads = [threading.Thread(target=p.run_to_end) for p in prods]
+    for t in threads:
+        t.start()
+    cons.run_to_end(max_s=60)
+    for t in threads:
+        t.join(30)
+    granted = b.events("broker.lease_granted")
+    assert {e["peer"] for e in granted} == {p.peer for p in prods}, granted
+    assert [e["n"] for e in granted[:2]] == [25, 13]  # half of the 50, then half of what is left
+    assert all(p.sent for p in prods)  # both made batches
+    assert sorted(s for r in cons.received for s in r["samples"]) == list(range(50))
+    assert b.proc.wait(20) == 0

@@ -28,7 +28,7 @@ from dflash.runtime.logs import close_logging, setup_logging
 pytestmark = pytest.mark.integration
 
 LIMIT = 4096
-CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": 8, "fingerprint": "x"}}
+CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 2, "dataset": {"n_samples": 8, "fingerprint": "x"}}
 
 
 @pytest.fixture

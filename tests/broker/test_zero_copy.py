@@ -53,7 +53,7 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
         try:
             ctl = f"tcp://127.0.0.1:{b.cfg.port}"
             cons = FakeConsumer(ctl, "zc-cons")
-            prod = FakeProducer(ctl, "zc-prod", n_samples=1)
+            prod = FakeProducer(ctl, "zc-prod", n_samples=1, width=WIDTH)
             cons.send("credit", credit=1)
             prod.send("lease", want=1)
             g = prod.wait_for({"grant"}, 10)

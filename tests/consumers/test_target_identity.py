@@ -110,6 +110,27 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(heads):
     assert any(x["event"] == "train.batch_mismatch" and x["batch_id"] == "p7-12" for x in logs)
 
 
+def test_a_bad_batch_ends_the_run_after_the_checkpoint_and_commit_of_what_was_trained(heads, tmp_path):
+    """Issue 29 item 2: what the steps before a bad batch trained is committed before the
+    consumer leaves on it, so the run keeps it (no lost job) and the next consumer starts
+    there; the error then names the batch and what is wrong with it, for the broker."""
+    from dflash.consumers.train import Hooks
+
+    cfg = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
+                      log_position_every=0, save_every=0)
+    good = random_batch(heads.spec, LAYERS, [16, 8], seed=3, batch_id="p1-1")
+    bad = random_batch(heads.spec, LAYERS, [16], seed=4, batch_id="p1-2", sample_start=2)
+    bad.input_ids[3] = heads.spec.vocab_size
+    acked, commits = [], []
+    hooks = Hooks(on_step=lambda step, ids: acked.append((step, ids)),
+                  on_checkpoint=lambda step, path: commits.append((step, path.name)))
+    with capture_logs() as logs, pytest.raises(BatchMismatch) as e:
+        train(cfg, heads, [batch_message(good), batch_message(bad)], ckpt_root=tmp_path / "ck", hooks=hooks)
+    assert (e.value.batch_id, e.value.fault) == ("p1-2", "token_ids")
+    assert acked == [(1, ["p1-1"])] and commits == [(1, "step-1")]
+    assert [x["reason"] for x in logs if x["event"] == "train.end"] == ["bad_batch"]
+
+
 def test_export_records_the_target_and_eval_refuses_another(target_dir, other_dir, heads, tmp_path):
     cfg = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
                       log_position_every=0, max_steps=1)

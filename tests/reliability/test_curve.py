@@ -150,6 +150,43 @@ def test_peerlink_with_curve_joins_and_an_unknown_key_gets_a_named_error(curve_b
     assert bad["error"] == "BrokerUnreachable" and "'intruder' in the broker's authorized/ folder" in bad["message"]
 
 
+def test_a_client_with_plain_tcp_or_another_brokers_key_leaves_a_trace_in_the_log(curve_broker, brokers, keys):
+    """Issue 29 item 8: such a client never gets a message through, so only the sockets'
+    monitor sees it; the broker logs it (broker.handshake_failed) with what it means."""
+    b, p = curve_broker(), brokers()  # both bound before the refused clients churn through local ports
+
+    def client(endpoint: str, kind: int = zmq.DEALER, curve=None) -> zmq.Socket:
+        s = zmq.Context.instance().socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 5000)  # one attempt is enough to be seen
+        if curve is not None:
+            curve.apply(s)
+        s.connect(endpoint)
+        return s
+
+    mine = client_keys(keys, "good-c")
+    another_broker = type(mine)(mine.public, mine.secret, zmq.curve_keypair()[0], "good-c")
+    socks = [client(b.control), client(b.control, curve=another_broker),
+             client(f"tcp://127.0.0.1:{b.port + 1}", zmq.PUSH),  # plain on data in too: connecting is enough
+             client(p.control, curve=mine)]  # and Curve against the plain broker
+    for s in (socks[0], socks[1], socks[3]):
+        s.send(_hello("producer", "x"))
+    assert all(_silent(s, 1.0) for s in (socks[0], socks[1], socks[3]))
+    ev = b.wait_event("broker.handshake_failed", 10, lambda e: e["socket"] == "control"
+                      and e["error"] in ("mechanism_mismatch", "no_detail"))
+    assert ev["curve"] is True and "--curve-keys" in ev["hint"]
+    ev = b.wait_event("broker.handshake_failed", 10, lambda e: e["error"] == "cryptographic")
+    assert ev["socket"] == "control" and "broker.key" in ev["hint"]
+    # Which end notices a mismatch first is a race: the one that does hangs up (`no_detail` here)
+    ev = b.wait_event("broker.handshake_failed", 10, lambda e: e["socket"] == "data_in")
+    assert ev["error"] in ("mechanism_mismatch", "no_detail") and "--curve-keys" in ev["hint"]
+    ev = p.wait_event("broker.handshake_failed", 10, lambda e: e["socket"] == "control")
+    assert ev["curve"] is False and ev["error"] in ("mechanism_mismatch", "no_detail")
+    assert "without --curve-keys" in ev["hint"]
+    for s in socks:
+        s.close()
+
+
 class _Tap:
     """A TCP relay that keeps a copy of every byte going either way."""
 
