@@ -10,7 +10,7 @@ from pathlib import Path
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("broker", "producers", "consumers", "protocol", "runtime", "tools")
+FOLDERS = ("broker", "producers", "consumers", "decoding", "protocol", "runtime", "tools")
 ENTRY = re.compile(r"^- `([\w./]+)`: \S")
 
 
