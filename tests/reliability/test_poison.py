@@ -72,7 +72,7 @@ def consumer(b: BrokerProc, target, out: Path) -> subprocess.Popen:
 
     mask = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     with open(out, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "dflash.consumers.cli", "--broker", b.control, "--target",
+        return subprocess.Popen([sys.executable, "-m", "dflash.consumers.consume_command", "--broker", b.control, "--target",
                                  str(target), "--runs-dir", str(b.runs_dir), "--instance", out.stem, "--draft-layers",
                                  "1", "--block-size", "4", "--anchors", "6", "--mask-token-id", str(mask)],
                                 stdout=f, stderr=subprocess.STDOUT, env=_env())
@@ -80,7 +80,7 @@ def consumer(b: BrokerProc, target, out: Path) -> subprocess.Popen:
 
 def producer(b: BrokerProc, target, data: Path, out: Path) -> subprocess.Popen:
     with open(out, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--runs-dir",
+        return subprocess.Popen([sys.executable, "-m", "dflash.producers.produce_command", "--broker", b.control, "--runs-dir",
                                  str(b.runs_dir), "--instance", "real-p", "--device", "cpu", "--target", str(target),
                                  "--data", str(data), "--target-layers", ",".join(map(str, LAYERS)),
                                  "--token-budget", "512", "--max-length", "256", "--max-batch-size", "2",
@@ -231,7 +231,7 @@ def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(t
         form: {"batches": 1, "samples": 1, "remade": 1, "set_aside": 0} for form in FORMS}}
     assert sorted(bad_rows(b.run_dir)) == [("quarantined", form, 1, 1, 0) for form in FORMS]
     assert not info["samples"].get("quarantined")
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--run", b.run_id, "--runs-dir",
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--run", b.run_id, "--runs-dir",
                         str(b.runs_dir), "--timeout-s", "0.2"], capture_output=True, text=True, timeout=60)
     assert "FINISHED" in r.stdout and all(
         f"quarantined 1 batch (1 sample: 1 made again, 0 set aside) after consumers failed on it: {form}" in r.stdout
