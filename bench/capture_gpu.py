@@ -64,9 +64,9 @@ def _emit(**row) -> None:
 def forward_flops(cfg, layers_run: int, seq_lens: list[int], logits: bool) -> int:
     """Matrix FLOPs of a forward pass over `layers_run` decoder layers (and the LM head)."""
     D, hd = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    Hq, Hkv, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    Hq, Hkv, Dff = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     T = sum(seq_lens)
-    per_layer = 2 * T * (2 * D * Hq * hd + 2 * D * Hkv * hd + 3 * D * I)
+    per_layer = 2 * T * (2 * D * Hq * hd + 2 * D * Hkv * hd + 3 * D * Dff)
     per_layer += 4 * hd * Hq * sum(L * (L + 1) // 2 for L in seq_lens)  # causal: keys <= own position
     return layers_run * per_layer + (2 * T * D * cfg.vocab_size if logits else 0)
 
@@ -153,7 +153,7 @@ def main(shape: str, tokens: str, seq_len: int, attn: str, reps: int, skip_naive
             results[("naive", T)] = _measure(lambda: _naive(model, ids, pos, layer_ids), reps)
         results[("capture_full_model", T)] = _measure(lambda: full.capture(ids, pos), reps)
     trimmed = Target(model, shape, layer_ids)  # drops layers after the last wanted one
-    del full, model
+    full = model = None  # freed before the trimmed runs (the lambdas above are done with them)
     torch.cuda.empty_cache()
     for T in counts:
         lens = [seq_len] * (T // seq_len) + ([T % seq_len] if T % seq_len else [])
@@ -189,7 +189,7 @@ def _real_data(target_dir, data, attn, budget, max_length, max_batch, n, skip_na
         rows.append(("naive", cfg.num_hidden_layers, True, torch.cuda.memory_allocated(),
                      _measure_batches(lambda i, p: _naive(model, i, p, layer_ids), work)))
     trimmed = Target(model, "bench", layer_ids)
-    del model
+    model = None  # only the trimmed target from here (the lambda above is done with it)
     torch.cuda.empty_cache()
     rows.append(("capture_trimmed", max(layer_ids) + 1, False, torch.cuda.memory_allocated(),
                  _measure_batches(trimmed.capture, work)))

@@ -146,7 +146,7 @@ def command_path(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-BROKER_CMD = [sys.executable, "-m", "dflash.broker.cli"]  # what `dflash-broker` runs
+BROKER_CMD = [sys.executable, "-m", "dflash.broker.broker_command"]  # what `dflash-broker` runs
 # DFLASH_BENCH_PROFILE=DIR: the broker runs under cProfile and the bench peers profile
 # their link's I/O thread and main thread (bench/profile_top.py prints where time went).
 # Profiling slows Python ~2x: for the split of time, never for the rates.
@@ -156,7 +156,7 @@ PROFILE_DIR = os.environ.get("DFLASH_BENCH_PROFILE")
 def broker_cmd(port: int) -> list[str]:
     if not PROFILE_DIR:
         return BROKER_CMD
-    return [sys.executable, "-m", "cProfile", "-o", f"{PROFILE_DIR}/broker-{port}.prof", "-m", "dflash.broker.cli"]
+    return [sys.executable, "-m", "cProfile", "-o", f"{PROFILE_DIR}/broker-{port}.prof", "-m", "dflash.broker.broker_command"]
 
 
 class Broker:

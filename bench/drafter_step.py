@@ -29,7 +29,7 @@ from dflash.consumers.flops import step_flops, step_shape
 from dflash.consumers.model import DrafterConfig
 from dflash.consumers.step import draft_states, make_layout
 from dflash.consumers.synthetic import rule_batch, synthetic_stream
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,

@@ -40,10 +40,10 @@ from structlog.testing import capture_logs
 
 from dflash.consumers.batch import Batch
 from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.oom import micro_batches
+from dflash.consumers.step_oom import micro_batches
 from dflash.consumers.staging import FP8_DECODE_ROWS, BatchStager
 from dflash.consumers.synthetic import as_received, rule_batch
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.step import batch_loss
 from dflash.consumers.train import TrainConfig, resolve_signal, train
 from dflash.protocol import codec

@@ -65,7 +65,7 @@ def main(target, out, chats, max_new_tokens, epochs, draft_layers, block_size, a
     from transformers import AutoTokenizer
 
     from dflash.consumers.export import export_checkpoint
-    from dflash.consumers.target_heads import load_target_heads, tokenizer_mask_id
+    from dflash.runtime.target_heads import load_target_heads, tokenizer_mask_id
     from dflash.consumers.train import TrainConfig, train
     from dflash.producers.sample_data import CHATS_PATH
     from dflash.producers.target import load_target

@@ -40,7 +40,7 @@ _RUN = ("epochs", "samples")
 
 
 def packing_of(c: dict) -> tuple[int, int]:
-    from dflash.producers.config import ProducerConfig
+    from dflash.producers.producer_config import ProducerConfig
 
     return int(c.get("budget", ProducerConfig.token_budget)), int(c.get("seqs", ProducerConfig.max_batch_size))
 
@@ -105,7 +105,7 @@ def first_samples(batches: list, n: int) -> list:
 def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, configs, device, out) -> None:
     from dflash.consumers.live_eval import simulated_acceptance
     from dflash.consumers.real_tau import RealTauSet
-    from dflash.consumers.target_heads import load_target_heads
+    from dflash.runtime.target_heads import load_target_heads
     from dflash.consumers.train import resolve_signal, train
     from dflash.producers.target import load_target
     from structlog.testing import capture_logs

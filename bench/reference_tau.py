@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -89,7 +88,8 @@ def compare(ours: list[dict], ref: list[dict]) -> dict:
             "same_target_output": o["greedy"][:n] == r["greedy"][:n],
             "same_output": o["tokens"][:n] == r["tokens"][:n],
         })
-    pooled = lambda side: [a for p in side for a in p["acceptance_lengths"]]
+    def pooled(side):
+        return [a for p in side for a in p["acceptance_lengths"]]
     tau_o, tau_r = mean([x["tau"][0] for x in rows]), mean([x["tau"][1] for x in rows])
     return {
         "tau": {"ours": tau_o, "reference": tau_r,

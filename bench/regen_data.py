@@ -34,7 +34,7 @@ def main(target, data, regen_cache, max_new_tokens, regen_batch_size, chunk, lim
     import sys
 
     from dflash.producers.build import load_components
-    from dflash.producers.config import ProducerConfig
+    from dflash.producers.producer_config import ProducerConfig
     from dflash.runtime.logs import setup_logging
 
     setup_logging("tool", "regen_data", gpu=gpu, stream=sys.stderr)  # stdout is the JSON report alone

@@ -33,7 +33,7 @@ def _question(messages: list[dict]) -> str:
 @click.option("--gpu", default=None, type=int)
 def main(old, target, data, regen_cache, max_new_tokens, gpu) -> None:
     from dflash.producers.build import load_components
-    from dflash.producers.config import ProducerConfig
+    from dflash.producers.producer_config import ProducerConfig
 
     cfg = ProducerConfig(target=target, data=data, gpu=gpu, device=None if gpu is not None else "cpu",
                          regenerate=True, regen_cache=regen_cache, max_new_tokens=max_new_tokens,

@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 
 from common import HIDDEN, N_LAYERS, RESULTS, machine, table, write_json
 from dflash.consumers.synthetic import rule_batch
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.protocol import codec
 from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8

@@ -17,5 +17,6 @@
     peers.py      peer sessions and IDs
     status.py     the status map and the progress line
     runinfo.py    run.json
-    cli.py        the click command
+    broker_command.py  the click command: options -> BrokerConfig -> broker_process.run
+    broker_process.py  one broker process: create the run, serve it, record how it ended
 """

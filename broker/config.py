@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
-from dflash.runtime.config import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
+from dflash.runtime.command_line import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
 
 
 def __getattr__(name: str):
@@ -97,6 +97,7 @@ class BrokerConfig:
     wandb: str | None = None  # ... and to this Weights & Biases project
     log_level: str = "info"
     resume: str | None = None  # the run this one continues (resume.py), as the user named it
+    force_resume: bool = False  # resume it even though another run resumed it already (resume.py)
     max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
     curve_keys: str | None = None  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
     drain_s: float = 120.0  # on SIGINT/SIGTERM: longest wait for peers' last commit and bye
@@ -104,6 +105,7 @@ class BrokerConfig:
     lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
     io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
     data_streams: int = 0  # TCP connections per peer for its batches; 0 = auto (stream_count)
+    quarantine_after: int = 2  # consumers that fail on one batch before it is quarantined (quarantine.py)
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -129,6 +131,8 @@ class BrokerConfig:
             raise ValueError("--consumers must be >= 0")
         if self.max_peers < 1:
             raise ValueError("--max-peers must be >= 1")
+        if self.quarantine_after < 1:
+            raise ValueError("--quarantine-after must be >= 1")
         if self.metrics_port and (not 0 < self.metrics_port < 65536
                                   or self.metrics_port in (self.port, self.data_in_port)
                                   or lo <= self.metrics_port <= hi):

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from dflash.protocol.messages import PROTOCOL_VERSION, Grant, StatusReply
 from dflash.runtime.logs import get_logger
 
-from . import handshake, runinfo
-from .replies import bad_message, refuse
+from . import handshake, quarantine, runinfo
+from .replies import MAX_REASON, bad_message, clip, refuse
 from .config import CONTROL_MAX_BYTES, MAX_CREDIT
-from .inbound import CONTROL, Ack, Bye, Commit, Credit, Done, Heartbeat, Hello, LeaseAsk, LineageStart
+from .inbound import CONTROL, Ack, Bye, Commit, Credit, Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart
 from .leases import Lease
 from .lineage import DEFAULT, MAX_LINEAGE, TrainedBatch
 from .peers import Peer
@@ -38,6 +38,8 @@ def handle(core: BrokerCore, identity: bytes, h: dict | None, error: str | None,
     None when it did not parse; `error` when the codec refused it). Never raises on bad input."""
     peer = core.peers.by_identity.get(identity)
     who = peer.id if peer else identity.hex()
+    if h is None or h.get("type") != "status":
+        core.peer_messages += 1  # someone tried to take part (a run nobody tried is empty: cli.py)
     if peer is not None:
         peer.last_seen = now  # any message counts as a heartbeat
     if h is None:
@@ -71,7 +73,8 @@ def handle(core: BrokerCore, identity: bytes, h: dict | None, error: str | None,
 
 def on_lease(core: BrokerCore, p: Peer, m: LeaseAsk) -> None:
     epoch_before = core.leases.epoch
-    lease = None if core.end is not None else core.leases.grant(p.id, min(m.want, core.cfg.lease_size))
+    size = min(m.want, core.cfg.lease_size, core.leases.share(len(core.peers.live("producer"))))
+    lease = None if core.end is not None else core.leases.grant(p.id, size)
     if lease is None:
         # Elastic consumers may restart the training from a checkpoint, sending samples
         # already made back to the pool (on_lineage): producers stay until end of stream.
@@ -266,8 +269,22 @@ def on_bye(core: BrokerCore, p: Peer, m: Bye) -> None:
     drop(core, p, "left", m.reason[:200])
 
 
+def on_failed(core: BrokerCore, p: Peer, m: Failed) -> None:
+    """A peer stops on an error and says why before its `bye` (PROTOCOL.md 4.2): kept for the
+    status map and the diagnosis; a consumer's `bad_batch` counts against that batch, which
+    is quarantined once --quarantine-after consumers have failed on it (quarantine.py)."""
+    p.failure = {"code": clip(m.code, 64), "reason": clip(m.reason, MAX_REASON), "hint": clip(m.hint, MAX_REASON),
+                 "source": clip(m.source, 256), "batch_id": clip(m.batch_id, 64), "fault": clip(m.fault, 64)}
+    batch = {}
+    if p.role == "consumer" and m.code == "bad_batch" and isinstance(m.batch_id, str):
+        fault = m.fault if isinstance(m.fault, str) and m.fault else "unknown"
+        batch = quarantine.failed_on(core, p, m.batch_id, fault, m.reason)
+    if core.log_limit.allow(f"failed:{p.id}")[0]:
+        log.warning("broker.peer_failed", **p.describe(), **p.failure, **batch)
+
+
 HANDLERS = {LeaseAsk: on_lease, Done: on_done, Credit: on_credit, Ack: on_ack,
-            Commit: on_commit, LineageStart: on_lineage, Heartbeat: on_heartbeat, Bye: on_bye}
+            Commit: on_commit, LineageStart: on_lineage, Heartbeat: on_heartbeat, Bye: on_bye, Failed: on_failed}
 
 
 def drop(core: BrokerCore, p: Peer, state: str, reason: str) -> None:
@@ -311,7 +328,7 @@ def check_acks(core: BrokerCore, now: float) -> None:
         deadline = core.cfg.ack_deadline(c.slowest_ack_gap)
         waited = now - c.progress_at
         if waited > deadline:
-            log.warning("broker.ack_overdue", peer=c.id, instance=c.instance, in_flight=len(c.in_flight),
+            log.warning("broker.ack_overdue", peer=c.id, peer_instance=c.instance, in_flight=len(c.in_flight),
                         batch_ids=list(c.in_flight)[:16], waited_s=round(waited, 1), deadline_s=round(deadline, 1),
                         acked=c.acked, last_step=c.stats.get("step"), state=c.stats.get("state"))
             drop(core, c, "lost", f"no ack for {waited:.1f}s while holding {len(c.in_flight)} delivered batches "
@@ -341,7 +358,7 @@ def check_end_of_stream(core: BrokerCore) -> None:
         if core.leases.finished() and not core.queue and not any(c.in_flight for c in consumers):
             log.info("broker.end_of_stream", consumers=[c.id for c in consumers],
                      producers=[p.id for p in core.peers.live("producer")], batches=core.rate_in.total,
-                     samples=dict(core.ledger.counts))
+                     samples=dict(core.ledger.counts), bad_batches=core.poison.as_dict())
             core.stop_all("end_of_stream")
             core.phase = Phase.ENDING
     elif core.phase is Phase.ENDING and not any(pid in core.peers.by_id for pid in core.end.told):

@@ -25,13 +25,14 @@ from . import control, handshake, intake, resume
 from .actions import Action, ClosePipes, Publish, Send
 from .config import MAX_CREDIT, BrokerConfig
 from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
-from .inbound import Ack, Batch, Bye, Commit, Credit, Done, Heartbeat, Hello, LeaseAsk, LineageStart
+from .inbound import Ack, Batch, Bye, Commit, Credit, Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart
 from .leases import LeasePool
 from .ledger import Ledger
 from .lineage import Lineages, TrainedBatch
 from .liveness import Every, RateLimit, RateMeter, TimeShare, silent
 from .peers import Peer, PeerTable
 from .phase import JobLost, Phase, RunEnd  # noqa: F401  (JobLost: for readers of core.job_lost)
+from .quarantine import Poison
 from .replies import LogGate, log_bad
 from .resume import Parent
 from .status import build_status, log_progress, progress_fields, samples
@@ -103,6 +104,7 @@ class BrokerCore:
         self.signals = 0  # how many: a second one ends a shutdown's drain at once
         self.lineages = Lineages()  # whose weights hold what (lineage.py)
         self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
+        self.poison = Poison(cfg.quarantine_after)  # batches refused or quarantined (quarantine.py)
         self.blocked = False  # a batch waits on a consumer pipe that is not connected yet
         self.last_tick = now
         self.beat, self.progress = Every(cfg.heartbeat_s, now), Every(cfg.progress_s, now)
@@ -113,6 +115,7 @@ class BrokerCore:
         self.publish_status = bool(cfg.metrics_port)  # the --metrics-port endpoint wants the map
         self.metric_sink = None  # --tensorboard / --wandb (runtime/sinks.py)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
+        self.peer_messages = 0  # control messages other than status asks, refused ones included
         self._out: list[Action] = []
         self._depth = 0
 
@@ -199,6 +202,10 @@ class BrokerCore:
     def on_bye(self, p: Peer, m: Bye) -> None:
         control.on_bye(self, p, m)
 
+    @entry
+    def on_failed(self, p: Peer, m: Failed) -> None:
+        control.on_failed(self, p, m)
+
     # ------------------------------------------------------------ data in
 
     @entry
@@ -206,9 +213,10 @@ class BrokerCore:
         intake.accept(self, batch, time.monotonic() if now is None else now)
 
     @entry
-    def on_bad_batch(self, sender: str, reason: str) -> None:
-        """A data-in message the codec refused (`sender` as intake.sender names it)."""
-        log_bad(self, "data_in", sender, reason)
+    def on_bad_batch(self, sender: str, reason: str, conn: dict | None = None) -> None:
+        """A data-in message the codec refused (`sender` as server.sender names it, `conn`
+        its connection as inbound.connection describes it)."""
+        log_bad(self, "data_in", sender, reason, **intake.connection_fields(conn or {}))
 
     # ------------------------------------------------------------ dispatch
 
@@ -286,8 +294,10 @@ class BrokerCore:
         # Run progress, so consumers can log the epoch fraction and an ETA from what
         # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.
         s = samples(self)
-        stats.update(samples_total=s["total"], samples_done=s["done"], samples_skipped=s["skipped"],
-                     n_samples=s["n_samples"], epoch=s["epoch"], epochs=s["epochs"])
+        # Samples set aside as poison count as skipped: never trained, out of a consumer's schedule.
+        stats.update(samples_total=s["total"], samples_done=s["done"],
+                     samples_skipped=s["skipped"] + s["quarantined"], n_samples=s["n_samples"], epoch=s["epoch"],
+                     epochs=s["epochs"])
         # The run's facts its first producer fixed: a consumer that joined before any producer
         # waits for the target layers here rather than guess them (PROTOCOL.md 4.2).
         stats["run_facts"] = {k: self.facts.get(k) for k in ("layer_ids", "hidden_size", "target_id")}

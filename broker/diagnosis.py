@@ -2,11 +2,12 @@
 
 `diagnose(status)` is a pure function of the status map (docs/LOGS.md, docs/STATUS.md):
 the broker fills `status.diagnosis` with it, tests feed it hand-written maps. Checks run
-most urgent first and the first that fires wins: the run is stopping, a peer was lost, a
-role has nobody, an OOM backoff, an idle GPU with work waiting, then the balance between
-targets (producers) and drafters (consumers). In the field (docs/DESIGN.md incident 6)
-throughput fell to a quarter with two drafter GPUs idle and nothing said why; this is
-the line that says why.
+most urgent first and the first that fires wins: the run is stopping, the training job is
+lost, a peer stopped on an error (and said why), a peer was lost, a role has nobody, an OOM
+backoff, an idle GPU with work waiting, then the balance between targets (producers) and
+drafters (consumers), where starved drafters may be the leases' doing, not the targets'.
+In the field (docs/DESIGN.md incident 6) throughput fell to a quarter with two drafter GPUs
+idle and nothing said why; this is the line that says why.
 
 Balance: the queue tells which side waits. Drafters with credit and an empty queue wait
 for targets; a full queue (producers blocked on send) waits for drafters, and a queue
@@ -31,7 +32,7 @@ SIDE = {"producer": "targets", "consumer": "drafters"}
 
 def diagnose(st: dict) -> dict:
     """{code, text, suggestion, limited_by} for a status map. Never raises on missing keys."""
-    for check in (_stopping, _job_lost, _lost, _missing, _oom, _idle, _balance):
+    for check in (_stopping, _job_lost, _failed, _lost, _missing, _oom, _idle, _balance):
         d = check(st)
         if d is not None:
             return d
@@ -44,7 +45,7 @@ def diagnose(st: dict) -> dict:
 # run's phases and alarms (starting, a lost peer, an OOM, stopping...) are said at once.
 HOLD_TICKS = 3
 HOLD_S = 30.0
-HELD = frozenset({"balanced", "drafters_starved", "targets_backed_up", "queue_growing", "gpu_idle"})
+HELD = frozenset({"balanced", "drafters_starved", "lease_starved", "targets_backed_up", "queue_growing", "gpu_idle"})
 
 
 class Steady:
@@ -100,8 +101,34 @@ def _job_lost(st: dict) -> dict | None:
                   f"dflash-broker --resume {run} and start the producers and consumers again", "drafters")
 
 
+def _failed(st: dict) -> dict | None:
+    """A peer that stopped on an error and said why (its `failed`, or the broker refused its
+    batch), not made up for by a newer peer of its role: its cause and fix, not "start one".
+    Said while recent, and for as long as its role has no live peer at all (the run waits)."""
+    peers = st.get("peers") or []
+    failed = [g for g in st.get("gone") or [] if isinstance(g.get("failure"), dict)
+              and (_num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S or not _live(st, g.get("role")))]
+    failed = _not_replaced(failed, peers)
+    if not failed:
+        return None
+    g = failed[-1]
+    f, role = g["failure"], g.get("role")
+    what = {"bad_row": "a bad dataset row", "bad_batch": "a batch that does not fit the run"}.get(f.get("code"),
+                                                                                               "an error")
+    text = f"{WORD.get(role, role)} {_name(g)} stopped {_dur(g.get('ago_s'))} ago on {what}: {f.get('reason')}"
+    if f.get("source") and str(f["source"]) not in str(f.get("reason")):
+        text += f" (at {f['source']})"
+    if len(failed) > 1:
+        text = f"{len(failed)} peers stopped on errors; latest: {text}"
+    left = len(_live(st, role))
+    carry = f"{left} {SIDE.get(role, role)} carry on" if left else f"no {WORD.get(role, role)} is left: the run waits"
+    fix = f.get("hint") or f"read its last lines (dflash-logs --instance {g.get('instance')} --level error), restart it"
+    return result("peer_failed", text, f"{fix} ({carry})", SIDE.get(role))
+
+
 def _lost(st: dict) -> dict | None:
-    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost" and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S]
+    lost = [g for g in st.get("gone") or [] if g.get("state") == "lost" and _num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S
+            and not isinstance(g.get("failure"), dict)]
     lost = _not_replaced(lost, st.get("peers") or [])
     if not lost:
         return None
@@ -220,6 +247,9 @@ def _balance(st: dict) -> dict:
     p_cap = sum(_capacity(p.get("tokens_per_s"), full) for p in prod) / len(prod)
     c_cap = sum(_capacity(c.get("tokens_per_s"), w) for c, w in zip(cons, waits)) / len(cons)
     if wait >= WAITS and wait > full:
+        starved = _lease_starved(st, prod)
+        if starved is not None:
+            return starved
         waiting = sum(1 for c in cons if c.get("waiting_s") is not None)
         text = (f"targets limit throughput: drafters starved, queue {q.get('batches', 0)} batches, "
                 f"{waiting} of {len(cons)} drafters waiting now ({wait:.0%} of the last 10 s); "
@@ -239,6 +269,23 @@ def _balance(st: dict) -> dict:
     text = (f"balanced: targets make {_tok(supply)}, drafters train {_tok(trained)}, queue "
             f"{q.get('batches', 0)} batches, drafters waited {wait:.0%} and targets {full:.0%} of the last 10 s")
     return result("balanced", text, _suggest(len(prod), p_cap, len(cons), c_cap, None, _gpus(st)))
+
+
+def _lease_starved(st: dict, prod: list[dict]) -> dict | None:
+    """Drafters wait and some targets hold no lease while nothing is left to lease: the work
+    left is leased to the others, so more targets (or cores) would find none either."""
+    s = st.get("samples") or {}
+    idle = [p for p in prod if p.get("leases_open") == 0]
+    if not idle or s.get("pending") != 0 or not s.get("leased"):
+        return None
+    busy = [p for p in prod if p.get("leases_open")]
+    size = (st.get("config") or {}).get("lease_size")
+    text = (f"targets limit throughput through leases: {len(idle)} of {len(prod)} targets have no work "
+            f"({', '.join(_name(p) for p in idle[:3])}): every sample left is leased, {s.get('leased')} of them to "
+            f"{', '.join(_name(p) for p in busy[:3]) or 'targets that left'}")
+    return result("lease_starved", text, f"no more targets or cores would help: this is the end of the run's "
+                  f"samples, made by the targets that hold them; a smaller --lease-size (now {size}) spreads the "
+                  "last ones over more targets", "targets")
 
 
 # ---------------------------------------------------------------- the arithmetic

@@ -32,6 +32,7 @@ class QueuedBatch:
     frames: list = field(repr=False)
     queued_at: float = field(default_factory=time.monotonic)
     deliveries: int = 0  # >1 once a lost consumer returned it
+    failures: list[str] = field(default_factory=list)  # consumers that failed on it (quarantine.py)
 
 
 class Consumer(Protocol):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from dflash.protocol.messages import Stop, Welcome
+from dflash.protocol.messages import CommitPoint, DatasetFacts, RunConfig, Stop, Welcome
 from dflash.protocol.target_id import describe_target, same_target
 from dflash.runtime.logs import get_logger
 
@@ -27,8 +27,10 @@ if TYPE_CHECKING:  # the core calls these with itself; imported for the annotati
 log = get_logger()
 
 FACT_KEYS = ("target", "layer_ids", "hidden_size")
-# Facts a producer states that are kept once known (checked by target_mismatch, not by value here).
-KEPT_KEYS = ("target_id",)
+# Facts a producer states that are kept once known: target_id is checked by target_mismatch,
+# vocab_size against the run's when a producer states it (intake checks token IDs with it).
+KEPT_KEYS = ("target_id", "vocab_size")
+COUNT_KEYS = ("hidden_size", "vocab_size")  # facts that must be positive counts when stated
 
 
 def hello(core: BrokerCore, identity: bytes, m: Hello, key: str | None = None) -> None:
@@ -58,7 +60,7 @@ def hello(core: BrokerCore, identity: bytes, m: Hello, key: str | None = None) -
                       f"{other.pid}); give this one another name (--instance)", h)
     if role == "consumer" and core.phase is Phase.JOB_LOST and not takes_over(core, config):
         return refuse(core, identity, "job_lost", job_lost_reason(core), h)
-    facts, pipe, port, rank = None, None, None, None
+    facts, rank = None, None
     wrong_target = target_mismatch(core, role, config)
     if wrong_target is not None:
         return refuse(core, identity, "config_mismatch", wrong_target, h)
@@ -129,13 +131,12 @@ def reconnected(core: BrokerCore, p: Peer, identity: bytes) -> None:
 
 
 def welcome(core: BrokerCore, p: Peer) -> None:
-    run_config = {**core.facts, "epochs": core.cfg.epochs, "seed": core.cfg.seed, "lease_size": core.cfg.lease_size,
-                  "max_message_bytes": core.cfg.max_message_bytes, "max_credit": MAX_CREDIT}
+    facts, resume, ranks = core.facts, {}, {}
     if core.parent is not None:  # consumers load this checkpoint, not a newer one (PROTOCOL.md 8)
-        run_config.update(parent_run=core.parent.run_id, resumed_from=core.parent.resumed_from)
+        resume = {"parent_run": core.parent.run_id, "resumed_from": core.parent.resumed_from}
     if core.ledger.last_commit is not None:  # a consumer joining later starts from this run's newest commit
         step, checkpoint = core.ledger.last_commit
-        run_config["resumed_from"] = {"run": core.run_id, "step": step, "checkpoint": checkpoint}
+        resume["resumed_from"] = {"run": core.run_id, "step": step, "checkpoint": checkpoint}
     if p.role == "producer":
         # The same endpoint once per connection to open: their batches in spread over the
         # broker's I/O threads for batches in (one thread is a ceiling: docs/BENCHMARKS.md).
@@ -143,10 +144,16 @@ def welcome(core: BrokerCore, p: Peer) -> None:
         data = {"data_in": data_in, "data_streams": [data_in] * core.producer_streams}
     else:
         data = {"data_out": p.data_out, "data_streams": p.data_streams}
-        if core.cfg.consumers:
-            run_config.update(rank=p.rank, world_size=core.cfg.consumers, dist=core.dist)
-            if core.lighthouse is not None:  # elastic: world_size is the most at once
-                run_config["lighthouse"] = core.lighthouse
+        if core.cfg.consumers:  # elastic (a lighthouse): world_size is the most at once
+            ranks = {"rank": p.rank, "world_size": core.cfg.consumers, "dist": core.dist, "lighthouse": core.lighthouse}
+    dataset, start = facts.get("dataset"), resume.get("resumed_from")
+    run_config = RunConfig(
+        core.cfg.epochs, core.cfg.seed, core.cfg.lease_size, core.cfg.max_message_bytes, MAX_CREDIT,
+        target=facts.get("target"), target_id=facts.get("target_id"), layer_ids=facts.get("layer_ids"),
+        hidden_size=facts.get("hidden_size"), vocab_size=facts.get("vocab_size"),
+        dataset=DatasetFacts(dataset["n_samples"], dataset.get("fingerprint")) if dataset else None,
+        parent_run=resume.get("parent_run"),
+        resumed_from=CommitPoint(start["run"], start["step"], start["checkpoint"]) if start else None, **ranks)
     core.send(p.identity, Welcome(core.run_id, p.id, core.cfg.heartbeat_s, core.cfg.timeout_s, run_config=run_config,
                                   **data))
 
@@ -231,9 +238,16 @@ def producer_facts(facts: dict, config: dict) -> dict | str:
             return f"dataset has {n} samples; this run's has {known['n_samples']}"
         if fp is not None and known.get("fingerprint") not in (None, fp):
             return f"dataset fingerprint {fp!r} differs from this run's {known['fingerprint']!r}"
+    for k in COUNT_KEYS:
+        v = config.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            return f"config.{k} {v!r} is not a positive count"
     for k in FACT_KEYS:
         if facts.get(k) is not None and config.get(k) != facts[k]:
             return f"{k} {config.get(k)!r} differs from this run's {facts[k]!r}"
+    vocab = config.get("vocab_size")
+    if facts.get("vocab_size") is not None and vocab is not None and vocab != facts["vocab_size"]:
+        return f"vocab_size {vocab!r} differs from this run's {facts['vocab_size']!r}"
     new = dict(facts)
     for k in FACT_KEYS + KEPT_KEYS:
         if new.get(k) is None and config.get(k) is not None:

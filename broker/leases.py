@@ -11,10 +11,11 @@ order is the same shuffle with those left out, so a resume neither repeats nor s
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from dflash.protocol.sample_order import epoch_order
 
 # A producer holding this many unfinished leases gets "ask again later": one producer
 # cannot drain the pool ahead of what it can make.
@@ -23,16 +24,6 @@ MAX_OPEN_LEASES = 4
 
 class StaleBatch(Exception):
     """A batch that no open lease expects (lost producer, resent, or wrong samples)."""
-
-
-def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
-    """The shuffled sample order of `epoch`: the same for the same (seed, epoch, n).
-
-    A str seed is hashed with SHA-512 by `random.Random`, stable across Python versions.
-    """
-    order = list(range(n))
-    random.Random(f"dflash:{seed}:{epoch}").shuffle(order)
-    return order
 
 
 @dataclass(eq=False)
@@ -106,6 +97,15 @@ class LeasePool:
 
     def open_leases(self, producer: str) -> list[Lease]:
         return [le for le in self.open.values() if le.producer == producer]
+
+    def share(self, producers: int) -> int:
+        """The most samples one lease may take now: what is left to lease in the run, split
+        over the live `producers`. Leases of --lease-size each let the first producer of a
+        small dataset take all of it while the others got nothing; a share leaves work for
+        every live producer, and shrinks the last leases of a run so that its tail spreads
+        too. (A producer that joins once everything is leased finds nothing: the broker
+        cannot keep work back for producers it does not know of.)"""
+        return max(1, -(-self.pending() // max(1, producers)))
 
     def grant(self, producer: str, want: int) -> Lease | None:
         """Lease up to `want` samples of one epoch; None when there is nothing now."""

@@ -2,7 +2,9 @@
 
 States (PROTOCOL.md 7): pending -> leased -> produced -> delivered -> trained ->
 committed, or skipped. Losses move back: leased -> pending (lost producer), delivered ->
-produced (lost consumer). Pending rows are not written: an epoch's order is a function
+produced (lost consumer). A quarantined batch (quarantine.py) moves its samples delivered ->
+pending (made again), or delivered -> quarantined (set aside for good, with the reason);
+`bad_batches` keeps one row per batch refused at intake or quarantined. Pending rows are not written: an epoch's order is a function
 of (seed, epoch, n_samples), kept in `epochs`, so a resume (resume.py) recomputes it and
 makes again every sample whose row is missing or not `committed`.
 
@@ -34,7 +36,7 @@ from typing import Iterable
 
 from dflash.runtime.threads import name_this_thread
 
-SCHEMA_VERSION = 2  # 2: `inherited` (resume)
+SCHEMA_VERSION = 3  # 2: `inherited` (resume); 3: `bad_batches`, sample state `quarantined`
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -61,6 +63,11 @@ CREATE TABLE IF NOT EXISTS inherited(epoch INTEGER NOT NULL, sample INTEGER NOT 
 CREATE TABLE IF NOT EXISTS peers(peer TEXT PRIMARY KEY, role TEXT NOT NULL, instance TEXT,
     host TEXT, pid INTEGER, gpu INTEGER, joined REAL NOT NULL, gone REAL, outcome TEXT,
     reason TEXT);
+-- batches refused at intake (action 'rejected': never queued, their samples stay with their
+-- lease) or quarantined after consumers failed on them (samples remade or set aside)
+CREATE TABLE IF NOT EXISTS bad_batches(batch_id TEXT, producer TEXT, lease INTEGER, epoch INTEGER,
+    n_samples INTEGER NOT NULL, action TEXT NOT NULL, fault TEXT NOT NULL, reason TEXT,
+    remade INTEGER NOT NULL DEFAULT 0, set_aside INTEGER NOT NULL DEFAULT 0, ts REAL NOT NULL);
 """
 
 _SQL = {
@@ -73,6 +80,7 @@ _SQL = {
     ),
     "pending": "UPDATE samples SET state='pending', lease=NULL, producer=NULL, updated=? WHERE epoch=? AND sample=?",
     "skipped": "UPDATE samples SET state='skipped', reason=?, updated=? WHERE epoch=? AND sample=?",
+    "quarantined": "UPDATE samples SET state='quarantined', reason=?, updated=? WHERE epoch=? AND sample=?",
     # One statement for every write of a batch's row (arrival and each move after it), so
     # a flush sends a run of them through one executemany.
     "batch": (
@@ -89,11 +97,12 @@ _SQL = {
     "peer": "INSERT OR REPLACE INTO peers(peer, role, instance, host, pid, gpu, joined) VALUES(?,?,?,?,?,?,?)",
     "peer_gone": "UPDATE peers SET gone=?, outcome=?, reason=? WHERE peer=?",
     "epoch": "INSERT OR IGNORE INTO epochs(epoch, seed, n_samples, started) VALUES(?,?,?,?)",
+    "bad_batch": "INSERT INTO bad_batches VALUES(?,?,?,?,?,?,?,?,?,?,?)",
 }
 
 _TABLE = {"lease": "leases", "lease_close": "leases", "leased": "samples", "pending": "samples",
-          "skipped": "samples", "sample_state": "samples", "batch": "batches", "peer": "peers",
-          "peer_gone": "peers", "epoch": "epochs"}
+          "skipped": "samples", "quarantined": "samples", "sample_state": "samples", "batch": "batches",
+          "peer": "peers", "peer_gone": "peers", "epoch": "epochs", "bad_batch": "bad_batches"}
 assert _TABLE.keys() == _SQL.keys()
 
 
@@ -103,9 +112,10 @@ _RECEIVED = 11  # the column of a _SQL["batch"] row a later write leaves alone w
 class Ledger:
     """Queued, batched writes of sample transitions, plus in-memory counts per state."""
 
-    def __init__(self, path: Path, *, flush_s: float = 0.2, max_ops: int = 50_000):
+    def __init__(self, path: Path, *, flush_s: float = 0.2, max_ops: int = 50_000, clock=time.monotonic):
         self.path = Path(path)
         self.flush_s, self.max_ops = flush_s, max_ops
+        self._clock = clock  # when a flush is due (injected by tests)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
@@ -121,7 +131,7 @@ class Ledger:
         # moves only after its lease row, so writing these after `_ops` keeps the order.)
         self._batches: dict[str, tuple] = {}
         self._states: dict[tuple[int, int], tuple] = {}
-        self._last_flush = time.monotonic()
+        self._last_flush = clock()
         self.counts: Counter[str] = Counter()
         self.flush_seconds = 0.0  # total time spent writing, for the status map
         # (step, checkpoint) of this run's newest commit: a later ack of a step <= it is
@@ -236,6 +246,28 @@ class Ledger:
         self._many("pending", ((now, b.epoch, s) for s in b.samples))
         self.counts["trained"] -= len(b.samples)
 
+    def rejected(self, b, fault: str, reason: str) -> None:
+        """Batch `b` (its header's fields: batch_id, producer, lease, epoch, samples) was
+        refused at intake: a row in `bad_batches`; its samples' states do not move (they
+        were never received)."""
+        self._op("bad_batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), "rejected", fault, reason,
+                               0, 0, time.time()))
+
+    def quarantined(self, b, remade: list[int], aside: list[int], fault: str, reason: str) -> None:
+        """Delivered batch `b` (dispatch.QueuedBatch) was quarantined: samples `remade` ->
+        pending (made again), samples `aside` -> quarantined (with `reason`), and its row in
+        `bad_batches`."""
+        now = time.time()
+        self._batch_row(b, "quarantined", None, None, now)
+        for s in b.samples:  # a queued `delivered` row of these must not land after this
+            self._states.pop((b.epoch, s), None)
+        self._many("pending", ((now, b.epoch, s) for s in remade))
+        self._many("quarantined", ((f"{fault}: {reason}", now, b.epoch, s) for s in aside))
+        self._op("bad_batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), "quarantined", fault, reason,
+                               len(remade), len(aside), now))
+        self.counts["delivered"] -= len(b.samples)
+        self.counts["quarantined"] += len(aside)
+
     def _durably(self, write, *args):
         """`write(*args)` in a transaction that is fsync'd (synchronous=FULL): a commit."""
         self.db.execute("PRAGMA synchronous=FULL")
@@ -276,10 +308,10 @@ class Ledger:
         self._op("peer", (p.id, p.role, p.instance, p.host, p.pid, p.gpu, time.time()))
 
     def skip_reasons(self) -> dict[str, int]:
-        """Skipped samples of this run by reason (the part before its first ':'), once
-        flushed: what a run that trained nothing tells its operator."""
+        """Skipped samples of this run, and those set aside as poison, by reason (the part
+        before its first ':'), once flushed: what a run that trained nothing tells its operator."""
         rows = self._now(lambda: self.db.execute(
-            "SELECT reason, COUNT(*) FROM samples WHERE state='skipped' GROUP BY reason").fetchall())
+            "SELECT reason, COUNT(*) FROM samples WHERE state IN ('skipped', 'quarantined') GROUP BY reason").fetchall())
         out: dict[str, int] = {}
         for reason, n in rows:
             key = str(reason or "unknown").split(":", 1)[0].strip()[:64]
@@ -327,13 +359,13 @@ class Ledger:
             self.flush()
 
     def maybe_flush(self, now: float | None = None) -> None:
-        if (self._ops or self._batches or self._states) and (now or time.monotonic()) - self._last_flush >= self.flush_s:
+        if (self._ops or self._batches or self._states) and (now or self._clock()) - self._last_flush >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         """Hand every queued transition to the writer thread: one transaction, in order.
         Returns at once; an error of an earlier write is raised here."""
-        self._last_flush = time.monotonic()
+        self._last_flush = self._clock()
         while self._writes and self._writes[0].done():
             self._writes.popleft().result()  # raises what the write raised (disk full, ...)
         if not (self._ops or self._batches or self._states):

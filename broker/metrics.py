@@ -101,8 +101,12 @@ def _family(out: list[str], name: str, help_: str, kind: str, samples: list[tupl
 def _labels(lb: dict) -> str:
     if not lb:
         return ""
-    esc = (lambda s: str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in lb.items()) + "}"
+    return "{" + ",".join(f'{k}="{_escaped(v)}"' for k, v in lb.items()) + "}"
+
+
+def _escaped(s) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    return str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _value(v) -> str | None:

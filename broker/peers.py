@@ -40,6 +40,7 @@ class Peer:
     gone_at: float | None = None
     gone_reason: str | None = None
     held: dict = field(default_factory=dict)  # what it held when it went (status map)
+    failure: dict | None = None  # why it stopped: its `failed` message, or the broker's refusal (status map)
     curve_key: str | None = None  # the authorised Curve key it joined with (None without Curve)
     # consumer side
     credit: int = 0

@@ -102,10 +102,11 @@ def bad_message(core: BrokerCore, identity: bytes, who: str, reason: str, h: dic
         core.send(identity, Reject(f"bad message: {reason}", "bad_message", answers(h)))
 
 
-def log_bad(core: BrokerCore, socket: str, who: str, reason: str) -> None:
-    """broker.bad_message, rate-limited by LogGate, with a suppressed count."""
+def log_bad(core: BrokerCore, socket: str, who: str, reason: str, **conn) -> None:
+    """broker.bad_message, rate-limited by LogGate, with a suppressed count; `conn`: on data
+    in, the connection it came on (intake.connection_fields)."""
     who = clip(who)
     ok, suppressed = core.log_limit.allow(f"bad:{socket}:{who}")
     if ok:
-        log.warning("broker.bad_message", socket=socket, peer=who, reason=clip(reason, MAX_REASON),
+        log.warning("broker.bad_message", socket=socket, peer=who, reason=clip(reason, MAX_REASON), **conn,
                     suppressed=suppressed)

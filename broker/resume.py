@@ -15,6 +15,11 @@ run is written (docs/DESIGN.md incident 5). From the parent it takes:
 
 The parent's ledger is read from a copy (database plus WAL) in a temporary folder, so a
 broker that was SIGKILLed leaves its files exactly as they were.
+
+A run that another run resumed already is refused (naming that run, and the end of the
+chain to resume instead): a second resume would make again, into a second drafter, every
+sample the first one trained after the parent's last commit. `again=True`
+(`--force-resume`) branches off it anyway.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dflash.runtime.run import hostname, resolve_run
+from dflash.runtime.run import hostname, newest_descendant, resolve_run, resumed_by
 
 
 class ResumeError(ValueError):
@@ -56,14 +61,17 @@ class Parent:
                 "checkpoint": self.resumed_from}
 
 
-def load(ref: str, runs_dir: str | os.PathLike | None = None) -> Parent:
-    """Read the run `ref` (a run ID, a run folder, or 'latest'). Raises ResumeError."""
+def load(ref: str, runs_dir: str | os.PathLike | None = None, *, again: bool = False) -> Parent:
+    """Read the run `ref` (a run ID, a run folder, or 'latest'). Raises ResumeError, also
+    for a run that was resumed already unless `again`."""
     try:
         run_dir = resolve_run(ref, runs_dir)
     except FileNotFoundError as e:
         raise ResumeError(str(e)) from None
     info = _run_json(run_dir)
     _refuse_if_running(info)
+    if not again:
+        _refuse_if_resumed(run_dir, info["run_id"])
     ledger = run_dir / "ledger.sqlite"
     if not ledger.exists():
         raise ResumeError(f"{run_dir} has no ledger.sqlite: nothing records what it trained")
@@ -103,6 +111,30 @@ def _refuse_if_running(info: dict) -> None:
         return
     raise ResumeError(f"run {info['run_id']} is still being served by broker pid {pid} on this host; "
                       "stop it (SIGTERM) before resuming")
+
+
+def _refuse_if_resumed(run_dir: Path, run_id: str) -> None:
+    """A run continued by another holds nothing that run has not inherited: resuming it
+    again would train again what the first continuation trained (a second drafter)."""
+    kids = resumed_by(run_dir)
+    if not kids:
+        return
+    child, end = kids[-1], newest_descendant(run_dir)
+    by = f"run {child['run_id']} ({_ended(child['outcome'])})"
+    if end["run_id"] != child["run_id"]:
+        by += f", itself continued up to run {end['run_id']} ({_ended(end['outcome'])})"
+    if end["outcome"] == "completed":
+        then = (f"that chain trained every sample; to train more epochs, dflash-broker --resume {end['run_id']} "
+                "--epochs N")
+    else:
+        then = f"continue the chain with dflash-broker --resume {end['run_id']}"
+    raise ResumeError(f"run {run_id} was resumed already by {by}: resuming it again would train again, into a "
+                      f"second drafter, what that run trained since {run_id}'s last commit. To go on, {then}; to "
+                      f"branch off {run_id} anyway, add --force-resume")
+
+
+def _ended(outcome: str | None) -> str:
+    return "no end recorded: live, or died" if outcome in (None, "running") else outcome
 
 
 def _is_zombie(pid: int) -> bool:

@@ -58,8 +58,10 @@ def end_of_stream_outcome(core: BrokerCore) -> tuple[str, str | None]:
     else:
         reasons = core.ledger.skip_reasons()
         listed = ", ".join(f"{v} {k}" for k, v in sorted(reasons.items(), key=lambda x: -x[1]))
-        why = (f"every sample was skipped ({listed or str(counts['skipped']) + ' skipped'}) and none trained"
+        aside = " or set aside as poison" if counts["quarantined"] else ""
+        why = (f"every sample was skipped{aside} ({listed or str(counts['skipped']) + ' skipped'}) and none trained"
                + ("; no_loss_tokens: no assistant token fits in --max-length" if "no_loss_tokens" in reasons else ""))
     log = get_logger()
-    log.error("broker.nothing_to_train", why=why, n_samples=n, skipped=counts["skipped"], reasons=reasons)
+    log.error("broker.nothing_to_train", why=why, n_samples=n, skipped=counts["skipped"],
+              quarantined=counts["quarantined"], reasons=reasons)
     return "nothing_to_train", why

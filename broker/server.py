@@ -5,9 +5,10 @@
     data out PUSH x consumers -> one pipe each, sent only against that consumer's credit
 
 Here: the sockets, the poller, the I/O thread affinity, decoding what comes in into the
-core's typed messages, the relay of batches, and carrying out the actions the core
-returns. Everything runs on one thread, so nothing is locked. Every send is NOBLOCK: a
-slow or dead peer never stalls the loop.
+core's typed messages, the relay of batches, carrying out the actions the core returns,
+and reading the sockets' monitors for failed handshakes (monitor.py). Everything runs on
+one thread, so nothing is locked. Every send is NOBLOCK: a slow or dead peer never stalls
+the loop.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, reada
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
 
-from . import lighthouse, security
+from . import lighthouse, monitor, security
 from .actions import ClosePipes, Publish, Send
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
 from .core import BrokerCore, Phase
 from .dispatch import QueuedBatch
-from .inbound import Batch
+from .inbound import Batch, connection
 from .liveness import silent
 from .metrics import MetricsServer
 from .peers import Peer
@@ -56,6 +57,8 @@ class Broker:
         self.signals = 0  # SIGINT/SIGTERM received
         self.curve = self.auth = self.control = self.data_in = self.metrics = self.lighthouse = None
         self.ctx = None
+        self.monitors: dict = {}  # monitor socket -> (the socket it watches, its name): handshake failures
+        self.handshakes = monitor.HandshakeLog(curve=bool(cfg.curve_keys))
         # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
         self.core = BrokerCore(cfg, run_id, run_dir, hostname, parent=parent, bind_pipe=self._bind_pipe,
                                pipe_threads=self.pipe_threads, streams=self.streams,
@@ -75,6 +78,8 @@ class Broker:
                                 curve=self.curve,
                                 affinity=self.in_affinity),
             )
+            for sock, name in ((self.control, "control"), (self.data_in, "data_in")):
+                self.monitors[monitor.watch(sock)] = (sock, name)
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
             if cfg.elastic and cfg.consumers >= 2:  # consumers meet there every step
@@ -84,7 +89,7 @@ class Broker:
             self.close()
             raise
 
-    # What callers (cli.py, tests) read of the run: the core's.
+    # What callers (broker_process.py, tests) read of the run: the core's.
     run_id = property(lambda self: self.core.run_id)
     run_dir = property(lambda self: self.core.run_dir)
     peers = property(lambda self: self.core.peers)
@@ -140,6 +145,8 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
+        for mon in self.monitors:
+            poller.register(mon, zmq.POLLIN)
         core = self.core
         while core.phase is not Phase.DONE:
             # zguide lbbroker: read producers only while the queue has room. A full
@@ -150,11 +157,15 @@ class Broker:
                 self._drain(self.control, self._control)
             if self.data_in in events:
                 self._drain(self.data_in, self._data, while_room=True)
+            for mon, (_, name) in self.monitors.items():
+                if mon in events:
+                    self.handshakes.read(mon, name)
             core.dispatch(self._send_batch)
             if self.signal is not None:
                 core.on_signal(self.signal, self.signals)
             self.tick(time.monotonic())
         core.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
+        self.handshakes.report(time.monotonic(), force=True)
         return core.outcome
 
     def tick(self, now: float) -> None:
@@ -165,6 +176,7 @@ class Broker:
         if silent(core.peers.live(), now, core.cfg.timeout_s) and self.control.poll(RECHECK_MS):
             self._drain(self.control, self._control)
         self.do(core.tick(now))
+        self.handshakes.report(now)
 
     def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
         for _ in range(DRAIN_MAX):
@@ -206,7 +218,7 @@ class Broker:
             msg = codec.decode(frames, allowed=DATA, run=self.core.run_id, views=False)  # relayed, never read
             payload = msg.payload_bytes()
         except ProtocolError as e:
-            return self.do(self.core.on_bad_batch(sender(frames), e.reason))
+            return self.do(self.core.on_bad_batch(sender(frames), e.reason, connection(frames[0]) if frames else {}))
         batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
         self.do(self.core.on_batch(batch))
 
@@ -264,6 +276,9 @@ class Broker:
         """Release sockets and the ledger. Safe on a half-built broker."""
         for p in list(self.core.peers.live()):
             p.close_pipes()
+        for mon, (sock, _) in self.monitors.items():
+            sock.disable_monitor()
+            mon.close(linger=0)
         if self.control is not None:
             self.control.close(linger=1000)  # let the last stop/replies out
         if self.data_in is not None:
@@ -281,14 +296,15 @@ class Broker:
 
 def sender(frames: list) -> str:
     """Who sent this data message, for log lines: its `producer` field if the header
-    parses, else the TCP peer address ZeroMQ reports for the frame."""
+    parses, else the peer ID its connection's metadata names (PROTOCOL.md 1), else the TCP
+    peer address ZeroMQ reports for the frame (every producer of a host shares it)."""
     try:
         prod = codec.unpack_header(frames[0]).get("producer")
         if isinstance(prod, str) and prod:
             return prod[:64]
     except (ProtocolError, IndexError):
         pass
-    try:
-        return f"addr:{frames[0].get('Peer-Address')}"
-    except Exception:  # not a zmq.Frame, or the transport gives no address
-        return "addr:unknown"
+    conn = connection(frames[0]) if frames else {}
+    if conn.get("peer"):
+        return conn["peer"][:64]
+    return f"addr:{conn.get('address', 'unknown')}"

@@ -70,11 +70,24 @@ def samples(core: BrokerCore) -> dict:
         "total": total, "pending": core.leases.pending() if n is not None else None,
         "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
         "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
-        # a resumed run's parent did these (committed or skipped there): never leased here
+        "quarantined": c["quarantined"],  # set aside as poison (quarantine.py): never trained
+        # committed by the runs a resumed run continues: never leased here
         "inherited": c.get("inherited", 0),
-        "done": c["trained"] + c["committed"] + c["skipped"] + c.get("inherited", 0),
+        "done": c["trained"] + c["committed"] + c["skipped"] + c["quarantined"] + c.get("inherited", 0),
         "epoch": core.leases.epoch, "epochs": core.cfg.epochs, "n_samples": n,
     }
+
+
+def trained_figures(s: dict) -> dict:
+    """What a person reads as progress, from `samples`: samples trained and committed over
+    the whole resume chain (inherited ones are trained and committed), so they agree with
+    `fraction` and with "every sample trained"; and the epoch training is in, by samples
+    done (0-based), not the epoch leases come from: producers run ahead of training, by a
+    whole epoch on a small dataset."""
+    n, done = s["n_samples"], s["done"]
+    epoch = min(s["epochs"] - 1, done // n) if n else s["epoch"]
+    return {"trained": s["trained"] + s["committed"] + s["inherited"], "committed": s["committed"] + s["inherited"],
+            "inherited": s["inherited"], "epoch": epoch}
 
 
 def _peer_state(core: BrokerCore, p) -> str:
@@ -133,7 +146,7 @@ def gone_row(p) -> dict:
     return {"peer": p.id, "role": p.role, "instance": p.instance, "host": p.host, "pid": p.pid, "gpu": p.gpu,
             "state": p.state, "at": _iso(p.gone_at), "ago_s": round(time.time() - p.gone_at, 1),
             "reason": p.gone_reason, "held": p.held, "last_stats": p.stats,
-            "last_step": _number(p.stats.get("step"))}
+            "last_step": _number(p.stats.get("step")), "failure": p.failure}
 
 
 def progress(core: BrokerCore, now: float) -> dict:
@@ -145,11 +158,9 @@ def progress(core: BrokerCore, now: float) -> dict:
     if core.job_lost is not None:  # nothing more is trained in this run: no end to foresee
         eta = None
     return {
-        "epoch": s["epoch"], "epochs": s["epochs"],
+        **trained_figures(s), "epochs": s["epochs"],
         "epochs_done": round(s["done"] / s["n_samples"], 4) if s["n_samples"] else None,
-        "fraction": round(s["done"] / s["total"], 4) if s["total"] else None,
-        "trained": s["trained"] + s["committed"], "committed": s["committed"], "done": s["done"],
-        "inherited": s["inherited"],
+        "fraction": round(s["done"] / s["total"], 4) if s["total"] else None, "done": s["done"],
         "total": s["total"], "samples_per_s": round(sps, 2), "eta_s": eta,
         "eta_at": _iso(time.time() + eta) if eta is not None else None,
     }
@@ -182,6 +193,7 @@ def build_status(core: BrokerCore) -> dict:
             "in_flight_bytes": sum(x.nbytes for c in consumers for x in c.in_flight.values()),
         },
         "samples": samples(core),
+        "bad_batches": core.poison.as_dict(),
         "rates": {"batches_in_per_s": round(core.rate_in.rate(now), 3),
                   "batches_out_per_s": round(core.rate_out.rate(now), 3),
                   "batches_in": core.rate_in.total, "batches_out": core.rate_out.total},
@@ -203,6 +215,7 @@ def build_status(core: BrokerCore) -> dict:
 def progress_fields(core: BrokerCore, now: float) -> dict:
     """The flat fields of one `broker.progress` line (a canonical periodic summary)."""
     s = samples(core)
+    t = trained_figures(s)
     consumers = core.peers.live("consumer")
     return {
         "uptime_s": round(now - core.started_mono, 1), "queue_batches": len(core.queue),
@@ -210,8 +223,9 @@ def progress_fields(core: BrokerCore, now: float) -> dict:
         "oldest_age_s": round(core.queue.oldest_age(now), 3), "in_flight": sum(len(c.in_flight) for c in consumers),
         "producers": len(core.peers.live("producer")), "consumers": len(consumers),
         "waiting_consumers": [c.id for c in consumers if c.waiting_since is not None],
-        "samples_total": s["total"], "samples_trained": s["trained"] + s["committed"],
-        "samples_committed": s["committed"], "samples_skipped": s["skipped"], "epoch": s["epoch"],
+        "samples_total": s["total"], "samples_trained": t["trained"], "samples_committed": t["committed"],
+        "samples_inherited": t["inherited"], "samples_skipped": s["skipped"], "samples_quarantined": s["quarantined"],
+        "epoch": t["epoch"],
         "batches_in_per_s": round(core.rate_in.rate(now), 3), "batches_out_per_s": round(core.rate_out.rate(now), 3),
     }
 

@@ -18,7 +18,14 @@ from dflash.protocol.fp8 import hidden_from_batch
 
 
 class BatchMismatch(DFlashError):
-    """A batch does not fit this drafter (other target layers or hidden size)."""
+    """A batch does not fit this drafter (other target layers or hidden size). `batch_id` and
+    `fault` (layer_ids, hidden_width, seq_lens, token_ids) are set when the batch itself is at
+    fault, not this consumer's options: the broker is told which batch (`failed`), and
+    quarantines one that fails every consumer (PROTOCOL.md 4.2)."""
+
+    def __init__(self, message: str, *, batch_id: str | None = None, fault: str | None = None):
+        super().__init__(message)
+        self.batch_id, self.fault = batch_id, fault
 
 
 @dataclass
@@ -107,15 +114,15 @@ class Batch:
         and (given `vocab_size`) only token IDs in 0..vocab_size-1."""
         if self.layer_ids != list(layer_ids):
             raise BatchMismatch(
-                f"batch {self.batch_id} carries target layers {self.layer_ids}, the drafter trains on {list(layer_ids)}"
-            )
+                f"batch {self.batch_id} carries target layers {self.layer_ids}, the drafter trains on {list(layer_ids)}",
+                batch_id=self.batch_id, fault="layer_ids")
         if self.hidden.shape[1] != len(layer_ids) * hidden_size:
             raise BatchMismatch(
                 f"batch {self.batch_id}: hidden width {self.hidden.shape[1]} != "
-                f"{len(layer_ids)} layers x {hidden_size}"
-            )
+                f"{len(layer_ids)} layers x {hidden_size}", batch_id=self.batch_id, fault="hidden_width")
         if sum(self.seq_lens) != self.tokens or len(self.samples) != len(self.seq_lens):
-            raise BatchMismatch(f"batch {self.batch_id}: seq_lens/samples disagree with {self.tokens} tokens")
+            raise BatchMismatch(f"batch {self.batch_id}: seq_lens/samples disagree with {self.tokens} tokens",
+                                batch_id=self.batch_id, fault="seq_lens")
         if vocab_size is not None and self.tokens:
             # The wire allows any int32: an ID past the vocabulary would crash the embedding
             # lookup (IndexError) or, on a GPU, fault the device, far from its cause.
@@ -123,4 +130,5 @@ class Batch:
             if lo < 0 or hi >= vocab_size:
                 raise BatchMismatch(f"batch {self.batch_id} (producer {self.batch_id.rsplit('-', 1)[0]}) holds token "
                                     f"IDs {lo}..{hi}, outside this target's vocabulary 0..{vocab_size - 1}: its "
-                                    "producer tokenises for another target, or the batch is corrupt")
+                                    "producer tokenises for another target, or the batch is corrupt",
+                                    batch_id=self.batch_id, fault="token_ids")

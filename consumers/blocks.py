@@ -192,12 +192,16 @@ def _flex_fn(device: torch.device) -> Callable:
 FLEX_BLOCK = 128  # flex attention's tile, queries x keys
 
 
+def _sequence_of(lens: list[int]) -> torch.Tensor:
+    """Each position's sequence index, for sequences of `lens` back to back."""
+    return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
+
+
 def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
     """The element rule: context of the own sequence before the own anchor | the own block."""
     T, Q, B = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size
-    seq_of = lambda lens: torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
-    kv_seq = seq_of(layout.seq_lens).to(device)  # [T]
-    q_seq = seq_of([s.q_len for s in layout.spans]).to(device)  # [Q]
+    kv_seq = _sequence_of(layout.seq_lens).to(device)  # [T]
+    q_seq = _sequence_of([s.q_len for s in layout.spans]).to(device)  # [Q]
     q_anchor = (layout.q_pos - layout.offsets()).to(device)  # [Q]
     q_block = torch.arange(Q, device=device) // B  # [Q], global block index
     kv_pos = layout.ctx_pos

@@ -23,71 +23,23 @@ import os
 import re
 import shutil
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dflash.protocol.errors import DFlashError
+from dflash.protocol.training_signal import Signal, SignalMismatch, signal_differences
 from dflash.runtime.run import is_run_id, runs_root, write_json_atomic
 
 from .integrity import CheckpointDamaged, check_finite, load_weights, verify_checkpoint, write_manifest
 from .record import save_record
 
-__all__ = ["CheckpointDamaged", "Signal", "SignalMismatch", "check_finite", "check_signal", "load_checkpoint",
-           "load_weights", "read_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint", "signal_differences", "step_dirs",
+__all__ = ["CheckpointDamaged", "check_finite", "check_signal", "load_checkpoint", "load_weights", "newest_checkpoint",
+           "nothing_to_resume", "read_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint", "step_dirs",
            "verify_checkpoint", "write_checkpoint"]
 
 STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-class SignalMismatch(DFlashError):
-    """Resuming would silently change what the drafter is trained to do."""
-
-
-@dataclass(frozen=True)
-class Signal:
-    """The training signal (docs/DESIGN.md "The contract between roles"): never changed silently."""
-
-    anchors: int
-    block_size: int
-    target_layers: tuple[int, ...]
-    gamma: float
-    draft_layers: int
-    mask_token_id: int
-    target: dict  # target identity (target_heads._fingerprint)
-    # Why this MASK row (mask_token.MaskChoice.as_dict): recorded, not compared (the ID is)
-    mask_choice: dict | None = None
-    # --distill-weight: the share of the target's soft labels in the loss (0: hard labels only)
-    distill: float = 0.0
-    # --anchor-every: one anchor per this many trainable positions (1: every one, as before it existed)
-    anchor_every: int = 1
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["target_layers"] = list(self.target_layers)
-        return d
-
-
-# Fields that explain the signal without being part of it: never a mismatch.
-NOT_COMPARED = frozenset({"mask_choice"})
-
-
-def signal_differences(saved: dict, current: Signal) -> list[str]:
-    """'field: saved -> current' for every field that differs (a field a checkpoint
-    predates counts as its default: a checkpoint saved before it existed trained with it)."""
-    now = current.as_dict()
-    defaults = {f.name: f.default for f in fields(Signal)}
-    out = []
-    for k in now:
-        if k in NOT_COMPARED:
-            continue
-        was = saved.get(k, defaults.get(k)) if k in defaults and defaults[k] is not MISSING else saved.get(k)
-        if was != now[k]:
-            out.append(f"{k}: {was!r} -> {now[k]!r}")
-    return out
 
 
 def check_signal(saved: dict, current: Signal, *, force: bool, where: str) -> list[str]:
@@ -184,18 +136,36 @@ def write_checkpoint(
     return final
 
 
-def resolve_checkpoint(ref: str, runs_dir: str | os.PathLike | None = None) -> Path:
-    """A checkpoint folder from `latest`, a run ID, a run folder or a step folder.
+def newest_checkpoint(runs_dir: str | os.PathLike | None = None) -> Path | None:
+    """The newest checkpoint of the newest run that has one (`latest`: a resumed run gets
+    a new run ID, so the checkpoint to resume is usually in an earlier run's folder), or
+    None when no run under `runs_dir` has one yet."""
+    root = runs_root(runs_dir)
+    runs = sorted((p for p in root.iterdir() if is_run_id(p.name)), reverse=True) if root.is_dir() else []
+    for run in runs:
+        if found := step_dirs(run / "checkpoints"):
+            return found[-1][1]
+    return None
 
-    `latest` is the newest checkpoint of the newest run that has one (a resumed run gets
-    a new run ID, so the checkpoint to resume is usually in an earlier run's folder).
-    Raises FileNotFoundError saying where it looked."""
+
+def nothing_to_resume(ref: str | None, runs_dir: str | os.PathLike | None = None) -> str | None:
+    """Why `--resume latest` starts from scratch: no run under `runs_dir` has a checkpoint
+    yet (a first start, or a restart before the first --save-every). None otherwise. The
+    same command then serves the first start and every restart; a resume that names a
+    checkpoint, run or folder still fails when there is none."""
+    if ref != "latest" or newest_checkpoint(runs_dir) is not None:
+        return None
+    return (f"--resume latest: no checkpoint under {runs_root(runs_dir).resolve()} yet, so nothing to resume: "
+            "this consumer starts as it would without --resume")
+
+
+def resolve_checkpoint(ref: str, runs_dir: str | os.PathLike | None = None) -> Path:
+    """A checkpoint folder from `latest` (newest_checkpoint), a run ID, a run folder or a
+    step folder. Raises FileNotFoundError saying where it looked."""
     root = runs_root(runs_dir)
     if ref == "latest":
-        runs = sorted((p for p in root.iterdir() if is_run_id(p.name)), reverse=True) if root.is_dir() else []
-        for run in runs:
-            if found := step_dirs(run / "checkpoints"):
-                return found[-1][1]
+        if (found := newest_checkpoint(runs_dir)) is not None:
+            return found
         raise FileNotFoundError(f"--resume latest: no checkpoint in any run under {root.resolve()}")
     p = Path(ref)
     if not p.exists() and is_run_id(ref):

@@ -63,15 +63,6 @@ def route_torchft_logs() -> None:
         tf.propagate = False
 
 
-def available() -> str | None:
-    """None if torchft imports here, else why not (one line)."""
-    try:
-        import torchft  # noqa: F401
-    except Exception as e:  # an ImportError, or a torch too old for it
-        return f"torchft does not import: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return None
-
-
 def replica_name(rank: int, instance: str) -> str:
     """The replica ID at the lighthouse. Quorum ranks follow the sorted replica IDs, so the
     broker's rank leads: the lowest live broker rank is the quorum's rank 0 (it checkpoints)."""
@@ -91,6 +82,7 @@ class ElasticDist:
         self.max_world = max_world
         self.quorums = 0
         self.healed_from: int | None = None  # the step this replica had before its last heal
+        self._closed = False
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
 
@@ -233,6 +225,10 @@ class ElasticDist:
         """Nothing to wait for: a rank that fails after this leaves, the others go on."""
 
     def close(self) -> None:
+        """Leave the group (stop heartbeating to the lighthouse); again, nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._manager.shutdown(wait=False)
         except Exception as e:  # shutting down after a failure: say so, do not mask the failure

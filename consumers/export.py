@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from dflash.protocol.errors import DFlashError
 from dflash.runtime import targets
-from dflash.runtime.config import fail
+from dflash.runtime.command_line import fail
 from dflash.runtime.run import write_json_atomic
 
 from . import hf_dflash
@@ -254,7 +254,8 @@ def drafter_target(folder: str | os.PathLike) -> dict | None:
 def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike) -> dict | None:
     """Refuse (ExportError naming both) a drafter trained for another target than the one
     at `target_dir`. Returns the recorded identity (None: nothing recorded, not checked)."""
-    from .target_heads import TargetLoadError, describe_target, identity_of, same_target
+    from dflash.protocol.target_id import describe_target, same_target
+    from dflash.runtime.target_heads import TargetLoadError, identity_of
 
     want = drafter_target(drafter_dir)
     if want is None:
@@ -287,10 +288,3 @@ def run(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force:
     click.echo(f"exported {src} -> {out} (block_size {cfg['block_size']}, "
                f"target_layer_ids {cfg['dflash_config']['target_layer_ids']}, "
                f"mask_token_id {cfg['dflash_config']['mask_token_id']})")
-
-
-# The command (options parsed without importing torch); kept here for callers of export.main.
-from dflash.consumers.export_command import main  # noqa: E402
-
-if __name__ == "__main__":
-    main()

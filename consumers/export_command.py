@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import command, option, runs_dir_option, target_option
+from dflash.runtime.command_line import command, option, runs_dir_option, target_option
 
 
 @command("EXPORT", max_content_width=100)

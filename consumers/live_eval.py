@@ -29,12 +29,12 @@ from torch import nn
 from dflash.runtime.logs import get_logger
 
 from .batch import Batch
-from .checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from .loss import empty_stats
 from .real_tau import RealTauSet
 from .record import TrainedRecord
 from .step import batch_loss
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 
 log = get_logger()
 

@@ -39,7 +39,7 @@ import torch
 from dflash.runtime import targets
 from dflash.runtime.logs import get_logger
 
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 
 log = get_logger()
 

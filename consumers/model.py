@@ -27,7 +27,7 @@ from torch import nn
 
 from . import fused
 from .blocks import BlockLayout
-from .target_heads import TargetSpec
+from dflash.runtime.target_heads import TargetSpec
 
 
 @dataclass(frozen=True)

@@ -189,9 +189,9 @@ class BatchStager:
             return self._to_device(item)
         except torch.OutOfMemoryError as e:
             error = str(e).splitlines()[0][:300]
-        # Out of the except block, so the failed copy's tensors are gone (oom.py). The step
+        # Out of the except block, so the failed copy's tensors are gone (step_oom.py). The step
         # copies the CPU batch itself, micro-batch by micro-batch if memory is short
-        # (oom.py): slower, but the batch is trained, and the consumer survives.
+        # (step_oom.py): slower, but the batch is trained, and the consumer survives.
         batch = item if isinstance(item, Batch) else Batch.from_message(item, self.hidden_dtype)
         log.warning("train.stage_oom", batch_id=batch.batch_id, tokens=batch.tokens, device=str(self.device),
                     error=error)

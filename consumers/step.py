@@ -11,10 +11,10 @@ import torch
 
 from .batch import Batch
 from .blocks import BlockLayout, anchor_seed, build_layout, sample_anchors
-from .checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from .loss import LossStats, block_loss
 from .model import DFlashDraft
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 
 
 def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str) -> BlockLayout:
@@ -98,7 +98,7 @@ def batch_loss(
 
     Every term is per sequence (anchors and noise seeded per sample, attention within a
     sequence, a loss summed over positions): the sums of the batch's parts are the
-    batch's sums, which is what splitting a step into micro-batches relies on (oom.py)."""
+    batch's sums, which is what splitting a step into micro-batches relies on (step_oom.py)."""
     device = heads.embed.device
     layout = make_layout(batch, signal, seed, device, backend)
     if layout.num_queries == 0:

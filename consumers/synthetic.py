@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from .batch import Batch
-from .target_heads import TargetSpec
+from dflash.runtime.target_heads import TargetSpec
 
 
 def rule_batch(

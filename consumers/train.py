@@ -35,18 +35,18 @@ from dflash.runtime.logs import get_logger
 
 from .batch import Batch, BatchMismatch
 from . import finite, fused
-from .checkpoint import SignalMismatch, signal_differences
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
 from .mask_token import mask_in_batch
-from .metrics import Meter, StepFigures
+from .step_metrics import Meter, StepFigures
 from .model import DFlashDraft, DrafterConfig, calibrate_features, published_config
-from .oom import OomInjection, StepSplitter
+from .step_oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .staging import BatchStager
 from .step import batch_loss
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 from . import train_checkpoint
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
                            resolve_signal)
@@ -82,7 +82,7 @@ def train(
     """Train until the stream ends, `max_steps`, or `hooks.stop`. Returns the final state.
 
     Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
-    another drafter), ValueError (bad config)."""
+    another drafter: after the checkpoint of the steps before it), ValueError (bad config)."""
     trainer = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
     trainer.join_or_resume(runs_dir)
     trainer.announce()
@@ -224,6 +224,8 @@ class Trainer:
         stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
         self.source: Iterator = stager if stager is not None else iter(batches)
         self.exhausted, self.started = False, time.monotonic()
+        self.waited_s, self.reported_at = 0.0, self.started  # waiting for batches since the last step line
+        self.bad: BatchMismatch | None = None  # a batch no rank could train: the run ends on it
         self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
         self.stepped_here = False  # this process took a step (the startup wait ends)
         try:
@@ -231,7 +233,10 @@ class Trainer:
         finally:
             if stager is not None:
                 stager.close()
-        return self.finish()
+        state = self.finish()
+        if self.bad is not None:  # checkpointed and committed first: what was trained stays
+            raise self.bad
+        return state
 
     def _loop(self) -> None:
         cfg, state = self.cfg, self.state
@@ -267,10 +272,12 @@ class Trainer:
         want_stop = self._stop_asked()
         batch, bad, self.held = self.held, None, None
         if batch is None and not self.exhausted and not want_stop:
+            t0 = time.monotonic()
             try:
                 batch = next(self.source)  # None: nothing arrived in time (the source waited)
             except StopIteration:
                 self.exhausted = True
+            self.waited_s += time.monotonic() - t0  # the step line's wait_s: starved or not
             # A stop asked while we waited (a signal, the broker's shutdown) counts now, so
             # the stream a shutdown ends is not taken for its natural end.
             want_stop = self._stop_asked()
@@ -293,17 +300,24 @@ class Trainer:
         # empty step while another has one; nobody steps while nobody has data. A bad
         # batch on any rank ends every rank, so none is left waiting in a collective.
         starting = not self.stepped_here and time.monotonic() - self.started < START_WAIT_S
-        have, stops, ended, bads, n_starting = dist.all_sum(
-            [batch is not None, want_stop, self.exhausted, bad is not None, starting])
+        # An elastic rank signalled alone leaves; the group stops only when the broker says so,
+        # or when every rank was signalled (the last one checkpoints and commits as any stop).
+        leaving = want_stop and dist.elastic and hooks.leave is not None and hooks.leave()
+        have, stops, ended, bads, n_starting, n_leaving = dist.all_sum(
+            [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving])
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
             self.held = _dropped(batch, state, dist, "quorum")
             return _SKIP
-        if bads > 0:
-            raise bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
+        if bads > 0:  # ends here, like a stop: the checkpoint and commit of what was trained, then raise
+            self.bad = bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
+            state.end_reason = "bad_batch"
+            return _END
+        if 0 < n_leaving < dist.world_size and stops == 0:
+            return self._leave(batch, leaving)
         if want_stop:
             log.warning("train.stopping", step=state.step, rank=dist.rank)
-        if stops > 0 or ended == dist.world_size:
-            state.end_reason = "stop" if stops > 0 else "end_of_stream"
+        if stops > 0 or n_leaving or ended == dist.world_size:
+            state.end_reason = "stop" if stops > 0 or n_leaving else "end_of_stream"
             return _END
         if have == 0 or _short_at_start(dist, n_starting):
             if batch is not None:  # waiting for ranks with a batch in hand: no source wait, so sleep
@@ -313,6 +327,20 @@ class Trainer:
                 hooks.stats["state"] = "waiting"
             return _SKIP
         return _STEP
+
+    def _leave(self, batch: Batch | None, leaving: bool) -> str:
+        """Ranks leave the group between two steps (nobody steps now: their batches will not
+        be in this step's collectives). A leaver ends without a checkpoint (the others hold
+        the same weights and commit them) and leaves the quorum at once; the others keep
+        their batch and meet again without it once the lighthouse sees it gone."""
+        state, dist = self.state, self.dist
+        if not leaving:
+            self.held = batch
+            return _SKIP
+        log.warning("train.leaving", step=state.step, rank=dist.rank, world_size=dist.world_size)
+        state.end_reason = "left"
+        dist.close()  # stop heartbeating to the lighthouse: the next quorum forms without us
+        return _END
 
     def step(self, batch: Batch | None) -> None:
         """One optimizer step with every rank, in the order things happen; none at all if a
@@ -329,7 +357,7 @@ class Trainer:
         noise = noise_at(step, cfg, state.samples, plan)
         if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (model.py)
             self._calibrate(batch)
-        # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (oom.py)
+        # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (step_oom.py)
         self.optimizer.zero_grad(set_to_none=True)
         stats = _no_loss(self.signal.block_size) if batch is None else \
             self.splitter.run(batch, self._forward_backward(step, noise), step)
@@ -425,7 +453,11 @@ class Trainer:
                 noise: float, grad_norm: float) -> None:
         """The step's log line (metrics.Meter) and the heartbeat figures in `hooks.stats`."""
         state, hooks, dist, splitter = self.state, self.hooks, self.dist, self.splitter
+        now = time.monotonic()
+        waited, wall = self.waited_s, now - self.reported_at
+        self.waited_s, self.reported_at = 0.0, now
         line = self.meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
+                                   wait_s=waited, wall_s=wall,
                                    tokens_seen=state.tokens, epoch=state.epoch,
                                    queue=hooks.queue() if hooks.queue else {},
                                    progress=hooks.progress() if hooks.progress else None, rank=dist.rank,
@@ -450,7 +482,7 @@ class Trainer:
     def finish(self) -> TrainState:
         """The last checkpoint (if steps came after the newest), the end line, the state."""
         state = self.state
-        if self.ckpt_root is not None and state.step > state.saved_step:
+        if self.ckpt_root is not None and state.step > state.saved_step and state.end_reason != "left":
             self._commit(self._save())
         log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank)
         state.model = self.model

@@ -10,19 +10,37 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from dflash.runtime.logs import get_logger
 
-from .checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
-from .record import TrainedRecord
+from dflash.protocol.training_signal import Signal
 
-if TYPE_CHECKING:
-    from .train import Trainer
+from .checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
+from .dist import DistGroup
+from .record import TrainedRecord
+from .train_config import TrainConfig, TrainState
 
 log = get_logger()
+
+
+class Trainer(Protocol):
+    """What of the trainer (train.py's `Trainer`) a checkpoint reads and restores; named here
+    so that this module needs nothing of the loop."""
+
+    cfg: TrainConfig
+    state: TrainState
+    dist: DistGroup
+    device: torch.device
+    signal: Signal
+    run_config: dict | None
+    drafter_json: dict
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:

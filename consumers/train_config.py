@@ -17,16 +17,16 @@ import torch
 from dflash.runtime.targets import default_layer_ids
 
 from .batch import Batch
-from .checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from .loss import default_gamma
 from .record import TrainedRecord
 from .mask_token import mask_choice
-from .target_heads import TargetHeads
+from dflash.runtime.target_heads import TargetHeads
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # training signal (recorded in every checkpoint; see checkpoint.Signal)
+    # training signal (recorded in every checkpoint; see protocol/training_signal.py)
     draft_layers: int = 5
     target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
     block_size: int = 16
@@ -88,6 +88,9 @@ class Hooks:
     # starts, when neither --total-samples, the broker nor a resumed checkpoint gives one
     stream_samples: int | None = None
     stop: threading.Event | None = None
+    # Whether the stop asked is this process's alone (a signal to it, not the broker's stop):
+    # in an elastic group such a rank leaves and the others go on (train.py `agree`)
+    leave: Callable[[], bool] | None = None
     after_step: Callable[[int, torch.nn.Module], None] | None = None  # every rank, e.g. evaluation
     # Every rank, before a step's forward: (optimizer steps so far, model, this rank's batch
     # or None, the record, samples trained so far by all ranks); live evaluation on a batch
@@ -104,7 +107,7 @@ class Hooks:
     # heals us (the broker's newest commit, which may be newer than its welcome said).
     resume_point: Callable[[], str | None] | None = None
     # Rank 0, after each step's train.step line: (step, that line's fields), for the
-    # metric sinks (--tensorboard, consumers/sinks.py)
+    # metric sinks (--tensorboard, runtime/sinks.py)
     on_metrics: Callable[[int, dict], None] | None = None
 
 

@@ -2,7 +2,9 @@
 
 Modules, in data-flow order: `data` (datasets by sample ID), `chat` (template + loss mask),
 `regenerate` (--regenerate), `packing` (varlen batches), `prefetch` (the CPU side, ahead
-of the GPU), `target` (load + layer capture), `oom` (split and retry), `producer` (the
-loop), `link` (the broker plugs), `build` (assembly from `config.ProducerConfig`),
-`cli` (dflash-produce). `sample_data` holds the bundled demo chats.
+of the GPU), `target` (load + layer capture), `capture_oom` (split and retry), `producer`
+(the loop), `broker_work` (the broker plugs), `build` (assembly from
+`producer_config.ProducerConfig`);
+`produce_command` (dflash-produce: options -> ProducerConfig) -> `producer_process` (one
+producer process). `sample_data` holds the bundled demo chats.
 """

@@ -15,7 +15,7 @@ from dflash.runtime import targets
 from dflash.runtime.logs import get_logger
 
 from .chat import ChatEncoder
-from .config import ProducerConfig
+from .producer_config import ProducerConfig
 from .data import DataSource, open_dataset
 from .packing import PackingError, check_packing
 from .producer import BatchSink, Producer, WorkSource
@@ -32,7 +32,7 @@ class Components:
     dataset: DataSource
     encoder: ChatEncoder
     regenerator: Regenerator | None = None
-    target_id: dict | None = None  # consumers.target_heads identity: the run's fact every role checks
+    target_id: dict | None = None  # runtime/target_heads.py identity: the run's fact every role checks
 
 
 def load_components(cfg: ProducerConfig) -> Components:
@@ -48,7 +48,7 @@ def load_components(cfg: ProducerConfig) -> Components:
     target = load_target(cfg.target, cfg.target_layers, device=device, dtype=cfg.dtype,
                          attn_impl=cfg.attn_impl, full=cfg.regenerate, final=cfg.final_hidden,
                          trust_remote_code=cfg.trust_remote_code, tensor_parallel=cfg.tensor_parallel)
-    if cfg.tensor_parallel:  # rank 0 (cli.py): the followers run every forward pass with us from here on
+    if cfg.tensor_parallel:  # rank 0 (producer_process.py): the followers run every forward pass with us from here on
         from .shard import Leader
 
         target.shard = Leader(target.device)
@@ -74,7 +74,7 @@ def load_components(cfg: ProducerConfig) -> Components:
 def target_identity(path: str) -> dict | None:
     """The target's identity as consumers compute it (config and heads hashes), or None
     where the folder does not hold them in safetensors (then the broker cannot check it)."""
-    from dflash.consumers.target_heads import TargetLoadError, identity_of
+    from dflash.runtime.target_heads import TargetLoadError, identity_of
 
     try:
         return identity_of(path)
@@ -93,7 +93,7 @@ def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
     forward pass (`target.per_sequence`, logged as produce.per_sequence), never a silent leak.
     An explicit --attn-impl is never overridden: a leak raises PackingError naming what
     packs correctly on this model."""
-    options = attn_candidates("auto", target.device, type(target.decoder))
+    options = attn_candidates("auto", target.device, type(target.decoder), target.decoder.config)
     first = target.info.attn_impl
     if not auto_attn:
         try:
@@ -167,7 +167,7 @@ def hello_config(c: Components, cfg: ProducerConfig) -> dict:
     """What the broker checks against the run (PROTOCOL.md 4.1 `hello.config`)."""
     return {
         "target": cfg.target, "layer_ids": c.target.layer_ids, "hidden_size": c.target.hidden_size,
-        "target_id": c.target_id,
+        "vocab_size": c.target.info.vocab_size, "target_id": c.target_id,
         "dataset": {"n_samples": len(c.dataset), "fingerprint": c.dataset.fingerprint},
         "encodings": [cfg.hidden_encoding], "dtype": c.target.info.dtype,
         "model_type": c.target.info.model_type, "num_layers": c.target.num_layers,

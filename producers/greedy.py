@@ -1,5 +1,5 @@
 """Batched greedy decoding for `--regenerate`, kept as the function earlier callers use:
-it now runs on the decoding core (producers/decode.py: static KV cache, CUDA-graph decode
+it now runs on the decoding core (decoding/: static KV cache, CUDA-graph decode
 step on a GPU, continuous batching), which replaced the bare loop over the model's forward
 with a transformers DynamicCache that was here.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .decode import greedy_generate
+from dflash.decoding.greedy import greedy_generate
 
 
 def greedy_batch(model: nn.Module, prompts: list[list[int]], *, pad_id: int, stop_ids: set[int],
@@ -22,9 +22,3 @@ def greedy_batch(model: nn.Module, prompts: list[list[int]], *, pad_id: int, sto
         return [[] for _ in prompts]
     return greedy_generate(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            batch_size=len(prompts))
-
-
-def until_stop(tokens: list[int], stops: set[int]) -> list[int]:
-    """`tokens` up to and including the first stop token (a finished row is padded after it)."""
-    end = next((i for i, t in enumerate(tokens) if t in stops), None)
-    return tokens if end is None else tokens[: end + 1]

@@ -3,7 +3,7 @@
     work source --leases--> prefetch thread (read, template, tokenise, [regenerate], pack)
         --bounded queue--> main thread: capture (OOM split/retry) -> CPU -> batch sink
 
-The work source and the batch sink are plugged in: the broker link (`link.py`) in
+The work source and the batch sink are plugged in: the broker link (`broker_work.py`) in
 production, `LocalWorkSource` and a list or bounded queue in tests and `--dry-run`.
 A lease is reported done (with its skipped samples and reasons) after its last batch went
 to the sink; batches never mix leases, since a batch header names one lease.
@@ -24,7 +24,7 @@ from dflash.runtime.logs import get_logger
 
 from .chat import ChatEncoder
 from .data import BadRow, DataSource, Row
-from .oom import OomSplitter
+from .capture_oom import OomSplitter
 from .packing import PackedBatch, pack
 from .prefetch import Item, Lease, Prefetcher
 from .regen_ahead import RegenAhead

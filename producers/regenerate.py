@@ -14,7 +14,7 @@ replaced by a probe string, and tokenised piece by piece; turn k is generated fr
 exactly the IDs before it (so turn k+1's prompt holds turn k's IDs as generated). The
 loss mask is 1 on the generated IDs, stop token included when the target emitted one,
 and 0 on template text; if the target emitted the template's turn end marker itself, the
-template's copy is left out. Decoding runs on the decoding core (decode.py) with
+template's copy is left out. Decoding runs on the decoding core (decoding/) with
 continuous batching: `batch_size` rows decode side by side, and a row whose turn ended
 takes the next waiting turn at once (another conversation's, or its own next turn).
 
@@ -42,7 +42,10 @@ import torch
 from dflash.runtime.logs import get_logger
 
 from .data import BadRow, Row
-from .decode import GreedyDecoder, Job, kv_bytes_per_slot
+from dflash.runtime.progress import progress
+
+from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot, rows_for_memory
+from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes
 from .target import Target
 
 log = get_logger()
@@ -124,15 +127,46 @@ class _Conversation:
         return len(self.generated) == len(self.turns)
 
 
+AUTO_ROWS_CAP = 2048  # rows past this add little: a decode step is then bound by reading the KV cache
+AUTO_KV_FRACTION = 0.4  # of the GPU's free memory, for the KV cache of the rows sized by memory
+CPU_ROWS = 16
+EXPLICIT_KV_FRACTION = 0.5  # a given --regen-batch-size is capped where its cache would pass this
+
+
+def decoder_rows(model, device: torch.device, batch_size: int, n_jobs: int, slots: int) -> tuple[int, dict]:
+    """Rows of a decoder for `n_jobs` jobs of at most `slots` slots each (prompt room plus
+    answer): `batch_size` 0 sizes them by memory (as many as a KV cache in AUTO_KV_FRACTION
+    of the free GPU memory holds, at most AUTO_ROWS_CAP; CPU_ROWS on a CPU), else
+    `batch_size` capped by EXPLICIT_KV_FRACTION of it. Returns (rows, how they were sized)."""
+    info: dict = {"source": "memory" if batch_size == 0 else "--regen-batch-size", "slots": slots}
+    if device.type != "cuda":
+        return min(n_jobs, batch_size or CPU_ROWS), info
+    free, _ = torch.cuda.mem_get_info(device)
+    info.update(free_bytes=free, kv_bytes_per_row=kv_bytes_per_slot(model, model.dtype) * slots)
+    if batch_size == 0:
+        rows = rows_for_memory(model, model.dtype, int(free * AUTO_KV_FRACTION), slots, AUTO_ROWS_CAP)
+        return min(n_jobs, rows), info
+    fit = rows_for_memory(model, model.dtype, int(free * EXPLICIT_KV_FRACTION), slots, batch_size)
+    if fit < min(n_jobs, batch_size):
+        info["capped_from"] = batch_size
+    return min(n_jobs, fit), info
+
+
 class Regenerator:
-    """Regenerates the assistant turns of chat rows with `target` (a full model)."""
+    """Regenerates the assistant turns of chat rows with `target` (a full model). `batch_size`
+    0: each decoder's rows sized by memory (decoder_rows)."""
 
     def __init__(self, target: Target, tokenizer, cache: RegenCache, *, max_new_tokens: int = 1024,
-                 batch_size: int = 16, template_kwargs: dict | None = None):
+                 batch_size: int = 0, template_kwargs: dict | None = None):
         if target.model is None:
             raise ValueError("regeneration needs the full model: load the target with full=True")
+        if batch_size < 0:
+            raise ValueError(f"regeneration batch size {batch_size}: 0 (sized by memory) or more")
         self.target, self.tok, self.cache = target, tokenizer, cache
-        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+        self.max_new_tokens, self.rows_asked = max_new_tokens, batch_size
+        # the most rows a decoder may have (how far regen_ahead.py fills its queue)
+        self.batch_size = batch_size or (AUTO_ROWS_CAP if target.device.type == "cuda" else CPU_ROWS)
+        self.graphed_prefill = graphed_prefill_default(target.model, target.device)
         self.kw = dict(template_kwargs or {})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = stop_ids(target.model, tokenizer)
@@ -180,6 +214,7 @@ class Regenerator:
             self._append(c, self._render(c, 0), loss=0)  # the template text up to turn 0
             jobs.append(Job(i, list(c.ids)))
         total = 0
+        bar = progress("regenerate", total=len(jobs), unit="chat")
 
         def turn_done(job: Job, out: list[int]) -> None:
             nonlocal total
@@ -191,13 +226,17 @@ class Regenerator:
             if not c.done:  # its next turn waits for a free row like any other
                 self._append(c, self._render(c, len(c.generated)), loss=0)
                 jobs.append(Job(job.key, list(c.ids)))
+            else:
+                bar.update()
+                bar.note(new_tokens=total)
 
-        while jobs:
-            # A later turn's prompt holds the earlier turns; a job that still does not fit
-            # the decoder goes to the next round.
-            dec = self._decoder(len(jobs), self.prompt_slots(jobs, lambda j: convs[j.key]))
-            leftover = self._run(dec, jobs, turn_done)
-            jobs = deque(leftover)
+        with bar:
+            while jobs:
+                # A later turn's prompt holds the earlier turns; a job that still does not fit
+                # the decoder goes to the next round.
+                dec = self._decoder(len(jobs), self.prompt_slots(jobs, lambda j: convs[j.key]))
+                leftover = self._run(dec, jobs, turn_done)
+                jobs = deque(leftover)
         return [self._finish(c) for c in convs], total
 
     def prompt_slots(self, jobs, conv_of) -> int:
@@ -210,26 +249,24 @@ class Regenerator:
         return -(-(longest + (self.max_new_tokens if more else 0)) // 64) * 64
 
     def _decoder(self, n_jobs: int, max_prompt: int) -> GreedyDecoder:
-        """A decoder of up to `batch_size` rows whose KV cache fits the device's free memory
-        (a cap of half of it, so the capture of hidden states keeps its room)."""
-        rows = min(self.batch_size, n_jobs)
-        dev = self.target.device
-        if dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
-            per_row = kv_bytes_per_slot(self.target.model, self.target.model.dtype) * (max_prompt + self.max_new_tokens)
-            fit = max(1, int(free * 0.5) // max(1, per_row))
-            if fit < rows:
-                log.warning("produce.regen_rows_capped", rows=rows, fit=fit, max_prompt=max_prompt,
-                            reason="kv_cache_memory")
-                rows = fit
+        """A decoder for `n_jobs` prompts of up to `max_prompt` tokens, its rows sized by
+        `decoder_rows` (the KV cache leaves the capture of hidden states its room)."""
+        rows, info = decoder_rows(self.target.model, self.target.device, self.rows_asked, n_jobs,
+                                  max_prompt + self.max_new_tokens)
+        if "capped_from" in info:
+            log.warning("produce.regen_rows_capped", rows=info["capped_from"], fit=rows, max_prompt=max_prompt,
+                        reason="kv_cache_memory")
+        log.info("produce.regen_rows", rows=rows, jobs=n_jobs, max_prompt=max_prompt,
+                 graphed_prefill=self.graphed_prefill, **{k: v for k, v in info.items() if k != "capped_from"})
         with self.target.lock:  # building it runs the model under another attention (see _run)
             return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
-                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
+                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
+                                 prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None)
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
-        # Decoding runs with sdpa (or eager where the model needs it, decode.py) whatever
-        # packed capture uses: flex attention under generation failed to compile on an
-        # H200 (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
+        # Decoding runs with the core's own attention (decoding/attention.py), whatever packed capture
+        # uses: transformers' flex attention under generation failed to compile on an H200
+        # (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
         with self.target.lock:
             return dec.run(jobs, on_done)
 

@@ -52,7 +52,7 @@ def world_from_env() -> tuple[int, int, int]:
         local = int(os.environ.get("LOCAL_RANK", rank))
     except (KeyError, ValueError):
         raise ShardError("--tensor-parallel needs a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR set), e.g. "
-                         "torchrun --nproc-per-node 2 -m dflash.producers.cli --tensor-parallel ...") from None
+                         "torchrun --nproc-per-node 2 -m dflash.producers.produce_command --tensor-parallel ...") from None
     if size < 2:
         raise ShardError(f"--tensor-parallel with WORLD_SIZE {size}: launch 2 or more processes "
                          "(torchrun --nproc-per-node N)")

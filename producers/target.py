@@ -87,7 +87,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def attn_candidates(name: str, device: torch.device, model_cls: type | None) -> list[str]:
+def attn_candidates(name: str, device: torch.device, model_cls: type | None, config=None) -> list[str]:
     """`--attn-impl` as the implementations to try, best first: `name` alone unless auto.
 
     auto keeps only what the model class supports (transformers' `_supports_sdpa`,
@@ -97,7 +97,9 @@ def attn_candidates(name: str, device: torch.device, model_cls: type | None) -> 
     GPU), sdpa (packs through a dense [T, T] mask: cost grows with T^2 of the whole batch,
     see docs/BENCHMARKS.md), eager; on CPU sdpa, eager, then flex (it compiles a kernel
     first). The start-up packing check then takes the first that packs correctly
-    (build.py). `model_cls` None (custom code): every implementation is a candidate."""
+    (build.py). `model_cls` None (custom code): every implementation is a candidate. A
+    `config` with logit soft-capping (Gemma 2) never gets sdpa, which cannot apply it,
+    whatever the class says (transformers 5.17's Gemma 2 claims sdpa and drops the cap)."""
     if name != "auto":
         return [name]
 
@@ -106,7 +108,8 @@ def attn_candidates(name: str, device: torch.device, model_cls: type | None) -> 
 
     flash = importlib.util.find_spec("flash_attn") is not None and ok("_supports_flash_attn")
     flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None and ok("_supports_flex_attn")
-    sdpa = ok("_supports_sdpa")
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    sdpa = ok("_supports_sdpa") and not getattr(text, "attn_logit_softcapping", None)
     if device.type == "cuda":
         order = [("flash_attention_2", flash), ("flex_attention", flex), ("sdpa", sdpa), ("eager", True)]
     else:
@@ -300,10 +303,11 @@ def load_target(
     unreadable checkpoint (OSError, ValueError)."""
     device = device or resolve_device(None, None)
     torch_dtype = resolve_dtype(dtype, device)
-    model_cls = None
+    model_cls = config = None
     if attn_impl == "auto":
-        model_cls = causal_lm_class(targets.load_config(name, trust_remote_code=trust_remote_code))
-    options = attn_candidates(attn_impl, device, model_cls)
+        config = targets.load_config(name, trust_remote_code=trust_remote_code)
+        model_cls = causal_lm_class(config)
+    options = attn_candidates(attn_impl, device, model_cls, config)
     t0 = time.monotonic()
     kw: dict = {}
     if tensor_parallel:

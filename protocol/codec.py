@@ -295,6 +295,7 @@ def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
 # ---------------------------------------------------------------- batch rules
 
 HIDDEN_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+FP8_ENCODING = "fp8_e4m3_rowscale"  # `hidden_encoding` of fp8 hidden states (fp8.py)
 
 
 def check_batch(h: dict, t: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
@@ -325,6 +326,11 @@ def check_batch(h: dict, t: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         sc_t, sc_shape = t.get("hidden_scale", (None, None))
         if sc_t != "float32" or sc_shape != (T, len(layers)):
             raise ProtocolError(f"batch: fp8 hidden needs float32 hidden_scale [{T}, {len(layers)}]")
+    encoding = h.get("hidden_encoding") or "raw"
+    if (hid_t == "float8_e4m3fn") != (encoding == FP8_ENCODING):
+        # a receiver decodes by the header's word: the other pairing crashes it or trains on noise
+        raise ProtocolError(f"batch: hidden_encoding {str(encoding)[:40]!r} does not fit hidden of torch.{hid_t} "
+                            f"({FP8_ENCODING} is float8_e4m3fn with hidden_scale, raw is bf16/fp16/fp32)")
     if "final_hidden" in t:  # optional: the target's LM-head input, for distillation (PROTOCOL.md)
         fin_t, fin = t["final_hidden"]
         D = hid[1] // len(layers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-ENCODING = "fp8_e4m3_rowscale"
+from .codec import FP8_ENCODING as ENCODING
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 

@@ -21,8 +21,9 @@ from dflash.runtime.logs import get_logger
 from . import codec
 from .credit import CreditWindow
 from .errors import MessageTooLarge, ProtocolError
-from .messages import DATA, MAX_HEADER_BYTES, Ack, Batch, Commit, Credit, Done, LeaseAsk
-from .peer import PeerLink
+from .messages import (DATA, INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done,
+                       Grant, LeaseAsk)
+from .peer import PeerLink, from_broker
 from .sockets import SocketOpts, make_socket, nth_other_thread, other_threads, readable, recv_frames, send_frames
 
 log = get_logger()
@@ -48,10 +49,13 @@ class ProducerLink(PeerLink):
         # as soon as the broker stops reading. One PUSH, connected once per data stream
         # the broker asks for (the same endpoint again: a TCP connection each, which
         # libzmq puts on the least busy I/O thread of the mask); batches take them in turn.
-        endpoints = self.welcome.get("data_streams") or [self.welcome["data_in"]]
+        endpoints = self.welcome.streams(self.welcome.data_in)
+        # The connection names us (PROTOCOL.md 1): the broker can tell which producer sent a
+        # message even when its header does not parse, and that a batch naming us is ours.
+        named = ((PEER_PROPERTY, self.peer_id), (INSTANCE_PROPERTY, self.instance))
         sock = make_socket(self._ctx, zmq.PUSH, endpoints[0], bind=False,
                            opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
-                                           affinity=other_threads(self._io_threads)))
+                                           affinity=other_threads(self._io_threads), metadata=named))
         for endpoint in endpoints[1:]:
             sock.connect(endpoint)
         return [sock]
@@ -69,8 +73,8 @@ class ProducerLink(PeerLink):
 
     # ------------------------------------------------------------ caller API
 
-    def request_lease(self, want: int, timeout_s: float | None = None) -> dict:
-        """Ask for up to `want` samples; returns the `grant` header (may be empty, see `end`)."""
+    def request_lease(self, want: int, timeout_s: float | None = None) -> Grant:
+        """Ask for up to `want` samples; returns the broker's `grant` (may be empty, see `end`)."""
         self.send_control(LeaseAsk(want))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -102,7 +106,8 @@ class ProducerLink(PeerLink):
     def _check_size(self, batch_id: str, frames: list) -> None:
         """Refuse a batch over the broker's limits (its welcome's `max_message_bytes`) before
         it leaves: sent, it would be dropped or refused at the broker, its samples lost."""
-        limit = int((self.welcome.get("run_config") or {}).get("max_message_bytes") or self.max_message_bytes)
+        run_config = self.welcome.run_config
+        limit = run_config.max_message_bytes if run_config is not None else self.max_message_bytes
         payload = codec.payload_bytes(frames)
         if len(frames[0]) > MAX_HEADER_BYTES or payload > limit:
             raise MessageTooLarge(
@@ -128,8 +133,8 @@ class ProducerLink(PeerLink):
         self._flush_batches()
 
     def _on_control(self, msg: codec.Message) -> None:
-        if msg.header["type"] == "grant":
-            self._grants.put(msg.header)
+        if msg.type == "grant":
+            self._grants.put(from_broker(Grant, msg.header))
         else:
             super()._on_control(msg)
 
@@ -163,12 +168,13 @@ class ConsumerLink(PeerLink):
 
     def _open_data(self) -> list:
         # The I/O thread grants the first credit on its first turn.
-        most = min(MAX_AUTO_CREDIT, int(self.welcome.get("max_credit") or MAX_AUTO_CREDIT))
+        run_config = self.welcome.run_config  # the broker's cap on credit, if it says one
+        most = min(MAX_AUTO_CREDIT, run_config.max_credit if run_config is not None else MAX_AUTO_CREDIT)
         self._credit = CreditWindow(self._inbox_bounds[0], self._inbox_bounds[1], max_batches=most)
         self._wake()  # so the I/O thread's first poll returns at once and grants it
         # One PULL per data stream the broker opened for us (PROTOCOL.md 4.1), each on an
         # I/O thread of its own while there are threads; a broker that names none has one.
-        endpoints = self.welcome.get("data_streams") or [self.welcome["data_out"]]
+        endpoints = self.welcome.streams(self.welcome.data_out)
         socks = []
         try:
             for i, endpoint in enumerate(endpoints):

@@ -5,7 +5,7 @@ described in order by ``header["tensors"]``. This module only knows headers; the
 (codec.py) knows frames.
 """
 
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import ClassVar
 
 from .errors import ProtocolError
@@ -20,6 +20,10 @@ MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: docs/DESIGN.md keeps one message well unde
 # ZMQ_MAXMSGSIZE on both ends of the control socket: the header limit plus framing margin
 # (a control message is a header only, so this is the largest frame either side accepts).
 CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
+
+# ZMTP metadata properties a producer's data-in connection announces (PROTOCOL.md 1): its
+# peer ID and instance name, so that the broker can name the sender of any message on it.
+PEER_PROPERTY, INSTANCE_PROPERTY = "X-Peer", "X-Instance"
 
 # Every message type, one frozen dataclass each: required fields first (no default; the
 # annotation is the msgpack type a receiver accepts), then optional ones (a default, and
@@ -46,18 +50,56 @@ def local(**kw):
     return field(kw_only=True, metadata={"local": True}, **kw)
 
 
-@dataclass(frozen=True)
-class Message:
-    """One header's fields. `raw` is the header it was parsed from ({} when built here):
-    what a `reject` echoes and log lines quote. The envelope (`v`, `type`, the run ID after
-    the handshake, `tensors`) is the codec's and `to_header`'s, not a field."""
+def items(*types: type):
+    """A required list field whose every element must be one of `types` (a bool is never an int)."""
+    return field(metadata={"items": types})
 
-    type: ClassVar[str] = ""
+
+def _is(value, types: tuple[type, ...]) -> bool:
+    return isinstance(value, types) and (value.__class__ is not bool or bool in types)
+
+
+def typed(*types: type, each: tuple[type, ...] | None = None):
+    """An optional field's parse: the value as it came if nil or one of `types` (and, for a
+    list, each element one of `each`); anything else is refused, naming what it is."""
+    def parse(value):
+        if value is None:
+            return None
+        if not _is(value, types):
+            raise ProtocolError(f"has type {type(value).__name__}")
+        if each is not None and not all(_is(v, each) for v in value):
+            raise ProtocolError(f"holds an element of type {next(type(v).__name__ for v in value if not _is(v, each))}")
+        return value
+    return parse
+
+
+def nested(cls: "type[Fields]"):
+    """An optional field's parse: a map of `cls`'s fields, checked and parsed as `cls`; nil is None."""
+    def parse(value):
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ProtocolError(f"has type {type(value).__name__}, not a map")
+        try:
+            return cls.from_header(value)
+        except ProtocolError as e:
+            raise ProtocolError(f"({e.reason})") from None
+    return parse
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A typed msgpack map: a message's header (`Message`), or a map inside one (welcome's
+    `run_config`). `raw` is the map it was parsed from ({} when built here): what a
+    `reject` echoes and log lines quote. A field whose value is a `Fields` goes on the wire
+    as its own map."""
+
+    where: ClassVar[str] = ""  # how errors name this map ("" inside another: that one names it)
     raw: dict = field(default_factory=dict, repr=False, compare=False, kw_only=True)
 
     @classmethod
     def wire_fields(cls) -> tuple[Field, ...]:
-        """The header's fields: not `raw`, nor what a receiver keeps beside them (`local`)."""
+        """The map's fields: not `raw`, nor what a receiver keeps beside them (`local`)."""
         return tuple(f for f in fields(cls) if f.name != "raw" and not f.metadata.get("local"))
 
     @classmethod
@@ -66,24 +108,43 @@ class Message:
         return _plan(cls).required
 
     @classmethod
+    def _label(cls, name: str) -> str:
+        return f"{cls.where}: {name}" if cls.where else name
+
+    @classmethod
     def check(cls, h: dict) -> None:
-        """Raise ProtocolError unless every required field is in `h` with an accepted type."""
-        for name, types in _plan(cls).required.items():
+        """Raise ProtocolError unless every required field is in `h` with an accepted type
+        (and, for a list of `items(...)`, every element of it)."""
+        plan = _plan(cls)
+        for name, types in plan.required.items():
             val = h.get(name, _MISSING)
             if val is _MISSING:
-                raise ProtocolError(f"{cls.type}: missing field {name!r}")
+                raise ProtocolError(cls._label(f"missing field {name!r}"))
             if not isinstance(val, types) or (val.__class__ is bool and bool not in types):
-                raise ProtocolError(f"{cls.type}: field {name!r} has type {type(val).__name__}")
+                raise ProtocolError(cls._label(f"field {name!r} has type {type(val).__name__}"))
+        for name, types in plan.items:
+            bad = next((v for v in h[name] if not _is(v, types)), _MISSING)
+            if bad is not _MISSING:
+                raise ProtocolError(cls._label(f"field {name!r} holds an element of type {type(bad).__name__}"))
 
     @classmethod
     def from_header(cls, h: dict, **extra):
-        """The message of header `h`, checked as `check` does; `extra`: fields a subclass
+        """The map `h` as this type, checked as `check` does, each optional field present
+        parsed (a parse that refuses its value names the field); `extra`: fields a subclass
         adds beside the wire's (broker/inbound.py's Batch: its frames and sizes)."""
         cls.check(h)
         plan = _plan(cls)
         # required fields positionally (they come first), optional ones only when present
-        kw = {name: parse(h[name]) if parse else h[name] for name, parse in plan.optional if name in h}
+        kw = {name: cls._parse(name, parse, h[name]) if parse else h[name] for name, parse in plan.optional
+              if name in h}
         return cls(*[h[name] for name in plan.required], **kw, **extra, raw=h)
+
+    @classmethod
+    def _parse(cls, name: str, parse, value):
+        try:
+            return parse(value)
+        except ProtocolError as e:
+            raise ProtocolError(cls._label(f"field {name!r} {e.reason}")) from None
 
     def fields(self) -> dict:
         """The fields as they go on the wire: an optional one left out while None (unless nil)."""
@@ -91,8 +152,20 @@ class Message:
         for name, keep_none in _plan(type(self)).sent:
             val = getattr(self, name)
             if val is not None or keep_none:
-                out[name] = val
+                out[name] = val.fields() if isinstance(val, Fields) else val
         return out
+
+
+@dataclass(frozen=True)
+class Message(Fields):
+    """One header's fields. The envelope (`v`, `type`, the run ID after the handshake,
+    `tensors`) is the codec's and `to_header`'s, not a field."""
+
+    type: ClassVar[str] = ""
+
+    @classmethod
+    def _label(cls, name: str) -> str:
+        return f"{cls.type}: {name}"
 
     def to_header(self, run: str | None = None) -> dict:
         """The header for the codec: version, type, `run` (after the handshake), the fields."""
@@ -105,9 +178,10 @@ class _Plan:
     """What `check`, `from_header` and `fields` need of a message class, worked out once
     (dataclasses.fields on every message was most of the broker's cost per batch)."""
 
-    def __init__(self, cls: type[Message]):
+    def __init__(self, cls: type[Fields]):
         wire = cls.wire_fields()
         self.required = {f.name: _WIRE_TYPES[f.type] for f in wire if not f.metadata.get("optional")}
+        self.items = tuple((f.name, f.metadata["items"]) for f in wire if f.metadata.get("items"))
         self.optional = tuple((f.name, f.metadata["parse"]) for f in wire if f.metadata.get("optional"))
         # (name, sent when None): required fields always go out, optional ones per `nil`
         self.sent = tuple((f.name, not f.metadata.get("optional") or f.metadata["nil"]) for f in wire)
@@ -117,7 +191,7 @@ _PLANS: dict[type, _Plan] = {}
 _MISSING = object()
 
 
-def _plan(cls: type[Message]) -> _Plan:
+def _plan(cls: type[Fields]) -> _Plan:
     plan = _PLANS.get(cls)
     if plan is None:
         plan = _PLANS[cls] = _Plan(cls)
@@ -206,6 +280,21 @@ class Bye(Message):
 
 
 @dataclass(frozen=True)
+class Failed(Message):
+    """`failed {code, reason, ...}`: a peer that stops on an error says why, just before its
+    `bye` (PROTOCOL.md 4.2): the broker's status and diagnosis show the cause and the fix
+    instead of an unexplained departure, and a consumer names the batch that failed it."""
+
+    type: ClassVar[str] = "failed"
+    code: str  # bad_row (producer), bad_batch (consumer), error (anything else)
+    reason: str  # the error, as the peer logged it
+    hint: str | None = optional()  # what fixes it
+    source: str | None = optional()  # bad_row: the row's `file:line`
+    batch_id: str | None = optional()  # bad_batch: the batch this consumer could not train
+    fault: str | None = optional()  # bad_batch: what is wrong with it (hidden_width, token_ids, ...)
+
+
+@dataclass(frozen=True)
 class StatusAsk(Message):
     """`status {}`: any DEALER, no handshake."""
 
@@ -216,16 +305,102 @@ class StatusAsk(Message):
 
 
 @dataclass(frozen=True)
+class DatasetFacts(Fields):
+    """`run_config.dataset`: the size (and fingerprint, if its producer states one) of the run's dataset."""
+
+    n_samples: int
+    fingerprint: str | None = optional(parse=typed(str))
+
+
+@dataclass(frozen=True)
+class CommitPoint(Fields):
+    """`run_config.resumed_from`: the commit a consumer starts from (PROTOCOL.md 8)."""
+
+    run: str
+    step: int
+    checkpoint: str
+
+
+@dataclass(frozen=True)
+class RunFacts(Fields):
+    """The facts a run's first producer fixes, each nil until then: in `run_config`, and in
+    the broker's heartbeat (`stats.run_facts`) for a consumer that joined before any producer."""
+
+    layer_ids: list | None = optional(parse=typed(list, each=(int,)))
+    hidden_size: int | None = optional(parse=typed(int))
+    target_id: dict | None = optional(parse=typed(dict))  # {model_type, config_sha256, heads_sha256}
+    vocab_size: int | None = optional(parse=typed(int))
+
+
+@dataclass(frozen=True)
+class RunConfig(Fields):
+    """`welcome.run_config`: the run's fixed facts (PROTOCOL.md 4.1). The broker builds it,
+    producers and consumers parse it; what a field means is in PROTOCOL.md's table."""
+
+    epochs: int
+    seed: int
+    lease_size: int
+    max_message_bytes: int
+    max_credit: int
+    # the run's facts, absent until its first producer fixed them
+    target: str | None = optional(parse=typed(str))
+    target_id: dict | None = optional(parse=typed(dict))
+    layer_ids: list | None = optional(parse=typed(list, each=(int,)))
+    hidden_size: int | None = optional(parse=typed(int))
+    vocab_size: int | None = optional(parse=typed(int))
+    dataset: DatasetFacts | None = optional(parse=nested(DatasetFacts))
+    # a resumed run: its parent, and (also in any run that recorded a commit) where to start
+    parent_run: str | None = optional(parse=typed(str))
+    resumed_from: CommitPoint | None = optional(parse=nested(CommitPoint))
+    # consumers, where the broker arranges data-parallel ranks
+    rank: int | None = optional(parse=typed(int))
+    world_size: int | None = optional(parse=typed(int))
+    dist: str | None = optional(parse=typed(str))
+    lighthouse: str | None = optional(parse=typed(str))
+
+    def fields(self) -> dict:
+        """As Fields.fields, but nil, not absent, where a field applies and is unknown
+        (PROTOCOL.md 4.1): a resumed run's `resumed_from` (its chain committed nothing), and
+        `dist` where ranks are arranged (rank 0 offered no rendezvous)."""
+        out = super().fields()
+        if self.parent_run is not None:
+            out.setdefault("resumed_from", None)
+        if self.world_size is not None:
+            out.setdefault("dist", None)
+        return out
+
+    def names_start(self) -> bool:
+        """Whether the broker names the checkpoint to start from (`resumed_from`: None means
+        none): a resumed run always does, any other run once it recorded a commit."""
+        return self.parent_run is not None or self.resumed_from is not None
+
+    def with_facts(self, facts: RunFacts) -> "RunConfig":
+        """This run config with the facts `facts` knows (a later heartbeat's) filled in."""
+        known = {k: v for k, v in facts.fields().items() if v is not None}
+        return replace(self, **known)
+
+
+@dataclass(frozen=True)
 class Welcome(Message):
     type: ClassVar[str] = "welcome"
     run: str
     peer: str
     heartbeat_s: float
     timeout_s: float
-    data_in: str | None = optional()  # producers
-    data_out: str | None = optional()  # consumers: the first of data_streams
-    data_streams: list | None = optional()
-    run_config: dict | None = optional()
+    data_in: str | None = optional(parse=typed(str))  # producers
+    data_out: str | None = optional(parse=typed(str))  # consumers: the first of data_streams
+    data_streams: list | None = optional(parse=typed(list, each=(str,)))
+    run_config: RunConfig | None = optional(parse=nested(RunConfig))
+
+    def streams(self, single: str | None) -> list[str]:
+        """The data endpoints to connect: `data_streams`, else the one `single` endpoint
+        (`data_in` or `data_out`) a broker that names no streams sends. Raises ProtocolError
+        when there is neither."""
+        if self.data_streams:
+            return list(self.data_streams)
+        if single is None:
+            raise ProtocolError("welcome: no data endpoint (data_streams, data_in or data_out)", peer="broker")
+        return [single]
 
 
 @dataclass(frozen=True)
@@ -233,7 +408,7 @@ class Reject(Message):
     type: ClassVar[str] = "reject"
     reason: str
     code: str
-    answers: dict | None = optional()  # the refused message's type and identifying fields
+    answers: dict | None = optional(parse=typed(dict))  # the refused message's type and identifying fields
 
 
 @dataclass(frozen=True)
@@ -241,9 +416,9 @@ class Grant(Message):
     type: ClassVar[str] = "grant"
     lease: int
     epoch: int
-    samples: list
+    samples: list = items(int)
     end: bool
-    retry_ms: int | None = optional()  # an empty grant without end: ask again after this
+    retry_ms: int | None = optional(parse=typed(int))  # an empty grant without end: ask again after this
 
 
 @dataclass(frozen=True)
@@ -277,15 +452,15 @@ class Batch(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, StatusAsk,
-                              Welcome, Reject, Grant, Stop, StatusReply, Batch)
+    cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, Failed,
+                              StatusAsk, Welcome, Reject, Grant, Stop, StatusReply, Batch)
 }
 
 # Messages that may be sent before a run ID is known; every other one carries `run`.
 PRE_HANDSHAKE = frozenset({"hello", "welcome", "reject", "status", "status_reply"})
 
 CONTROL_TO_BROKER = frozenset(
-    {"hello", "lease", "done", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "status"}
+    {"hello", "lease", "done", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "failed", "status"}
 )
 CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "stop", "status_reply", "heartbeat"})
 DATA = frozenset({"batch"})

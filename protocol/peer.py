@@ -2,9 +2,10 @@
 
 `PeerLink` owns every socket of a peer in one background I/O thread (ZeroMQ sockets are
 not thread-safe, and the GPU loop must never wait on the network): the control socket,
-the handshake, heartbeats, liveness (`BrokerLost`) and close. Each role's link is a
-subclass in links.py (`ProducerLink`, `ConsumerLink`) that adds its data sockets and the
-calls its loop makes; the training or capture loop talks to it through bounded queues.
+the handshake, heartbeats, liveness (`BrokerLost`), a failure's report (`failed`) and
+close. Each role's link is a subclass in links.py (`ProducerLink`, `ConsumerLink`) that
+adds its data sockets and the calls its loop makes; the training or capture loop talks to
+it through bounded queues.
 
 Failures surface as exceptions on the next call: `BrokerUnreachable` (no handshake),
 `Rejected` (the broker refused us), `BrokerLost` (silent past the timeout).
@@ -31,7 +32,8 @@ from dflash.runtime.threads import name_this_thread
 from . import codec
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
-from .messages import CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, MAX_HEADER_BYTES, Bye, Heartbeat, Hello, Message
+from .messages import (CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, MAX_HEADER_BYTES, Bye, Heartbeat, Hello, Message, Reject,
+                       Stop, Welcome)
 from .sockets import AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, readable
 
 log = get_logger()
@@ -126,7 +128,7 @@ class PeerLink(ABC):
         self.stats = stats or (lambda: {})
         self.max_message_bytes = max_message_bytes
         self.curve = curve  # CurveZMQ client keys (protocol/curve.py), or None for plain TCP
-        self.welcome: dict = {}
+        self.welcome: Welcome | None = None  # the broker's, once start() returned
         self.broker_stats: dict = {}
         self.stopped = threading.Event()
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
@@ -147,14 +149,14 @@ class PeerLink(ABC):
 
     @property
     def run_id(self) -> str:
-        return self.welcome["run"]
+        return self.welcome.run
 
     @property
     def peer_id(self) -> str:
-        return self.welcome["peer"]
+        return self.welcome.peer
 
-    def start(self) -> dict:
-        """Handshake, then start the I/O thread. Returns the welcome header.
+    def start(self) -> Welcome:
+        """Handshake, then start the I/O thread. Returns the broker's welcome.
 
         Raises BrokerUnreachable, Rejected (RunMismatch for another run's ID)."""
         self._ctx = zmq.Context(io_threads=self._io_threads)
@@ -173,8 +175,9 @@ class PeerLink(ABC):
             raise
         self._ctl = ctl
         path = bind_run(self.run_id, self.runs_dir)
+        run_config = self.welcome.run_config
         log.info("link.welcome", broker=self.broker, peer=self.peer_id, log_file=str(path),
-                 run_config=self.welcome.get("run_config"))
+                 run_config=run_config.fields() if run_config is not None else None)
         self._streams = self._open_data()
         self._data = self._streams[0]
         self._thread = threading.Thread(target=self._io_loop, name=f"dflash-io-{self.role}", daemon=True)
@@ -182,7 +185,7 @@ class PeerLink(ABC):
         self._thread.start()
         return self.welcome
 
-    def _handshake(self, ctl) -> dict:
+    def _handshake(self, ctl) -> Welcome:
         hello = Hello(self.role, self.instance, _socket.gethostname(), os.getpid(), gpu=self.gpu,
                       run=self.expect_run or None, config=self.config)
         log.info("link.connect", broker=self.broker, expect_run=self.expect_run)
@@ -194,12 +197,13 @@ class PeerLink(ABC):
             raise BrokerUnreachable(f"no answer from broker {self.broker} within {self.connect_timeout_s:g}s{hint}")
         msg = codec.recv(ctl, allowed=CONTROL_FROM_BROKER, peer="broker")
         if msg.type == "reject":
-            cls = RunMismatch if msg.header["code"] == "run_mismatch" else Rejected
-            log.error("link.rejected", reason=msg.header["reason"], code=msg.header["code"])
-            raise cls(msg.header["reason"], msg.header["code"])
+            reject = from_broker(Reject, msg.header)
+            cls = RunMismatch if reject.code == "run_mismatch" else Rejected
+            log.error("link.rejected", reason=reject.reason, code=reject.code)
+            raise cls(reject.reason, reject.code)
         if msg.type != "welcome":
             raise ProtocolError(f"expected welcome, got {msg.type}", peer="broker")
-        return msg.header
+        return from_broker(Welcome, msg.header)
 
     @abstractmethod
     def _open_data(self) -> list:
@@ -267,6 +271,15 @@ class PeerLink(ABC):
         self._control_out.put(h)
         self._wake()
 
+    def report_failure(self, msg: Message) -> None:
+        """Queue a `failed` (PROTOCOL.md 4.2): why this peer stops, sent ahead of the `bye`
+        that close() sends. A link that failed itself (the broker lost, or it refused us)
+        has nobody to tell: then nothing is sent (nor raised: the caller is already failing)."""
+        try:
+            self.send_control(msg)
+        except DFlashError:
+            pass
+
     @abstractmethod
     def prefetched(self) -> int:
         """Batches waiting in the link: a consumer's inbox, a producer's outbox."""
@@ -275,8 +288,8 @@ class PeerLink(ABC):
 
     def _io_loop(self) -> None:
         name_this_thread(f"dflash-io-{self.role[:4]}")
-        hb = float(self.welcome["heartbeat_s"])
-        timeout = float(self.welcome["timeout_s"])
+        hb = float(self.welcome.heartbeat_s)
+        timeout = float(self.welcome.timeout_s)
         last_rx = last_tx = time.monotonic()
         poller = zmq.Poller()
         poller.register(self._ctl, zmq.POLLIN)
@@ -321,16 +334,17 @@ class PeerLink(ABC):
         `_flush_control()` (the order is the role's: a consumer's credit goes first)."""
 
     def _on_control(self, msg: codec.Message) -> None:
-        h = msg.header
-        if h["type"] == "heartbeat":
-            self.broker_stats = h["stats"]
-        elif h["type"] == "stop":
-            log.info("link.stop", reason=h["reason"])
-            self.stop_reason = str(h["reason"])  # set before the event: readers see both
+        if msg.type == "heartbeat":
+            self.broker_stats = from_broker(Heartbeat, msg.header).stats
+        elif msg.type == "stop":
+            stop = from_broker(Stop, msg.header)
+            log.info("link.stop", reason=stop.reason)
+            self.stop_reason = stop.reason  # set before the event: readers see both
             self.stopped.set()
-        elif h["type"] == "reject":
-            log.error("link.rejected", reason=h["reason"], code=h["code"])
-            raise Rejected(h["reason"], h["code"])
+        elif msg.type == "reject":
+            reject = from_broker(Reject, msg.header)
+            log.error("link.rejected", reason=reject.reason, code=reject.code)
+            raise Rejected(reject.reason, reject.code)
 
     def _flush_control(self) -> None:
         while True:
@@ -346,3 +360,12 @@ class PeerLink(ABC):
         except Exception as e:  # a broken stats callback must not kill liveness
             stats = {"stats_error": repr(e)}
         codec.send(self._ctl, Heartbeat(stats).to_header(self.run_id))
+
+
+def from_broker(cls: type[Message], header: dict):
+    """The broker's message `header` as `cls`, with the validation the broker gives what it
+    receives (protocol/messages.py); a bad one is a ProtocolError naming the broker."""
+    try:
+        return cls.from_header(header)
+    except ProtocolError as e:
+        raise ProtocolError(e.reason, peer="broker") from None

@@ -67,6 +67,8 @@ class SocketOpts:
     immediate: bool = False  # queue only on completed connections
     affinity: int = 0  # bitmask of the context's I/O threads its connections may use; 0 = any
     curve: CurveServer | CurveClient | None = None  # CurveZMQ keys (protocol/curve.py); None = plain
+    # ZMTP metadata this side's connections announce ("X-Name" -> value; PROTOCOL.md 1)
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 def make_socket(
@@ -99,6 +101,8 @@ def make_socket(
             sock.setsockopt(zmq.IDENTITY, identity)
         if opts.curve is not None:
             opts.curve.apply(sock)
+        for name, value in opts.metadata:
+            sock.setsockopt(zmq.METADATA, f"{name}:{value}".encode())
         (sock.bind if bind else sock.connect)(endpoint)
         return sock
     except Exception:

@@ -148,10 +148,6 @@ def bind_run(run_id: str, runs_dir=None) -> Path:
     return path
 
 
-def current_log_path() -> Path | None:
-    return _run_file.path
-
-
 def close_logging() -> None:
     _run_file.close()
 

@@ -5,6 +5,9 @@ otherwise (a pipe, a file, CI), so nobody waits on a silent command and logs sta
         bar.update(n)           # n more done
         bar.note(kept=..., ...)  # figures shown beside the bar and logged with each line
 
+    with ticking("read model.gguf"):  # a step nothing counts: the time it has taken, every second
+        reader = GGUFReader(path)
+
 tqdm (a dependency of transformers, so always installed) draws the bar on stderr when
 stderr is a TTY; `DFLASH_PROGRESS=bar|log|off` forces one way.
 """
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 from .logs import get_logger
 
@@ -25,12 +30,15 @@ LOG_EVERY_S = 30.0  # a log line at most this often (and one at the end)
 class Progress:
     """One long task's counter; see the module docstring. `clock` is injected for tests."""
 
-    def __init__(self, what: str, total: int | None, unit: str, *, mode: str, every_s: float = LOG_EVERY_S,
-                 clock=time.monotonic, stream=None):
+    def __init__(self, what: str, total: int | None, unit: str, *, mode: str, every_s: float | None = None,
+                 clock=time.monotonic, stream=None, end_line: bool = True, bar_format: str | None = None):
         self.what, self.total, self.unit, self.mode = what, total, unit, mode
         self.done = 0
         self.figures: dict = {}
-        self._clock, self._every = clock, every_s
+        self._clock, self._every = clock, LOG_EVERY_S if every_s is None else every_s
+        # end_line=False: a task shorter than one interval ends without a line (a part of a
+        # step whose caller logs its own end, e.g. transformers' bars inside a target's load)
+        self._end_line, self._logged = end_line, False
         self._t0 = self._last = clock()
         self._bar = None
         if mode == "bar":
@@ -42,12 +50,21 @@ class Progress:
             except (OSError, ValueError, AttributeError):
                 sized = False
             self._bar = tqdm(total=total, desc=what, unit=unit, file=stream, dynamic_ncols=sized,
-                             ncols=None if sized else 100, nrows=None if sized else 24, smoothing=0.1)
+                             ncols=None if sized else 100, nrows=None if sized else 24, smoothing=0.1,
+                             bar_format=bar_format)
 
     def update(self, n: int = 1) -> None:
         self.done += n
         if self._bar is not None:
             self._bar.update(n)
+        elif self.mode == "log" and self._clock() - self._last >= self._every:
+            self._log()
+
+    def tick(self) -> None:
+        """Show that the task goes on without counting anything: the bar's elapsed time
+        redrawn, or a log line when one is due (ticking() calls it every second)."""
+        if self._bar is not None:
+            self._bar.refresh()
         elif self.mode == "log" and self._clock() - self._last >= self._every:
             self._log()
 
@@ -59,7 +76,7 @@ class Progress:
 
     def _log(self) -> None:
         now = self._clock()
-        self._last = now
+        self._last, self._logged = now, True
         elapsed = max(now - self._t0, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if self.total and rate > 0 else None
@@ -71,7 +88,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.mode == "log":
+        elif self.mode == "log" and (self._end_line or self._logged):
             self._log()
 
     def __enter__(self) -> "Progress":
@@ -93,3 +110,25 @@ def progress_mode(stream=None) -> str:
 def progress(what: str, total: int | None = None, unit: str = "it", **kw) -> Progress:
     """A Progress for `what` in the mode that fits where stderr goes (progress_mode)."""
     return Progress(what, total, unit, mode=progress_mode(kw.get("stream")), **kw)
+
+
+@contextmanager
+def ticking(what: str, every_s: float = 1.0, **kw):
+    """A step that cannot be counted (a library call that reads a file whole): its elapsed
+    time on the bar, redrawn every `every_s` by a thread, or log lines when due; yields the
+    Progress."""
+    bar = progress(what, None, "step", bar_format="{desc}: {elapsed} elapsed{postfix}", **kw)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            bar.tick()
+
+    thread = threading.Thread(target=beat, name="dflash-progress", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        done.set()
+        thread.join()
+        bar.close()

@@ -66,6 +66,28 @@ def point_latest(run_id: str, runs_dir=None, *, local: bool = False) -> bool:
     return True
 
 
+def latest_run(runs_dir=None) -> str | None:
+    """The run ID `runs/latest` names, or None (no link, or it names no run folder)."""
+    root = runs_root(runs_dir)
+    link = root / "latest"
+    current = os.readlink(link) if link.is_symlink() else None
+    return current if current is not None and is_run_id(current) and (root / current).is_dir() else None
+
+
+def give_back_latest(run_id: str, previous: str | None, runs_dir=None) -> bool:
+    """Point `runs/latest` back at `previous` (what it named before `run_id` started) if
+    it still names `run_id`: for a run that turned out empty (broker/cli.py), whose folder
+    would otherwise hide the run an operator means from dflash-status and dflash-logs.
+    A run started since keeps it. Returns whether it moved."""
+    root = runs_root(runs_dir)
+    if previous is None or latest_run(runs_dir) != run_id or not (root / previous).is_dir():
+        return False
+    tmp = root / f".latest-{os.getpid()}-{secrets.token_hex(2)}"
+    os.symlink(previous, tmp)
+    os.replace(tmp, root / "latest")
+    return True
+
+
 def is_broker_run(folder: Path) -> bool:
     """Whether a run folder is a broker's (its run.json has the broker's section)."""
     try:
@@ -88,6 +110,36 @@ def resolve_run(ref: str | None, runs_dir=None) -> Path:
     if is_run_id(ref) and (root / ref).is_dir():
         return (root / ref).resolve()
     raise FileNotFoundError(f"no run {ref!r} (looked for a folder and for {root / ref})")
+
+
+def resumed_by(run_dir: Path) -> list[dict]:
+    """The runs beside `run_dir` that resumed it (their run.json names it `parent_run`),
+    oldest first, each as {run_id, outcome, started_at, run_dir}. Only later run IDs can
+    be its children, so only their run.json files are read."""
+    run_dir = Path(run_dir)
+    me = run_dir.name
+    out = []
+    for p in sorted(run_dir.parent.iterdir()) if run_dir.parent.is_dir() else []:
+        if not (is_run_id(p.name) and p.name > me and p.is_dir()):
+            continue
+        try:
+            info = json.loads((p / "run.json").read_text())
+        except (OSError, ValueError):
+            continue  # no run.json yet (a broker that died while starting): it resumed nothing
+        if isinstance(info, dict) and info.get("parent_run") == me:
+            out.append({"run_id": p.name, "outcome": info.get("outcome"), "started_at": info.get("started_at"),
+                        "run_dir": str(p)})
+    return out
+
+
+def newest_descendant(run_dir: Path) -> dict | None:
+    """The run at the end of `run_dir`'s resume chain (its newest child's newest child, ...),
+    as resumed_by gives it; None when nothing resumed it."""
+    last = None
+    while kids := resumed_by(run_dir):
+        last = kids[-1]
+        run_dir = Path(last["run_dir"])
+    return last
 
 
 def write_json_atomic(path: Path, obj) -> None:

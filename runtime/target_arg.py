@@ -3,6 +3,7 @@ dflash-eval: left to transformers, a missing path reads as a malformed hub ID ("
 must be in the form ..."), a folder without a tokenizer as a missing package ("... You need
 to have sentencepiece or tiktoken installed"), and a hub ID absent from the cache offline as
 a connection error; the consumer met a folder without weights only when it read them.
+Imports neither torch nor transformers: a wrong --target is refused at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ def _offline() -> bool:
 def looks_like_hub_id(value: str) -> bool:
     """`org/name` that is not a path on disk (hub IDs have exactly one slash)."""
     return not Path(value).expanduser().exists() and not value.startswith((".", "/", "~")) and value.count("/") == 1
+
+
+def resolve_hub_id(value: str) -> str:
+    """A hub ID 'org/name' as its snapshot folder in the local Hugging Face cache
+    (`$HF_HUB_CACHE`, `$HF_HOME`). Nothing is downloaded at run time: a hub ID that is
+    not cached raises FileNotFoundError saying how to fetch it."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(value, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"{value}: no such folder, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"nothing is downloaded at run time: fetch it once with `hf download {value}` (or give a model "
+            "folder)") from None
+    except ValueError as e:  # a malformed ID, e.g. 'a/b c'
+        raise FileNotFoundError(f"{value}: no such folder, and not a hub ID ({e})") from None
 
 
 def hub_cached(repo_id: str) -> bool:
@@ -68,18 +87,3 @@ def target_problem(value: str, *, hub_ok: bool, need_tokenizer: bool) -> str | N
         return (f"{value} has no tokenizer files ({', '.join(TOKENIZER)}): save the tokenizer into the "
                 "folder too (tokenizer.save_pretrained(folder)) or give the folder it came with")
     return None
-
-
-def click_callback(*, hub_ok: bool, need_tokenizer: bool):
-    """A click callback for --target raising BadParameter (which names the option)."""
-    import click
-
-    def check(_ctx, param, value):
-        if value is None:
-            return value
-        why = target_problem(str(value), hub_ok=hub_ok, need_tokenizer=need_tokenizer)
-        if why is not None:
-            raise click.BadParameter(why, param=param)
-        return value
-
-    return check

@@ -18,6 +18,11 @@ Time: that de-quantisation runs in Python and is slow, and every role of a run l
 whole model (producer, export, eval). So the first whole load of a GGUF file converts it
 to a plain folder in the wanted dtype, cached by the file's SHA-256 (`$DFLASH_GGUF_CACHE`,
 default ~/.cache/dflash/gguf; `off` loads the file every time); later loads read that.
+
+Progress: every load says what it is doing on a terminal (a bar) or in log lines
+(runtime/progress.py): transformers' own bars through runtime/load_progress.py, the hash
+of a large GGUF file by bytes, and reading a GGUF file's metadata (seconds of Python even
+for a small model) as elapsed time.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .load_progress import load_bars
 from .logs import get_logger
+from .progress import progress, ticking
+from .target_arg import looks_like_hub_id, resolve_hub_id  # noqa: F401  (torch-free: --target's check uses them)
 
 log = get_logger()
 
@@ -56,29 +65,6 @@ def gguf_path(target: str | Path) -> Path | None:
     return p
 
 
-def looks_like_hub_id(value: str) -> bool:
-    """'org/name' that is no existing path: a Hugging Face hub ID."""
-    return value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).expanduser().exists()
-
-
-def resolve_hub_id(value: str) -> str:
-    """A hub ID 'org/name' as its snapshot folder in the local Hugging Face cache
-    (`$HF_HUB_CACHE`, `$HF_HOME`). Nothing is downloaded at run time: a hub ID that is
-    not cached raises FileNotFoundError saying how to fetch it."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(value, local_files_only=True)
-    except LocalEntryNotFoundError:
-        raise FileNotFoundError(
-            f"{value}: no such folder, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            f"nothing is downloaded at run time: fetch it once with `hf download {value}` (or give a model "
-            "folder)") from None
-    except ValueError as e:  # a malformed ID, e.g. 'a/b c'
-        raise FileNotFoundError(f"{value}: no such folder, and not a hub ID ({e})") from None
-
-
 def describe(target: str | Path) -> str:
     """How a target is named in logs: 'gguf' or 'folder' (hub IDs count as folders)."""
     return "gguf" if gguf_path(target) is not None else "folder"
@@ -92,12 +78,20 @@ def _args(target: str | Path) -> tuple[str, dict]:
     return str(g.parent), {"gguf_file": g.name}
 
 
+def reading(target: str | Path):
+    """Elapsed time on a bar (or log lines) while a .gguf file's metadata is read: seconds
+    to minutes of Python that nothing counts. Nothing for a folder, which reads at once."""
+    g = gguf_path(target)
+    return ticking(f"read {g.name}", end_line=False) if g is not None else nullcontext()
+
+
 def load_config(target: str | Path, *, trust_remote_code: bool = False):
     """The target's transformers config (from config.json, or the GGUF file's metadata)."""
     from transformers import AutoConfig
 
     name, kw = _args(target)
-    return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+    with reading(target):
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
 
 
 def load_tokenizer(target: str | Path, *, trust_remote_code: bool = False):
@@ -105,7 +99,8 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     name, kw = _args(target)
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+    with reading(target):
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
 
 
 def load_causal_lm(target: str | Path, **kw: Any):
@@ -115,12 +110,13 @@ def load_causal_lm(target: str | Path, **kw: Any):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # its "Loading weights" bar lands among the JSON log lines
+    hf_logging.disable_progress_bar()  # its own bars would land among the JSON log lines: ours instead
     name, extra = _args(target)
     g = gguf_path(target)
     if g is not None and isinstance(kw.get("dtype"), torch.dtype) and (folder := cached_gguf_folder(g, kw["dtype"])):
         name, extra = str(folder), {}
-    return AutoModelForCausalLM.from_pretrained(name, **extra, **kw)
+    with load_bars(f"load {Path(str(target)).name}", gguf_file="gguf_file" in extra):
+        return AutoModelForCausalLM.from_pretrained(name, **extra, **kw)
 
 
 GGUF_CACHE_ENV = "DFLASH_GGUF_CACHE"
@@ -135,11 +131,19 @@ def gguf_cache_root() -> Path | None:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "dflash" / "gguf"
 
 
+HASH_PROGRESS_BYTES = 1 << 30  # a file this large takes seconds to hash: its progress is shown
+
+
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    size = os.path.getsize(path)
+    shown = size >= HASH_PROGRESS_BYTES
+    with open(path, "rb") as f, (progress(f"hash {Path(path).name}", size >> 20, "MiB") if shown
+                                 else nullcontext()) as bar:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
+            if shown:
+                bar.update(len(chunk) >> 20)
     return h.hexdigest()
 
 
@@ -186,12 +190,13 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype, stamp: dict) -> Pat
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable as any download is
     try:
         name, kw = _args(gguf)
-        loaded = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw)
-        config = loaded.config
-        config.quantization_config = None  # the folder holds float weights
-        clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        clean.load_state_dict(loaded.state_dict(), strict=True)
-        clean.save_pretrained(tmp)
+        with load_bars(f"convert {gguf.name} to {dest.name}", gguf_file=True):  # de-quantised in Python: minutes
+            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kw)
+            config = loaded.config
+            config.quantization_config = None  # the folder holds float weights
+            clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            clean.load_state_dict(loaded.state_dict(), strict=True)
+            clean.save_pretrained(tmp)
         _portable_config(tmp / "config.json")
         load_tokenizer(gguf).save_pretrained(tmp)
         (tmp / _STAMP).write_text(json.dumps(stamp))
@@ -227,7 +232,8 @@ def gguf_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    with ticking(f"read {Path(path).name}", end_line=False):  # its whole index, in Python
+        reader = GGUFReader(str(path))
     out = {}
     for t in reader.tensors:
         if t.name in names:

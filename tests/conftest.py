@@ -55,7 +55,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def heads(target_dir):
-    from dflash.consumers.target_heads import load_target_heads
+    from dflash.runtime.target_heads import load_target_heads
 
     return load_target_heads(target_dir, dtype=torch.float32)
 

@@ -46,11 +46,11 @@ def test_demo_learns_and_two_runs_stay_apart(tmp_path):
             ids = subprocess.run(["jq", "-r", ".run_id"], stdin=open(p), capture_output=True, text=True, check=True)
             assert set(ids.stdout.split()) == {first}, p
     for p in logs:
-        assert {json.loads(l)["run_id"] for l in p.read_text().splitlines()} == {first}
+        assert {json.loads(line)["run_id"] for line in p.read_text().splitlines()} == {first}
 
     second, _ = _demo(tmp_path, "--epochs", "1")
     assert second != first
     assert os.readlink(tmp_path / "runs" / "latest") == second
     for rid in (first, second):
         for p in (tmp_path / "runs" / rid / "logs").glob("*.jsonl"):
-            assert {json.loads(l)["run_id"] for l in p.read_text().splitlines()} == {rid}
+            assert {json.loads(line)["run_id"] for line in p.read_text().splitlines()} == {rid}

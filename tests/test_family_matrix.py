@@ -14,19 +14,20 @@ import json
 
 import pytest
 import torch
+import transformers
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from dflash.consumers.export import export_checkpoint
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.build import Components, load_components, make_producer
-from dflash.producers.config import ProducerConfig
+from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.protocol import codec
 from dflash.protocol.messages import header
-from dflash.tools import eval as dflash_eval
+from dflash.tools import eval_command
 from dflash.tools.families import WINDOW, build, tiny_config
 from dflash.tools.tiny import build_tokenizer
 
@@ -38,6 +39,9 @@ MATRIX = [("qwen3", False), ("qwen3_moe", False), ("qwen2", False), ("qwen2_slid
           ("olmo2", False), ("gpt_oss", False), ("deepseek_v3", False), ("gpt2", True), ("gpt_neox", False),
           ("falcon", True)]
 PACKS_NOWHERE = {"gpt_oss"}
+# Families whose packing depends on the transformers version: the first version seen to
+# pack them (falcon's masks ignore packed position IDs on 5.17, the lower bound; 5.25 packs).
+PACKS_FROM = {"falcon": (5, 25)}
 SLIDING = {"qwen2_sliding", "mistral", "gemma2", "gemma3", "phi3", "gpt_oss"}
 VOCAB, MASK = 512, 511  # the tokenizer's IDs stay below 400: row 511 is unused, DFlash's MASK
 LAYERS = [0, 2]
@@ -96,7 +100,8 @@ def test_family_trains_exports_and_decodes_losslessly(family, tie, tokenizer, tm
     comps, pushed, logs = _produce(folder)
     per_seq = [e for e in logs if e["event"] == "produce.per_sequence"]
     widest = max(len(f["seq_lens"]) for f, _ in pushed)
-    if family in PACKS_NOWHERE:
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if family in PACKS_NOWHERE or version < PACKS_FROM.get(family, (0, 0)):
         assert comps.target.per_sequence and len(per_seq) == 1 and widest == 1
     else:
         assert not comps.target.per_sequence and not per_seq and widest > 1, family
@@ -132,7 +137,7 @@ def test_family_trains_exports_and_decodes_losslessly(family, tie, tokenizer, tm
     chat = json.loads(CHATS_PATH.read_text().splitlines()[CHATS])  # a chat the drafter never trained on
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "held-out", "messages": chat["messages"]}) + "\n")
-    res = CliRunner().invoke(dflash_eval.main, ["--target", str(folder), "--drafter", str(export), "--prompts",
+    res = CliRunner().invoke(eval_command.main, ["--target", str(folder), "--drafter", str(export), "--prompts",
                                                 str(prompts), "--max-new-tokens", "12", "--threads", "1", "--json"])
     assert res.exit_code == 0, f"{family}: {res.output}"
     rep = json.loads(res.output.strip().splitlines()[-1])

@@ -76,18 +76,18 @@ def run(tmp_path_factory, request):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
     t0 = time.monotonic()
-    procs = [_start("broker", "dflash.broker.cli", [
+    procs = [_start("broker", "dflash.broker.broker_command", [
         "--bind", "127.0.0.1", "--port", str(base), "--data-in-port", str(base + 1),
         "--data-out-ports", f"{base + 2}-{base + 5}", "--runs-dir", runs, "--epochs", str(EPOCHS),
         "--consumers", "2", f"--{request.param}", "--heartbeat-s", "0.5", "--timeout-s", "30", "--lease-size", "8"],
         tmp, env)]
     for i in range(2):
-        procs.append(_start(f"producer-{i}", "dflash.producers.cli", [
+        procs.append(_start(f"producer-{i}", "dflash.producers.produce_command", [
             "--broker", broker, "--runs-dir", runs, "--instance", f"p{i}", "--device", "cpu", "--target", target,
             "--data", str(data), "--token-budget", "256", "--max-length", "256", "--max-batch-size", "2",
             "--lease-size", "8", "--prefetch", "2"], tmp, env))
     for i in range(2):
-        procs.append(_start(f"consumer-{i}", "dflash.consumers.cli", [
+        procs.append(_start(f"consumer-{i}", "dflash.consumers.consume_command", [
             "--broker", broker, "--runs-dir", runs, "--instance", f"c{i}", "--target", target,
             "--block-size", "4", "--anchors", "16", "--draft-layers", "1", "--lr", "3e-3", "--save-every", "20",
             "--keep", "2", "--log-position-every", "20"], tmp, env))
@@ -140,7 +140,7 @@ def test_final_checkpoint_exists_and_loads(run):
 
     from dflash.consumers.checkpoint import load_checkpoint
     from dflash.consumers.model import DFlashDraft, DrafterConfig
-    from dflash.consumers.target_heads import load_target_heads
+    from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 
     run_dir, _, _ = run

@@ -2,8 +2,9 @@
 
 The commands are taken from the README's ```bash blocks and run as written, with only
 the substitutions a one-machine CPU test needs (`Local.argv`): the broker host becomes
-127.0.0.1 on free ports, `--device cuda:N` becomes `--device cpu`, `chats.jsonl` a small
-slice of the bundled chats. The hub ID `Qwen/Qwen3-8B` stays as written: a local Hugging
+127.0.0.1 on free ports, `--device cuda:N` becomes `--device cpu`, `prompts.jsonl` the user
+turns of a small slice of the bundled chats (what dflash-prompts writes), answered by the
+target (`--regenerate`, short answers). The hub ID `Qwen/Qwen3-8B` stays as written: a local Hugging
 Face cache holds the tiny target under that name. Two producers and two consumers run on
 this one host with their default instance names (no `--instance`). Model sizes come
 through each command's environment variables (DFLASH_PRODUCE_*, DFLASH_CONSUME_*, ...).
@@ -11,7 +12,8 @@ through each command's environment variables (DFLASH_PRODUCE_*, DFLASH_CONSUME_*
 `dflash-demo` runs in test_demo.py; `dflash-prompts` runs on its own (fewer prompts).
 
 The scenario is the README's own story: start a run, look at it with dflash-status,
-crash everything with SIGKILL, resume, finish, read the logs with jq, plot.
+crash everything with SIGKILL, resume (the broker with --resume, everything else with its
+command unchanged), finish, read the logs with jq, plot.
 """
 
 import json
@@ -41,15 +43,16 @@ EXPECTED = [
     "python -m pytest -q",
     "dflash-prompts --target Qwen/Qwen3-8B --count 20000 --out prompts.jsonl --gpu 0",
     "dflash-broker --epochs 6 --consumers 2",
-    "dflash-produce --broker tcp://broker-host:5555 --device cuda:0 --target Qwen/Qwen3-8B --data chats.jsonl",
-    "dflash-produce --broker tcp://broker-host:5555 --device cuda:1 --target Qwen/Qwen3-8B --data chats.jsonl",
+    "dflash-produce --broker tcp://broker-host:5555 --device cuda:0 --target Qwen/Qwen3-8B --data prompts.jsonl "
+    "--regenerate",
+    "dflash-produce --broker tcp://broker-host:5555 --device cuda:1 --target Qwen/Qwen3-8B --data prompts.jsonl "
+    "--regenerate",
     "dflash-consume --broker tcp://broker-host:5555 --device cuda:2 --target Qwen/Qwen3-8B",
     "dflash-consume --broker tcp://broker-host:5555 --device cuda:3 --target Qwen/Qwen3-8B",
     "dflash-status --broker tcp://broker-host:5555",
     "dflash-logs --event train.step --json | jq -c 'select(.rank == 0) | {step, loss, acc, streak, tokens_per_s}'",
     "dflash-plot --out training.png",
     "dflash-broker --resume runs/latest --consumers 2",
-    "dflash-consume --broker tcp://broker-host:5555 --device cuda:2 --target Qwen/Qwen3-8B --resume latest",
 ]
 
 
@@ -73,12 +76,14 @@ class Local:
         import dflash.producers.sample_data as pkg
 
         rows = (Path(pkg.__file__).parent / "chats.jsonl").read_text().splitlines()[:N_ROWS]
-        (tmp / "chats.jsonl").write_text("\n".join(rows) + "\n")
+        asks = [{"messages": [next(m for m in json.loads(r)["messages"] if m["role"] == "user")]} for r in rows]
+        (tmp / "prompts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in asks))
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "HF_"))},
                     "OMP_NUM_THREADS": "1", "DFLASH_LOG_JSON": "1", "HF_HUB_CACHE": str(tmp / "hf-cache"),
                     "HF_HUB_OFFLINE": "1", "DFLASH_PRODUCE_MAX_LENGTH": "512", "DFLASH_PRODUCE_TOKEN_BUDGET": "1024",
                     "DFLASH_CONSUME_ANCHORS": "32", "DFLASH_CONSUME_BLOCK_SIZE": "8", "DFLASH_CONSUME_DRAFT_LAYERS": "1",
-                    "DFLASH_CONSUME_SAVE_EVERY": "3", "DFLASH_BROKER_HEARTBEAT_S": "0.5"}
+                    "DFLASH_CONSUME_SAVE_EVERY": "3", "DFLASH_BROKER_HEARTBEAT_S": "0.5",
+                    "DFLASH_PRODUCE_MAX_NEW_TOKENS": "24", "DFLASH_PRODUCE_REGEN_CACHE": str(tmp / "regen")}
 
     def argv(self, cmd: str) -> list[str]:
         cmd = cmd.replace("tcp://broker-host:5555", f"tcp://127.0.0.1:{self.port}")
@@ -168,7 +173,7 @@ def test_readme_prompts_command_writes_data_the_producer_reads(tmp_path, loc):
 @pytest.mark.timeout(900)  # five processes start torch on two shared cores
 def test_readme_story_runs_as_written(tmp_path, loc):
     cmds = dict(enumerate(readme_commands()))
-    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd, consume_resume_cmd = (cmds[i] for i in (4, 9, 10, 11, 12, 13))
+    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd = (cmds[i] for i in (4, 9, 10, 11, 12))
     produce_cmds, consume_cmds = [cmds[5], cmds[6]], [cmds[7], cmds[8]]  # the "Real use" block: 2 and 2, one host
     procs = loc.procs
     procs.append(loc.start(broker_cmd))
@@ -190,11 +195,16 @@ def test_readme_story_runs_as_written(tmp_path, loc):
     # every peer of the first run was admitted under its default name: 2 producers, 2 consumers
     assert len({p.name for p in (first / "logs").glob("producer-*.jsonl")}) == 2
     assert len({p.name for p in (first / "logs").glob("consumer-*.jsonl")}) == 2
+    # the producers answered the prompts themselves (--regenerate): what the consumers trained on
+    lines = [json.loads(x) for f in (first / "logs").glob("producer-*.jsonl") for x in f.read_text().splitlines()
+             if _is_json(x)]  # a SIGKILL may have torn a last line
+    regen = [e for e in lines if e["event"] == "produce.regen"]
+    assert sum(e["generated"] for e in regen) > 0, regen[:3]
 
     procs.clear()
     procs.append(loc.start(resume_cmd))
     second = loc.wait_for_new_run(first)
-    procs += [loc.start(c) for c in produce_cmds + [consume_resume_cmd] * 2]
+    procs += [loc.start(c) for c in produce_cmds + consume_cmds]  # as they were: the broker names the checkpoint
     for p in procs:
         p.wait(timeout=300)
     outs = [(p.out_path.read_text(), p.err_path.read_text()) for p in procs]
@@ -217,7 +227,7 @@ def test_readme_story_runs_as_written(tmp_path, loc):
 
     logs = loc.run(logs_cmd, shell=True)
     assert logs.returncode == 0, logs.stderr
-    lines = [json.loads(l) for l in logs.stdout.splitlines()]
+    lines = [json.loads(line) for line in logs.stdout.splitlines()]
     assert lines and set(lines[0]) == {"step", "loss", "acc", "streak", "tokens_per_s"}
     steps = [line["step"] for line in lines]
     assert len(steps) == len(set(steps)), "the jq recipe printed a step more than once"

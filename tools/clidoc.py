@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from dflash.runtime.config import SHARED_ENV
+from dflash.runtime.command_line import SHARED_ENV
 
 DIST = "dflash-pipeline"
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from dflash.runtime.config import command, fail, option
+from dflash.runtime.command_line import command, fail, option
 from dflash.runtime.run import resolve_run, runs_root
 
 from .procs import ProcessGroup, tail_lines
@@ -34,8 +34,8 @@ def _sample_data() -> Path:
 
 def _cli(name: str) -> list[str]:
     """Run our console scripts through this interpreter, so the demo works from any venv."""
-    module = {"broker": "dflash.broker.cli", "produce": "dflash.producers.cli",
-              "consume": "dflash.consumers.cli"}[name]
+    module = {"broker": "dflash.broker.broker_command", "produce": "dflash.producers.produce_command",
+              "consume": "dflash.consumers.consume_command"}[name]
     return [sys.executable, "-m", module]
 
 

@@ -14,6 +14,10 @@ Prompts are JSON Lines: {"prompt": "raw text"}, {"text": ...}, or {"messages": [
 turns before the first assistant turn, or every turn of a conversation that ends in a user
 turn, e.g. a follow-up after an answer; rendered with the tokenizer's chat template and its
 generation prompt). An optional "id" names the prompt; otherwise FILE:LINE does.
+
+Progress (loading both models, then each prompt decoded both ways, with the running tau)
+is a bar on a terminal and `progress.update` log lines on stderr otherwise: stdout is the
+report alone.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch
 
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
-from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
-from dflash.runtime.config import fail
+from dflash.decoding.ties import divergence, first_difference, is_tie_flip, TIE_TOLERANCE
+from dflash.runtime.command_line import fail
+from dflash.runtime.progress import progress
 
 
 @dataclass
@@ -118,7 +123,7 @@ def evaluate(model, drafter: Drafter, prompts: list[Prompt], *, max_new_tokens: 
              warmup: bool = True, tolerance: float | None = None) -> dict:
     """Decode every prompt both ways; the report (see `summarise`). Differences are listed
     under "mismatches" (beyond `tolerance`, or any with None) and "tie_flips", not raised,
-    so the caller sees every prompt's figures."""
+    so the caller sees every prompt's figures. Progress by prompt (runtime/progress.py)."""
     if not prompts:
         return summarise([], drafter.block_size)
     longest = max(len(p.ids) for p in prompts)
@@ -128,11 +133,16 @@ def evaluate(model, drafter: Drafter, prompts: list[Prompt], *, max_new_tokens: 
         base_dec(prompts[0].ids)
         spec_dec(prompts[0].ids)
     rows = []
-    for p in prompts:
-        base = base_dec(p.ids)
-        spec = spec_dec(p.ids)
-        div = divergence(model, p.ids, base.tokens, spec.tokens) if base.tokens != spec.tokens else None
-        rows.append(prompt_report(p, base, spec, drafter.block_size, div, tolerance))
+    with progress("eval: decode each prompt alone and with the drafter", len(prompts), "prompt") as bar:
+        for p in prompts:
+            base = base_dec(p.ids)
+            spec = spec_dec(p.ids)
+            div = divergence(model, p.ids, base.tokens, spec.tokens) if base.tokens != spec.tokens else None
+            rows.append(prompt_report(p, base, spec, drafter.block_size, div, tolerance))
+            cycles = sum(r["cycles"] for r in rows)
+            bar.note(tau=round(sum(r["tau"] for r in rows) / len(rows), 3),
+                     lossless=f"{sum(r['lossless'] or r['tie_flip'] for r in rows)}/{len(rows)}", cycles=cycles)
+            bar.update()
     return summarise(rows, drafter.block_size, tolerance)
 
 
@@ -248,6 +258,9 @@ def load_pair(target: str, drafter_dir: str, dtype: str, device: str):
 def run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype, threads, tie_tolerance,
         as_json, fuse: str = "auto") -> None:
     """dflash-eval (tools/eval_command.py parses its options)."""
+    from dflash.runtime.logs import setup_logging
+
+    setup_logging("tool", "eval", stream=sys.stderr)  # stdout is the report alone
     if threads:
         torch.set_num_threads(threads)
     enable_fused(fuse, torch.device(device))
@@ -277,10 +290,3 @@ def enable_fused(fuse: str, device: torch.device) -> bool:
     on = fuse == "on" or (fuse == "auto" and auto_compiles(device))
     fused.enable(on)
     return on
-
-
-# The command (options parsed without importing torch); kept here for callers of eval.main.
-from dflash.tools.eval_command import main  # noqa: E402
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from dflash.runtime.config import command, fail, option, runs_dir_option
+from dflash.runtime.command_line import command, fail, option, runs_dir_option
 from dflash.runtime.run import resolve_run
 
 from .runlogs import merged

@@ -18,7 +18,7 @@ to it, as `--regenerate` will answer (it writes the answers again anyway).
 Follow-up rows take three decodes: a first request (of another family, steered the same
 way), the target's answer (greedy, at most `answer_tokens`; a cut answer is kept as the
 context and counted), then the follow-up request after it. Decoding is batched on the
-decoding core (producers/decode.py: GreedyDecoder with a Sampler; the answers greedy).
+decoding core (decoding/greedy.py: GreedyDecoder with a Sampler; the answers greedy).
 
 Every candidate is judged: kept only if the target ended the turn itself, wrote something
 (after the opening), wrote no chat markup, matches no `exclude` pattern and is not a
@@ -182,7 +182,7 @@ class PromptWriter:
     def _decode(self, kind: str, jobs: list[tuple[object, list[int]]], done: Callable[[object, list[int]], None]):
         """Decode `jobs` (key, prompt IDs) on the decoder of `kind` (ask/follow: sampled,
         answer: greedy), made or grown to fit the longest prompt."""
-        from dflash.producers.decode import GreedyDecoder, Job, Sampler
+        from dflash.decoding.greedy import GreedyDecoder, Job, Sampler
 
         if not jobs:
             return

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from dflash.runtime.run import hostname
+from dflash.runtime.run import hostname, newest_descendant, resumed_by
 
 from .runlogs import log_files
 
@@ -113,12 +113,14 @@ def ledger_counts(run_dir: Path) -> dict | None:
             counts = dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
             commit = db.execute("SELECT step, checkpoint FROM commits ORDER BY step DESC LIMIT 1").fetchone()
             n = db.execute("SELECT n_samples FROM epochs ORDER BY epoch DESC LIMIT 1").fetchone()
+            has_inherited = db.execute("SELECT 1 FROM sqlite_master WHERE name='inherited'").fetchone()
+            inherited = db.execute("SELECT COUNT(*) FROM inherited").fetchone()[0] if has_inherited else 0
         finally:
             db.close()
     except sqlite3.Error:
         return None
     return {"samples": counts, "last_commit": {"step": commit[0], "checkpoint": commit[1]} if commit else None,
-            "n_samples": n[0] if n else None}
+            "n_samples": n[0] if n else None, "inherited": inherited}
 
 
 def last_checkpoint(run_dir: Path) -> str | None:
@@ -152,9 +154,17 @@ def describe(run_dir: Path, ask: Callable[[str], dict | None], broker: str | Non
            "error": info.get("error"), "signal": info.get("signal"), "last_seen_at": logs["last_ts"],
            "last_seen_ago_s": _age_s(logs["last_ts"]), "last_step": logs["last_step"],
            "last_step_at": logs["last_step_at"], "error_lines": logs["errors"], "ledger": ledger_counts(run_dir),
-           "last_checkpoint": last_checkpoint(run_dir), "notes": []}
-    epochs, led = (info.get("config") or {}).get("epochs"), out["ledger"]
-    n = led.get("n_samples") if led else None
+           "last_checkpoint": last_checkpoint(run_dir), "bad_batches": info.get("bad_batches") or {}, "notes": [],
+           # the runs that continued this one (dflash-broker --resume): where its story goes on
+           "resumed_by": [k["run_id"] for k in resumed_by(run_dir)], "chain_end": None}
+    if out["resumed_by"]:
+        end = newest_descendant(run_dir)
+        out["chain_end"] = {"run_id": end["run_id"], "outcome": end["outcome"]}
+    cfg, led = info.get("config") or {}, out["ledger"]
+    epochs = cfg.get("epochs")
+    # the ledger's epochs table has a row once a lease was granted; a resumed run knows its dataset before
+    dataset_n = ((info.get("facts") or {}).get("dataset") or {}).get("n_samples")
+    n = (led.get("n_samples") if led else None) or dataset_n or cfg.get("num_samples")
     out["samples_total"] = n * epochs if isinstance(n, int) and isinstance(epochs, int) else None
     live = _ask_brokers(out, ask, broker, (br.get("endpoints") or {}).get("control"))
     if live is not None:
@@ -185,10 +195,24 @@ def _skipped(info: dict) -> str:
     return f" ({n} skipped by their producers)" if n else ""
 
 
+def _completed(info: dict) -> str:
+    """Why a completed run ended: every sample trained, less those set aside as poison (by
+    fault, from run.json's `bad_batches`) and those its producers skipped."""
+    samples = info.get("samples") if isinstance(info.get("samples"), dict) else {}
+    aside = samples.get("quarantined") or 0
+    if not aside:
+        return "end of stream: every sample trained" + _skipped(info)
+    faults = ((info.get("bad_batches") or {}).get("quarantined") or {}) if isinstance(info.get("bad_batches"),
+                                                                                        dict) else {}
+    by = ", ".join(f"{n.get('set_aside', 0)} {fault}" for fault, n in sorted(faults.items()) if n.get("set_aside"))
+    return (f"end of stream: every sample trained but {aside} set aside as poison ({by or 'quarantined'}: "
+            "consumers failed on their batches)" + _skipped(info))
+
+
 def _verdict(info: dict, logs: dict, br: dict) -> dict:
     outcome = info.get("outcome")
     if outcome in ENDED:
-        why = {"completed": "end of stream: every sample trained" + _skipped(info),
+        why = {"completed": _completed(info),
                "interrupted": f"stopped by {info.get('signal')}",
                "crashed": f"the broker crashed: {info.get('error')}", "failed": f"failed to start: {info.get('error')}",
                "nothing_to_train": f"end of stream with nothing trained: {info.get('reason')}"}
@@ -210,9 +234,23 @@ def _verdict(info: dict, logs: dict, br: dict) -> dict:
             "'at' is its last log line"}
 
 
+def _samples_line(led: dict, total: int | None) -> str:
+    """The ledger's figures as the live view gives them (broker/status.py trained_figures):
+    over the resume chain, inherited samples counted as trained and committed."""
+    from .status_view import inherited
+
+    s, n = led["samples"], led.get("inherited", 0)
+    trained, committed = s.get("trained", 0) + s.get("committed", 0) + n, s.get("committed", 0) + n
+    done = trained + s.get("skipped", 0) + s.get("quarantined", 0)
+    pct = f" ({100 * done / total:.1f}%)" if total else ""
+    commit = led.get("last_commit")
+    return (f"  samples     trained {trained}  committed {committed}{inherited(n)}  skipped {s.get('skipped', 0)}  "
+            f"of {total or '?'}{pct}{'  last commit step ' + str(commit['step']) if commit else ''}")
+
+
 def render(d: dict) -> str:
     """The plain-words view of a run that is not live."""
-    from .status_view import clock, dur
+    from .status_view import bad_batch_lines, clock, dur
 
     when = clock(d.get("at"), "%Y-%m-%d %H:%M:%SZ")
     ago = _age_s(d.get("at"))
@@ -227,15 +265,17 @@ def render(d: dict) -> str:
                  f"  last checkpoint {d.get('last_checkpoint') or '-'}")
     led = d.get("ledger")
     if led:
-        s = led["samples"]
-        commit = led.get("last_commit")
-        lines.append(f"  samples     trained {s.get('trained', 0) + s.get('committed', 0)}  committed "
-                     f"{s.get('committed', 0)}  skipped {s.get('skipped', 0)}  of {d.get('samples_total') or '?'}"
-                     f"{'  last commit step ' + str(commit['step']) if commit else ''}")
+        lines.append(_samples_line(led, d.get("samples_total")))
+    lines += [f"  {x}" for x in bad_batch_lines(d.get("bad_batches") or {})]
     if d.get("error_lines"):
         lines.append(f"  errors      {d['error_lines']} error lines in this run's logs "
                      f"(dflash-logs --run {d['run_id']} --level error)")
-    if d["verdict"] in ("STOPPED", "DIED"):
+    if d.get("resumed_by"):  # its continuation has what it committed: point there, never back here
+        end = d["chain_end"]
+        lines.append(f"  resumed by  {', '.join(d['resumed_by'])}"
+                     + (f" (chain continued up to {end['run_id']})" if end["run_id"] != d["resumed_by"][-1] else "")
+                     + f"; that run: dflash-status --run {end['run_id']}")
+    elif d["verdict"] in ("STOPPED", "DIED"):
         lines.append(f"  resume      dflash-broker --resume {d['run_id']}")
     lines += [f"  note        {n}" for n in d.get("notes", [])]
     return "\n".join(lines)

@@ -77,10 +77,10 @@ def _live_state(state) -> str:
     return "LIVE, JOB LOST (training cannot go on: resume the run)" if state == "job_lost" else f"LIVE ({state})"
 
 
-def _inherited(p: dict) -> str:
-    """A resumed run's samples done by the runs before it (they count towards progress)."""
-    n = p.get("inherited")
-    return f" (+{n} from the resumed run)" if isinstance(n, int) and n else ""
+def inherited(n) -> str:
+    """A resumed run's samples committed by the runs before it: counted in its trained and
+    committed figures (broker/status.py trained_figures), and said so."""
+    return f" (incl. {n} from the resumed run)" if isinstance(n, int) and n else ""
 
 
 def header(st: dict) -> list[str]:
@@ -97,7 +97,7 @@ def header(st: dict) -> list[str]:
     epoch = "-" if p.get("epoch") is None else p["epoch"] + 1  # 1-based for people
     lines.append(f"progress epoch {epoch}/"
                  f"{p.get('epochs', '?')} ({epochs_done} epochs done)  samples trained {p.get('trained', 0)} "
-                 f"committed {p.get('committed', 0)}{_inherited(p)} of {total if total is not None else '?'}{pct}  skipped "
+                 f"committed {p.get('committed', 0)}{inherited(p.get('inherited'))} of {total if total is not None else '?'}{pct}  skipped "
                  f"{s.get('skipped', 0)}  {eta}")
     lines.append(f"queue    {q.get('batches', 0)} batches  {size(q.get('bytes'))} of {size(q.get('capacity_bytes'))}"
                  f"  oldest {dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"
@@ -177,9 +177,12 @@ def gone_rows(gone: list[dict]) -> list[str]:
                    f"held {held.get('in_flight', 0)} unacked batches (requeued)"
         else:
             what = f"held {len(held.get('leases') or [])} leases, {held.get('samples_returned', 0)} samples returned"
+        failure = g.get("failure") if isinstance(g.get("failure"), dict) else {}
+        why = g.get("reason") or ""
+        if failure:  # what the peer (or the broker, refusing its batch) said it stopped on
+            why = f"{why}: {failure.get('code')}: {str(failure.get('reason'))[:120]}"
         rows.append([g.get("role", "?"), g.get("peer", "?"), g.get("instance", "?"), g.get("host", "?"), _gpu(g),
-                     f"{g.get('state', '?')} {dur(g.get('ago_s'))} ago ({clock(g.get('at'))})",
-                     g.get("reason") or "", what])
+                     f"{g.get('state', '?')} {dur(g.get('ago_s'))} ago ({clock(g.get('at'))})", why, what])
     return table(rows)
 
 
@@ -187,9 +190,24 @@ def _gpu(p: dict) -> str:
     return "-" if p.get("gpu") is None else str(p["gpu"])
 
 
+def bad_batch_lines(bad: dict) -> list[str]:
+    """The run's bad batches by what became of them and why (status map `bad_batches`), or none."""
+    def many(n, word: str) -> str:
+        return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('h') else 's'}"
+
+    parts = []
+    for fault, n in sorted((bad.get("rejected") or {}).items()):
+        parts.append(f"rejected {many(n['batches'], 'batch')} ({many(n['samples'], 'sample')}) at intake: {fault}")
+    for fault, n in sorted((bad.get("quarantined") or {}).items()):
+        parts.append(f"quarantined {many(n['batches'], 'batch')} ({many(n['samples'], 'sample')}: "
+                     f"{n.get('remade', 0)} made again, {n.get('set_aside', 0)} set aside) after consumers failed "
+                     f"on {'it' if n['batches'] == 1 else 'them'}: {fault}")
+    return [f"bad      {p}" for p in parts]
+
+
 def render(st: dict) -> str:
     peers = st.get("peers") or []
-    lines = header(st) + [""]
+    lines = header(st) + bad_batch_lines(st.get("bad_batches") or {}) + [""]
     lines += producer_rows([p for p in peers if p.get("role") == "producer"]) + [""]
     lines += consumer_rows([p for p in peers if p.get("role") == "consumer"])
     evals = eval_rows([p for p in peers if p.get("role") == "consumer"], (st.get("broker") or {}).get("now"))

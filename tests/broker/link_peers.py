@@ -29,18 +29,18 @@ def produce(broker: str, runs_dir: str, n: int) -> None:
     link.start()
     while not link.stopped.is_set():
         g = link.request_lease(8, timeout_s=10)
-        if not g["samples"]:
-            if g["end"]:
+        if not g.samples:
+            if g.end:
                 break
             continue
-        for s in g["samples"]:
+        for s in g.samples:
             ids = torch.full((SEQ,), s, dtype=torch.int32)
             tensors = {"input_ids": ids, "loss_mask": torch.ones(SEQ, dtype=torch.uint8),
                        "hidden": torch.full((SEQ, 8), float(s), dtype=torch.bfloat16)}
-            link.push_batch({"lease": g["lease"], "epoch": g["epoch"], "samples": [s], "seq_lens": [SEQ],
+            link.push_batch({"lease": g.lease, "epoch": g.epoch, "samples": [s], "seq_lens": [SEQ],
                              "layer_ids": [0, 1]}, tensors)
-        link.lease_done(g["lease"], [])
-    streams = len(link.welcome.get("data_streams") or [])
+        link.lease_done(g.lease, [])
+    streams = len(link.welcome.data_streams or [])
     link.close("done")
     print(json.dumps({"producer_streams": streams}), flush=True)
 

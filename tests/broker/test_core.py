@@ -21,7 +21,7 @@ from dflash.broker.actions import ClosePipes, Send
 from dflash.broker.config import MAX_CREDIT, BrokerConfig
 from dflash.broker.core import BrokerCore, Phase
 from dflash.broker.inbound import Batch, Bye, Credit
-from dflash.broker.leases import epoch_order
+from dflash.protocol.sample_order import epoch_order
 
 pytestmark = pytest.mark.unit
 
@@ -38,15 +38,15 @@ class Pipe:
 
 
 class Rig:
-    """A BrokerCore with a pipe binder that refuses the ports in `taken`."""
+    """A BrokerCore with a pipe binder that refuses the ports in `taken` (resuming `parent`, a resume.Parent)."""
 
-    def __init__(self, tmp_path, **cfg):
+    def __init__(self, tmp_path, parent=None, **cfg):
         opts = dict(num_samples=N, lease_size=4, data_out_ports=PORTS, timeout_s=10.0, heartbeat_s=1.0)
         opts.update(cfg)
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.taken: set[int] = set()
         self.bound: list[Pipe] = []
-        self.core = BrokerCore(BrokerConfig(**opts), RUN, tmp_path, "testhost", bind_pipe=self._bind)
+        self.core = BrokerCore(BrokerConfig(**opts), RUN, tmp_path, "testhost", bind_pipe=self._bind, parent=parent)
         runinfo.start(tmp_path, RUN, {}, self.core.endpoints, "main")  # as dflash-broker does
         self.pid = 1000
 

@@ -28,7 +28,7 @@ from dflash.runtime.logs import close_logging, setup_logging
 pytestmark = pytest.mark.integration
 
 LIMIT = 4096
-CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": 8, "fingerprint": "x"}}
+CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 2, "dataset": {"n_samples": 8, "fingerprint": "x"}}
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def producer(broker):
 
 
 def _batch(g: dict, s: int, width: int) -> tuple[dict, dict]:
-    fields = {"lease": g["lease"], "epoch": g["epoch"], "samples": [s], "seq_lens": [3], "layer_ids": [0, 1]}
+    fields = {"lease": g.lease, "epoch": g.epoch, "samples": [s], "seq_lens": [3], "layer_ids": [0, 1]}
     tensors = {"input_ids": torch.full((3,), s, dtype=torch.int32), "loss_mask": torch.ones(3, dtype=torch.uint8),
                "hidden": torch.zeros((3, width), dtype=torch.bfloat16)}
     return fields, tensors
@@ -60,23 +60,23 @@ def _batch(g: dict, s: int, width: int) -> tuple[dict, dict]:
 
 def test_a_batch_over_the_limit_is_refused_by_the_link_before_it_leaves(broker, producer):
     g = producer.request_lease(2, timeout_s=10)
-    fields, tensors = _batch(g, g["samples"][0], 1000)  # 6000 tensor bytes > LIMIT
+    fields, tensors = _batch(g, g.samples[0], 1000)  # 6000 tensor bytes > LIMIT
     with pytest.raises(MessageTooLarge, match=rf"over the broker's limit of {LIMIT} bytes.*--max-message-bytes"):
         producer.push_batch(fields, tensors)
-    producer.push_batch(*_batch(g, g["samples"][0], 4))  # the link goes on: the same sample, small enough
-    producer.push_batch(*_batch(g, g["samples"][1], 4))
-    producer.lease_done(g["lease"], [])
+    producer.push_batch(*_batch(g, g.samples[0], 4))  # the link goes on: the same sample, small enough
+    producer.push_batch(*_batch(g, g.samples[1], 4))
+    producer.lease_done(g.lease, [])
     time.sleep(0.5)
     assert broker.ask()["samples"]["produced"] == 2
 
 
 def test_a_batch_over_the_limit_from_another_client_is_logged_and_its_producer_told(broker, producer):
     g = producer.request_lease(1, timeout_s=10)
-    fields, tensors = _batch(g, g["samples"][0], 1000)
+    fields, tensors = _batch(g, g.samples[0], 1000)
     h = header("batch", producer.run_id, batch_id="big-1", producer=producer.peer_id, **fields)
     push = zmq.Context.instance().socket(zmq.PUSH)  # past the link's own check, as a foreign client would
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(producer.welcome["data_in"])
+    push.connect(producer.welcome.data_in)
     push.send_multipart(codec.encode(h, tensors))
     ev = broker.wait_event("broker.batch_too_large")
     assert ev["producer"] == producer.peer_id and ev["batch_id"] == "big-1"
@@ -93,7 +93,7 @@ def test_a_control_message_over_the_limit_is_refused_at_the_call_and_the_link_go
     with pytest.raises(MessageTooLarge, match="'heartbeat' is .* bytes, over the control limit"):
         producer.send_control(Heartbeat({"blob": "x" * (2 << 20)}))
     g = producer.request_lease(2, timeout_s=10)  # nothing was lost or refused: the session goes on
-    assert len(g["samples"]) == 2
+    assert len(g.samples) == 2
 
 
 def test_a_link_whose_control_connection_was_reopened_keeps_its_session(broker, producer):
@@ -103,7 +103,7 @@ def test_a_link_whose_control_connection_was_reopened_keeps_its_session(broker, 
     producer._wake()
     time.sleep(1.0)  # closed by the broker, reopened by the DEALER
     g = producer.request_lease(2, timeout_s=10)  # the same identity: the same session, no unknown_peer
-    assert len(g["samples"]) == 2
+    assert len(g.samples) == 2
     st = broker.ask()
     assert [p["peer"] for p in st["peers"] if p["role"] == "producer"] == [producer.peer_id]
     assert not broker.events("broker.peer_rejected"), broker.events("broker.peer_rejected")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.tools.status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dflash.tools.status_command", *args], capture_output=True, text=True,
                           timeout=30)
 
 

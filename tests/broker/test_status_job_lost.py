@@ -36,7 +36,7 @@ def test_a_lost_job_is_not_running_has_no_eta_and_says_resume(start_broker):
     assert f"dflash-broker --resume {b.run_id}" in d["suggestion"] and "refused" in d["suggestion"]
     text = "\n".join(header(st))
     assert "LIVE (running)" not in text and "JOB LOST" in text and "ETA -" in text, text
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b.control], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0 and "JOB LOST" in r.stdout and "--resume" in r.stdout, r.stdout + r.stderr
     for p in (prod, r0, r1):

@@ -23,7 +23,7 @@ from dflash.protocol.sockets import free_port_block
 from dflash.broker import runinfo
 from dflash.broker.config import BrokerConfig
 from dflash.broker.server import Broker
-from dflash.runtime.config import as_dict
+from dflash.runtime.command_line import as_dict
 from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
         try:
             ctl = f"tcp://127.0.0.1:{b.cfg.port}"
             cons = FakeConsumer(ctl, "zc-cons")
-            prod = FakeProducer(ctl, "zc-prod", n_samples=1)
+            prod = FakeProducer(ctl, "zc-prod", n_samples=1, width=WIDTH)
             cons.send("credit", credit=1)
             prod.send("lease", want=1)
             g = prod.wait_for({"grant"}, 10)

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.consumers.dp_common import CFG, rank_batches
 from dflash.consumers.dist import Dist
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import Hooks, train
 
 

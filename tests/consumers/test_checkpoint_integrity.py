@@ -6,7 +6,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
@@ -14,7 +13,7 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import CheckpointDamaged, verify_checkpoint
 from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.export import main as export_main
+from dflash.consumers.export_command import main as export_main
 from dflash.consumers.finite import NonFiniteStep
 from dflash.consumers.train import Hooks, TrainConfig, train
 

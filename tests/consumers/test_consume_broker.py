@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ class Consumer:
         self.out = out
         with open(out, "w") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dflash.consumers.cli", "--broker", broker.control, "--target",
+                [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", broker.control, "--target",
                  str(target_dir), "--runs-dir", str(broker.runs_dir), "--draft-layers", "1", "--block-size", "4",
                  "--anchors", "6", "--mask-token-id", str(mask_token_id), *extra],
                 stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -94,8 +95,11 @@ def _last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_dir, tmp_path):
-    b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both_or_takes_one_out(target_dir, tmp_path,
+                                                                                          elastic):
+    b = BrokerProc(tmp_path / "runs", ["--consumers", "2", "--num-samples", "8",
+                                       "--elastic" if elastic else "--no-elastic"])
     # Layers given: a consumer left to auto waits for a producer's layers before it trains (and forms no group)
     cs = [Consumer(b, target_dir, tmp_path / f"c{i}.out", "--instance", f"c{i}", "--target-layers", "1")
           for i in range(2)]
@@ -109,18 +113,26 @@ def test_starved_ranks_wait_without_spinning_and_one_sigterm_stops_both(target_d
         assert all(u < 0.4 for u in used), used
         rank1 = next(p for p in rows if p["rank"] == 1)
         os.kill(rank1["pid"], signal.SIGTERM)  # rank 0 learns it through the step's collective
-        results = [c.wait(60) for c in cs]
+        by_rank = {p["rank"]: c for p in rows for c in cs if c.proc.pid == p["pid"]}
+        if elastic:  # only the signalled one goes (issue 29); the broker's stop ends the other
+            leaver = by_rank[1].wait(60)
+            assert by_rank[0].proc.poll() is None, by_rank[0].out.read_text()[-1500:]
+            b.stop()
+            results = [by_rank[0].wait(60), leaver]
+        else:
+            results = [by_rank[0].wait(60), by_rank[1].wait(60)]
     finally:
         for c in cs:
             if c.proc.poll() is None:
                 c.proc.kill()
         b.stop()
     assert [code for code, _ in results] == [0, 0], [out[-1500:] for _, out in results]
-    for c in cs:
-        (end,) = c.events("train.end")
-        assert end["reason"] == "stop" and end["step"] == 0
+    ends = {r: c.events("train.end") for r, c in by_rank.items()}
+    want = {0: "stop", 1: "left" if elastic else "stop"}
+    got = {r: [(e["reason"], e["step"]) for e in ev] for r, ev in ends.items()}
+    assert got == {r: [(w, 0)] for r, w in want.items()}, got
     left = b.events("broker.peer_left")
-    assert sorted(e["reason"] for e in left) == ["stop", "stop"]
+    assert sorted(e["reason"] for e in left) == sorted(want.values())
 
 
 def test_refused_or_lost_broker_exits_1_with_the_reason(target_dir, tmp_path):
@@ -201,22 +213,24 @@ def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_p
 
 def test_a_resumed_run_names_the_checkpoint_to_start_from(tmp_path):
     """PROTOCOL.md 8: the newest *commit* of the chain, not a newer checkpoint on disk."""
-    from dflash.consumers.link import RunConfigMismatch, resume_point
+    from dflash.consumers.join import RunConfigMismatch, resume_point
+    from dflash.protocol.messages import CommitPoint, RunConfig
 
     runs = tmp_path / "runs"
     old = runs / "20260101T000000Z-aaaa" / "checkpoints"
     for step in (10, 20):  # step-20 was written but its commit never reached the broker
         (old / f"step-{step}").mkdir(parents=True)
         (old / f"step-{step}" / "state.json").write_text("{}")
-    committed = {"parent_run": "20260101T000000Z-aaaa",
-                 "resumed_from": {"run": "20260101T000000Z-aaaa", "step": 10, "checkpoint": str(old / "step-10")}}
+    fresh = RunConfig(epochs=1, seed=0, lease_size=256, max_message_bytes=1 << 30, max_credit=64)
+    committed = replace(fresh, parent_run="20260101T000000Z-aaaa",
+                        resumed_from=CommitPoint("20260101T000000Z-aaaa", 10, str(old / "step-10")))
     assert resume_point(None, committed, runs) == str((old / "step-10").resolve())
     assert resume_point("latest", committed, runs) == str((old / "step-10").resolve())
     with pytest.raises(RunConfigMismatch, match="leave out --resume"):
         resume_point(str(old / "step-20"), committed, runs)
-    assert resume_point("latest", {"parent_run": "x", "resumed_from": None}, runs) is None  # nothing committed yet
-    assert resume_point("latest", {}, runs) == str(old / "step-20")  # not a resumed run: as asked
-    assert resume_point(None, {}, runs) is None
+    assert resume_point("latest", replace(fresh, parent_run="x"), runs) is None  # nothing committed yet
+    assert resume_point("latest", fresh, runs) == str(old / "step-20")  # not a resumed run: as asked
+    assert resume_point(None, fresh, runs) is None
 
 
 def test_the_schedule_runs_over_the_brokers_planned_samples(target_dir, tmp_path):
@@ -261,7 +275,7 @@ def test_a_consumer_started_before_any_producer_trains_on_the_runs_layers(tmp_pa
         env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
         with open(tmp_path / "p.out", "w") as f:
             producer = subprocess.Popen(
-                [sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--runs-dir", str(b.runs_dir),
+                [sys.executable, "-m", "dflash.producers.produce_command", "--broker", b.control, "--runs-dir", str(b.runs_dir),
                  "--instance", "p0", "--device", "cpu", "--target", str(target), "--data", str(data),
                  "--target-layers", "0,2", "--token-budget", "256", "--max-length", "128", "--max-batch-size", "2",
                  "--lease-size", "4", "--prefetch", "1"], stdout=f, stderr=subprocess.STDOUT, env=env)

@@ -4,13 +4,11 @@ CPU run on a real tiny target's capture trains with it."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.batch import Batch, BatchMismatch
 from dflash.consumers.loss import ChunkedCE
-from dflash.consumers.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from dflash.consumers.export import Drafter
 from dflash.consumers.model import DFlashDraft
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, train
 from dflash.producers.target import load_target
 from dflash.tools.eval import Prompt, evaluate, prompt_ids, stop_ids

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.blocks import build_layout
-from dflash.consumers.export import ExportError, export_checkpoint, load_exported, main
+from dflash.consumers.export import ExportError, export_checkpoint, load_exported
+from dflash.consumers.export_command import main
 from dflash.consumers.train import TrainConfig, train
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,8 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers import hf_dflash
 from dflash.consumers.blocks import build_layout
-from dflash.consumers.export import export_checkpoint, load_exported, main
+from dflash.consumers.export import export_checkpoint, load_exported
+from dflash.consumers.export_command import main
 from dflash.consumers.train import TrainConfig, train
 
 pytestmark = pytest.mark.unit
@@ -58,7 +59,9 @@ def test_automodel_remote_code_loads_the_export_and_its_forward_equals_ours(chec
     g = torch.Generator().manual_seed(0)
     T1, T2, n = 9, 3, len(LAYERS) * heads.spec.hidden_size
     feats = torch.randn(T1 + T2, n, generator=g)
-    block = lambda bonus: F.embedding(torch.tensor([bonus] + [MASK_ID] * (B - 1)), heads.embed)  # [B, D]
+    def block(bonus: int) -> torch.Tensor:  # [B, D]
+        return F.embedding(torch.tensor([bonus] + [MASK_ID] * (B - 1)), heads.embed)
+
     x1, x2 = block(7), block(11)
 
     # One shot: context 0..T-1, block at T..T+B-1 (as dflash-eval's propose).

@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.blocks import _seq_mask
-from dflash.consumers.checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from dflash.consumers.flops import StepShape, step_flops, step_shape
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss, make_layout

@@ -8,7 +8,7 @@ import torch
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers import fused
-from dflash.consumers.checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss
 

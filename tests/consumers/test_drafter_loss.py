@@ -36,7 +36,9 @@ def test_anchor_every_n_draws_one_per_n_trainable_positions_within_the_cap():
 
 def test_anchors_are_redrawn_each_epoch_and_replayable():
     mask = torch.ones(200, dtype=torch.bool)
-    draw = lambda epoch, sample: sample_anchors(mask, 16, 8, anchor_seed(0, epoch, sample)).tolist()
+    def draw(epoch: int, sample: int) -> list[int]:
+        return sample_anchors(mask, 16, 8, anchor_seed(0, epoch, sample)).tolist()
+
     assert draw(0, 5) == draw(0, 5)
     assert draw(0, 5) != draw(1, 5) and draw(0, 5) != draw(0, 6)
 

@@ -5,8 +5,8 @@ import torch
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.blocks import build_layout
-from dflash.consumers.checkpoint import Signal
-from dflash.consumers.model import DecoderLayer, DFlashDraft, DrafterConfig
+from dflash.protocol.training_signal import Signal
+from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import draft_states
 
 pytestmark = pytest.mark.unit

@@ -26,7 +26,7 @@ from dflash.consumers.loss import block_loss
 from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
 from dflash.consumers.speculative import DraftCache, greedy, speculative_greedy
 from dflash.consumers.step import draft_states, make_layout
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, _prepare, resolve_signal
 from dflash.producers.target import load_target
 from dflash.tools.tiny import MASK_TOKEN, tiny_target

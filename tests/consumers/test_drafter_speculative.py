@@ -14,9 +14,10 @@ from dflash.consumers.export import Drafter, export_checkpoint
 from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
 from dflash.consumers.speculative import Generation, _target_step, greedy, propose, speculative_greedy
 from dflash.runtime.hf_compat import new_cache
-from dflash.consumers.target_heads import TargetSpec
+from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.target import load_target
-from dflash.tools.eval import Prompt, main, prompt_report, summarise
+from dflash.tools.eval import Prompt, prompt_report, summarise
+from dflash.tools.eval_command import main
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
 pytestmark = pytest.mark.unit

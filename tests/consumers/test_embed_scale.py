@@ -14,12 +14,12 @@ import torch
 
 from dflash.consumers.batch import Batch
 from dflash.consumers.blocks import build_layout
-from dflash.consumers.checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from dflash.consumers.export import Drafter
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.speculative import propose
 from dflash.consumers.step import draft_states
-from dflash.consumers.target_heads import embed_block, load_target_heads
+from dflash.runtime.target_heads import embed_block, load_target_heads
 from tests.harness.families import HIDDEN, VOCAB, family_target
 
 pytestmark = pytest.mark.unit

@@ -10,8 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from dflash.consumers.speculative import TargetGreedy
-from dflash.producers.decode import TIE_TOLERANCE
-from dflash.tools.eval import Prompt, format_report, main, prompt_report, resolve_tie_tolerance, summarise
+from dflash.decoding.ties import TIE_TOLERANCE
+from dflash.tools.eval import Prompt, format_report, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval_command import main
 from dflash.tools.families import tiny_model
 
 pytestmark = pytest.mark.unit
@@ -39,7 +40,7 @@ def _spec_like(base, tokens):
 
 
 def test_a_flip_between_tied_tokens_is_a_tie_flip_in_bf16_and_a_mismatch_in_fp32():
-    from dflash.producers.decode import divergence
+    from dflash.decoding.ties import divergence
 
     model, prompt, base, twin = _twin_setup()
     flipped = base.tokens[:3] + [twin] + base.tokens[4:]
@@ -58,7 +59,7 @@ def test_a_flip_between_tied_tokens_is_a_tie_flip_in_bf16_and_a_mismatch_in_fp32
 
 
 def test_a_token_far_from_the_top_is_a_mismatch_whatever_the_precision():
-    from dflash.producers.decode import divergence
+    from dflash.decoding.ties import divergence
 
     model, prompt, base, _ = _twin_setup()
     logits = model(input_ids=torch.tensor([prompt + base.tokens[:3]])).logits[0, -1]
@@ -89,7 +90,7 @@ def pair(tmp_path_factory):
     from safetensors.torch import save_file
 
     from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-    from dflash.consumers.target_heads import TargetSpec
+    from dflash.runtime.target_heads import TargetSpec
     from dflash.tools.tiny import MASK_TOKEN, tiny_target
     from transformers import AutoTokenizer
 

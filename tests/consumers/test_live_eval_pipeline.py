@@ -29,7 +29,7 @@ N_ROWS, EPOCHS, EVERY, B, PROMPTS, NEW, REGEN_NEW = 48, 2, 4, 4, 3, 16, 24
 
 
 def _status(broker: str) -> dict | None:
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", broker, "--json", "--timeout-s", "2"],
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", broker, "--json", "--timeout-s", "2"],
                        capture_output=True, text=True, timeout=30)
     return json.loads(r.stdout) if r.returncode == 0 else None
 
@@ -59,16 +59,16 @@ def live_run(tmp_path_factory):
     env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
     py = [sys.executable, "-m"]
     group = ProcessGroup()
-    group.start("broker", py + ["dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(base), "--data-in-port",
+    group.start("broker", py + ["dflash.broker.broker_command", "--bind", "127.0.0.1", "--port", str(base), "--data-in-port",
                                 str(base + 1), "--data-out-ports", f"{base + 2}-{base + 3}", "--runs-dir", runs,
                                 "--epochs", str(EPOCHS), "--heartbeat-s", "0.5", "--timeout-s", "30",
                                 "--lease-size", "8"], tmp / "broker.out", env)
-    group.start("producer", py + ["dflash.producers.cli", "--broker", broker, "--runs-dir", runs, "--instance", "p0",
+    group.start("producer", py + ["dflash.producers.produce_command", "--broker", broker, "--runs-dir", runs, "--instance", "p0",
                                   "--device", "cpu", "--target", target, "--data", str(tmp / "chats.jsonl"),
                                   "--token-budget", "256", "--max-length", "256", "--max-batch-size", "2",
                                   "--lease-size", "8", "--prefetch", "2", "--regenerate", "--max-new-tokens",
                                   str(REGEN_NEW), "--regen-cache", str(tmp / "regen")], tmp / "producer.out", env)
-    group.start("consumer", py + ["dflash.consumers.cli", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
+    group.start("consumer", py + ["dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
                                   "--target", target, "--block-size", str(B), "--anchors", "16", "--draft-layers",
                                   "1", "--lr", "3e-3", "--save-every", "0", "--eval-every", str(EVERY),
                                   "--eval-prompts", str(tmp / "prompts.jsonl"), "--eval-max-new-tokens", str(NEW)],
@@ -79,7 +79,7 @@ def live_run(tmp_path_factory):
         while time.monotonic() < deadline and not group.all_exited() and not group.failed():
             st = _status(broker)
             if (_consumer_eval(st) or {}).get("step"):
-                text = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", broker],
+                text = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", broker],
                                       capture_output=True, text=True, timeout=30).stdout
                 break
             time.sleep(0.3)

@@ -7,7 +7,7 @@ import torch
 from structlog.testing import capture_logs
 
 from dflash.consumers.batch import Batch
-from dflash.consumers.target_heads import load_target_heads
+from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.train import TrainConfig, resolve_signal, train
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,21 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoint import save_checkpoint, step_dirs
-from dflash.consumers.cli import main
-from dflash.consumers.link import RunConfigMismatch, resume_point
+from dflash.consumers.consume_command import main
+from dflash.consumers.join import RunConfigMismatch, resume_point
+from dflash.protocol.messages import RunConfig
 from dflash.consumers.train import TrainConfig, train
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 
 from tests.harness.broker import BrokerProc
+from tests.harness.wait import wait_until
 from tests.consumers.test_consume_broker import Consumer
 
 pytestmark = pytest.mark.integration
 
 LAYERS = [1, 2]
+# the run config of a fresh broker run: it names no checkpoint to start from
+FRESH = RunConfig(epochs=1, seed=0, lease_size=256, max_message_bytes=1 << 30, max_credit=64)
 
 
 def _args(target_dir, runs, *extra):
@@ -98,12 +101,12 @@ def test_resume_of_another_runs_checkpoint_in_a_fresh_broker_run_is_refused(tmp_
     for ref in ("latest", str(other), other.parent.parent.name):
         with pytest.raises(RunConfigMismatch, match=rf"checkpoint of run {other.parent.parent.name}, but this broker "
                            rf"run {this} is a fresh run.*dflash-broker --resume {other.parent.parent.name}"):
-            resume_point(ref, {}, runs, run_id=this)
+            resume_point(ref, FRESH, runs, run_id=this)
     # This run's own checkpoint (rank 0 died between checkpoint and commit) is allowed.
     own = runs / this / "checkpoints" / "step-2"
     own.mkdir(parents=True)
     (own / "state.json").write_text("{}")
-    assert resume_point(str(own), {}, runs, run_id=this) == str(own)
+    assert resume_point(str(own), FRESH, runs, run_id=this) == str(own)
 
 
 def test_a_consumer_resuming_latest_against_a_fresh_broker_run_exits_at_start(target_dir, heads, tmp_path):
@@ -123,3 +126,33 @@ def test_a_consumer_resuming_latest_against_a_fresh_broker_run_exits_at_start(ta
         assert not c.events("train.start")
     finally:
         b.stop()
+
+
+def test_resume_latest_before_any_checkpoint_starts_as_without_resume_and_says_so(target_dir, tmp_path):
+    # The README's restart command works on a first start, and on a restart before the first
+    # --save-every: nothing to resume is said in the log, not an exit 2 (issue 29).
+    runs = tmp_path / "runs"
+    with capture_logs() as logs:
+        assert resume_point("latest", FRESH, runs, run_id=new_run_id(1_700_000_000)) is None
+    [line] = [e for e in logs if e["event"] == "consume.resume_point"]
+    assert line["checkpoint"] is None and "no checkpoint under" in line["why"] and "nothing to resume" in line["why"]
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):  # a named one must exist
+        resume_point(str(tmp_path / "nowhere"), FRESH, runs, run_id=new_run_id(1_700_000_000))
+    # A local run likewise trains from scratch.
+    r = CliRunner().invoke(main, _args(target_dir, runs, "--synthetic-batches", "2", "--resume", "latest"))
+    assert r.exit_code == 0, r.output
+    (run,) = [p for p in runs.iterdir() if p.name != "latest"]
+    events = [json.loads(x) for x in (run / "logs" / "consumer-local-cpu.jsonl").read_text().splitlines()]
+    assert [e["checkpoint"] for e in events if e["event"] == "consume.resume_point"] == [None]
+    assert [e["step"] for e in events if e["event"] == "train.step"] == [1, 2]
+    # Against a broker: the consumer joins and trains.
+    b = BrokerProc(runs / "b", ["--num-samples", "4"])
+    c = Consumer(b, target_dir, tmp_path / "c.out", "--instance", "restarted", "--resume", "latest")
+    try:
+        wait_until(lambda: c.events("consume.resume_point") or c.proc.poll() is not None, 120, "the resume point")
+        [said] = c.events("consume.resume_point")
+        assert said["checkpoint"] is None and "nothing to resume" in said["why"], said
+        assert c.proc.poll() is None, c.out.read_text()[-1500:]  # still in the run, waiting for a producer
+    finally:
+        b.stop()
+        c.wait(60)

@@ -142,7 +142,7 @@ def test_a_trainer_healed_with_anothers_state_dict_steps_as_it_does(heads):
 
 
 def test_a_heal_from_another_signal_is_refused(heads):
-    from dflash.consumers.checkpoint import SignalMismatch
+    from dflash.protocol.training_signal import SignalMismatch
     from dflash.consumers.dist import Dist
     from dflash.consumers.train import Trainer
 
@@ -151,3 +151,22 @@ def test_a_heal_from_another_signal_is_refused(heads):
     with capture_logs(), pytest.raises(SignalMismatch, match="anchors: 5 -> 4"):
         b._heal(a.state_dict())
     assert b.state.step == 0
+
+
+def test_the_step_line_says_how_long_the_consumer_waited_for_its_batch(heads):
+    """wait_s: the time a step waited for its batch (the starved share of wall_s, which
+    the one-GPU benchmarks read); a batch that comes late shows in its step's line."""
+    import time
+
+    def slow(batches):
+        for i, b in enumerate(batches):
+            if i == 2:
+                time.sleep(0.5)
+            yield b
+
+    with capture_logs() as logs:
+        train(replace(CFG, save_every=0, stage_batches=False), heads, slow(_batches(heads.spec, 4)))
+    steps = [e for e in logs if e["event"] == "train.step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert steps[2]["wait_s"] >= 0.45 and steps[2]["wait_s"] <= steps[2]["wall_s"]
+    assert all(e["wait_s"] < 0.45 for i, e in enumerate(steps) if i != 2)

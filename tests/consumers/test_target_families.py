@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 
 from tests.harness.tiny import random_batch
-from dflash.consumers.checkpoint import Signal
+from dflash.protocol.training_signal import Signal
 from dflash.consumers.model import DFlashDraft, DrafterConfig
 from dflash.consumers.step import batch_loss
-from dflash.consumers.target_heads import TargetLoadError, identity_of, load_target_heads
+from dflash.runtime.target_heads import TargetLoadError, identity_of, load_target_heads
 from tests.harness.families import HEADS, HIDDEN, LAYERS, VOCAB, family_target
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness.tiny import tiny_target
-from dflash.consumers.target_heads import TargetLoadError, load_target_heads
+from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,9 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, batch_message, random_batch, tiny_target
 from dflash.consumers.batch import BatchMismatch
 from dflash.consumers.export import ExportError, check_drafter_target, export_checkpoint
-from dflash.consumers.link import RunConfigMismatch, check_run_target
-from dflash.consumers.target_heads import identity_of, load_target_heads
+from dflash.consumers.join import RunConfigMismatch, check_run_target
+from dflash.protocol.messages import RunConfig
+from dflash.runtime.target_heads import identity_of, load_target_heads
 from dflash.consumers.train import TrainConfig, train
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
@@ -90,10 +91,11 @@ def test_a_first_producer_of_another_target_than_a_waiting_consumer_is_refused(t
 
 def test_the_consumer_checks_the_runs_target_itself(target_dir, other_dir):
     mine, other = identity_of(target_dir), identity_of(other_dir)
-    check_run_target({"target_id": mine}, mine)
-    check_run_target({}, mine)  # no producer yet: batches are checked as they come
+    run = RunConfig(epochs=1, seed=0, lease_size=256, max_message_bytes=1 << 30, max_credit=64)
+    check_run_target(replace(run, target_id=mine), mine)
+    check_run_target(run, mine)  # no producer yet: batches are checked as they come
     with pytest.raises(RunConfigMismatch, match=rf"{mine['heads_sha256'][:12]}.*{other['heads_sha256'][:12]}"):
-        check_run_target({"target_id": mine}, other)
+        check_run_target(replace(run, target_id=mine), other)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(heads):
@@ -106,6 +108,27 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(heads):
                                                                      r"vocabulary 0\.\.511"):
         train(cfg, heads, [batch_message(bad)])
     assert any(x["event"] == "train.batch_mismatch" and x["batch_id"] == "p7-12" for x in logs)
+
+
+def test_a_bad_batch_ends_the_run_after_the_checkpoint_and_commit_of_what_was_trained(heads, tmp_path):
+    """Issue 29 item 2: what the steps before a bad batch trained is committed before the
+    consumer leaves on it, so the run keeps it (no lost job) and the next consumer starts
+    there; the error then names the batch and what is wrong with it, for the broker."""
+    from dflash.consumers.train import Hooks
+
+    cfg = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
+                      log_position_every=0, save_every=0)
+    good = random_batch(heads.spec, LAYERS, [16, 8], seed=3, batch_id="p1-1")
+    bad = random_batch(heads.spec, LAYERS, [16], seed=4, batch_id="p1-2", sample_start=2)
+    bad.input_ids[3] = heads.spec.vocab_size
+    acked, commits = [], []
+    hooks = Hooks(on_step=lambda step, ids: acked.append((step, ids)),
+                  on_checkpoint=lambda step, path: commits.append((step, path.name)))
+    with capture_logs() as logs, pytest.raises(BatchMismatch) as e:
+        train(cfg, heads, [batch_message(good), batch_message(bad)], ckpt_root=tmp_path / "ck", hooks=hooks)
+    assert (e.value.batch_id, e.value.fault) == ("p1-2", "token_ids")
+    assert acked == [(1, ["p1-1"])] and commits == [(1, "step-1")]
+    assert [x["reason"] for x in logs if x["event"] == "train.end"] == ["bad_batch"]
 
 
 def test_export_records_the_target_and_eval_refuses_another(target_dir, other_dir, heads, tmp_path):
@@ -124,7 +147,7 @@ def test_export_records_the_target_and_eval_refuses_another(target_dir, other_di
 
 
 def test_dflash_eval_refuses_a_drafter_of_another_target(tmp_path):
-    from dflash.tools.eval import main as eval_main
+    from dflash.tools.eval_command import main as eval_main
     from dflash.tools.tiny import tiny_target as tiny_with_tokenizer
 
     a, b = tiny_with_tokenizer(layers=4, seed=0), tiny_with_tokenizer(layers=4, seed=5)

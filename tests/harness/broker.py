@@ -42,7 +42,7 @@ class BrokerProc:
         self.runs_dir = runs_dir
         self.port = free_port_block(2 + n_out)
         self.control = f"tcp://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "dflash.broker.broker_command", "--bind", "127.0.0.1", "--port", str(self.port),
                "--data-in-port", str(self.port + 1), "--data-out-ports", f"{self.port + 2}-{self.port + 1 + n_out}",
                "--runs-dir", str(runs_dir), "--heartbeat-s", "0.2", "--timeout-s", "1.5", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -129,14 +129,18 @@ class FakeProducer(FakePeer):
     role = "producer"
 
     def __init__(self, broker, instance, *, n_samples: int = 64, per_batch: int = 2, want: int = 8,
-                 delay_s: float = 0.0, fingerprint: str = "fp", width: int = 8, **kw):
-        cfg = {"target": "fake", "layer_ids": [1, 2], "hidden_size": 4,
+                 delay_s: float = 0.0, fingerprint: str = "fp", width: int = 8, name_connection: bool = False, **kw):
+        # its batches' hidden width is len(layer_ids) x hidden_size, as the broker checks (PROTOCOL.md 4.4)
+        cfg = {"target": "fake", "layer_ids": [1, 2], "hidden_size": width // 2,
                "dataset": {"n_samples": n_samples, "fingerprint": fingerprint}}
         super().__init__(broker, instance, config=kw.pop("config", cfg), **kw)
         self.per_batch, self.want, self.delay_s, self.width = per_batch, want, delay_s, width
         self.data = self.ctx.socket(zmq.PUSH)
         self.data.setsockopt(zmq.SNDHWM, 2)
         self.data.setsockopt(zmq.LINGER, 2000)
+        if name_connection:  # ZMTP metadata naming this producer (PROTOCOL.md 1)
+            self.data.setsockopt(zmq.METADATA, f"X-Peer:{self.peer}".encode())
+            self.data.setsockopt(zmq.METADATA, f"X-Instance:{instance}".encode())
         self.data.connect(self.welcome["data_in"])
         self.seq = 0
         self.sent: list[str] = []
@@ -280,6 +284,8 @@ def fake_parser(**defaults) -> argparse.ArgumentParser:
     ap.add_argument("--train-s", type=float, default=0.0, help="consumer: seconds per step (a lagging drafter)")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--max-s", type=float, default=120.0, help="consumer: give up after this long")
+    ap.add_argument("--go-file", default=None, help="producer: after the welcome, lease nothing until this file "
+                    "exists (a test starts the data once every producer has joined)")
     ap.set_defaults(**defaults)
     return ap
 
@@ -297,6 +303,8 @@ def serve(a: argparse.Namespace, make_peer) -> int:
         peer = make_peer(a, instance, log)
         bind_run(peer.run, a.runs_dir)
         log.info("fake.joined", peer=peer.peer, data=peer.welcome.get("data_in") or peer.welcome.get("data_out"))
+        while getattr(a, "go_file", None) and not os.path.exists(a.go_file):
+            peer._sleep(0.05)
         peer.run_to_end(**({"max_s": a.max_s} if a.role == "consumer" else {}))
         peer.close()
         return 0

@@ -8,7 +8,7 @@ import torch
 
 from dflash.consumers.batch import Batch
 from dflash.consumers.synthetic import as_received, rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
-from dflash.consumers.target_heads import TargetSpec
+from dflash.runtime.target_heads import TargetSpec
 from dflash.protocol import codec
 
 MASK_ID = 511  # an unused row of the tiny vocabulary

@@ -53,13 +53,13 @@ def test_training_across_three_network_namespaces(hosts, tmp_path):
            "OMP_NUM_THREADS": "1", "DFLASH_LOG_JSON": "1"}
     common = ["--runs-dir", str(runs)]
     argv = {
-        "broker": [sys.executable, "-m", "dflash.broker.cli", "--bind", b, "--advertise-host", b,
+        "broker": [sys.executable, "-m", "dflash.broker.broker_command", "--bind", b, "--advertise-host", b,
                    "--port", str(PORT), "--data-in-port", str(PORT + 1), "--data-out-ports", f"{PORT + 2}-{PORT + 5}",
                    "--epochs", "2", "--consumers", "1", *common],
-        "producer": [sys.executable, "-m", "dflash.producers.cli", "--broker", f"tcp://{b}:{PORT}",
+        "producer": [sys.executable, "-m", "dflash.producers.produce_command", "--broker", f"tcp://{b}:{PORT}",
                      "--device", "cpu", "--target", str(target), "--data", str(data), "--max-length", "512",
                      "--token-budget", "2048", "--instance", "nsP", *common],
-        "consumer": [sys.executable, "-m", "dflash.consumers.cli", "--broker", f"tcp://{b}:{PORT}",
+        "consumer": [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", f"tcp://{b}:{PORT}",
                      "--target", str(target), "--block-size", "8", "--anchors", "32", "--draft-layers", "1",
                      "--instance", "nsC", *common],
     }
@@ -82,9 +82,9 @@ def test_training_across_three_network_namespaces(hosts, tmp_path):
     con = sqlite3.connect(run_dir / "ledger.sqlite")
     states = dict(con.execute("SELECT state, COUNT(*) FROM samples GROUP BY state"))
     assert states == {"committed": 2 * 40}, states
-    steps = [json.loads(l) for l in (run_dir / "logs" / "consumer-nsC.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (run_dir / "logs" / "consumer-nsC.jsonl").read_text().splitlines()]
     assert any(e["event"] == "train.step" for e in steps)
     # Each role ran in its own namespace with its own interface; the broker bound only its
     # namespace's address, so the producer and consumer reached it over the bridge.
-    joined = [json.loads(l) for l in (run_dir / "logs" / "broker-main.jsonl").read_text().splitlines()]
+    joined = [json.loads(line) for line in (run_dir / "logs" / "broker-main.jsonl").read_text().splitlines()]
     assert {e["peer_instance"] for e in joined if e["event"] == "broker.peer_joined"} == {"nsP", "nsC"}

@@ -10,7 +10,7 @@ import torch
 from structlog.testing import capture_logs
 
 from dflash.producers.build import Components, _check_packing, make_producer
-from dflash.producers.config import ProducerConfig
+from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.packing import PackingError, check_packing
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.target import attn_candidates, load_target
@@ -25,11 +25,17 @@ CPU = torch.device("cpu")
 
 def test_candidates_follow_the_model_classes_support_flags():
     gemma2, gpt_oss, qwen3 = (causal_lm_class(family_config(f)) for f in ("gemma2", "gpt_oss", "gemma3_text"))
-    assert attn_candidates("auto", CPU, gemma2) == ["eager", "flex_attention"]  # no sdpa for Gemma 2
+    assert attn_candidates("auto", CPU, gemma2, family_config("gemma2")) == ["eager", "flex_attention"]  # no sdpa for Gemma 2
     assert attn_candidates("auto", CPU, gpt_oss) == ["eager", "flex_attention"]
     assert attn_candidates("auto", CPU, qwen3)[0] == "sdpa"
     assert attn_candidates("auto", torch.device("cuda", 0), gpt_oss)[0] != "sdpa"
     assert attn_candidates("eager", CPU, gemma2) == ["eager"]  # an explicit choice stays
+    # A soft-capped config never gets sdpa, even from a class that claims it (transformers 5.17's Gemma 2).
+    llama = causal_lm_class(family_config("gemma3_text"))
+    capped = family_config("gemma2")
+    assert "sdpa" in attn_candidates("auto", CPU, llama, family_config("gemma3_text"))
+    assert "sdpa" not in attn_candidates("auto", CPU, llama, capped)
+    assert attn_candidates("auto", CPU, None, capped) == ["eager", "flex_attention"]
 
 
 def test_auto_loads_gemma2_and_it_packs(tmp_path):

@@ -60,10 +60,10 @@ def test_killed_producer_leases_are_produced_by_another(tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", generate_chats(N))
     port = _free_ports(4)
     runs = tmp_path / "runs"
-    broker = Proc(["dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(port), "--data-in-port", str(port + 1),
+    broker = Proc(["dflash.broker.broker_command", "--bind", "127.0.0.1", "--port", str(port), "--data-in-port", str(port + 1),
                    "--data-out-ports", f"{port + 2}-{port + 3}", "--runs-dir", str(runs), "--lease-size", "50",
                    "--heartbeat-s", "0.2", "--timeout-s", "1.5"])
-    produce = ["dflash.producers.cli", "--broker", f"tcp://127.0.0.1:{port}", "--target", str(tiny_dir("qwen3", False)),
+    produce = ["dflash.producers.produce_command", "--broker", f"tcp://127.0.0.1:{port}", "--target", str(tiny_dir("qwen3", False)),
                "--data", data, "--device", "cpu", "--runs-dir", str(runs), "--lease-size", "50", "--prefetch", "1",
                "--token-budget", "512", "--max-length", "256", "--no-check-packing"]
     try:

@@ -1,12 +1,14 @@
-"""The decoding core (producers/decode.py) gives exactly transformers' greedy generate()
+"""The decoding core (decoding/) gives exactly transformers' greedy generate()
 tokens, for every family the producer supports, sliding windows crossed, with continuous
 batching (more prompts than rows, rows refilled mid-run) and stop tokens."""
 
 import pytest
 import torch
 
-from dflash.producers.decode import (Core, GreedyDecoder, divergence, greedy_generate, is_tie_flip,
-                                     layer_windows)
+from dflash.decoding.attention import layer_windows
+from dflash.decoding.core import Core
+from dflash.decoding.greedy import greedy_generate, GreedyDecoder
+from dflash.decoding.ties import divergence, is_tie_flip
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
 pytestmark = pytest.mark.unit
@@ -43,15 +45,19 @@ def test_windows_are_read_from_the_config(model):
         assert w == [WINDOW if t == "sliding_attention" else None for t in model.config.layer_types]
 
 
-def test_greedy_equals_generate_across_the_window_with_continuous_batching(model):
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_greedy_equals_generate_across_the_window_with_continuous_batching(model, kernel):
     prompts = _prompts(model.config.vocab_size)
     stops = {2}
     want = [_reference(model, p, NEW, stops) for p in prompts]
     assert any(len(p) + NEW > 2 * WINDOW for p in prompts)
     # 2 rows for 5 prompts: rows are refilled as others finish; check every 3 steps.
     dec = GreedyDecoder(model, rows=2, max_prompt=max(map(len, prompts)), max_new_tokens=NEW, stop_ids=stops,
-                        sync_every=3, refill_min=1)
+                        sync_every=3, refill_min=1, kernel=kernel)
+    assert dec.core.kernel == (kernel if dec.core.attn != "eager" else "sdpa")
     assert dec.generate(prompts) == want
+    if kernel == "flex":
+        return
     assert greedy_generate(model, prompts, max_new_tokens=NEW, stop_ids=stops, batch_size=8) == want
 
 
@@ -116,7 +122,7 @@ def test_divergence_measures_the_margin_and_the_tie_rule():
 def test_a_job_may_ask_for_fewer_new_tokens():
     from collections import deque
 
-    from dflash.producers.decode import Job
+    from dflash.decoding.greedy import Job
 
     model = tiny_model("qwen3")
     prompts = _prompts(model.config.vocab_size)
@@ -138,7 +144,76 @@ def test_the_decoding_core_and_the_shape_builder_load_without_zmq_or_structlog()
     import sys
 
     code = ("import sys; sys.modules['zmq'] = sys.modules['structlog'] = None\n"
-            "import dflash.producers.decode, dflash.tools.families\n"
+            "import dflash.decoding.greedy, dflash.decoding.ties, dflash.tools.families\n"
             "dflash.tools.families.build(dflash.tools.families.tiny_config('llama', layers=2))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_flex_block_lists_cover_every_visible_slot_and_no_block_outside_the_row():
+    """Core._block_masks lists, for each row, the K/V blocks its queries may see: every slot a
+    query sees lies in a listed block, and no listed block lies wholly outside the row's
+    visible range (padding before `off`, empty slots after the last query, slots past a window)."""
+    model = tiny_model("qwen2_sliding")
+    g = torch.Generator().manual_seed(3)
+    core = Core(model, 32, 200, graphs=False, kernel="flex", kv_block=16)
+    for q in (1, 5):
+        off = torch.randint(0, 60, (32,), generator=g)
+        start = off + torch.randint(0, 200 - 60 - q, (32,), generator=g)
+        qslot = start[:, None] + torch.arange(q)[None]
+        masks = core._block_masks(qslot, off)
+        masks = masks if isinstance(masks, dict) else {"full_attention": masks}
+        assert set(masks) == {"full_attention", "sliding_attention"}
+        s = torch.arange(200)
+        for kind, bm in masks.items():
+            w = None if kind == "full_attention" else WINDOW
+            count, index = bm.kv_num_blocks[:, 0, 0], bm.kv_indices[:, 0, 0]
+            for b in range(32):
+                listed = set(index[b, : count[b]].tolist())
+                vis = (s[None] >= off[b]) & (s[None] <= qslot[b][:, None])
+                if w is not None:
+                    vis &= qslot[b][:, None] - s[None] < w
+                need = set((s[vis.any(0)] // 16).tolist())
+                assert need <= listed, (kind, b, sorted(need - listed))
+                assert listed <= need, (kind, b, sorted(listed - need))
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_the_compiled_flex_kernel_decodes_exactly(monkeypatch, group):
+    """The flex path as it runs on a GPU (compiled: the kernel reads only the listed blocks),
+    here on the CPU's compiled kernel, full and sliding layers, small blocks so that rows
+    span several, query heads per K/V head a power of two (grouped-query flex) or not
+    (heads folded into the query length): equal to generate()."""
+    import dflash.decoding.attention as decode
+    from dflash.tools.families import build, tiny_config
+
+    monkeypatch.setattr(decode, "FLEX_COMPILE", True)
+    if group == 2:
+        model = tiny_model("qwen2_sliding")
+    else:
+        cfg = tiny_config("mistral")
+        cfg.num_attention_heads, cfg.num_key_value_heads = 6, 2
+        model = build(cfg)
+    assert decode.fold_heads(model.config.num_attention_heads, model.config.num_key_value_heads) == (group == 3)
+    prompts = _prompts(model.config.vocab_size)
+    want = [_reference(model, p, NEW, set()) for p in prompts]
+    dec = GreedyDecoder(model, rows=3, max_prompt=max(map(len, prompts)), max_new_tokens=NEW, stop_ids=set(),
+                        sync_every=4, refill_min=1, kernel="flex", kv_block=16)
+    assert dec.core.kernel == "flex"
+    assert dec.generate(prompts) == want
+
+
+def test_a_flex_kernel_that_fails_falls_back_to_sdpa_and_says_why(monkeypatch):
+    import dflash.decoding.attention as decode
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setattr(decode, "flex_attention", broken)
+    model = tiny_model("llama")
+    prompts = _prompts(model.config.vocab_size)
+    with pytest.warns(UserWarning, match="flex decode attention failed"):
+        dec = GreedyDecoder(model, rows=2, max_prompt=max(map(len, prompts)), max_new_tokens=NEW, stop_ids=set(),
+                            kernel="flex")
+    assert dec.core.kernel == "sdpa" and "no kernel for you" in dec.core.kernel_error
+    assert dec.generate(prompts) == [_reference(model, p, NEW, set()) for p in prompts]

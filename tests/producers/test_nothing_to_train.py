@@ -23,14 +23,14 @@ pytestmark = pytest.mark.integration
 def _produce(b: BrokerProc, data: str, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     env.update(OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--target",
+    return subprocess.run([sys.executable, "-m", "dflash.producers.produce_command", "--broker", b.control, "--target",
                            str(tiny_dir("qwen3", False)), "--data", data, "--device", "cpu", "--runs-dir",
                            str(b.runs_dir), "--no-check-packing", *extra],
                           capture_output=True, text=True, timeout=120, env=env)
 
 
 def _status(b: BrokerProc) -> dict:
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--run", b.run_id, "--runs-dir",
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--run", b.run_id, "--runs-dir",
                         str(b.runs_dir), "--json", "--timeout-s", "0.2"], capture_output=True, text=True, timeout=60)
     return json.loads(r.stdout)
 

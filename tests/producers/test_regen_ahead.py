@@ -22,7 +22,7 @@ from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row, open_dataset
 from dflash.producers.producer import LocalWorkSource, Producer
 from dflash.producers.regen_ahead import Claims, RegenAhead
-from dflash.producers.regenerate import RegenCache, Regenerator, cache_key
+from dflash.producers.regenerate import RegenCache, Regenerator
 from dflash.producers.target import load_target
 
 pytestmark = pytest.mark.integration

@@ -47,17 +47,17 @@ def _run(tmp: Path, ahead: int) -> tuple[list[dict], list[dict], Path]:
     env.update(OMP_NUM_THREADS="1", DFLASH_LOG_JSON="1")
     py = [sys.executable, "-m"]
     group = ProcessGroup()
-    group.start("broker", py + ["dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(base), "--data-in-port",
+    group.start("broker", py + ["dflash.broker.broker_command", "--bind", "127.0.0.1", "--port", str(base), "--data-in-port",
                                 str(base + 1), "--data-out-ports", f"{base + 2}-{base + 3}", "--runs-dir", runs,
                                 "--epochs", "1", "--heartbeat-s", "0.5", "--timeout-s", "30", "--progress-s", "0.5",
                                 "--lease-size", str(LEASE)], tmp / "broker.out", env)
-    group.start("producer", py + ["dflash.producers.cli", "--broker", broker, "--runs-dir", runs, "--instance", "p0",
+    group.start("producer", py + ["dflash.producers.produce_command", "--broker", broker, "--runs-dir", runs, "--instance", "p0",
                                   "--device", "cpu", "--target", target, "--data", str(tmp / "chats.jsonl"),
                                   "--token-budget", "512", "--max-length", "512", "--max-batch-size", "4",
                                   "--lease-size", str(LEASE), "--prefetch", "2", "--regenerate", "--max-new-tokens",
                                   str(NEW), "--regen-batch-size", str(REGEN_ROWS), "--regen-ahead", str(ahead),
                                   "--regen-cache", str(tmp / "regen")], tmp / "producer.out", env)
-    group.start("consumer", py + ["dflash.consumers.cli", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
+    group.start("consumer", py + ["dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
                                   "--target", target, "--block-size", "16", "--anchors", "64", "--draft-layers", "4",
                                   "--save-every", "0"], tmp / "consumer.out", env)
     try:

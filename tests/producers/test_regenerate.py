@@ -185,9 +185,9 @@ def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokeniz
     regen = Regenerator(target, tokenizer, RegenCache(tmp_path, cache_key("fp-attn", target, tokenizer, NEW, {})),
                         max_new_tokens=NEW, batch_size=2)
     regen.apply([Row(0, "d:0", messages=CHAT)])
-    from dflash.producers.decode import decode_attention
+    from dflash.decoding.attention import decode_attention
 
-    assert seen and set(seen) == {decode_attention(target.model)} and "sdpa" in seen[0]
+    assert seen and set(seen) == {decode_attention(target.model)} and seen[0] in ("decoding_core", "sdpa")
     seen.clear()
     after = target.capture(ids, pos)
     hook.remove()
@@ -263,7 +263,7 @@ def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
     after the one being decoded."""
     from types import SimpleNamespace
 
-    from dflash.producers.decode import Job
+    from dflash.decoding.greedy import Job
     from dflash.producers.regenerate import Regenerator
 
     regen = SimpleNamespace(max_new_tokens=256)
@@ -275,3 +275,31 @@ def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
     assert slots(jobs, lambda j: j.key) == 128
     assert slots([Job(single, [0] * 64)], lambda j: j.key) == 64
     assert slots(jobs + [Job(two_turns, [0] * 10)], lambda j: j.key) == 384  # 70 + 256, rounded up
+
+
+def test_rows_sized_by_memory_unless_given(tiny, tokenizer, tmp_path):
+    """--regen-batch-size 0 sizes each decoder's rows (on a CPU: CPU_ROWS, fewer for fewer
+    jobs) and logs how; a given size is kept; the arithmetic of rows for a KV budget; a
+    negative size is refused."""
+    from dflash.decoding.core import kv_bytes_per_slot, rows_for_memory
+    from dflash.producers.regenerate import CPU_ROWS, decoder_rows
+
+    tiny = load_target(str(tiny), None, device=CPU, full=True)
+    cache = RegenCache(tmp_path, "k")
+    auto = Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=0)
+    given = Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=7)
+    assert auto.batch_size == CPU_ROWS and given.batch_size == 7
+    assert not auto.graphed_prefill  # graphed packs only on a GPU
+    assert decoder_rows(tiny.model, CPU, 0, 100, 64) == (CPU_ROWS, {"source": "memory", "slots": 64})
+    assert decoder_rows(tiny.model, CPU, 0, 3, 64)[0] == 3
+    assert decoder_rows(tiny.model, CPU, 7, 100, 64) == (7, {"source": "--regen-batch-size", "slots": 64})
+    with capture_logs() as logs:
+        auto.apply([Row(0, "d:0", messages=CHAT)])
+    said = [e for e in logs if e["event"] == "produce.regen_rows"]
+    assert said and said[0]["rows"] == 1 and said[0]["source"] == "memory" and said[0]["jobs"] == 1
+    per_slot = kv_bytes_per_slot(tiny.model, tiny.model.dtype)
+    assert rows_for_memory(tiny.model, tiny.model.dtype, per_slot * 100 * 37 + 5, 100, 1024) == 37
+    assert rows_for_memory(tiny.model, tiny.model.dtype, per_slot * 100 * 37, 100, 20) == 20
+    assert rows_for_memory(tiny.model, tiny.model.dtype, 1, 100, 20) == 1
+    with pytest.raises(ValueError, match="0 .sized by memory. or more"):
+        Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=-1)

@@ -124,15 +124,15 @@ def test_a_run_with_a_sharded_producer_trains_to_the_end(tmp_path):
         with open(outs[name], "w") as f:
             procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
-    start("broker", [sys.executable, "-m", "dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(base),
+    start("broker", [sys.executable, "-m", "dflash.broker.broker_command", "--bind", "127.0.0.1", "--port", str(base),
                      "--data-in-port", str(base + 1), "--data-out-ports", f"{base + 2}-{base + 3}", "--runs-dir", runs,
                      "--epochs", "1", "--consumers", "1", "--heartbeat-s", "0.5", "--timeout-s", "60",
                      "--lease-size", "8"])
-    start("producer", _torchrun("-m", "dflash.producers.cli", "--tensor-parallel", "--broker", broker, "--runs-dir",
+    start("producer", _torchrun("-m", "dflash.producers.produce_command", "--tensor-parallel", "--broker", broker, "--runs-dir",
                                 runs, "--instance", "tp0", "--device", "cpu", "--target", target, "--data", str(data),
                                 "--token-budget", "256", "--max-length", "256", "--max-batch-size", "4",
                                 "--lease-size", "8", "--prefetch", "2"))
-    start("consumer", [sys.executable, "-m", "dflash.consumers.cli", "--broker", broker, "--runs-dir", runs,
+    start("consumer", [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs,
                        "--instance", "c0", "--target", target, "--block-size", "4", "--anchors", "16",
                        "--draft-layers", "1", "--lr", "3e-3", "--save-every", "1000", "--log-position-every", "0"])
     codes = _wait(procs, 330)
@@ -162,8 +162,8 @@ def test_a_run_with_a_sharded_producer_trains_to_the_end(tmp_path):
 def test_what_cannot_be_sharded_is_refused_naming_why(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from dflash.producers.command import main
-    from dflash.producers.config import ProducerConfig
+    from dflash.producers.produce_command import main
+    from dflash.producers.producer_config import ProducerConfig
     from dflash.producers.shard import ShardError, world_from_env
     from dflash.producers.target import TargetError
 

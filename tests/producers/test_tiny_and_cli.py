@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tests.producers.helpers import chat, write_jsonl
 from tests.harness.tiny import tiny_dir
 
-from dflash.producers.cli import main
+from dflash.producers.produce_command import main
 from dflash.producers.sample_data import CHATS_PATH, generate_chats
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
@@ -62,7 +62,7 @@ def test_help_explains_every_option():
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "dflash.producers.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dflash.producers.produce_command", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "DFLASH_LOG_JSON": "1"})
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 _BROKER_SIDE = r"""
 import json, sys
 import msgpack
-import dflash.broker.command, dflash.broker.cli, dflash.broker.server
+import dflash.broker.broker_command, dflash.broker.broker_process, dflash.broker.server
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
 

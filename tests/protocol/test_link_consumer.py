@@ -47,7 +47,8 @@ class HandBroker:
         assert msgpack.unpackb(raw)["type"] == "hello"
         self.ctl.send_multipart([ident, msgpack.packb({
             "v": 1, "type": "welcome", "run": RUN, "peer": "c1", "heartbeat_s": 1.0, "timeout_s": 30.0,
-            "data_out": self.ends[0], "data_streams": self.ends, "run_config": {"max_credit": 64}})])
+            "data_out": self.ends[0], "data_streams": self.ends,
+            "run_config": {"epochs": 1, "seed": 0, "lease_size": 4, "max_message_bytes": 1 << 20, "max_credit": 64}})])
 
     def close(self) -> None:
         for s in (self.ctl, *self.pipes):

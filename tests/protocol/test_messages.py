@@ -4,12 +4,15 @@ optional ones are left out while None (unless nil) and take their default when a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dflash.broker.inbound import Batch as Arrived
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import MESSAGES, PRE_HANDSHAKE, Ack, Hello, LineageStart, Welcome
+from dflash.protocol.messages import (MESSAGES, PRE_HANDSHAKE, Ack, CommitPoint, DatasetFacts, Grant, Hello, LineageStart,
+                                     RunConfig, RunFacts, Welcome)
 
 pytestmark = pytest.mark.unit
 
@@ -68,3 +71,45 @@ def test_a_header_naming_a_local_field_does_not_reach_it():
     h = example(MESSAGES["batch"]).to_header(RUN)
     b = Arrived.from_header({**h, "frames": ["x"], "payload_bytes": 7}, payload_bytes=1, header_bytes=2, frames=[])
     assert (b.payload_bytes, b.header_bytes, b.frames) == (1, 2, [])
+
+
+# ---------------------------------------------------------------- maps inside a message: welcome.run_config
+
+RUN_CONFIG = RunConfig(epochs=2, seed=7, lease_size=4, max_message_bytes=1 << 20, max_credit=64)
+
+
+def test_a_run_config_goes_out_as_a_map_and_parses_back():
+    rc = replace(RUN_CONFIG, layer_ids=[1, 3], dataset=DatasetFacts(10, "fp"),
+                 resumed_from=CommitPoint(RUN, 4, "/ckpt/step-4"), rank=1, world_size=2, dist="tcp://h:1")
+    h = Welcome(RUN, "c1", 1.0, 10.0, run_config=rc).to_header()
+    assert h["run_config"]["dataset"] == {"n_samples": 10, "fingerprint": "fp"}
+    assert h["run_config"]["resumed_from"] == {"run": RUN, "step": 4, "checkpoint": "/ckpt/step-4"}
+    got = Welcome.from_header(codec.unpack_header(codec.encode(h)[0]))
+    assert got.run_config == rc and got.run_config.names_start()
+
+
+def test_a_run_config_says_nil_where_a_field_applies_and_is_unknown():
+    """PROTOCOL.md 4.1: a resumed run's `resumed_from` is nil when its chain committed
+    nothing, `dist` is nil where ranks are arranged and rank 0 offered none; elsewhere absent."""
+    fresh = RUN_CONFIG.fields()
+    assert "resumed_from" not in fresh and "dist" not in fresh and "parent_run" not in fresh
+    assert not RunConfig.from_header(fresh).names_start()  # a fresh run: --resume as the consumer gives it
+    resumed = replace(RUN_CONFIG, parent_run="20261201T000000Z-aaaa").fields()
+    assert resumed["resumed_from"] is None
+    back = RunConfig.from_header(resumed)
+    assert back.names_start() and back.resumed_from is None  # start from no checkpoint
+    ranked = replace(RUN_CONFIG, rank=0, world_size=2).fields()
+    assert ranked["dist"] is None and "lighthouse" not in ranked
+
+
+def test_a_heartbeats_run_facts_fill_in_what_the_welcome_lacked():
+    facts = RunFacts.from_header({"layer_ids": [1, 2], "hidden_size": 64, "target_id": None})
+    rc = RUN_CONFIG.with_facts(facts)
+    assert (rc.layer_ids, rc.hidden_size, rc.target_id, rc.seed) == ([1, 2], 64, None, 7)
+
+
+def test_a_grants_samples_must_be_ids():
+    h = Grant(1, 0, [3, 4], False).to_header(RUN)
+    assert Grant.from_header(h).samples == [3, 4]
+    with pytest.raises(ProtocolError, match="grant: field 'samples' holds an element of type bool"):
+        codec.check_header({**h, "samples": [3, True]})

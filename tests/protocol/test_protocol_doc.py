@@ -1,5 +1,6 @@
-"""docs/PROTOCOL.md's message tables mirror protocol/messages.py: every message type has
-one `| field | type |` table (a type without fields is written `type {}` instead), each
+"""docs/PROTOCOL.md's message tables mirror protocol/messages.py: every message type (and
+each map inside one that has a type of its own there: `run_config`) has one
+`| field | type |` table (a type without fields is written `type {}` instead), each
 field of the dataclass is a row and each row a field, and a row's type says `optional`
 exactly when the dataclass field is optional.
 
@@ -13,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from dflash.protocol.messages import MESSAGES
+from dflash.protocol.messages import MESSAGES, RunConfig
 
 pytestmark = pytest.mark.unit
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 ENVELOPE_INTRO = "Header fields every message has:"
 ENVELOPE = "(envelope)"
+# Maps inside a message with a table of their own: name in the doc -> their type
+MAPS = {"run_config": RunConfig}
+TYPES = {**MESSAGES, **MAPS}
 
 
 def field_tables(text: str) -> dict[str, dict[str, bool]]:
@@ -54,7 +58,7 @@ def code_fields(cls) -> dict[str, bool]:
 
 def mismatches(t: str, doc: dict[str, bool], code: dict[str, bool]) -> list[str]:
     """What the `t` table says against the dataclass, one sentence each."""
-    cls = MESSAGES[t].__name__
+    cls = TYPES[t].__name__
     out = []
     for name in code:
         if name not in doc:
@@ -79,9 +83,9 @@ def tables(text) -> dict[str, dict[str, bool]]:
     return field_tables(text)
 
 
-@pytest.mark.parametrize("t", sorted(MESSAGES))
+@pytest.mark.parametrize("t", sorted(TYPES))
 def test_each_message_table_mirrors_its_dataclass(t, text, tables):
-    code = code_fields(MESSAGES[t])
+    code = code_fields(TYPES[t])
     if not code:
         assert f"`{t} {{}}`" in text, f"docs/PROTOCOL.md: `{t}` has no fields; write it `{t} {{}}`"
         assert t not in tables, f"docs/PROTOCOL.md: a field table for `{t}`, which has no fields"
@@ -93,8 +97,8 @@ def test_each_message_table_mirrors_its_dataclass(t, text, tables):
 
 
 def test_every_table_is_of_a_message_or_the_envelope(tables):
-    unknown = sorted(set(tables) - set(MESSAGES) - {ENVELOPE})
-    assert not unknown, f"docs/PROTOCOL.md has field tables for {unknown}, which are not message types"
+    unknown = sorted(set(tables) - set(TYPES) - {ENVELOPE})
+    assert not unknown, f"docs/PROTOCOL.md has field tables for {unknown}, which are not message types or their maps"
     assert set(tables.get(ENVELOPE, {})) == {"v", "type", "run", "tensors"}, (
         f"docs/PROTOCOL.md section 2's header table lists {sorted(tables.get(ENVELOPE, {}))}")
 

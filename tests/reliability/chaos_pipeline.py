@@ -86,7 +86,7 @@ class Pipeline:
                 "--consumers", str(self.n_consumers), "--heartbeat-s", "0.5", "--timeout-s", f"{self.timeout_s:g}",
                 "--lease-size", "8", "--drain-s", "30", *self.broker_args]
         args += ["--resume", resume] if resume else ["--epochs", str(self.epochs), "--seed", str(self.seed)]
-        proc = self._spawn("broker", "dflash.broker.cli", args)
+        proc = self._spawn("broker", "dflash.broker.broker_command", args)
         end = time.monotonic() + self.start_s
         while time.monotonic() < end:
             if proc.poll() is not None:
@@ -102,14 +102,14 @@ class Pipeline:
         raise AssertionError(f"broker did not answer status within {self.start_s:g} s")
 
     def start_producer(self, name: str) -> subprocess.Popen:
-        return self._spawn(name, "dflash.producers.cli", [
+        return self._spawn(name, "dflash.producers.produce_command", [
             "--broker", self.control, "--runs-dir", str(self.runs), "--instance", name, "--device", "cpu",
             "--target", self.target, "--data", str(self.data), "--token-budget", "512", "--max-length", "512",
             "--max-batch-size", "2", "--lease-size", "8", "--prefetch", "2"])
 
     def start_consumer(self, name: str) -> subprocess.Popen:
         # No --resume: in a resumed run the broker names the checkpoint (PROTOCOL.md 8).
-        return self._spawn(name, "dflash.consumers.cli", [
+        return self._spawn(name, "dflash.consumers.consume_command", [
             "--broker", self.control, "--runs-dir", str(self.runs), "--instance", name, "--target", self.target,
             "--block-size", "8", "--anchors", "48", "--draft-layers", "1", "--lr", "3e-3", "--save-every", str(self.save_every),
             "--log-position-every", "0"])

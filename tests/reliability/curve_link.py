@@ -30,7 +30,7 @@ def main(broker: str, runs_dir: str, keys: str, name: str) -> None:
         return
     try:
         grant = link.request_lease(4, timeout_s=10)
-        print(json.dumps({"run": welcome["run"], "lease": len(grant["samples"])}))
+        print(json.dumps({"run": welcome.run, "lease": len(grant.samples)}))
     finally:
         link.close(reason="test")
         close_logging()

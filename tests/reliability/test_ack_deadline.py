@@ -32,6 +32,8 @@ def test_a_consumer_that_beats_but_never_acks_loses_its_batches_to_another(broke
     assert len(taken) == 4
     ev = b.wait_event("broker.ack_overdue")
     assert ev["peer"] == hog.peer and ev["in_flight"] == 4 and ev["deadline_s"] == 2
+    # the line's own `instance` is the broker's; the consumer's is `peer_instance` (docs/LOGS.md)
+    assert ev["role"] == "broker" and ev["instance"] == "main" and ev["peer_instance"] == "hog"
     assert 2 <= ev["waited_s"] < 5
     lost = b.wait_event("broker.peer_lost", pred=lambda e: e["peer"] == hog.peer)
     assert lost["held"]["in_flight"] == 4 and "no ack" in lost["reason"]

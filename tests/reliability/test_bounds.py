@@ -48,7 +48,9 @@ def test_maxmsgsize_closes_a_connection_that_declares_a_huge_frame(brokers, sock
 
 
 def test_sessions_and_hello_configs_are_bounded(brokers):
-    b = brokers("--max-peers", "2")
+    # These fakes beat only while they wait: a timeout no loaded machine reaches keeps c1 and
+    # c2 live until they leave (the harness's 1.5 s let the broker drop c1 before c3 came).
+    b = brokers("--max-peers", "2", "--timeout-s", "600")
     big = {"blob": "x" * (100 << 10)}
     with pytest.raises(Rejected, match="bad_message.*larger than 65536"):
         FakeConsumer(b.control, "fat", config=big)
@@ -56,6 +58,8 @@ def test_sessions_and_hello_configs_are_bounded(brokers):
     with pytest.raises(Rejected, match="full.*--max-peers"):
         FakeConsumer(b.control, "c3")
     c1.send("bye", reason="test")
+    # c1's bye and c3's hello travel on two connections: the broker must have taken the bye first
+    wait_until(lambda: any(g["instance"] == "c1" for g in (b.ask() or {}).get("gone", [])), 60, "c1 gone")
     c3 = FakeConsumer(b.control, "c3")  # a session that left frees its place
     for c in (c1, c2, c3):
         c.close()

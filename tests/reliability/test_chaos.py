@@ -83,7 +83,7 @@ def _loads(path) -> None:
 
     from dflash.consumers.checkpoint import load_checkpoint
     from dflash.consumers.model import DFlashDraft, DrafterConfig
-    from dflash.consumers.target_heads import load_target_heads
+    from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 
     heads = load_target_heads(tiny_target(), dtype=torch.float32)

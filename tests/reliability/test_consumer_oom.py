@@ -1,7 +1,7 @@
 """A consumer that runs out of memory splits its steps into micro-batches and the run goes
 on (issue 7): the real CPU pipeline of test_chaos.py (broker, producer, consumer as
 processes on loopback), the consumer's OOMs injected in its real training loop with
-DFLASH_TEST_OOM_TOKENS (consumers/oom.py). The run completes, every (epoch, sample) is
+DFLASH_TEST_OOM_TOKENS (consumers/step_oom.py). The run completes, every (epoch, sample) is
 trained exactly once and committed, and the consumer's log says what happened.
 """
 
@@ -29,7 +29,7 @@ def test_a_consumer_out_of_memory_splits_its_steps_and_trains_every_sample_once(
     try:
         run = pipe.start_broker(None)
         # Batches of up to 4 chats, so a step splits into 2 and then 4 micro-batches.
-        pipe._spawn("p0", "dflash.producers.cli", [
+        pipe._spawn("p0", "dflash.producers.produce_command", [
             "--broker", pipe.control, "--runs-dir", str(pipe.runs), "--instance", "p0", "--device", "cpu",
             "--target", pipe.target, "--data", str(pipe.data), "--token-budget", "640", "--max-length", "512",
             "--max-batch-size", "4", "--lease-size", "8", "--prefetch", "2"])

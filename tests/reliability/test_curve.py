@@ -150,6 +150,43 @@ def test_peerlink_with_curve_joins_and_an_unknown_key_gets_a_named_error(curve_b
     assert bad["error"] == "BrokerUnreachable" and "'intruder' in the broker's authorized/ folder" in bad["message"]
 
 
+def test_a_client_with_plain_tcp_or_another_brokers_key_leaves_a_trace_in_the_log(curve_broker, brokers, keys):
+    """Issue 29 item 8: such a client never gets a message through, so only the sockets'
+    monitor sees it; the broker logs it (broker.handshake_failed) with what it means."""
+    b, p = curve_broker(), brokers()  # both bound before the refused clients churn through local ports
+
+    def client(endpoint: str, kind: int = zmq.DEALER, curve=None) -> zmq.Socket:
+        s = zmq.Context.instance().socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 5000)  # one attempt is enough to be seen
+        if curve is not None:
+            curve.apply(s)
+        s.connect(endpoint)
+        return s
+
+    mine = client_keys(keys, "good-c")
+    another_broker = type(mine)(mine.public, mine.secret, zmq.curve_keypair()[0], "good-c")
+    socks = [client(b.control), client(b.control, curve=another_broker),
+             client(f"tcp://127.0.0.1:{b.port + 1}", zmq.PUSH),  # plain on data in too: connecting is enough
+             client(p.control, curve=mine)]  # and Curve against the plain broker
+    for s in (socks[0], socks[1], socks[3]):
+        s.send(_hello("producer", "x"))
+    assert all(_silent(s, 1.0) for s in (socks[0], socks[1], socks[3]))
+    ev = b.wait_event("broker.handshake_failed", 10, lambda e: e["socket"] == "control"
+                      and e["error"] in ("mechanism_mismatch", "no_detail"))
+    assert ev["curve"] is True and "--curve-keys" in ev["hint"]
+    ev = b.wait_event("broker.handshake_failed", 10, lambda e: e["error"] == "cryptographic")
+    assert ev["socket"] == "control" and "broker.key" in ev["hint"]
+    # Which end notices a mismatch first is a race: the one that does hangs up (`no_detail` here)
+    ev = b.wait_event("broker.handshake_failed", 10, lambda e: e["socket"] == "data_in")
+    assert ev["error"] in ("mechanism_mismatch", "no_detail") and "--curve-keys" in ev["hint"]
+    ev = p.wait_event("broker.handshake_failed", 10, lambda e: e["socket"] == "control")
+    assert ev["curve"] is False and ev["error"] in ("mechanism_mismatch", "no_detail")
+    assert "without --curve-keys" in ev["hint"]
+    for s in socks:
+        s.close()
+
+
 class _Tap:
     """A TCP relay that keeps a copy of every byte going either way."""
 
@@ -186,7 +223,7 @@ def test_dflash_status_speaks_curve_with_an_authorised_key_only(curve_broker, ke
     b = curve_broker()
 
     def status(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--json",
+        return subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control, "--json",
                                "--timeout-s", "3", *extra], capture_output=True, text=True, timeout=60)
 
     ok = status("--curve-keys", str(keys), "--curve-name", "good-c")
@@ -215,10 +252,10 @@ def test_real_producer_and_consumer_train_over_curve_and_a_keyless_producer_is_r
 
     produce = ["--device", "cpu", "--target", target, "--data", str(data), "--max-length", "512",
                "--token-budget", "2048"]
-    keyless = start("dflash.producers.cli", *produce, "--instance", "nokey")
-    procs = [start("dflash.producers.cli", *produce, "--instance", "p", "--curve-keys", str(keys),
+    keyless = start("dflash.producers.produce_command", *produce, "--instance", "nokey")
+    procs = [start("dflash.producers.produce_command", *produce, "--instance", "p", "--curve-keys", str(keys),
                    "--curve-name", "good-p"),
-             start("dflash.consumers.cli", "--target", target, "--block-size", "8", "--anchors", "32",
+             start("dflash.consumers.consume_command", "--target", target, "--block-size", "8", "--anchors", "32",
                    "--draft-layers", "1", "--instance", "c", "--curve-keys", str(keys), "--curve-name", "good-c")]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]

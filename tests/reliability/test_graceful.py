@@ -4,8 +4,9 @@ test_chaos.py, then resumes to the end:
 1. SIGINT to a producer: it says bye, the broker takes its leases back, it exits 0.
 2. SIGTERM to the broker while consumers train: the broker drains: consumers finish the
    step, checkpoint and commit, and the broker records that commit before it exits 0.
-3. (resumed) SIGTERM to one consumer: both ranks stop after the same step, rank 0
-   checkpoints and commits it, both exit 0; then SIGTERM the broker.
+3. (resumed) SIGTERM to one consumer of the elastic pair: it leaves the group and exits 0,
+   the other trains on alone (issue 29: it used to stop both); then SIGTERM the broker:
+   the one left finishes its step, checkpoints and commits it, and exits 0.
 4. (resumed again) the run completes.
 
 Nothing is trained twice: the chain's ledgers and the final checkpoint's record agree on
@@ -97,20 +98,23 @@ def test_graceful_stops_of_every_role_commit_what_they_trained_and_nothing_is_tr
         _, step, ckpt = final_commit(pipe.runs, [run1])
         assert step == done[0]["step"] and ckpt == done[0]["last_checkpoint"]  # recorded during the drain
 
-        # -- generation 2 (resumed): SIGTERM one consumer, then the broker
+        # -- generation 2 (resumed): SIGTERM one consumer (it leaves, the other goes on), then the broker
         run2 = pipe.start_all(run1, 2)
         (resumed,) = _events(pipe, run2, "broker-main", "broker.resume")
         assert resumed["checkpoint"]["step"] == step
         n = _commits(pipe)
         _wait(lambda: _commits(pipe) > n, 120, "a commit of the resumed run")
         assert _signal(pipe, "c1-g2", signal.SIGTERM) == 0, pipe.tail("c1-g2")
-        assert pipe.procs["c0-g2"].wait(60) == 0, pipe.tail("c0-g2")
-        done = _consumers_done(pipe, run2, 2)
-        assert done[0]["step"] == done[1]["step"] and done[0]["reason"] == "stop"
-        _wait(lambda: (final_commit(pipe.runs, [run2]) or (0, 0))[1] == done[0]["step"], 10,
-              "the consumers' last commit")
+        (gone,) = _events(pipe, run2, "consumer-c1-g2", "consume.done")
+        assert gone["reason"] == "left" and _events(pipe, run2, "consumer-c1-g2", "train.leaving")
+        n = _commits(pipe)
+        _wait(lambda: _commits(pipe) > n, 120, "c0 training on alone")
+        assert pipe.alive("c0-g2")
         assert _signal(pipe, "broker", signal.SIGTERM) == 0, pipe.tail("broker")
         _no_failures(pipe)
+        (done,) = _events(pipe, run2, "consumer-c0-g2", "consume.done")
+        assert done["reason"] == "stop" and done["step"] > gone["step"]
+        assert (final_commit(pipe.runs, [run2]) or (0, 0))[1] == done["step"]  # its last commit, recorded
 
         # -- generation 3 (resumed): to the end
         run3 = pipe.start_all(run2, 3)

@@ -14,7 +14,7 @@ from tests.harness.ledger import committed, ledger_rows
 from tests.harness.spawn import COMMITTING, finish, spawn
 from tests.harness.wait import wait_until
 
-from dflash.broker.leases import epoch_order
+from dflash.protocol.sample_order import epoch_order
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +105,7 @@ def test_resume_refuses_what_would_repeat_or_skip_data(brokers, tmp_path):
     b1 = brokers("--epochs", "2", "--seed", "3", "--num-samples", "10")
 
     def resume(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--runs-dir", str(tmp_path / "runs"),
+        return subprocess.run([sys.executable, "-m", "dflash.broker.broker_command", "--runs-dir", str(tmp_path / "runs"),
                                "--port", "1", *args], capture_output=True, text=True, timeout=60)
 
     r = resume("--resume", b1.run_id)  # its broker is alive on this host

@@ -8,11 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from dflash.broker import resume
-from dflash.broker.leases import LeasePool, epoch_order
+from dflash.broker.leases import LeasePool
+from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 
 pytestmark = pytest.mark.integration
@@ -88,7 +90,7 @@ def test_parent_ledger_is_read_from_a_copy_as_it_lies_after_sigkill(tmp_path):
     os.remove(tmp_path / "child.sqlite")
 
 
-def _run_folder(root, run_id: str, parent: str | None = None) -> "Path":
+def _run_folder(root, run_id: str, parent: str | None = None) -> Path:
     d = root / run_id
     d.mkdir(parents=True)
     info = {"run_id": run_id, "config": {"seed": 1, "epochs": 1, "num_samples": 6}, "outcome": "completed",

@@ -29,7 +29,7 @@ from dflash.broker.server import Broker
 from dflash.protocol.links import ProducerLink
 from dflash.protocol.peer import broker_silent
 from dflash.protocol.sockets import free_port_block
-from dflash.runtime.config import as_dict
+from dflash.runtime.command_line import as_dict
 from dflash.runtime.logs import close_logging, setup_logging
 from dflash.runtime.run import make_run_dir, new_run_id
 

@@ -35,10 +35,12 @@ def test_a_resumed_runs_progress_counts_the_inherited_samples(brokers):
     st = b2.ask()
     p = st["progress"]
     assert p["inherited"] == parent and p["done"] == parent, p
+    # trained and committed over the chain (issue 29: a finished resumed run left its parent's out)
+    assert p["trained"] == p["committed"] == parent and p["epoch"] == 0, p
     assert p["fraction"] == round(parent / N, 4)
     text = "\n".join(header(st))
-    assert f"(+{parent} from the resumed run) of {N}" in text, text
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b2.control], capture_output=True,
+    assert f"samples trained {parent} committed {parent} (incl. {parent} from the resumed run) of {N}" in text, text
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", b2.control], capture_output=True,
                        text=True, timeout=30)
-    assert r.returncode == 0 and f"+{parent} from the resumed run" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"(incl. {parent} from the resumed run)" in r.stdout, r.stdout + r.stderr
     assert b2.stop() == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 from tests.harness.ledger import committed
 from tests.harness.spawn import COMMITTING, finish, spawn
@@ -23,19 +22,21 @@ def test_a_producer_bye_returns_its_leases_at_once_and_its_late_batch_is_stale(b
     b = brokers("--lease-size", "4", "--timeout-s", "30")  # a loss would take 30 s: only `bye` is fast
     leaver = FakeProducer(b.control, "leaver", n_samples=8)
     leaver.send("lease", want=4)
-    g = leaver.wait_for({"grant"}, 5)
-    t_bye = time.monotonic()
+    g = leaver.wait_for({"grant"}, 30)
     leaver.send("bye", reason="signal SIGTERM")
-    left = b.wait_event("broker.peer_left", 5, lambda e: e["peer_instance"] == "leaver")
+    left = b.wait_event("broker.peer_left", 30, lambda e: e["peer_instance"] == "leaver")
     assert left["held"]["samples_returned"] == 4 and left["held"]["leases"] == [g["lease"]]
     other = FakeProducer(b.control, "other", n_samples=8)
     other.send("lease", want=4)
-    g2 = other.wait_for({"grant"}, 5)
-    assert g2["samples"] == g["samples"] and time.monotonic() - t_bye < 5  # the same samples, first
+    g2 = other.wait_for({"grant"}, 30)
+    assert g2["samples"] == g["samples"]  # the same samples, first
+    # ... given back by the bye (peer_left above), not by a loss after the 30 s timeout: asserted on
+    # what the broker did, not on seconds, which a loaded machine stretches
+    assert not b.events("broker.peer_lost")
     # the leaver's batch, sent after its bye, cannot put those samples in a second time
     leaver.data.send_multipart(batch_frames(b.run_id, leaver.peer, f"{leaver.peer}-1", g["lease"], g["epoch"],
                                             g["samples"][:2]))
-    b.wait_event("broker.batch_stale", 5, lambda e: e["producer"] == leaver.peer)
+    b.wait_event("broker.batch_stale", 30, lambda e: e["producer"] == leaver.peer)
     cons = FakeConsumer(b.control, "c")
     with Pumping(cons):
         other.push(batch_frames(b.run_id, other.peer, f"{other.peer}-g2", g2["lease"], g2["epoch"], g2["samples"]))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from dflash.broker.cli import main as broker_main
-from dflash.producers.cli import main as produce_main
+from dflash.broker.broker_command import main as broker_main
+from dflash.producers.produce_command import main as produce_main
 import pytest
 
 pytestmark = pytest.mark.integration

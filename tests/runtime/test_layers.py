@@ -1,44 +1,37 @@
-"""The layering of docs/DESIGN.md's module map: protocol/ (the wire) and runtime/ (process
-plumbing) import no role, and runtime/ nothing of protocol/, so any folder may use either
-and runtime/ never pulls in the wire."""
+"""The layering of docs/DESIGN.md's module map: protocol/ (the wire), runtime/ (process
+plumbing) and decoding/ (the greedy decoding core) import no role, and runtime/ and decoding/
+nothing of protocol/, so any folder may use them and they never pull in the wire. The imports are read as tests/test_imports.py reads
+them (tests/harness/imports.py: at any depth of the code)."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
+
+from tests.harness.imports import import_graph
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("dflash.broker", "dflash.producers", "dflash.consumers", "dflash.tools")
-
-
-def _imports(folder: str) -> dict[str, set[str]]:
-    """Every absolute module each file of `folder` imports, at any depth of its code."""
-    out = {}
-    for path in sorted((ROOT / folder).glob("*.py")):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        out[f"{folder}/{path.name}"] = names
-    return out
 
 
 def _under(name: str, packages) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-@pytest.mark.parametrize("folder", ["protocol", "runtime"])
+def _imports_into(folder: str, packages) -> list[str]:
+    """`folder`'s imports of a module under `packages`, one line each."""
+    graph = import_graph()
+    return [str(e) for module, edges in graph.items() if _under(module, (f"dflash.{folder}",))
+            for e in edges if _under(e.target, packages)]
+
+
+@pytest.mark.parametrize("folder", ["protocol", "runtime", "decoding"])
 def test_no_role_is_imported(folder):
-    bad = {f: sorted(n for n in names if _under(n, ROLES)) for f, names in _imports(folder).items()}
-    assert not {f: n for f, n in bad.items() if n}, f"{folder}/ imports a role"
+    bad = _imports_into(folder, ROLES)
+    assert not bad, f"{folder}/ imports a role:\n" + "\n".join(bad)
 
 
-def test_runtime_does_not_import_the_wire():
-    bad = {f: sorted(n for n in names if _under(n, ("dflash.protocol",))) for f, names in _imports("runtime").items()}
-    assert not {f: n for f, n in bad.items() if n}, "runtime/ imports protocol/"
+@pytest.mark.parametrize("folder", ["runtime", "decoding"])
+def test_plumbing_does_not_import_the_wire(folder):
+    bad = _imports_into(folder, ("dflash.protocol",))
+    assert not bad, f"{folder}/ imports protocol/:\n" + "\n".join(bad)

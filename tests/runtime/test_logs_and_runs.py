@@ -54,18 +54,18 @@ def test_every_line_is_json_with_identity_fields(tmp_path):
     run_id = new_run_id()
     stdout = _log_in_subprocess(tmp_path, run_id)
     path = tmp_path / run_id / "logs" / "producer-hostA-gpu0.jsonl"
-    lines = [json.loads(l) for l in path.read_text().splitlines()]
-    assert [l["event"] for l in lines] == ["test.before_run", "test.after_run", "test.failed"]
-    for l in lines:
+    lines = [json.loads(rec) for rec in path.read_text().splitlines()]
+    assert [rec["event"] for rec in lines] == ["test.before_run", "test.after_run", "test.failed"]
+    for rec in lines:
         for k in REQUIRED:
-            assert l.get(k) is not None, (k, l)
-        assert l["run_id"] == run_id and l["gpu"] == 3
-        assert l["ts"].endswith("Z") and len(l["ts"]) == len("2026-11-29T15:48:12.123Z")
+            assert rec.get(k) is not None, (k, rec)
+        assert rec["run_id"] == run_id and rec["gpu"] == 3
+        assert rec["ts"].endswith("Z") and len(rec["ts"]) == len("2026-11-29T15:48:12.123Z")
     assert lines[1]["level"] == "warning" and lines[1]["y"] == [1, 2]
     assert "ZeroDivisionError" in lines[2]["exception"]
     # stdout (not a TTY here) carries the same JSON lines
-    json_lines = [json.loads(l) for l in stdout.splitlines() if l.startswith("{")]
-    assert [l["event"] for l in json_lines] == ["test.before_run", "test.after_run", "test.failed"]
+    json_lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert [rec["event"] for rec in json_lines] == ["test.before_run", "test.after_run", "test.failed"]
 
 
 def test_two_runs_never_share_a_log_file(tmp_path):
@@ -75,8 +75,8 @@ def test_two_runs_never_share_a_log_file(tmp_path):
     f1 = tmp_path / r1 / "logs" / "producer-hostA-gpu0.jsonl"
     f2 = tmp_path / r2 / "logs" / "producer-hostA-gpu0.jsonl"
     assert f1 != f2
-    assert {json.loads(l)["run_id"] for l in f1.read_text().splitlines()} == {r1}
-    assert {json.loads(l)["run_id"] for l in f2.read_text().splitlines()} == {r2}
+    assert {json.loads(line)["run_id"] for line in f1.read_text().splitlines()} == {r1}
+    assert {json.loads(line)["run_id"] for line in f2.read_text().splitlines()} == {r2}
 
 
 def test_lines_of_a_closed_run_never_reach_the_next_runs_file(tmp_path):
@@ -108,6 +108,6 @@ def test_lines_of_a_closed_run_never_reach_the_next_runs_file(tmp_path):
     subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     events = {}
     for f in sorted(tmp_path.glob("*/logs/*.jsonl")):
-        events[f.name] = [json.loads(l)["event"] for l in f.read_text().splitlines()]
+        events[f.name] = [json.loads(line)["event"] for line in f.read_text().splitlines()]
     assert events == {"consumer-a.jsonl": ["test.in_first"], "consumer-b.jsonl": ["test.held", "test.in_second"],
                       "consumer-c.jsonl": ["test.in_third"]}

@@ -8,7 +8,7 @@ import sys
 
 
 def status(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.tools.status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dflash.tools.status_command", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -113,6 +113,38 @@ def test_lost_drafter_outranks_the_balance_and_says_its_last_step():
     assert diagnose(field_run(gone=left))["code"] == "balanced"
 
 
+def test_a_target_that_stopped_on_a_bad_row_says_why_and_the_fix_not_start_one():
+    """Issue 29 item 4: its `failed` is in the gone row; the run waits on it."""
+    failure = {"code": "bad_row", "reason": "/d/chats.jsonl:17: invalid JSON: Expecting value",
+               "source": "/d/chats.jsonl:17", "hint": "fix or remove the row at /d/chats.jsonl:17 and restart the "
+                                                       "producer, or restart it with --skip-bad-rows (...)"}
+    gone = [{"peer": "p1", "role": "producer", "instance": "h-gpu0", "state": "left", "ago_s": 4000.0,
+             "reason": "failed", "held": {"samples_returned": 256}, "failure": failure}]
+    d = diagnose(status([], [consumer(0, 0.0, waiting_s=9.0)], batches=0, gone=gone))
+    assert d["code"] == "peer_failed" and d["limited_by"] == "targets"
+    assert "target p1 (h-gpu0) stopped" in d["text"] and "on a bad dataset row: /d/chats.jsonl:17" in d["text"]
+    assert "--skip-bad-rows" in d["suggestion"] and "no target is left: the run waits" in d["suggestion"]
+    assert "start dflash-produce" not in d["suggestion"]
+    # a restarted producer makes up for it; an old failure while others carry on is history
+    assert diagnose(status([producer(0, 4 * K)], [consumer(0, 7 * K)], gone=gone))["code"] != "peer_failed"
+
+
+def test_lease_starvation_is_named_instead_of_more_cores():
+    """Issue 29 item 5: a live target without a lease while every sample left is leased to
+    another: more targets or cores would not help (a CPU run, where that was the advice)."""
+    prods = [producer(0, 300.0, gpu=None, leases_open=1), producer(1, 0.0, gpu=None, leases_open=0, in_flight=0)]
+    cons = [consumer(0, 100.0, wait_frac=0.8, waiting_s=2.0, gpu=None)]
+    st = status(prods, cons, batches=0)
+    st["samples"].update(pending=0, leased=30)
+    st["config"] = {"lease_size": 256}
+    d = diagnose(st)
+    assert d["code"] == "lease_starved" and d["limited_by"] == "targets"
+    assert "1 of 2 targets have no work (p1 (h-gpu1))" in d["text"] and "30 of them to p0 (h-gpu0)" in d["text"]
+    assert "more cores" not in d["suggestion"] and "--lease-size (now 256)" in d["suggestion"]
+    st["samples"]["pending"] = 40  # work left to lease: the targets' own pace is the limit
+    assert diagnose(st)["code"] == "drafters_starved"
+
+
 def test_oom_backoff_names_the_peer_and_its_memory():
     prods = [producer(i, 4 * K) for i in range(5)]
     prods[3].update(oom_backoff=True, gpu_mem_used=94 * 2**30, gpu_mem_total=96 * 2**30, stats={"ooms": 2})
@@ -120,7 +152,7 @@ def test_oom_backoff_names_the_peer_and_its_memory():
     assert d["code"] == "oom_backoff" and d["limited_by"] == "targets"
     assert "target p3 (h-gpu3) is in OOM backoff" in d["text"] and "(2 times)" in d["text"]
     assert "GPU 3: 94.0 of 96.0 GiB used" in d["text"] and "--token-budget" in d["suggestion"]
-    # a drafter's backoff (consumers/oom.py): its steps run in micro-batches
+    # a drafter's backoff (consumers/step_oom.py): its steps run in micro-batches
     cons = [consumer(i, 7 * K) for i in range(3)]
     cons[1].update(oom_backoff=True, stats={"ooms": 1})
     d = diagnose(status([producer(i, 4 * K) for i in range(5)], cons))

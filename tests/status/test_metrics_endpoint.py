@@ -85,7 +85,7 @@ def test_live_broker_serves_metrics(start_broker, fakes):
 
 
 def _broker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.broker.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dflash.broker.broker_command", *args], capture_output=True, text=True,
                           timeout=30)
 
 
@@ -95,7 +95,7 @@ def test_metrics_port_clash_and_port_in_use_fail_in_one_line(tmp_path):
              f"{base + 2}-{base + 3}", "--runs-dir", str(tmp_path)]
     from click.testing import CliRunner
 
-    from dflash.broker.cli import main
+    from dflash.broker.broker_command import main
 
     r = CliRunner().invoke(main, [*ports, "--metrics-port", str(base)])  # refused before anything starts
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--metrics-port" in r.stderr

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def _logs(runs_dir, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash.tools.logs", "--runs-dir", str(runs_dir), *args],
+    return subprocess.run([sys.executable, "-m", "dflash.tools.logs_command", "--runs-dir", str(runs_dir), *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -39,7 +39,7 @@ def test_watch_redraws_in_place_on_a_terminal_and_survives_the_broker_going(star
     fakes("consumer", b, "--instance", "dft5")
     master, slave = pty.openpty()
     with default_sigint():  # the Ctrl-C below must reach a watcher that can take it
-        p = subprocess.Popen([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--watch", "0.3",
+        p = subprocess.Popen([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control, "--watch", "0.3",
                               "--timeout-s", "0.5"], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     try:
@@ -65,7 +65,7 @@ def test_watch_json_prints_one_map_per_line(start_broker, fakes):
     fakes("producer", b, "--instance", "tgt0", "--delay-s", "0.05")
     fakes("consumer", b, "--instance", "dft5")
     with default_sigint():
-        p = subprocess.Popen([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--watch", "0.2",
+        p = subprocess.Popen([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control, "--watch", "0.2",
                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from dflash.runtime.config import option
+from dflash.runtime.command_line import option
 from dflash.tools import clidoc
 import pytest
 

@@ -8,9 +8,9 @@ import click
 import pytest
 import yaml
 
-from dflash.broker.cli import main as broker_main
-from dflash.consumers.cli import main as consume_main
-from dflash.producers.cli import main as produce_main
+from dflash.broker.broker_command import main as broker_main
+from dflash.consumers.consume_command import main as consume_main
+from dflash.producers.produce_command import main as produce_main
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ CLEAN = {k: None for k in os.environ if k.startswith("DFLASH_")}
 
 
 def test_eval_takes_latest_as_export_does(tmp_path):
-    from dflash.consumers.cli import main as consume
-    from dflash.tools.eval import main as evaluate
+    from dflash.consumers.consume_command import main as consume
+    from dflash.tools.eval_command import main as evaluate
 
     target, runs = tiny_target(), tmp_path / "runs"
     r = CliRunner().invoke(consume, ["--target", str(target), "--runs-dir", str(runs), "--draft-layers", "1",
@@ -48,7 +48,7 @@ def test_a_broker_that_cannot_bind_leaves_no_run_folder(tmp_path):
     port = busy.getsockname()[1]
     runs = tmp_path / "runs"
     try:
-        r = subprocess.run([sys.executable, "-m", "dflash.broker.cli", "--bind", "127.0.0.1", "--port", str(port),
+        r = subprocess.run([sys.executable, "-m", "dflash.broker.broker_command", "--bind", "127.0.0.1", "--port", str(port),
                             "--runs-dir", str(runs)], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")})
     finally:

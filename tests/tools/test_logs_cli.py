@@ -8,7 +8,7 @@ import textwrap
 from click.testing import CliRunner
 
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
-from dflash.tools.logs import main
+from dflash.tools.logs_command import main
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ def test_latest_run_merged_in_time_order_and_named(tmp_path):
     res = CliRunner().invoke(main, ["--runs-dir", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
     assert f"# run {new}" in res.stderr
-    evs = [json.loads(l) for l in res.stdout.splitlines()]
+    evs = [json.loads(line) for line in res.stdout.splitlines()]
     assert {e["run_id"] for e in evs} == {new}          # the old run's OOM never shows
     assert [e["ts"] for e in evs] == sorted(e["ts"] for e in evs)
     assert {e["role"] for e in evs} == {"broker", "consumer"}
@@ -53,11 +53,11 @@ def test_latest_run_merged_in_time_order_and_named(tmp_path):
 def test_filters_and_explicit_old_run(tmp_path):
     old, new = _two_runs(tmp_path)
     r = CliRunner().invoke(main, ["--runs-dir", str(tmp_path), "--json", "--event", "train"])
-    assert [json.loads(l)["event"] for l in r.stdout.splitlines()] == ["train.step", "train.step"]
+    assert [json.loads(line)["event"] for line in r.stdout.splitlines()] == ["train.step", "train.step"]
     r = CliRunner().invoke(main, ["--runs-dir", str(tmp_path), "--json", "--role", "broker", "--level", "info"])
-    assert [json.loads(l)["event"] for l in r.stdout.splitlines()] == ["broker.start", "broker.stop"]
+    assert [json.loads(line)["event"] for line in r.stdout.splitlines()] == ["broker.start", "broker.stop"]
     r = CliRunner().invoke(main, ["--runs-dir", str(tmp_path), "--run", old, "--json"])
-    assert [json.loads(l)["event"] for l in r.stdout.splitlines()] == ["train.oom"]
+    assert [json.loads(line)["event"] for line in r.stdout.splitlines()] == ["train.oom"]
 
 
 def test_unknown_run_is_a_one_line_error(tmp_path):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from dflash.producers.data import open_dataset
-from dflash.producers.decode import GreedyDecoder, Job, Sampler, greedy_generate
+from dflash.decoding.greedy import GreedyDecoder, Job, Sampler, greedy_generate
 from dflash.runtime.targets import load_causal_lm, load_tokenizer
 from dflash.tools import real_target
 from dflash.tools.eval import prompt_ids, read_prompts

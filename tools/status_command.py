@@ -26,7 +26,7 @@ import zmq
 from dflash.protocol.curve import CurveClient, CurveKeyError, client_from
 from dflash.protocol.messages import MAX_HEADER_BYTES, StatusAsk
 from dflash.protocol.sockets import split_endpoint
-from dflash.runtime.config import broker_option, command, curve_options, fail, option, runs_dir_option
+from dflash.runtime.command_line import broker_option, command, curve_options, fail, option, runs_dir_option
 from dflash.runtime.run import resolve_run, runs_root
 
 from . import runstate

@@ -70,7 +70,8 @@ class Meter:
 
     def log_step(self, step: int, total: StepFigures, mine: StepFigures, *, lr: float, noise: float,
                  grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int,
-                 progress: dict | None = None, micro_batches: int = 1, ooms: int = 0) -> dict:
+                 progress: dict | None = None, micro_batches: int = 1, ooms: int = 0, wait_s: float = 0.0,
+                 wall_s: float = 0.0) -> dict:
         """Log one `train.step` line (global figures; `rank_tokens` is this rank's share,
         `micro_batches` the parts this rank's batch ran in, more than 1 after an OOM, and
         `ooms` this rank's OOMs so far); return its fields."""
@@ -90,7 +91,7 @@ class Meter:
             tokens_per_s=round((k1 - k0) / dt, 1), batches_per_s=round((b1 - b0) / dt, 3),
             queue=queue, epoch=epoch, eta_s=eta, rank=rank, grad_norm=round(grad_norm, 4),
             tokens=int(f.tokens), rank_tokens=int(mine.tokens), tokens_seen=tokens_seen,
-            micro_batches=micro_batches, ooms=ooms,
+            micro_batches=micro_batches, ooms=ooms, wait_s=round(wait_s, 4), wall_s=round(wall_s, 4),
         )
         log.info("train.step", **line)
         n = self.B - 1

@@ -4,7 +4,8 @@ lease to ask for, how to wait for work, and how a signal stops a blocked push. T
 
 `BrokerWorkSource` turns `grant`s into leases (an empty grant without `end` means "ask
 again after `retry_ms`"); `link_sink` pushes batches, blocking while the link's outbox is
-full: that is the broker's backpressure reaching the GPU loop.
+full: that is the broker's backpressure reaching the GPU loop; `failure` is what a producer
+that stops on an error tells the broker before it leaves.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 import threading
 import time
 
+from dflash.protocol.messages import Failed
+from dflash.protocol.sample_order import epoch_order
+
+from .data import BadRow
 from .prefetch import Lease
 from .producer import BatchSink
 
@@ -30,11 +35,11 @@ class BrokerWorkSource:
     def next_lease(self) -> Lease | None:
         while not self.link.stopped.is_set() and not self.stop.is_set():
             grant = self.link.request_lease(self.want)
-            if grant["samples"]:
-                return Lease(int(grant["lease"]), int(grant["epoch"]), [int(s) for s in grant["samples"]])
-            if grant["end"]:
+            if grant.samples:
+                return Lease(grant.lease, grant.epoch, list(grant.samples))
+            if grant.end:
                 return None
-            time.sleep(max(0.05, grant.get("retry_ms", 500) / 1000))
+            time.sleep(max(0.05, (grant.retry_ms if grant.retry_ms is not None else 500) / 1000))
         return None
 
     def lease_done(self, lease: int, skipped: list[tuple[int, str]]) -> None:
@@ -43,13 +48,21 @@ class BrokerWorkSource:
     def order(self) -> list[int] | None:
         """Epoch 1's sample order as the broker leases it (its shuffle of the welcome's seed
         and dataset size), for --regenerate to work ahead; None if the welcome lacks them."""
-        from dflash.broker.leases import epoch_order
-
-        cfg = self.link.welcome.get("run_config") or {}
-        n = (cfg.get("dataset") or {}).get("n_samples")
-        if not isinstance(n, int) or cfg.get("seed") is None:
+        cfg = self.link.welcome.run_config
+        if cfg is None or cfg.dataset is None:
             return None
-        return epoch_order(cfg["seed"], 0, n)
+        return epoch_order(cfg.seed, 0, cfg.dataset.n_samples)
+
+
+def failure(e: BaseException) -> Failed:
+    """What a producer that stops on `e` tells the broker before its `bye` (PROTOCOL.md 4.2):
+    for a bad row its file and line and the fix, so that the run's status says why its
+    producer left instead of "no target connected"."""
+    if isinstance(e, BadRow):
+        return Failed("bad_row", str(e)[:2000], source=e.source,
+                      hint=f"fix or remove the row at {e.source} and restart the producer, or restart it with "
+                           "--skip-bad-rows (bad rows are then skipped and reported, never trained)")
+    return Failed("error", f"{type(e).__name__}: {str(e)[:2000]}")
 
 
 def link_sink(link, stop: threading.Event | None = None) -> BatchSink:

@@ -1,64 +1,32 @@
-"""`dflash-broker`: create a run and serve it until end of stream or a signal.
+"""One broker process, given its `BrokerConfig` (broker_command.py makes it from the options):
+create the run, serve it (server.py) until end of stream or a signal, record how it ended.
 
-Exit status: 0 when the run completed (every consumer said bye after `stop`) or was
-stopped by SIGINT/SIGTERM after a clean shutdown (run.json says which); 2 on bad
-options; 1 if the broker could not start (e.g. a port in use) or crashed.
+Exit status (`run` returns it): 0 when the run completed (every consumer said bye after
+`stop`) or was stopped by SIGINT/SIGTERM after a clean shutdown (run.json says which); 1 if
+the broker could not start (e.g. a port in use) or crashed; 3 when it had nothing to train.
+Bad options exit 2 before (broker_command.py).
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 
 import click
 import zmq
 
 from dflash.runtime.alloc import reuse_freed_memory
-from dflash.protocol import curve
-from dflash.runtime.config import as_dict, fail
+from dflash.runtime.command_line import as_dict
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
-from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest
+from dflash.runtime.run import give_back_latest, hostname, latest_run, make_run_dir, new_run_id, point_latest
 from dflash.runtime.stop import GracefulStop
 
 from . import resume, runinfo, security
-from .config import BrokerConfig, parse_bytes, parse_port_range
+from .config import BrokerConfig
 from .ledger import SCHEMA_VERSION
 from .server import Broker
 
-
-def start(opts: dict) -> None:
-    """dflash-broker with its options (command.py parses them)."""
-    parent = None
-    try:
-        for name in ("queue_bytes", "max_message_bytes"):  # named: the value may come from env or --config
-            try:
-                opts[name] = parse_bytes(opts[name])
-            except ValueError as e:
-                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_BROKER_{name.upper()}, or --config): {e}") from None
-        opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
-        cfg = BrokerConfig(**opts)
-        if cfg.curve_keys:
-            curve.server_keys(cfg.curve_keys)  # a missing key is a one-line error now, not at bind
-        if cfg.resume:
-            parent = resume.load(cfg.resume, cfg.runs_dir)
-            cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
-        cfg.check()
-        if cfg.tensorboard or cfg.wandb:
-            from dflash.runtime.sinks import require_tensorboard, require_wandb
-
-            if cfg.tensorboard:
-                require_tensorboard()
-            if cfg.wandb:
-                require_wandb()
-    except (ValueError, TypeError, curve.CurveKeyError) as e:  # resume.ResumeError is a ValueError
-        fail(str(e))
-    sys.exit(run(cfg, parent))
-
-
-def _explicit(names: tuple[str, ...]) -> set[str]:
-    """Which of `names` the user set (command line, env var or --config), not defaults."""
-    ctx = click.get_current_context()
-    return {n for n in names if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+# A run that reached end of stream without training anything: not a success (issue 19).
+EXIT_NOTHING_TO_TRAIN = 3
 
 
 def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
@@ -84,6 +52,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         return 1
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
+    before = latest_run(cfg.runs_dir)
     point_latest(run_id, cfg.runs_dir)
     if cfg.tensorboard or cfg.wandb:
         from dflash.runtime.sinks import open_sinks
@@ -110,25 +79,20 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         log.exception("broker.crashed", error=error)
     finally:
         samples = dict(broker.ledger.counts)
+        bad_batches = broker.core.poison.as_dict()
         broker.close()
         if getattr(broker, "metric_sink", None) is not None:
             broker.metric_sink.close()
         why = getattr(broker, "outcome_why", None)
         code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
-        runinfo.finish(run_dir, outcome, samples=samples, error=error, signal=broker.signal,
+        runinfo.finish(run_dir, outcome, samples=samples, bad_batches=bad_batches, error=error, signal=broker.signal,
                        **({"reason": why} if why else {}))
-        log.info("broker.exit", outcome=outcome, exit_code=code)
+        if parent is None and broker.core.peer_messages == 0:
+            # A fresh run no peer even tried to join holds nothing; `latest` goes back to the run
+            # before it (RELIABILITY.md 10). A resumed one keeps it: it is where its chain goes on.
+            give_back_latest(run_id, before, cfg.runs_dir)
+        log.info("broker.exit", outcome=outcome, exit_code=code, latest=latest_run(cfg.runs_dir))
         close_logging()
     if outcome == "nothing_to_train":
         click.echo(f"error: nothing to train in run {run_id}: {why}", err=True)
     return code
-
-
-# A run that reached end of stream without training anything: not a success (issue 19).
-EXIT_NOTHING_TO_TRAIN = 3
-
-
-from .command import main  # noqa: E402  (the click command; `dflash.broker.cli:main` as before)
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,8 @@
 """The only parts of the target a drafter consumer touches: its config, `embed_tokens`
 and `lm_head`, loaded frozen from a Hugging Face checkpoint folder or a GGUF file
-(runtime/targets.py), and the choice of the block MASK row (mask_token.py).
+(targets.py); and the target's identity computed from them (`identity_of`), which a
+producer states in its hello and a consumer in its training signal (protocol/target_id.py
+compares two).
 
 A consumer must never load the whole target (a 27B target is ~54 GB; the two heads are
 ~1.5 GB). We read the safetensors index (or the single file's header), open only the
@@ -27,9 +29,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from dflash.protocol.errors import DFlashError
-from dflash.protocol.target_id import describe_target, same_target  # noqa: F401  (re-exported)
 from dflash.runtime import targets
+from dflash.runtime.progress import ticking
 
 # Where checkpoints keep the two tensors when transformers cannot build the model class
 # (a model_type it does not know): plain causal LMs first, then multimodal wrappers
@@ -44,8 +45,9 @@ EMBED_NAMES = (
 HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
 
 
-class TargetLoadError(DFlashError):
-    """The target folder lacks what a consumer needs (config, heads) or disagrees with itself."""
+class TargetLoadError(ValueError):
+    """The target folder lacks what a consumer needs (config, heads) or disagrees with itself:
+    bad input (a ValueError), as targets.py's errors are."""
 
 
 @dataclass(frozen=True)
@@ -411,8 +413,10 @@ def load_target_heads(
         return _load_gguf_heads(Path(path), device, dtype)
     folder = Path(path)
     loc, raw = _locate(folder)
-    embed = _read(loc.embed_name, loc.where[loc.embed_name], device, dtype)
-    lm_head = embed if loc.head_name is None else _read(loc.head_name, loc.where[loc.head_name], device, dtype)
+    # a large target's two vocabulary tensors are gigabytes: seconds to read, shown while they take
+    with ticking(f"read embed_tokens and lm_head of {folder.name}", end_line=False):
+        embed = _read(loc.embed_name, loc.where[loc.embed_name], device, dtype)
+        lm_head = embed if loc.head_name is None else _read(loc.head_name, loc.where[loc.head_name], device, dtype)
     return _heads(loc.spec, embed, lm_head, str(folder), raw, loc.embed_scale)
 
 

@@ -3,7 +3,7 @@ heads), then either the broker's run (`_serve`: its ranks and batches, through
 protocol/links.py ConsumerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
 a run of its own), each handing the batches to the Trainer (train.py).
 
-The command line (command.py) only maps options onto `ConsumerConfig`.
+consume_command.py makes the `ConsumerConfig` from the command line.
 """
 
 from __future__ import annotations
@@ -19,25 +19,29 @@ import click
 import torch
 
 from dflash.runtime.alloc import reuse_freed_memory
-from dflash.runtime.config import as_dict, fail
+from dflash.runtime.command_line import as_dict, fail
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from
 from dflash.protocol.links import ConsumerLink
+from dflash.protocol.messages import RunConfig
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.runtime.run import run_dir as run_folder
 from dflash.runtime.stop import GracefulStop
 
-from .checkpoint import SignalMismatch, resolve_checkpoint, signal_differences
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
+
+from .checkpoint import nothing_to_resume, resolve_checkpoint
 from .dist import Dist, RankLost, collective_failures_named
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
-from .link import (BrokerHooks, arranged_dist, await_run_facts, broker_batches, check_run_target, hello_config,
-                   nothing_left_to_train, offer_dist_addr, resume_point, run_layers)
+from .broker_hooks import BrokerHooks, broker_batches, failure, nothing_left_to_train
+from .join import (arranged_dist, await_run_facts, check_run_target, hello_config, offer_dist_addr, resume_point,
+                   run_config_of, run_layers)
 from .synthetic import synthetic_stream
-from .target_heads import TargetLoadError, load_target_heads
+from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
 from .train_config import TrainState
 
@@ -90,6 +94,9 @@ def run(cfg: ConsumerConfig) -> None:
         heads = load_target_heads(cfg.target, device=device,
                                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         tcfg = cfg.train
+        if cfg.synthetic_batches and (why := nothing_to_resume(tcfg.resume, cfg.runs_dir)):
+            log.info("consume.resume_point", checkpoint=None, parent_run=None, why=why)
+            tcfg = replace(tcfg, resume=None)
         if tcfg.resume and cfg.synthetic_batches:  # before this run's folder exists; records the parent
             tcfg = replace(tcfg, resume=str(resolve_checkpoint(tcfg.resume, cfg.runs_dir)))
         elif tcfg.resume and tcfg.resume != "latest":
@@ -108,7 +115,12 @@ def run(cfg: ConsumerConfig) -> None:
         log.info("consume.done", step=state.step, reason=state.end_reason, tokens=state.tokens,
                  samples=state.samples, last_checkpoint=str(state.last_checkpoint) if state.last_checkpoint else None)
         # stderr: stdout carries only the JSON log lines (a pipe into jq must parse every line)
-        click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}", err=True)
+        if state.end_reason == "left":
+            click.echo(f"left the elastic group at step {state.step}; the other consumers go on and commit these "
+                       "weights (theirs too); stop the broker to stop the whole job", err=True)
+        else:
+            click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}",
+                       err=True)
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
@@ -181,7 +193,7 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
     plugs, dist, reason, early, sink = None, None, "failed", {"state": "starting"}, None
     link.start()  # binds our log to the broker's run: runs/<run_id>/logs/consumer-<instance>.jsonl
     try:
-        run_config = link.welcome.get("run_config") or {}
+        run_config = run_config_of(link)
         # Refused at start (another run's checkpoint), before any wait for the run's layers
         resume = resume_point(tcfg.resume, run_config, cfg.runs_dir, run_id=link.run_id)
         if tcfg.target_layers is None:  # auto: never build the drafter on layers guessed here
@@ -201,6 +213,8 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             if not dist.elastic:  # elastic: a joiner checks the signal of the state it is healed with
                 _same_signal(dist, signal_)
             plugs = BrokerHooks(link, dist.rank, stop, device, resumed_from=tcfg.resume)
+            # A signal to this process (not the broker's stop): in an elastic group it leaves alone
+            plugs.hooks.leave = lambda: getattr(stop, "signal_name", None) is not None
             live = _live_eval(cfg, heads, signal_, dist.rank, plugs.stats)
             plugs.hooks.before_step = live and live.before_step
             plugs.hooks.on_metrics = sink = _sink(cfg, link.run_id, run_folder(link.run_id, cfg.runs_dir), dist.rank)
@@ -208,19 +222,22 @@ def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, 
             try:
                 state = train(tcfg, heads, broker_batches(link, stop), dist=dist,
                               ckpt_root=run_folder(link.run_id, cfg.runs_dir) / "checkpoints", runs_dir=cfg.runs_dir,
-                              run_config={**_json_config(cfg), "broker_run_config": run_config}, hooks=plugs.hooks)
+                              run_config={**_json_config(cfg), "broker_run_config": run_config.fields()},
+                              hooks=plugs.hooks)
             except FileNotFoundError as e:
                 state = nothing_left_to_train(link, e)
         if sink is not None:
             sink.close()
         if dist.rank == 0 and state.end_reason == "end_of_stream":
             plugs.commit_final(state.step)
-        if live and state.end_reason != "stop" and state.model is not None:  # the finished drafter's real tau
+        if live and state.end_reason not in ("stop", "left") and state.model is not None:  # the finished drafter's real tau
             live.final(state.step, state.model, state.samples)
         plugs.stats["state"] = "done"
         reason = "done" if state.end_reason == "end_of_stream" else state.end_reason
         return state, dist
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, Exception):  # why we leave, ahead of the bye (a signal's exit says nothing)
+            link.report_failure(failure(e))
         if sink is not None:
             sink.close()
         if dist is not None:  # the caller's finally closes it only on success
@@ -251,9 +268,9 @@ def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | Non
     return LiveEval(heads, signal_, cfg.eval_every, rank=rank, stats=stats, real=real)
 
 
-def _check_world(dist: Dist, run_config: dict) -> None:
+def _check_world(dist: Dist, run_config: RunConfig) -> None:
     """Ranks arranged outside the broker must agree with its --consumers, if it has one."""
-    world = run_config.get("world_size")
+    world = run_config.world_size
     if world and world != dist.world_size and not dist.elastic:
         raise DFlashError(f"this consumer is one of {dist.world_size} ranks (--dist-init/torchrun), but the broker "
                           f"arranges {world} (dflash-broker --consumers): use one or the other")

@@ -185,8 +185,7 @@ def _target_arg(need_tokenizer: bool) -> Callable:
     def check(_ctx, param, value: str | None) -> str | None:
         if value is None:
             return value
-        from dflash.runtime.target_arg import target_problem
-        from dflash.runtime.targets import looks_like_hub_id, resolve_hub_id
+        from dflash.runtime.target_arg import looks_like_hub_id, resolve_hub_id, target_problem
 
         if looks_like_hub_id(value):
             try:

@@ -1,14 +1,18 @@
-"""dflash-produce's command line: the options, mapped onto ProducerConfig by cli.run. Kept
-apart from cli.py so that `--help` does not import torch (cli.py and what it imports do)."""
+"""dflash-produce's command line: the options, made into the frozen `ProducerConfig`, then
+handed to producer_process.run. torch is imported only once the options are read (the
+process and what it imports need it), so that `--help` answers at once.
+
+    python -m dflash.producers.produce_command --target Qwen/Qwen3-8B --data chats.jsonl
+"""
 
 from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, option, runs_dir_option,
-                                    target_option)
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, fail, option,
+                                    runs_dir_option, target_option)
 
-from .config import DEFAULT_REGEN_CACHE
+from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
 
 
 @command("PRODUCE")
@@ -44,10 +48,11 @@ from .config import DEFAULT_REGEN_CACHE
         "generation before capture, trained as the exact token IDs generated (loss on those only); cached on disk "
         "per dataset, target and settings.")
 @option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
-@option("--regen-batch-size", type=int, default=256, help="Rows decoded side by side with --regenerate (continuous "
-        "batching; capped by the GPU memory the KV cache may take).")
+@option("--regen-batch-size", type=int, default=0, help="Rows decoded side by side with --regenerate (continuous "
+        "batching). 0: as many as a KV cache in 40% of the free GPU memory holds, at most 2048 (16 on a CPU); "
+        "any number: that many, capped by the GPU memory the KV cache may take.")
 @option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
-@option("--regen-ahead", type=int, default=1024, help="With --regenerate: rows of the run's order a regeneration "
+@option("--regen-ahead", type=int, default=8192, help="With --regenerate: rows of the run's order a regeneration "
         "thread may make ahead of the furthest leased row (rows already cached do not count), decoding "
         "continuously while ready rows are captured (producers/regen_ahead.py); 0: regenerate each lease's rows "
         "when it comes, all before its first batch.")
@@ -62,7 +67,7 @@ from .config import DEFAULT_REGEN_CACHE
         "do not attend to each other on this model (a few tiny forward passes).")
 @option("--trust-remote-code", is_flag=True, default=False, help="Allow model code from the checkpoint.")
 @option("--tensor-parallel", is_flag=True, default=False, help="One producer over all processes of a torchrun "
-        "launch (torchrun --nproc-per-node N -m dflash.producers.cli --tensor-parallel ...): the target is sharded "
+        "launch (torchrun --nproc-per-node N -m dflash.producers.produce_command --tensor-parallel ...): the target is sharded "
         "by transformers' tensor parallelism (tp_plan auto; NCCL on GPUs, gloo on CPU), rank 0 talks to the broker, "
         "the other ranks follow its forward passes (docs/SHARDING.md).")
 @option("--instance", default=None, help="This producer's name, unique among the run's live producers (default <host>-<device>-<pid>, "
@@ -74,6 +79,15 @@ from .config import DEFAULT_REGEN_CACHE
 @curve_options
 def main(**kw) -> None:
     """Run a frozen target model on leased samples and stream hidden states to the broker."""
-    from .cli import run
+    cfg = ProducerConfig(**kw)
+    try:  # options that cannot work together are refused now, not after torch and the target load
+        cfg.check()
+    except ValueError as e:
+        fail(str(e))
+    from .producer_process import run
 
-    run(kw)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

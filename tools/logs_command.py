@@ -12,7 +12,7 @@ import time
 
 import click
 
-from dflash.runtime.config import command, fail, option, runs_dir_option
+from dflash.runtime.command_line import command, fail, option, runs_dir_option
 from dflash.runtime.run import resolve_run
 
 from .runlogs import log_files, matches, merged

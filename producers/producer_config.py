@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.runtime.config import DEFAULT_BROKER
+from dflash.runtime.command_line import DEFAULT_BROKER
 
 DEFAULT_REGEN_CACHE = str(Path.home() / ".cache" / "dflash" / "regen")
 
@@ -29,9 +29,9 @@ class ProducerConfig:
     skip_bad_rows: bool = False
     regenerate: bool = False
     max_new_tokens: int = 1024
-    regen_batch_size: int = 256
+    regen_batch_size: int = 0  # 0: rows sized by the KV memory (producers/regenerate.py decoder_rows)
     regen_cache: str = DEFAULT_REGEN_CACHE
-    regen_ahead: int = 1024
+    regen_ahead: int = 8192  # several times a decoder's rows, so the look-ahead keeps them all decoding
     chat_template_kwargs: str = "{}"
     hidden_encoding: str = "raw"
     final_hidden: bool = False  # also send the final-norm output (the consumer's --distill-weight needs it)
@@ -63,6 +63,8 @@ class ProducerConfig:
         if self.max_length > self.token_budget:
             raise ValueError(f"--max-length {self.max_length} exceeds --token-budget {self.token_budget}: "
                              "a full-length sequence would never fit in one forward pass")
+        if self.regen_batch_size < 0:
+            raise ValueError(f"--regen-batch-size {self.regen_batch_size}: 0 (sized by memory) or a number of rows")
         if self.regen_ahead < 0:
             raise ValueError(f"--regen-ahead {self.regen_ahead}: a count of rows, 0 or more")
         if self.lease_size < 1 or self.prefetch < 1:

@@ -1,12 +1,18 @@
-"""dflash-broker's command line: the options, mapped onto BrokerConfig by cli.start. Kept
-apart from cli.py so that `--help` does not import the broker's server."""
+"""dflash-broker's command line: the options, made into the frozen `BrokerConfig` (and the
+parent run a `--resume` names), then handed to broker_process.run. The server is imported
+only once the options are read, so that `--help` answers at once.
+
+    python -m dflash.broker.broker_command --epochs 6 --consumers 2
+"""
 
 from __future__ import annotations
+
+import sys
 
 import click
 
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
-from dflash.runtime.config import command, config_option, option, runs_dir_option
+from dflash.runtime.command_line import command, config_option, option, runs_dir_option
 
 
 @command("BROKER", max_content_width=100)
@@ -35,6 +41,10 @@ from dflash.runtime.config import command, config_option, option, runs_dir_optio
              "batches requeued (it heartbeats, so --timeout-s does not catch it). 0: auto, the larger of 120 s, "
              "12 x --timeout-s and 4 x that consumer's slowest gap between two acks.")
 @option("--lease-size", default=256, type=int, help="Most samples handed to a producer per lease.")
+@option("--quarantine-after", default=2, type=int,
+        help="A batch that this many consumers fail on (each reports it and leaves) is quarantined: its samples "
+             "are made again once, and set aside, counted by reason, if their new batch fails as well "
+             "(docs/RELIABILITY.md, poison batches).")
 @option("--num-samples", default=None, type=int,
         help="Dataset size; normally the first producer tells it (config.dataset.n_samples) and later ones must match.")
 @option("--consumers", default=0, type=int,
@@ -82,7 +92,11 @@ from dflash.runtime.config import command, config_option, option, runs_dir_optio
 @option("--resume", default=None, metavar="RUN",
         help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
              "trained again, everything else is made again, in the same per-epoch order (its --seed). "
-             "Consumers load the checkpoint of its last commit. Producers/consumers may number differently.")
+             "Consumers load the checkpoint of its last commit. Producers/consumers may number differently. "
+             "A run another run resumed already is refused (resume the end of its chain).")
+@option("--force-resume", is_flag=True, default=False,
+        help="With --resume: resume RUN even though another run resumed it already, as a second branch from "
+             "RUN's last commit (what the first continuation trained since is trained again, into another drafter).")
 def main(**opts) -> None:
     """The dflash broker: creates a run, hands out work leases to producers, queues their
     hidden-state batches (bounded in bytes) and dispatches them to consumers by credit.
@@ -90,6 +104,55 @@ def main(**opts) -> None:
     Prints one JSON log line per event (key=value on a terminal) and writes the same to
     runs/<run_id>/logs/broker-<instance>.jsonl. See docs/PROTOCOL.md and docs/LOGS.md.
     """
-    from .cli import start
+    cfg, parent = broker_config(opts)
+    from .broker_process import run
 
-    start(opts)
+    sys.exit(run(cfg, parent))
+
+
+def broker_config(opts: dict):
+    """(BrokerConfig, the resumed parent run or None) of the command's options; a bad option
+    exits 2 with a one-line reason naming it."""
+    from dflash.protocol import curve
+    from dflash.runtime.command_line import fail
+
+    from . import resume
+    from .config import BrokerConfig, parse_bytes, parse_port_range
+
+    parent = None
+    try:
+        for name in ("queue_bytes", "max_message_bytes"):  # named: the value may come from env or --config
+            try:
+                opts[name] = parse_bytes(opts[name])
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_BROKER_{name.upper()}, or --config): {e}") from None
+        opts["data_out_ports"] = parse_port_range(opts["data_out_ports"])
+        cfg = BrokerConfig(**opts)
+        if cfg.curve_keys:
+            curve.server_keys(cfg.curve_keys)  # a missing key is a one-line error now, not at bind
+        if cfg.resume:
+            parent = resume.load(cfg.resume, cfg.runs_dir, again=cfg.force_resume)
+            cfg = resume.effective_config(cfg, parent, _explicit(("seed", "epochs", "num_samples")))
+        elif cfg.force_resume:
+            raise ValueError("--force-resume goes with --resume RUN")
+        cfg.check()
+        if cfg.tensorboard or cfg.wandb:
+            from dflash.runtime.sinks import require_tensorboard, require_wandb
+
+            if cfg.tensorboard:
+                require_tensorboard()
+            if cfg.wandb:
+                require_wandb()
+    except (ValueError, TypeError, curve.CurveKeyError) as e:  # resume.ResumeError is a ValueError
+        fail(str(e))
+    return cfg, parent
+
+
+def _explicit(names: tuple[str, ...]) -> set[str]:
+    """Which of `names` the user set (command line, env var or --config), not defaults."""
+    ctx = click.get_current_context()
+    return {n for n in names if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,12 +1,15 @@
-"""dflash-consume's command line: the options and their mapping onto ConsumerConfig. Kept
-apart from consumer.py so that `--help` does not import torch (consumer.py and what it
-imports do)."""
+"""dflash-consume's command line: the options, made into the frozen `ConsumerConfig` (with
+its `TrainConfig`), then handed to consumer_process.run. torch is imported only once the
+options are read (the process and what it imports need it), so that `--help` answers at once.
+
+    python -m dflash.consumers.consume_command --target Qwen/Qwen3-8B --broker tcp://host:5555
+"""
 
 from __future__ import annotations
 
 import click
 
-from dflash.runtime.config import (broker_option, command, config_option, curve_options, default_instance, fail,
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, default_instance, fail,
                                     option, runs_dir_option, size_option, target_option)
 
 
@@ -86,7 +89,9 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--precision", default="auto", type=click.Choice(["auto", "bf16", "fp32"]), help="auto: bf16 autocast on GPU, fp32 on CPU.")
 @option("--save-every", default=1000, type=click.IntRange(0), help="Checkpoint every N steps (0: only at the end).")
 @option("--keep", default=3, type=click.IntRange(1), help="Checkpoints to keep in this run.")
-@option("--resume", default=None, help="Checkpoint folder, run ID or run folder, or 'latest', to continue from.")
+@option("--resume", default=None,
+        help="Checkpoint folder, run ID or run folder, or 'latest', to continue from. In a broker run none is needed "
+             "(the broker names the checkpoint); 'latest' where no checkpoint exists yet starts as without --resume.")
 @option("--force", is_flag=True, default=False, help="Resume even if the training signal differs from the checkpoint's.")
 @option("--log-position-every", default=100, type=click.IntRange(0), help="Log per-position accuracy every N steps.")
 @option("--epoch-samples", default=None, type=click.IntRange(1),
@@ -120,8 +125,10 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @curve_options
 def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
-    from .consumer import ConsumerConfig, run
-    from .train import TrainConfig
+    if o["eval_prompts"] and not o["eval_every"]:  # refused before torch and the target load
+        fail("--eval-prompts is used by the live evaluation: give --eval-every N too")
+    from .consumer_process import ConsumerConfig, run
+    from .train_config import TrainConfig
 
     train_fields = set(TrainConfig.__dataclass_fields__)
     tcfg = TrainConfig(**{k: v for k, v in o.items() if k in train_fields})
@@ -145,3 +152,7 @@ def _gpu_of(gpu: int | None, device: str | None) -> int | None:
     if gpu is not None and gpu != index:
         fail(f"--gpu {gpu} and --device {device} name different devices: give one of them")
     return index
+
+
+if __name__ == "__main__":
+    main()

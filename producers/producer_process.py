@@ -1,6 +1,6 @@
-"""dflash-produce: run a frozen target and stream its hidden states to the broker.
-
-    dflash-produce --gpu 0 --target Qwen/Qwen3-8B --data chats.jsonl --broker tcp://host:5555
+"""One producer process, given its `ProducerConfig` (produce_command.py makes it from the
+options): load the target and data (build.py), then serve the broker's leases, or with
+`--tensor-parallel` follow rank 0's forward passes on a rank other than 0.
 
 `--dry-run` runs the same loop over the local dataset without a broker and throws the
 batches away: a check of data, template, memory and throughput before a real run.
@@ -8,33 +8,28 @@ batches away: a check of data, template, memory and throughput before a real run
 
 from __future__ import annotations
 
-import sys
 import traceback
 
 import click
 
 from dflash.protocol.curve import client_from
-from dflash.runtime.config import as_dict, default_instance, fail
+from dflash.runtime.command_line import as_dict, default_instance, fail
 from dflash.protocol.errors import DFlashError
 from dflash.runtime.logs import close_logging, get_logger, setup_logging
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.runtime.stop import GracefulStop
 
 from .build import hello_config, load_components, make_producer
-from .config import ProducerConfig
+from .producer_config import ProducerConfig
 from .producer import LocalWorkSource
 from .target import resolve_device
 
 log = get_logger()
 
 
-def run(kw: dict) -> None:
-    """dflash-produce with its options (command.py parses them)."""
-    cfg = ProducerConfig(**kw)
-    try:
-        cfg.check()
-    except ValueError as e:
-        fail(str(e))
+def run(cfg: ProducerConfig) -> None:
+    """Produce until the broker has no work left, a signal stops us, or the dry run ends;
+    exits non-zero with a one-line reason on failure (2: bad input found at start-up)."""
     world = _join_world(cfg) if cfg.tensor_parallel else None
     instance = cfg.instance or _default_instance(cfg)
     if world is not None and not world.leader:
@@ -143,7 +138,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
     says stop), leave."""
     from dflash.protocol.links import ProducerLink
 
-    from .link import BrokerWorkSource, Stopped, link_sink
+    from .broker_work import BrokerWorkSource, Stopped, failure, link_sink
 
     producer = None
     link = ProducerLink(cfg.broker, instance, gpu=cfg.gpu, config=hello_config(c, cfg),
@@ -169,12 +164,9 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
             reason, flush_s = f"signal {stop.signal_name}", 5.0
             log.warning("produce.stopped", signal=stop.signal_name, **summary)
         return summary
+    except Exception as e:
+        link.report_failure(failure(e))  # why we leave, ahead of the bye
+        raise
     finally:
         link.close(reason=reason, flush_timeout_s=flush_s)
         stop.restore()
-
-
-from .command import main  # noqa: E402  (the click command; `dflash.producers.cli:main` as before)
-
-if __name__ == "__main__":
-    sys.exit(main())

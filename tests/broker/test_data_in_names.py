@@ -1,0 +1,121 @@
+"""Refusals on data in name the producer, not only its host (issue 29, item 8): two
+producers on one host share an IP, so each data-in connection announces its peer ID and
+instance (ZMTP metadata, PROTOCOL.md 1), and the broker's lines name them. A batch that
+does not fit the run's target ends the session of the producer whose own connection sent
+it, and of nobody else. A real broker process, two real `ProducerLink`s in this process."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from dflash.protocol import codec
+from dflash.protocol.errors import Rejected
+from dflash.protocol.links import ProducerLink
+from dflash.protocol.messages import header
+from dflash.runtime.logs import close_logging, setup_logging
+from tests.harness.broker import BrokerProc
+
+pytestmark = pytest.mark.integration
+
+CFG = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "vocab_size": 64,
+       "dataset": {"n_samples": 8, "fingerprint": "x"}}
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProc(tmp_path / "runs", ["--num-samples", "8", "--timeout-s", "30"])
+    yield b
+    b.proc.kill()
+    b.proc.wait(10)
+
+
+@pytest.fixture
+def links(broker):
+    setup_logging("producer", "names", level="warning")
+    made = []
+    for name in ("prod-a", "prod-b"):
+        link = ProducerLink(broker.control, name, config=CFG, runs_dir=broker.runs_dir, connect_timeout_s=10)
+        link.start()
+        made.append(link)
+    yield made
+    try:
+        for link in made:
+            try:
+                link.close("done", flush_timeout_s=2)
+            except Rejected:
+                pass
+    finally:
+        close_logging()
+
+
+def _batch(lease: int, epoch: int, s: int, width: int = 8) -> tuple[dict, dict]:
+    fields = {"lease": lease, "epoch": epoch, "samples": [s], "seq_lens": [3], "layer_ids": [0, 1]}
+    tensors = {"input_ids": torch.full((3,), s, dtype=torch.int32), "loss_mask": torch.ones(3, dtype=torch.uint8),
+               "hidden": torch.zeros((3, width), dtype=torch.bfloat16)}
+    return fields, tensors
+
+
+def test_stale_and_unreadable_messages_name_each_producer_of_one_host(broker, links):
+    b = links[1]
+    for link in links:
+        link.push_batch(*_batch(999, 0, 1))  # a lease it does not hold: stale
+    stale = {e["producer"]: e for e in (broker.wait_event("broker.batch_stale", pred=lambda e, p=link.peer_id:
+                                                          e["producer"] == p) for link in links)}
+    for link in links:
+        ev = stale[link.peer_id]
+        assert ev["peer_instance"] == link.instance and ev["connection_instance"] == link.instance
+        assert ev["connection_peer"] == link.peer_id and ev["peer_address"] == "127.0.0.1"
+
+    # A message whose header does not parse: named by the peer ID its connection announces
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.setsockopt(zmq.METADATA, f"X-Peer:{b.peer_id}".encode())
+    push.setsockopt(zmq.METADATA, f"X-Instance:{b.instance}".encode())
+    push.connect(b.welcome.data_in)
+    push.send(msgpack.packb({"v": 1, "type": "batch"})[:-2])
+    ev = broker.wait_event("broker.bad_message", pred=lambda e: e["socket"] == "data_in")
+    assert ev["peer"] == b.peer_id and ev["connection_instance"] == b.instance, ev
+    push.close()
+
+
+def test_a_batch_that_does_not_fit_ends_only_the_session_whose_connection_sent_it(broker, links):
+    a, b = links
+    ga = a.request_lease(2, timeout_s=10)
+    gb = b.request_lease(2, timeout_s=10)
+    assert ga.samples and gb.samples  # both lease (a share of the 8 each)
+
+    # Sent from elsewhere while naming b: refused, counted, and b keeps its session and lease
+    fields, tensors = _batch(gb.lease, gb.epoch, gb.samples[0], width=12)
+    foreign = zmq.Context.instance().socket(zmq.PUSH)
+    foreign.setsockopt(zmq.LINGER, 1000)
+    foreign.connect(b.welcome.data_in)
+    foreign.send_multipart(codec.encode(header("batch", b.run_id, batch_id="forged-1", producer=b.peer_id, **fields),
+                                        tensors))
+    ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["batch_id"] == "forged-1")
+    assert ev["fault"] == "hidden_width" and ev["own_connection"] is False and ev["peer"] == b.peer_id
+    assert ev["peer_instance"] == b.instance and ev["connection_peer"] is None
+    foreign.close()
+    b.push_batch(*_batch(gb.lease, gb.epoch, gb.samples[0]))  # its own correct copy is taken
+    time.sleep(0.5)
+    assert broker.ask()["samples"]["produced"] == 1
+
+    # Sent by a's own link: a is told (bad_batch) and its session ends, its leases back to the pool
+    a.push_batch(*_batch(ga.lease, ga.epoch, ga.samples[0], width=12))
+    ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["peer"] == a.peer_id)
+    assert ev["own_connection"] is True and ev["connection_instance"] == a.instance
+    lost = broker.wait_event("broker.peer_lost", pred=lambda e: e["peer"] == a.peer_id)
+    assert lost["held"]["samples_returned"] == len(ga.samples) and "hidden_width" in lost["reason"]
+    deadline = time.monotonic() + 10
+    while a.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(a.error, Rejected) and a.error.code == "bad_batch"
+    st = broker.ask()
+    assert st["bad_batches"] == {"rejected": {"hidden_width": {"batches": 2, "samples": 2}}}
+    assert [p["peer"] for p in st["peers"]] == [b.peer_id]
+    gone = st["gone"][-1]
+    assert gone["peer"] == a.peer_id and gone["failure"]["code"] == "bad_batch"

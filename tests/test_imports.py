@@ -1,0 +1,110 @@
+"""The shape of the installed package's imports (issue 32): no import cycle among the
+project's modules, and no import between producers/, consumers/ and broker/ (what two roles
+share lives in protocol/, runtime/ or another shared folder). The graph is read from source
+(tests/harness/imports.py): lazy imports inside functions and TYPE_CHECKING imports count.
+
+Each exception below is named, says why it is allowed for now, and fails the test once it
+is no longer needed, so that it is removed with the code that made it necessary."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.harness.imports import Import, cycles, import_graph, one_cycle, project_modules
+
+pytestmark = pytest.mark.unit
+
+ROLES = ("dflash.producers", "dflash.consumers", "dflash.broker")
+
+# The broker's policy: functions in these modules read and change BrokerCore's state and
+# call each other. Phase 2 of issue 32 makes it one typed core; until then a cycle among
+# these modules (and only these) is allowed.
+BROKER_POLICY_NOT_YET_ONE_CORE = frozenset({
+    "dflash.broker.control", "dflash.broker.core", "dflash.broker.handshake", "dflash.broker.intake", "dflash.broker.quarantine",
+    "dflash.broker.replies", "dflash.broker.runinfo", "dflash.broker.status",
+})
+
+
+def _role(module: str) -> str | None:
+    return next((r for r in ROLES if module == r or module.startswith(r + ".")), None)
+
+
+def _loop(graph, component) -> str:
+    return "\n    ".join(str(e) for e in one_cycle(graph, component))
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, list[Import]]:
+    return import_graph()
+
+
+def test_the_graph_is_the_installed_packages():
+    """The folders pyproject maps are the ones Python imports `dflash.*` from (the editable
+    install of this tree), so the graph is the installed package's."""
+    modules = project_modules()
+    packages = [m for m, p in modules.items() if p.name == "__init__.py"]
+    assert "dflash.broker.core" in modules and len(packages) >= 7
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None, f"{package} is not installed"
+        where = [Path(p).resolve() for p in spec.submodule_search_locations]
+        assert modules[package].parent.resolve() in where, f"{package} is imported from {where}, not this tree"
+
+
+def test_no_import_cycle(graph):
+    found = cycles(graph)
+    allowed = [c for c in found if set(c) <= BROKER_POLICY_NOT_YET_ONE_CORE]
+    bad = [c for c in found if c not in allowed]
+    for c in found:
+        print(f"cycle{' (allowed: broker policy, phase 2)' if c in allowed else ''}: {', '.join(c)}\n    "
+              f"{_loop(graph, c)}")
+    assert not bad, "import cycles among the project's modules (each with one loop through it):\n" + "\n".join(
+        f"  {', '.join(c)}\n    {_loop(graph, c)}" for c in bad)
+    assert allowed, (
+        "the broker's policy modules no longer import each other in a cycle: remove BROKER_POLICY_NOT_YET_ONE_CORE")
+
+
+def test_no_import_between_roles(graph):
+    crossing = [e for edges in graph.values() for e in edges
+                if _role(e.source) and _role(e.target) and _role(e.source) != _role(e.target)]
+    for e in crossing:
+        print(f"role import: {e}")
+    assert not crossing, ("imports between producers/, consumers/ and broker/ (move what two roles share to "
+                          "protocol/, runtime/ or decoding/):\n" + "\n".join(f"  {e}" for e in crossing))
+
+
+# ---------------------------------------------------------------- the walker on a tree made here
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackages = ["p", "p.a", "p.b"]\n'
+        '[tool.setuptools.package-dir]\n"p" = "ns"\n"p.a" = "a"\n"p.b" = "b"\n')
+    for name, text in {"ns/__init__.py": "", "a/__init__.py": "", "b/__init__.py": "", **files}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_the_walker_follows_every_kind_of_import(tmp_path):
+    root = _tree(tmp_path, {
+        "a/x.py": "from . import y\nfrom .z import thing\nimport os\n",
+        "a/y.py": "def f():\n    from p.b.w import g\n",
+        "a/z.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..b import w\nthing = 1\n",
+        "b/w.py": "import p.a.x\nfrom p.a import nothing_here\n",
+    })
+    graph = import_graph(root)
+    edges = {(e.source, e.target) for es in graph.values() for e in es}
+    assert edges == {("p.a.x", "p.a.y"), ("p.a.x", "p.a.z"), ("p.a.y", "p.b.w"), ("p.a.z", "p.b.w"),
+                     ("p.b.w", "p.a.x"), ("p.b.w", "p.a")}
+    assert cycles(graph) == [["p.a.x", "p.a.y", "p.a.z", "p.b.w"]]
+    loop = one_cycle(graph, ["p.a.x", "p.a.y", "p.a.z", "p.b.w"])
+    assert [e.source for e in loop] == ["p.a.x", "p.a.y", "p.b.w"] and loop[-1].target == "p.a.x"
+
+
+def test_a_tree_without_loops_has_no_cycle(tmp_path):
+    root = _tree(tmp_path, {"a/x.py": "from . import y\n", "a/y.py": "from p.b import w\n", "b/w.py": "x = 1\n"})
+    assert cycles(import_graph(root)) == []
