@@ -140,6 +140,16 @@ def finished(b: BrokerProc) -> dict:
     return info
 
 
+def real_peers_finish(b: BrokerProc, target, data: Path, tmp_path: Path, consumer_name: str, procs: list) -> dict:
+    """A real producer and consumer make and train the rest: the run finishes, every sample
+    once. `procs` gets them, for the caller's clean-up."""
+    procs += [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
+              (consumer(b, target, tmp_path / f"{consumer_name}.out"), tmp_path / f"{consumer_name}.out")]
+    for p, out in procs:
+        assert waited(p, out) == 0, out.read_text()[-2000:]
+    return finished(b)
+
+
 FORMS = ("hidden_width", "token_ids")
 
 
@@ -166,11 +176,7 @@ def test_poison_batches_the_broker_can_check_are_refused_naming_their_producer(t
             assert lost["held"]["samples_returned"] == 2  # its lease goes back to the pool
             liar.close()
 
-        procs = [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
-                 (consumer(b, target, tmp_path / "c1.out"), tmp_path / "c1.out")]
-        for p, out in procs:
-            assert waited(p, out) == 0, out.read_text()[-2000:]
-        info = finished(b)
+        info = real_peers_finish(b, target, data, tmp_path, "c1", procs)
     finally:
         for p, _ in procs:
             if p.poll() is None:
@@ -217,11 +223,7 @@ def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(t
             (FORMS[0], 1, 1, 0, ["c1", "c2"]), (FORMS[1], 1, 1, 0, ["c3", "c4"])]
 
         # The real producer makes the rest, and the poisoned samples again; a fifth consumer trains it all
-        procs = [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
-                 (consumer(b, target, tmp_path / "c5.out"), tmp_path / "c5.out")]
-        for p, out in procs:
-            assert waited(p, out) == 0, out.read_text()[-2000:]
-        info = finished(b)
+        info = real_peers_finish(b, target, data, tmp_path, "c5", procs)
     finally:
         for p, _ in procs:
             if p.poll() is None:
