@@ -76,7 +76,7 @@ def test_stale_and_unreadable_messages_name_each_producer_of_one_host(broker, li
     push.setsockopt(zmq.LINGER, 1000)
     push.setsockopt(zmq.METADATA, f"X-Peer:{b.peer_id}".encode())
     push.setsockopt(zmq.METADATA, f"X-Instance:{b.instance}".encode())
-    push.connect(b.welcome["data_in"])
+    push.connect(b.welcome.data_in)
     push.send(msgpack.packb({"v": 1, "type": "batch"})[:-2])
     ev = broker.wait_event("broker.bad_message", pred=lambda e: e["socket"] == "data_in")
     assert ev["peer"] == b.peer_id and ev["connection_instance"] == b.instance, ev
@@ -87,29 +87,29 @@ def test_a_batch_that_does_not_fit_ends_only_the_session_whose_connection_sent_i
     a, b = links
     ga = a.request_lease(2, timeout_s=10)
     gb = b.request_lease(2, timeout_s=10)
-    assert ga["samples"] and gb["samples"]  # both lease (a share of the 8 each)
+    assert ga.samples and gb.samples  # both lease (a share of the 8 each)
 
     # Sent from elsewhere while naming b: refused, counted, and b keeps its session and lease
-    fields, tensors = _batch(gb["lease"], gb["epoch"], gb["samples"][0], width=12)
+    fields, tensors = _batch(gb.lease, gb.epoch, gb.samples[0], width=12)
     foreign = zmq.Context.instance().socket(zmq.PUSH)
     foreign.setsockopt(zmq.LINGER, 1000)
-    foreign.connect(b.welcome["data_in"])
+    foreign.connect(b.welcome.data_in)
     foreign.send_multipart(codec.encode(header("batch", b.run_id, batch_id="forged-1", producer=b.peer_id, **fields),
                                         tensors))
     ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["batch_id"] == "forged-1")
     assert ev["fault"] == "hidden_width" and ev["own_connection"] is False and ev["peer"] == b.peer_id
     assert ev["peer_instance"] == b.instance and ev["connection_peer"] is None
     foreign.close()
-    b.push_batch(*_batch(gb["lease"], gb["epoch"], gb["samples"][0]))  # its own correct copy is taken
+    b.push_batch(*_batch(gb.lease, gb.epoch, gb.samples[0]))  # its own correct copy is taken
     time.sleep(0.5)
     assert broker.ask()["samples"]["produced"] == 1
 
     # Sent by a's own link: a is told (bad_batch) and its session ends, its leases back to the pool
-    a.push_batch(*_batch(ga["lease"], ga["epoch"], ga["samples"][0], width=12))
+    a.push_batch(*_batch(ga.lease, ga.epoch, ga.samples[0], width=12))
     ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["peer"] == a.peer_id)
     assert ev["own_connection"] is True and ev["connection_instance"] == a.instance
     lost = broker.wait_event("broker.peer_lost", pred=lambda e: e["peer"] == a.peer_id)
-    assert lost["held"]["samples_returned"] == len(ga["samples"]) and "hidden_width" in lost["reason"]
+    assert lost["held"]["samples_returned"] == len(ga.samples) and "hidden_width" in lost["reason"]
     deadline = time.monotonic() + 10
     while a.error is None and time.monotonic() < deadline:
         time.sleep(0.05)
