@@ -450,6 +450,11 @@ class Batch(Message):
     layer_ids: list
     hidden_encoding: str | None = optional()  # raw when absent
 
+    @property
+    def tokens(self) -> int:
+        """T, the tokens packed in this batch (its sequences' lengths summed)."""
+        return int(sum(self.seq_lens))
+
 
 MESSAGES: dict[str, type[Message]] = {
     cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, Failed,
