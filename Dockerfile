@@ -9,6 +9,7 @@ COPY runtime runtime
 COPY broker broker
 COPY producers producers
 COPY consumers consumers
+COPY decoding decoding
 COPY tools tools
 RUN pip install --no-cache-dir .
 ENV DFLASH_RUNS_DIR=/runs PYTHONUNBUFFERED=1

@@ -1,4 +1,4 @@
-"""Speed of the decoding core (producers/decode.py) on one GPU, with the roofline next to
+"""Speed of the decoding core (decoding/) on one GPU, with the roofline next to
 every figure, and its exactness there.
 
     python bench/decode_speed.py --out results.json [--shapes smollm2-135m,qwen3-0.6b,qwen3-8b]
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _project() -> None:
     """`dflash.*` from this checkout when the package is not installed (bare GPU machine)."""
     try:
-        import dflash.producers.decode  # noqa: F401
+        import dflash.decoding.greedy  # noqa: F401
     except ImportError:
         pkg = types.ModuleType("dflash")
         pkg.__path__ = [str(ROOT)]
@@ -64,8 +64,9 @@ _project()
 
 import torch  # noqa: E402
 
-from dflash.producers.decode import (GreedyDecoder, Job, divergence, kv_bytes_per_slot,  # noqa: E402
-                                     pack_sizes, TIE_TOLERANCE)
+from dflash.decoding.core import kv_bytes_per_slot  # noqa: E402
+from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes  # noqa: E402
+from dflash.decoding.ties import TIE_TOLERANCE, divergence  # noqa: E402
 from dflash.tools.families import build, shape_config  # noqa: E402
 
 T0 = time.monotonic()

@@ -102,7 +102,7 @@ def main() -> None:
     if "prefill" in want:
         prompts = [tok(tok.apply_chat_template(x.messages[:1], tokenize=False, add_generation_prompt=True),
                        add_special_tokens=False)["input_ids"] for x in rows]
-        mods = {"packed": sys.modules["dflash.producers.decode"]}
+        mods = {"packed": sys.modules["dflash.decoding.greedy"]}
         if a.old_decode:
             spec = importlib.util.spec_from_file_location("old_decode", a.old_decode)
             old = importlib.util.module_from_spec(spec)

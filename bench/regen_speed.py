@@ -37,8 +37,9 @@ import decode_speed as ds  # noqa: E402  (sets up `dflash` from this checkout; c
 
 import torch  # noqa: E402
 
-from dflash.producers.decode import (TIE_TOLERANCE, GreedyDecoder, Job, divergence,  # noqa: E402
-                                     graphed_prefill_default, is_tie_flip, kv_bytes_per_slot, pack_sizes)
+from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot  # noqa: E402
+from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes  # noqa: E402
+from dflash.decoding.ties import TIE_TOLERANCE, divergence, is_tie_flip  # noqa: E402
 from dflash.producers.regenerate import decoder_rows  # noqa: E402
 from dflash.tools.families import build, shape_config  # noqa: E402
 

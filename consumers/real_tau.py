@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash.producers.decode import TIE_TOLERANCE, divergence
+from dflash.decoding.ties import divergence, TIE_TOLERANCE
 
 from .export import Drafter
 from .speculative import Generation, Speculative, TargetGreedy

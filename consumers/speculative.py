@@ -1,5 +1,5 @@
 """Greedy speculative decoding with a DFlash drafter, and plain greedy decoding with the
-target alone to compare against, both on the decoding core (producers/decode.py). Batch
+target alone to compare against, both on the decoding core (decoding/). Batch
 size 1, any Hugging Face causal LM the core supports as the target (tied or untied heads,
 sliding windows).
 
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.producers.decode import Core, GreedyDecoder
+from dflash.decoding.core import Core
+from dflash.decoding.greedy import GreedyDecoder
 from dflash.runtime.hf_compat import cache_kwarg
 
 from .export import Drafter

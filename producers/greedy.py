@@ -1,5 +1,5 @@
 """Batched greedy decoding for `--regenerate`, kept as the function earlier callers use:
-it now runs on the decoding core (producers/decode.py: static KV cache, CUDA-graph decode
+it now runs on the decoding core (decoding/: static KV cache, CUDA-graph decode
 step on a GPU, continuous batching), which replaced the bare loop over the model's forward
 with a transformers DynamicCache that was here.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .decode import greedy_generate
+from dflash.decoding.greedy import greedy_generate
 
 
 def greedy_batch(model: nn.Module, prompts: list[list[int]], *, pad_id: int, stop_ids: set[int],

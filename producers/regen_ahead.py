@@ -4,7 +4,7 @@ the producer captures and ships the rows already made.
 Without it a lease's rows are regenerated when the lease is prepared, all of them before
 its first batch, so in epoch 1 the drafters wait for every lease's longest answer. Here:
 
-- the thread decodes continuously (decode.py's continuous batching, never drained between
+- the thread decodes continuously (decoding/greedy.py's continuous batching, never drained between
   leases): first the rows of the leases in hand (`request`), in the free rows of the batch
   the next rows of the run's sample order (epoch 1's shuffle, which the broker leases in
   order), up to `ahead` rows to make past the furthest row leased so far (the first
@@ -44,7 +44,7 @@ from dflash.runtime.logs import get_logger
 from dflash.runtime.threads import name_this_thread
 
 from .data import BadRow, DataSource, Row
-from .decode import GreedyDecoder, Job
+from dflash.decoding.greedy import GreedyDecoder, Job
 from .regenerate import RegenCache, Regenerated, Regenerator, _Conversation
 
 log = get_logger()

@@ -14,7 +14,7 @@ replaced by a probe string, and tokenised piece by piece; turn k is generated fr
 exactly the IDs before it (so turn k+1's prompt holds turn k's IDs as generated). The
 loss mask is 1 on the generated IDs, stop token included when the target emitted one,
 and 0 on template text; if the target emitted the template's turn end marker itself, the
-template's copy is left out. Decoding runs on the decoding core (decode.py) with
+template's copy is left out. Decoding runs on the decoding core (decoding/) with
 continuous batching: `batch_size` rows decode side by side, and a row whose turn ended
 takes the next waiting turn at once (another conversation's, or its own next turn).
 
@@ -44,7 +44,8 @@ from dflash.runtime.logs import get_logger
 from .data import BadRow, Row
 from dflash.runtime.progress import progress
 
-from .decode import GreedyDecoder, Job, graphed_prefill_default, kv_bytes_per_slot, pack_sizes, rows_for_memory
+from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot, rows_for_memory
+from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes
 from .target import Target
 
 log = get_logger()
@@ -263,7 +264,7 @@ class Regenerator:
                                  prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None)
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
-        # Decoding runs with the core's own attention (decode.py), whatever packed capture
+        # Decoding runs with the core's own attention (decoding/attention.py), whatever packed capture
         # uses: transformers' flex attention under generation failed to compile on an H200
         # (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
         with self.target.lock:

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.unit
 
 ROLES = ("dflash.producers", "dflash.consumers", "dflash.broker")
 
-# The greedy decoding core (producers/decode.py) serves the producer's --regenerate and the
-# consumer's speculative decoding and real tau alike. Until the lead moves it to shared ground
-# (issue 32), these consumer modules may import it, and nothing else of producers/.
-DECODING_CORE_NOT_YET_SHARED = frozenset({
-    ("dflash.consumers.real_tau", "dflash.producers.decode"),
-    ("dflash.consumers.speculative", "dflash.producers.decode"),
-})
 
 def _role(module: str) -> str | None:
     return next((r for r in ROLES if module == r or module.startswith(r + ".")), None)
@@ -62,14 +55,10 @@ def test_no_import_cycle(graph):
 def test_no_import_between_roles(graph):
     crossing = [e for edges in graph.values() for e in edges
                 if _role(e.source) and _role(e.target) and _role(e.source) != _role(e.target)]
-    allow = DECODING_CORE_NOT_YET_SHARED
     for e in crossing:
-        print(f"role import{' (allowed: decoding core not yet shared)' if (e.source, e.target) in allow else ''}: {e}")
-    bad = [e for e in crossing if (e.source, e.target) not in allow]
-    assert not bad, ("imports between producers/, consumers/ and broker/ (move what two roles share to "
-                     "protocol/ or runtime/):\n" + "\n".join(f"  {e}" for e in bad))
-    stale = allow - {(e.source, e.target) for e in crossing}
-    assert not stale, f"no longer imported: remove from DECODING_CORE_NOT_YET_SHARED: {sorted(stale)}"
+        print(f"role import: {e}")
+    assert not crossing, ("imports between producers/, consumers/ and broker/ (move what two roles share to "
+                          "protocol/, runtime/ or decoding/):\n" + "\n".join(f"  {e}" for e in crossing))
 
 
 # ---------------------------------------------------------------- the walker on a tree made here

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "LOGS.md"
 # The folders pyproject maps into the `dflash` namespace, plus bench/ (it runs the roles).
-SOURCE_DIRS = ("protocol", "runtime", "broker", "producers", "consumers", "tools", "bench", "dflash_ns")
+SOURCE_DIRS = ("protocol", "runtime", "broker", "producers", "consumers", "decoding", "tools", "bench", "dflash_ns")
 LEVEL_METHODS = {"debug": "debug", "info": "info", "msg": "info", "warning": "warning", "warn": "warning",
                  "error": "error", "exception": "error", "critical": "critical", "fatal": "critical"}
 LEVEL_METHODS |= {"a" + k: v for k, v in LEVEL_METHODS.items()}  # structlog's async twins

@@ -10,7 +10,7 @@ from pathlib import Path
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("broker", "producers", "consumers", "protocol", "runtime", "tools")
+FOLDERS = ("broker", "producers", "consumers", "decoding", "protocol", "runtime", "tools")
 ENTRY = re.compile(r"^- `([\w./]+)`: \S")
 
 
@@ -47,3 +47,22 @@ def test_every_module_is_in_the_map_and_every_entry_exists():
         stale = sorted(set(names) - _on_disk(folder))
         assert not missing, f"docs/DESIGN.md module map lacks {folder}/{missing}: add a line for each"
         assert not stale, f"docs/DESIGN.md module map names {folder}/{stale}, which do not exist"
+
+
+# `python -m dflash.<module>` as the tests, docs, benchmarks and CI spell it: a module renamed
+# without them fails here, not minutes into a subprocess that exits 1 on "No module named".
+RUN_AS_MODULE = re.compile(r"""-m["',\s]+(dflash(?:\.\w+)+)""")
+SPELLED_IN = ("README.md", "Dockerfile", ".ci/run", "docs/*.md", "tests/**/*.py", "bench/*.py", "bench/*.sh")
+
+
+def test_every_module_run_with_python_m_exists():
+    import importlib.util
+
+    missing = []
+    for pattern in SPELLED_IN:
+        for path in sorted(ROOT.glob(pattern)):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                for mod in RUN_AS_MODULE.findall(line):
+                    if importlib.util.find_spec(mod) is None:
+                        missing.append(f"{path.relative_to(ROOT)}:{n}: {mod}")
+    assert not missing, "python -m of modules that do not exist:\n" + "\n".join(missing)

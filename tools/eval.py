@@ -32,7 +32,7 @@ import torch
 
 from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
 from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
-from dflash.producers.decode import TIE_TOLERANCE, divergence, first_difference, is_tie_flip
+from dflash.decoding.ties import divergence, first_difference, is_tie_flip, TIE_TOLERANCE
 from dflash.runtime.command_line import fail
 from dflash.runtime.progress import progress
 

@@ -101,7 +101,7 @@ def write_prompts(model, tokenizer, count: int, *, max_new_tokens: int = 128, te
     `count` usable ones come out of `max_tries` candidates (default 4 x count)."""
     import torch
 
-    from dflash.producers.decode import GreedyDecoder, Job, Sampler
+    from dflash.decoding.greedy import GreedyDecoder, Job, Sampler
     from dflash.producers.regenerate import stop_ids
 
     if count < 1:

@@ -20,7 +20,8 @@ COMMON = ("ts", "level", "event", "run_id", "role", "instance", "host", "pid")
 def eos_run(tmp_path_factory):
     from tests.harness.broker import BrokerProc
 
-    b = BrokerProc(tmp_path_factory.mktemp("eos") / "runs", ["--lease-size", "8"])
+    tmp = tmp_path_factory.mktemp("eos")
+    b = BrokerProc(tmp / "runs", ["--lease-size", "8"])
     procs = [spawn(FAKES, "consumer", b, "--instance", f"cons{i}", "--train-s", "0.005") for i in range(3)]
     results = []
     try:
@@ -28,8 +29,14 @@ def eos_run(tmp_path_factory):
         # last batch gets `stop` on arrival and is rightly not one the stream ended for.
         b.wait_event("broker.peer_joined", 60, lambda e: len(
             {x["peer_instance"] for x in b.events("broker.peer_joined") if x["peer_role"] == "consumer"}) == 3)
-        procs = [spawn(FAKES, "producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}")
-                 for i in range(2)] + procs
+        # Both producers in before any data too: on a loaded host one that starts slowly would
+        # find the run already ended by the other and its broker gone.
+        go = tmp / "go"
+        procs = [spawn(FAKES, "producer", b, "--n-samples", str(N_SAMPLES), "--instance", f"prod{i}",
+                       "--go-file", str(go)) for i in range(2)] + procs
+        b.wait_event("broker.peer_joined", 60, lambda e: len(
+            {x["peer_instance"] for x in b.events("broker.peer_joined") if x["peer_role"] == "producer"}) == 2)
+        go.touch()
         for p in procs:
             out, err = p.communicate(timeout=30)
             results.append((p.returncode, out, err))

@@ -60,6 +60,8 @@ def test_duplicate_instance_and_mismatched_producer_refused(start_broker):
     # peer IDs are never reused: a consumer joining after c1 left is c2
     c1.send("bye", reason="test")
     c1.close()
+    # c2's hello comes on another connection: ZeroMQ does not order it after c1's bye
+    b.wait_event("broker.peer_left", 10, lambda e: e["peer"] == "c1")
     c2 = FakeConsumer(b.control, "gpu5")
     assert (c1.peer, c2.peer, p1.peer) == ("c1", "c2", "p1")
     c2.close()

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash.consumers.speculative import TargetGreedy
-from dflash.producers.decode import TIE_TOLERANCE
+from dflash.decoding.ties import TIE_TOLERANCE
 from dflash.tools.eval import Prompt, format_report, prompt_report, resolve_tie_tolerance, summarise
 from dflash.tools.eval_command import main
 from dflash.tools.families import tiny_model
@@ -40,7 +40,7 @@ def _spec_like(base, tokens):
 
 
 def test_a_flip_between_tied_tokens_is_a_tie_flip_in_bf16_and_a_mismatch_in_fp32():
-    from dflash.producers.decode import divergence
+    from dflash.decoding.ties import divergence
 
     model, prompt, base, twin = _twin_setup()
     flipped = base.tokens[:3] + [twin] + base.tokens[4:]
@@ -59,7 +59,7 @@ def test_a_flip_between_tied_tokens_is_a_tie_flip_in_bf16_and_a_mismatch_in_fp32
 
 
 def test_a_token_far_from_the_top_is_a_mismatch_whatever_the_precision():
-    from dflash.producers.decode import divergence
+    from dflash.decoding.ties import divergence
 
     model, prompt, base, _ = _twin_setup()
     logits = model(input_ids=torch.tensor([prompt + base.tokens[:3]])).logits[0, -1]

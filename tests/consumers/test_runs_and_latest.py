@@ -133,11 +133,11 @@ def test_resume_latest_before_any_checkpoint_starts_as_without_resume_and_says_s
     # --save-every: nothing to resume is said in the log, not an exit 2 (issue 29).
     runs = tmp_path / "runs"
     with capture_logs() as logs:
-        assert resume_point("latest", {}, runs, run_id=new_run_id(1_700_000_000)) is None
+        assert resume_point("latest", FRESH, runs, run_id=new_run_id(1_700_000_000)) is None
     [line] = [e for e in logs if e["event"] == "consume.resume_point"]
     assert line["checkpoint"] is None and "no checkpoint under" in line["why"] and "nothing to resume" in line["why"]
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):  # a named one must exist
-        resume_point(str(tmp_path / "nowhere"), {}, runs, run_id=new_run_id(1_700_000_000))
+        resume_point(str(tmp_path / "nowhere"), FRESH, runs, run_id=new_run_id(1_700_000_000))
     # A local run likewise trains from scratch.
     r = CliRunner().invoke(main, _args(target_dir, runs, "--synthetic-batches", "2", "--resume", "latest"))
     assert r.exit_code == 0, r.output

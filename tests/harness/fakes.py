@@ -284,6 +284,8 @@ def fake_parser(**defaults) -> argparse.ArgumentParser:
     ap.add_argument("--train-s", type=float, default=0.0, help="consumer: seconds per step (a lagging drafter)")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--max-s", type=float, default=120.0, help="consumer: give up after this long")
+    ap.add_argument("--go-file", default=None, help="producer: after the welcome, lease nothing until this file "
+                    "exists (a test starts the data once every producer has joined)")
     ap.set_defaults(**defaults)
     return ap
 
@@ -301,6 +303,8 @@ def serve(a: argparse.Namespace, make_peer) -> int:
         peer = make_peer(a, instance, log)
         bind_run(peer.run, a.runs_dir)
         log.info("fake.joined", peer=peer.peer, data=peer.welcome.get("data_in") or peer.welcome.get("data_out"))
+        while getattr(a, "go_file", None) and not os.path.exists(a.go_file):
+            peer._sleep(0.05)
         peer.run_to_end(**({"max_s": a.max_s} if a.role == "consumer" else {}))
         peer.close()
         return 0

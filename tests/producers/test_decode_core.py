@@ -1,12 +1,14 @@
-"""The decoding core (producers/decode.py) gives exactly transformers' greedy generate()
+"""The decoding core (decoding/) gives exactly transformers' greedy generate()
 tokens, for every family the producer supports, sliding windows crossed, with continuous
 batching (more prompts than rows, rows refilled mid-run) and stop tokens."""
 
 import pytest
 import torch
 
-from dflash.producers.decode import (Core, GreedyDecoder, divergence, greedy_generate, is_tie_flip,
-                                     layer_windows)
+from dflash.decoding.attention import layer_windows
+from dflash.decoding.core import Core
+from dflash.decoding.greedy import greedy_generate, GreedyDecoder
+from dflash.decoding.ties import divergence, is_tie_flip
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
 pytestmark = pytest.mark.unit
@@ -120,7 +122,7 @@ def test_divergence_measures_the_margin_and_the_tie_rule():
 def test_a_job_may_ask_for_fewer_new_tokens():
     from collections import deque
 
-    from dflash.producers.decode import Job
+    from dflash.decoding.greedy import Job
 
     model = tiny_model("qwen3")
     prompts = _prompts(model.config.vocab_size)
@@ -142,7 +144,7 @@ def test_the_decoding_core_and_the_shape_builder_load_without_zmq_or_structlog()
     import sys
 
     code = ("import sys; sys.modules['zmq'] = sys.modules['structlog'] = None\n"
-            "import dflash.producers.decode, dflash.tools.families\n"
+            "import dflash.decoding.greedy, dflash.decoding.ties, dflash.tools.families\n"
             "dflash.tools.families.build(dflash.tools.families.tiny_config('llama', layers=2))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -182,7 +184,7 @@ def test_the_compiled_flex_kernel_decodes_exactly(monkeypatch, group):
     here on the CPU's compiled kernel, full and sliding layers, small blocks so that rows
     span several, query heads per K/V head a power of two (grouped-query flex) or not
     (heads folded into the query length): equal to generate()."""
-    import dflash.producers.decode as decode
+    import dflash.decoding.attention as decode
     from dflash.tools.families import build, tiny_config
 
     monkeypatch.setattr(decode, "FLEX_COMPILE", True)
@@ -202,7 +204,7 @@ def test_the_compiled_flex_kernel_decodes_exactly(monkeypatch, group):
 
 
 def test_a_flex_kernel_that_fails_falls_back_to_sdpa_and_says_why(monkeypatch):
-    import dflash.producers.decode as decode
+    import dflash.decoding.attention as decode
 
     def broken(*a, **k):
         raise RuntimeError("no kernel for you")

@@ -1,4 +1,4 @@
-"""Batched prefills in the decoding core (producers/decode.py): the prompts of several
+"""Batched prefills in the decoding core (decoding/): the prompts of several
 refilled rows go through one forward, packed back to back with no padding
 (`Core.fresh_packed`, where lengths differ a lot) or left padded, and decoding stays
 exactly transformers' greedy generate(), for every family the producer supports (sliding
@@ -7,7 +7,8 @@ windows crossed), with rows refilled mid-run several at a time."""
 import pytest
 import torch
 
-from dflash.producers.decode import Core, GreedyDecoder
+from dflash.decoding.core import Core
+from dflash.decoding.greedy import GreedyDecoder
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
 pytestmark = pytest.mark.unit
@@ -53,7 +54,7 @@ def test_rows_refilled_several_at_a_time_decode_exactly_like_generate(model):
                         sync_every=2, refill_min=2, prefill_tokens=4 * WINDOW + 32)
     from collections import deque
 
-    from dflash.producers.decode import Job
+    from dflash.decoding.greedy import Job
 
     got: dict[int, list[int]] = {}
     left = dec.run(deque(Job(i, p, n) for i, (p, n) in enumerate(zip(prompts, lens))),
@@ -78,7 +79,7 @@ def test_prefills_packed_into_fixed_sizes_decode_exactly_like_generate(model):
                         sync_every=2, refill_min=2, prefill_sizes=sizes)
     from collections import deque
 
-    from dflash.producers.decode import Job
+    from dflash.decoding.greedy import Job
 
     got: dict[int, list[int]] = {}
     left = dec.run(deque(Job(i, p, n) for i, (p, n) in enumerate(zip(prompts, lens))),
@@ -97,7 +98,7 @@ def test_a_pack_larger_than_its_sizes_is_refused(model):
 
 @pytest.mark.parametrize("limit", [64, 100, 1000, 4096])
 def test_pack_sizes_end_at_the_limit_and_waste_at_most_half_a_small_pack(limit):
-    from dflash.producers.decode import pack_sizes
+    from dflash.decoding.greedy import pack_sizes
 
     sizes = pack_sizes(limit)
     assert sizes == sorted(set(sizes)) and sizes[-1] == limit and sizes[0] == min(64, limit)

@@ -26,7 +26,7 @@ def test_a_producer_stopped_by_a_bad_row_leaves_its_cause_and_fix_in_status(tmp_
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
         env.update(OMP_NUM_THREADS="1")
-        p = subprocess.run([sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--target",
+        p = subprocess.run([sys.executable, "-m", "dflash.producers.produce_command", "--broker", b.control, "--target",
                             str(tiny_dir("qwen3", False)), "--data", data, "--device", "cpu", "--runs-dir",
                             str(b.runs_dir), "--instance", "p-bad", "--no-check-packing"],
                            capture_output=True, text=True, timeout=150, env=env)
@@ -41,7 +41,7 @@ def test_a_producer_stopped_by_a_bad_row_leaves_its_cause_and_fix_in_status(tmp_
         gone = st["gone"][-1]
         assert gone["failure"]["code"] == "bad_row" and gone["failure"]["source"] == f"{data}:6"
         # and as a person reads it
-        r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--broker", b.control, "--timeout-s", "5"],
+        r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--broker", b.control, "--timeout-s", "5"],
                            capture_output=True, text=True, timeout=60, env=env)
         assert r.returncode == 0, r.stderr
         assert f"{data}:6" in r.stdout and "--skip-bad-rows" in r.stdout and "bad_row" in r.stdout, r.stdout

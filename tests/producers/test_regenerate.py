@@ -185,7 +185,7 @@ def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokeniz
     regen = Regenerator(target, tokenizer, RegenCache(tmp_path, cache_key("fp-attn", target, tokenizer, NEW, {})),
                         max_new_tokens=NEW, batch_size=2)
     regen.apply([Row(0, "d:0", messages=CHAT)])
-    from dflash.producers.decode import decode_attention
+    from dflash.decoding.attention import decode_attention
 
     assert seen and set(seen) == {decode_attention(target.model)} and seen[0] in ("decoding_core", "sdpa")
     seen.clear()
@@ -263,7 +263,7 @@ def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
     after the one being decoded."""
     from types import SimpleNamespace
 
-    from dflash.producers.decode import Job
+    from dflash.decoding.greedy import Job
     from dflash.producers.regenerate import Regenerator
 
     regen = SimpleNamespace(max_new_tokens=256)
@@ -281,7 +281,7 @@ def test_rows_sized_by_memory_unless_given(tiny, tokenizer, tmp_path):
     """--regen-batch-size 0 sizes each decoder's rows (on a CPU: CPU_ROWS, fewer for fewer
     jobs) and logs how; a given size is kept; the arithmetic of rows for a KV budget; a
     negative size is refused."""
-    from dflash.producers.decode import kv_bytes_per_slot, rows_for_memory
+    from dflash.decoding.core import kv_bytes_per_slot, rows_for_memory
     from dflash.producers.regenerate import CPU_ROWS, decoder_rows
 
     tiny = load_target(str(tiny), None, device=CPU, full=True)

@@ -72,7 +72,7 @@ def consumer(b: BrokerProc, target, out: Path) -> subprocess.Popen:
 
     mask = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     with open(out, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "dflash.consumers.cli", "--broker", b.control, "--target",
+        return subprocess.Popen([sys.executable, "-m", "dflash.consumers.consume_command", "--broker", b.control, "--target",
                                  str(target), "--runs-dir", str(b.runs_dir), "--instance", out.stem, "--draft-layers",
                                  "1", "--block-size", "4", "--anchors", "6", "--mask-token-id", str(mask)],
                                 stdout=f, stderr=subprocess.STDOUT, env=_env())
@@ -80,7 +80,7 @@ def consumer(b: BrokerProc, target, out: Path) -> subprocess.Popen:
 
 def producer(b: BrokerProc, target, data: Path, out: Path) -> subprocess.Popen:
     with open(out, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "dflash.producers.cli", "--broker", b.control, "--runs-dir",
+        return subprocess.Popen([sys.executable, "-m", "dflash.producers.produce_command", "--broker", b.control, "--runs-dir",
                                  str(b.runs_dir), "--instance", "real-p", "--device", "cpu", "--target", str(target),
                                  "--data", str(data), "--target-layers", ",".join(map(str, LAYERS)),
                                  "--token-budget", "512", "--max-length", "256", "--max-batch-size", "2",
@@ -140,6 +140,16 @@ def finished(b: BrokerProc) -> dict:
     return info
 
 
+def real_peers_finish(b: BrokerProc, target, data: Path, tmp_path: Path, consumer_name: str, procs: list) -> dict:
+    """A real producer and consumer make and train the rest: the run finishes, every sample
+    once. `procs` gets them, for the caller's clean-up."""
+    procs += [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
+              (consumer(b, target, tmp_path / f"{consumer_name}.out"), tmp_path / f"{consumer_name}.out")]
+    for p, out in procs:
+        assert waited(p, out) == 0, out.read_text()[-2000:]
+    return finished(b)
+
+
 FORMS = ("hidden_width", "token_ids")
 
 
@@ -166,11 +176,7 @@ def test_poison_batches_the_broker_can_check_are_refused_naming_their_producer(t
             assert lost["held"]["samples_returned"] == 2  # its lease goes back to the pool
             liar.close()
 
-        procs = [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
-                 (consumer(b, target, tmp_path / "c1.out"), tmp_path / "c1.out")]
-        for p, out in procs:
-            assert waited(p, out) == 0, out.read_text()[-2000:]
-        info = finished(b)
+        info = real_peers_finish(b, target, data, tmp_path, "c1", procs)
     finally:
         for p, _ in procs:
             if p.poll() is None:
@@ -217,11 +223,7 @@ def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(t
             (FORMS[0], 1, 1, 0, ["c1", "c2"]), (FORMS[1], 1, 1, 0, ["c3", "c4"])]
 
         # The real producer makes the rest, and the poisoned samples again; a fifth consumer trains it all
-        procs = [(producer(b, target, data, tmp_path / "p.out"), tmp_path / "p.out"),
-                 (consumer(b, target, tmp_path / "c5.out"), tmp_path / "c5.out")]
-        for p, out in procs:
-            assert waited(p, out) == 0, out.read_text()[-2000:]
-        info = finished(b)
+        info = real_peers_finish(b, target, data, tmp_path, "c5", procs)
     finally:
         for p, _ in procs:
             if p.poll() is None:
@@ -231,7 +233,7 @@ def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(t
         form: {"batches": 1, "samples": 1, "remade": 1, "set_aside": 0} for form in FORMS}}
     assert sorted(bad_rows(b.run_dir)) == [("quarantined", form, 1, 1, 0) for form in FORMS]
     assert not info["samples"].get("quarantined")
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.status", "--run", b.run_id, "--runs-dir",
+    r = subprocess.run([sys.executable, "-m", "dflash.tools.status_command", "--run", b.run_id, "--runs-dir",
                         str(b.runs_dir), "--timeout-s", "0.2"], capture_output=True, text=True, timeout=60)
     assert "FINISHED" in r.stdout and all(
         f"quarantined 1 batch (1 sample: 1 made again, 0 set aside) after consumers failed on it: {form}" in r.stdout

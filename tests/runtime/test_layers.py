@@ -1,6 +1,6 @@
-"""The layering of docs/DESIGN.md's module map: protocol/ (the wire) and runtime/ (process
-plumbing) import no role, and runtime/ nothing of protocol/, so any folder may use either
-and runtime/ never pulls in the wire. The imports are read as tests/test_imports.py reads
+"""The layering of docs/DESIGN.md's module map: protocol/ (the wire), runtime/ (process
+plumbing) and decoding/ (the greedy decoding core) import no role, and runtime/ and decoding/
+nothing of protocol/, so any folder may use them and they never pull in the wire. The imports are read as tests/test_imports.py reads
 them (tests/harness/imports.py: at any depth of the code)."""
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ def _imports_into(folder: str, packages) -> list[str]:
             for e in edges if _under(e.target, packages)]
 
 
-@pytest.mark.parametrize("folder", ["protocol", "runtime"])
+@pytest.mark.parametrize("folder", ["protocol", "runtime", "decoding"])
 def test_no_role_is_imported(folder):
     bad = _imports_into(folder, ROLES)
     assert not bad, f"{folder}/ imports a role:\n" + "\n".join(bad)
 
 
-def test_runtime_does_not_import_the_wire():
-    bad = _imports_into("runtime", ("dflash.protocol",))
-    assert not bad, "runtime/ imports protocol/:\n" + "\n".join(bad)
+@pytest.mark.parametrize("folder", ["runtime", "decoding"])
+def test_plumbing_does_not_import_the_wire(folder):
+    bad = _imports_into(folder, ("dflash.protocol",))
+    assert not bad, f"{folder}/ imports protocol/:\n" + "\n".join(bad)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dflash.producers.data import open_dataset
-from dflash.producers.decode import GreedyDecoder, Job, Sampler
+from dflash.decoding.greedy import GreedyDecoder, Job, Sampler
 from dflash.runtime.targets import load_causal_lm, load_tokenizer
 from dflash.tools import real_target
 from dflash.tools.self_prompts import PromptError, judge, turn_end_ids, user_turn, write_prompts

@@ -1,0 +1,333 @@
+"""The greedy decoding core shared by `--regenerate`, `dflash-eval` and the live evaluation:
+a static (pre-allocated) KV cache, explicit attention masks, CUDA graphs on a GPU. It owns
+every call of a target's forward made while decoding; the callers (decoding/greedy.py,
+consumers/speculative.py) only schedule.
+
+Why its own cache: transformers' caches cannot be cropped once a sliding-window layer is
+past its window (speculative decoding must drop rejected drafts), grow one token at a time
+(no CUDA graph), and build masks on the host. Here every layer keeps all slots of a row
+(sliding windows are applied by the mask, not by evicting), so a crop only moves a length,
+and one decode step has fixed shapes and can be captured in a CUDA graph and replayed.
+
+Layout: row b's slot s holds the token at position s - off[b] (left padding: slots before
+off[b] are empty). A query at slot t sees slot s iff off[b] <= s <= t, s < end[b] and, on a
+sliding layer, t - s < window (transformers' rule: the token itself and window-1 before).
+A decode step's attention is decoding/attention.py's: flex over each row's own blocks on a
+GPU, sdpa over all slots with an additive mask on a CPU; prefills always take sdpa.
+
+Imports torch, transformers and runtime/hf_compat.py only, so a GPU benchmark can load it on
+a bare machine.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dflash.runtime.hf_compat import cache_kwarg
+
+from .attention import (DECODE, FULL, SLIDING, attending, block_mask, decode_attention, fold_heads, layer_windows,
+                        step_kernel, text_config, visible)
+
+
+# ---------------------------------------------------------------- the cache
+
+
+class StaticKV:
+    """K/V of `rows` x `slots` per layer, allocated at the first write (shapes from the model's
+    own key states). Stands in for transformers' Cache: attention layers call `update`.
+
+    Two modes, set by `begin` before each forward: `fresh` (the rows start new sequences: the
+    keys written are all there is, attention runs over them alone) and `step` (every row
+    appends q tokens at slot start[b]; attention runs over all slots, masked)."""
+
+    is_compileable = False  # transformers' generate() must not try to compile around it
+
+    def __init__(self, rows: int, slots: int):
+        self.rows, self.slots = rows, slots
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self._rows: torch.Tensor | None = None  # fresh: which rows; step: all
+        self._index: torch.Tensor | None = None  # step: [B, q] slots written; packed: [T]
+        self._packed = False
+
+    def begin_fresh(self, rows: torch.Tensor) -> None:
+        self._rows, self._index, self._packed = rows, None, False
+
+    def begin_step(self, index: torch.Tensor) -> None:
+        self._rows, self._index, self._packed = None, index, False
+
+    def begin_packed(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Packed prefill: token t of the one packed sequence goes to (rows[t], slots[t])."""
+        self._rows, self._index = rows, slots
+        self._packed = True
+
+    def _alloc(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        while len(self.k) <= layer:
+            self.k.append(None)
+            self.v.append(None)
+        if self.k[layer] is None:
+            self.k[layer] = k.new_zeros(self.rows, k.shape[1], self.slots, k.shape[3])
+            self.v[layer] = v.new_zeros(self.rows, v.shape[1], self.slots, v.shape[3])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value [R, H, q, hd] -> the keys/values attention runs over."""
+        self._alloc(layer_idx, key_states, value_states)
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        q = key_states.shape[2]
+        if self._packed:  # [1, H, T, hd]: each token to its row and slot; attention over the pack
+            K[self._rows, :, self._index] = key_states[0].transpose(0, 1)  # [T, H, hd]
+            V[self._rows, :, self._index] = value_states[0].transpose(0, 1)
+            return key_states, value_states
+        if self._index is None:  # fresh rows: slots 0..q-1
+            K[self._rows, :, :q] = key_states
+            V[self._rows, :, :q] = value_states
+            return key_states, value_states
+        b = torch.arange(K.shape[0], device=K.device)[:, None]  # [B, 1]
+        K[b, :, self._index] = key_states.transpose(1, 2)  # advanced dims first: [B, q, H, hd]
+        V[b, :, self._index] = value_states.transpose(1, 2)
+        return K, V
+
+    # What transformers may ask of a cache; positions and masks are always passed explicitly.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
+    """K+V bytes one slot of one row takes over all layers (for sizing the cache)."""
+    cfg = text_config(model)
+    heads = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return cfg.num_hidden_layers * 2 * kv * hd * torch.empty(0, dtype=dtype).element_size()
+
+
+def rows_for_memory(model: nn.Module, dtype: torch.dtype, budget_bytes: int, slots: int, cap: int) -> int:
+    """How many rows of `slots` slots a KV cache of `budget_bytes` holds, 1..cap."""
+    per_row = kv_bytes_per_slot(model, dtype) * max(1, slots)
+    return max(1, min(cap, budget_bytes // per_row))
+
+
+def graphed_prefill_default(model: nn.Module, device: torch.device) -> bool:
+    """Whether prefills run as PackedPrefill's graphed packs by default: on a GPU, for targets
+    small enough that an eager prefill's time is mostly the host running transformers'
+    per-layer Python (a graph removes it); a large target's prefill is GPU time, which the
+    packs' padding only adds to (docs/REGENERATION.md "Batched prefills")."""
+    if device.type != "cuda":
+        return False
+    return sum(p.numel() for p in model.parameters()) <= GRAPHED_PREFILL_MAX_PARAMS
+
+
+GRAPHED_PREFILL_MAX_PARAMS = 2_000_000_000
+
+
+# ---------------------------------------------------------------- the forward
+
+
+class Core:
+    """A target's forward over a StaticKV, with the core's masks; graphs on CUDA.
+
+    `rows` x `slots` is the cache; `layer_ids` (optional) are the layers whose outputs
+    (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter."""
+
+    def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None, kernel: str = "auto",
+                 kv_block: int = 128):
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.rows, self.slots = rows, slots
+        self.cache = StaticKV(rows, slots)
+        self.windows = layer_windows(model)
+        self.kinds = sorted({w for w in self.windows}, key=lambda w: (w is not None, w or 0))
+        if len([w for w in self.kinds if w is not None]) > 1:
+            raise ValueError(f"layers with different sliding windows {self.kinds} are not supported")
+        self.attn = decode_attention(model)
+        self.kernel = step_kernel(model, self.device, kernel)
+        self.kv_block = kv_block  # flex: K/V blocks a step reads whole (a multiple of its kernel's tile)
+        cfg = text_config(model)
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self._blocks = -(-slots // kv_block)
+        self._block_ar = torch.arange(self._blocks, device=self.device, dtype=torch.int32)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self._kw = cache_kwarg(model)
+        self._neg = torch.finfo(self.dtype).min
+        self._slot_ar = torch.arange(slots, device=self.device)
+        self._pool = None
+        self.captured = 0  # graphs captured (figures for benchmarks)
+        self.graph_error: str | None = None  # why the last capture failed, if it did
+        self.kernel_error: str | None = None  # why flex was given up for sdpa, if it was
+        self._flex_tried = False  # the first graphed function runs once uncaptured to try flex (_try_flex)
+
+    # ------------------------------------------------------------ masks
+
+    def _masks(self, qslot: torch.Tensor, off: torch.Tensor, end: torch.Tensor, kv: int):
+        """Additive masks [R, 1, q, kv] (0 visible, dtype min hidden) for qslot [R, q] (the
+        query's slot), off/end [R]: one tensor, or a dict by layer type where they differ."""
+        s = self._slot_ar[:kv]
+        base = (s[None, None] >= off[:, None, None]) & (s[None, None] < end[:, None, None]) \
+            & (s[None, None] <= qslot[:, :, None])  # [R, q, kv]
+        out = {}
+        for w in self.kinds:
+            vis = base if w is None else base & (qslot[:, :, None] - s[None, None] < w)
+            out[FULL if w is None else SLIDING] = torch.where(vis, 0.0, self._neg).to(self.dtype)[:, None]
+        if len(out) == 1:
+            return next(iter(out.values()))
+        return out
+
+    def _block_masks(self, qslot: torch.Tensor, off: torch.Tensor):
+        """flex's masks for a step, qslot [R, q] (slots of the queries, consecutive), off [R]:
+        a query at slot t sees off[b] <= s <= t (and t - s < window on a sliding layer), as
+        `_masks`; the blocks listed for row b are those from its first visible slot to its
+        last query's slot, so the kernel reads no block of the row's padding or empty slots.
+        Tensors only (no host sync): capturable in the step's CUDA graph."""
+        R, q = qslot.shape
+        g = self.heads // self.kv_heads if fold_heads(self.heads, self.kv_heads) else 1  # flex's query length: g * q
+        out = {}
+        for w in self.kinds:
+            lo = off if w is None else torch.maximum(off, qslot[:, 0] - (w - 1))
+            first = torch.div(lo, self.kv_block, rounding_mode="floor").to(torch.int32)
+            last = torch.div(qslot[:, -1], self.kv_block, rounding_mode="floor").to(torch.int32)
+            count = (last - first + 1).clamp_min(1)[:, None, None]  # [R, 1, 1]
+            index = (first[:, None] + self._block_ar[None]).clamp_max(self._blocks - 1)[:, None, None]  # [R,1,1,n]
+            out[FULL if w is None else SLIDING] = block_mask(count, index, (128, self.kv_block),
+                                                                 visible(qslot, off, w, q), (g * q, self.slots))
+        return next(iter(out.values())) if len(out) == 1 else out
+
+    # ------------------------------------------------------------ forwards
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask, layer_ids: list[int] | None, logits_to_keep: int):
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         output_hidden_states=layer_ids is not None, logits_to_keep=logits_to_keep,
+                         **{self._kw: self.cache})
+        feats = None
+        if layer_ids is not None:
+            feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [R, q, n*D]
+        return out.logits, feats
+
+    def fresh(self, rows: torch.Tensor, ids: torch.Tensor, off: torch.Tensor, *, layer_ids: list[int] | None = None,
+              last_only: bool = True):
+        """Start new sequences in `rows` [R]: ids [R, W] left padded (off[r] pad slots first).
+        Returns (logits [R, 1 or W, V], features [R, W, n*D] or None). Not graphed (shapes vary)."""
+        R, W = ids.shape
+        if W > self.slots:
+            raise ValueError(f"a prompt of {W} tokens does not fit the cache's {self.slots} slots")
+        qslot = torch.arange(W, device=self.device)[None].expand(R, W)
+        mask = self._masks(qslot, off, torch.full_like(off, W), W)
+        self.cache.begin_fresh(rows)
+        return self._run(ids, (qslot - off[:, None]).clamp_min(0), mask, layer_ids, 1 if last_only else 0)
+
+    def fresh_packed(self, rows: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
+        """Start new sequences in `rows` [R] from `prompts` in one forward of them packed back
+        to back (no padding: a block-diagonal causal mask keeps them apart), each written to
+        slots 0..len-1 of its row. Returns the logits at each prompt's last token [R, V]."""
+        lens = [len(p) for p in prompts]
+        if max(lens) > self.slots:
+            raise ValueError(f"a prompt of {max(lens)} tokens does not fit the cache's {self.slots} slots")
+        dev = self.device
+        n = torch.tensor(lens, device=dev)
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), n)  # [T] which prompt
+        pos = torch.arange(int(n.sum()), device=dev) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)
+        return self.packed(ids, seg, pos, rows[seg], pos, torch.cumsum(n, 0) - 1)
+
+    def packed(self, ids: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, slot: torch.Tensor,
+               last: torch.Tensor) -> torch.Tensor:
+        """One forward of packed tokens ids [T]: token t is at position pos[t] of segment seg[t]
+        (it sees the earlier tokens of its own segment only) and its K/V go to cache row
+        row[t], slot slot[t]. Returns the logits at the tokens `last` [R] -> [R, V]. Tensors
+        in, tensors out: capturable in a CUDA graph for fixed T and R."""
+        vis = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
+        masks = {}
+        for w in self.kinds:
+            v = vis if w is None else vis & (pos[:, None] - pos[None, :] < w)
+            masks[FULL if w is None else SLIDING] = torch.where(v, 0.0, self._neg).to(self.dtype)[None, None]
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
+        self.cache.begin_packed(row, slot)
+        logits, _ = self._run(ids[None], pos[None], mask, None, last)
+        return logits[0]
+
+    def step(self, ids: torch.Tensor, start: torch.Tensor, off: torch.Tensor, *,
+             layer_ids: list[int] | None = None, last_only: bool = False):
+        """Every row appends ids [B, q] at slots start[b]..start[b]+q-1 (B = all rows).
+        Returns (logits [B, q or 1, V], features or None). Fixed shapes: graph-capturable."""
+        q = ids.shape[1]
+        qslot = (start[:, None] + torch.arange(q, device=self.device)[None]).clamp_max(self.slots - 1)
+        # flex only where the model runs the core's attention (a transformers that refused its
+        # name runs plain sdpa, which takes tensor masks)
+        if self.kernel == "flex" and getattr(self.model.config, "_attn_implementation", None) == DECODE:
+            mask = self._block_masks(qslot, off)
+        else:
+            mask = self._masks(qslot, off, qslot[:, -1] + 1, self.slots)
+        self.cache.begin_step(qslot)
+        return self._run(ids, qslot - off[:, None], mask, layer_ids, 1 if last_only else 0)
+
+    def attending(self) -> "attending":
+        """Context in which the model runs with the core's attention implementation (every
+        forward of the core must run inside it; the model's own setting is restored after)."""
+        return attending(self.model, self.attn)
+
+    # ------------------------------------------------------------ graphs
+
+    def graphed(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` (reads and writes only tensors that live as long as it) as a replayable CUDA
+        graph; `fn` itself on CPU or with graphs off. Capturing runs `fn` for warm-up, so
+        call this before the tensors hold real state."""
+        if self.kernel == "flex" and not self._flex_tried:
+            self._try_flex(fn)
+        if not self.graphs:
+            return fn
+        try:
+            return self._capture(fn)
+        except RuntimeError as e:  # a model whose forward cannot be captured still decodes
+            warnings.warn(f"CUDA graph capture failed, decoding without graphs: {type(e).__name__}: {e}")
+            self.graph_error = f"{type(e).__name__}: {e}"[:500]
+            torch.cuda.synchronize(self.device)
+            return fn
+
+    def _try_flex(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (the first function graphed: a decode step or cycle) once; its first flex
+        call compiles the kernel. If flex fails to compile or run here, decode with sdpa
+        instead, warned and recorded, rather than not at all."""
+        self._flex_tried = True
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (inductor and Triton raise many kinds)
+            self.kernel, self.kernel_error = "sdpa", f"{type(e).__name__}: {e}"[:500]
+            warnings.warn(f"flex decode attention failed, decoding with sdpa: {self.kernel_error}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits and allocator state outside the capture
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            fn()
+        self.captured += 1
+        return g.replay
+
+    def allocate(self) -> None:
+        """Allocate every layer's K/V now (one throwaway token in row 0), so that graphs
+        captured next see the final buffers."""
+        if len(self.cache) == 0:
+            z = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.fresh(z, z[:, None], z)

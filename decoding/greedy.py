@@ -1,0 +1,316 @@
+"""Batched greedy decoding on the core (decoding/core.py): continuous batching over a
+decoder's rows, prefills packed (and graphed on a GPU, `PackedPrefill`), a Gumbel-max
+`Sampler` for sampled generation, and `greedy_generate` for a plain list of prompts.
+
+Imports torch, numpy, transformers and runtime/hf_compat.py only, so a GPU benchmark can load
+it on a bare machine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .core import Core
+
+
+def pack_sizes(limit: int) -> list[int]:
+    """The fixed sizes packed prefills are padded to, up to `limit` tokens: 64, 128, 256, 512,
+    then steps of 512, so padding wastes at most half of a small pack and an eighth of a
+    large one (for a large target a pack's compute is GPU time, not host time)."""
+    sizes = [x for x in (64, 128, 256, 512) if x < limit] + list(range(512, limit, 512)) + [limit]
+    return sorted(set(sizes))
+
+
+class PackedPrefill:
+    """Prefill of refilled rows, their prompts packed back to back into one forward
+    (Core.packed), padded to the smallest of `sizes` that holds them, and from a size's
+    second use on replayed from a CUDA graph of that size: a decoder refills many times,
+    and each eager forward pays transformers' per-layer Python again (whether that is most
+    of a prefill's time, `bench/decode_speed.py --sections where` measures). Pad tokens
+    are a segment of their own, written to the cache's last slot, which no live row ever
+    attends (GreedyDecoder sizes the cache one slot longer than any row can reach).
+    Returns the first token of each prompt, `pick`ed from its last position's logits."""
+
+    def __init__(self, core: Core, rows: int, sizes: Iterable[int], pick: Callable[[torch.Tensor], torch.Tensor]):
+        self.core, self.rows, self.pick = core, rows, pick
+        self.sizes = sorted(set(sizes))
+        self._used: set[int] = set()
+        self._static: dict[int, tuple[torch.Tensor, torch.Tensor, Callable[[], None]]] = {}
+        self._first = torch.zeros(rows, dtype=torch.long, device=core.device)  # every graph's output
+        self.replays = 0  # forwards run from a graph, or from its fallback (figures for benchmarks)
+
+    @property
+    def limit(self) -> int:
+        return self.sizes[-1]
+
+    def __call__(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        lens = [len(p) for p in prompts]
+        T, R = sum(lens), len(prompts)
+        if T > self.limit or R > self.rows:
+            raise ValueError(f"a pack of {T} tokens in {R} rows exceeds {self.limit} tokens or {self.rows} rows")
+        size = next(x for x in self.sizes if x >= T)
+        seg = np.repeat(np.arange(R), lens)
+        pos = np.arange(T) - np.repeat(np.cumsum(lens) - lens, lens)
+        host = np.zeros((5, size), dtype=np.int64)  # ids, segment, position, cache row, cache slot
+        host[0, :T] = [t for p in prompts for t in p]
+        host[1, :T], host[1, T:] = seg, R  # pads: a segment of their own
+        host[2, :T] = pos
+        host[3, :T] = np.asarray(rows)[seg]
+        host[4, :T], host[4, T:] = pos, self.core.slots - 1
+        last = np.zeros(self.rows, dtype=np.int64)
+        last[:R] = np.cumsum(lens) - 1
+        if size not in self._static:
+            packed = torch.from_numpy(host).to(self.core.device)
+            where = torch.from_numpy(last).to(self.core.device)
+            if size not in self._used:  # a size used once (one eval prompt) is not worth a capture
+                self._used.add(size)
+                return self.pick(self.core.packed(*packed, where))[:R]
+            # The capture's warm-up runs the prefill twice on these inputs: the same writes each time.
+            replay = self.core.graphed(lambda: self._first.copy_(self.pick(self.core.packed(*packed, where))))
+            self._static[size] = (packed, where, replay)
+        else:
+            packed, where, replay = self._static[size]
+            packed.copy_(torch.from_numpy(host))
+            where.copy_(torch.from_numpy(last))
+        replay()
+        self.replays += 1
+        return self._first[:R].clone()
+
+
+@dataclass
+class Job:
+    key: object
+    prompt: list[int]
+    max_new: int | None = None  # fewer new tokens than the decoder's max_new_tokens, if set
+
+
+class GreedyDecoder:
+    """Batched greedy decoding with continuous batching: `rows` slots; a finished row's slot
+    is refilled with the next prompt at once. One decode step of all rows is a CUDA graph on
+    a GPU; the host looks at which rows finished every `sync_every` steps (its only
+    synchronisation), and refills when at least `refill_min` rows are free or nothing else runs.
+
+    Each output is the greedy continuation up to and including the first stop token, or
+    `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives. `pick` (logits
+    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`."""
+
+    def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
+                 graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
+                 prefill_tokens: int = 2048, prefill_sizes: Iterable[int] | None = None,
+                 pick: Callable[[torch.Tensor], torch.Tensor] | None = None, kernel: str = "auto",
+                 kv_block: int = 128):
+        if rows < 1 or max_new_tokens < 1:
+            raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
+        self.max_prompt, self.max_new = max_prompt, max_new_tokens
+        # A live row writes at most slot max_prompt + max_new_tokens - 2: the slots after it
+        # are never attended, and PackedPrefill's pad tokens write to the last.
+        self.core = Core(model, rows, max_prompt + max_new_tokens + 1, graphs=graphs, kernel=kernel, kv_block=kv_block)
+        self.rows, self.sync_every = rows, max(1, sync_every)
+        self.refill_min = max(1, rows // 16) if refill_min is None else max(1, refill_min)
+        dev = self.core.device
+        stops = sorted(set(stop_ids))
+        self.stops = torch.tensor(stops or [-1], device=dev)
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)  # each row's last token
+        self.start = torch.zeros(rows, dtype=torch.long, device=dev)  # slot its next token goes to
+        self.off = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.n = torch.zeros(rows, dtype=torch.long, device=dev)  # tokens generated
+        self.done = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.limit = torch.full((rows,), max_new_tokens, dtype=torch.long, device=dev)  # per row
+        self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
+        self._ar = torch.arange(rows, device=dev)
+        self.steps = 0  # decode steps run (figures for benchmarks)
+        self.prefills = 0  # prefill forwards run
+        self.packed_prefills = 0  # of which packed (Core.fresh_packed, PackedPrefill)
+        self.pick = pick or _argmax
+        # `prefill_sizes` (e.g. pack_sizes(4096)): prompts packed into those sizes, graphed on a
+        # GPU (PackedPrefill); else exact shapes, packed or left padded by their cost (_fill).
+        # Off by default until a GPU measurement says it is faster (docs/REGENERATION.md).
+        self.prefill = PackedPrefill(self.core, rows, prefill_sizes, self.pick) if prefill_sizes else None
+        self.prefill_tokens = max(1, prefill_tokens)
+        with self.core.attending(), torch.inference_mode():
+            self.core.allocate()
+            self._step = self.core.graphed(self._decode_step)  # all rows done: warm-up changes nothing real
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        logits, _ = self.core.step(self.tok[:, None], self.start, self.off, last_only=True)
+        nxt = self.pick(logits[:, -1])
+        live = ~self.done
+        col = self.n.clamp_max(self.max_new - 1)
+        self.out[self._ar, col] = torch.where(live, nxt, self.out[self._ar, col])
+        self.n += live
+        self.start += live
+        self.tok.copy_(torch.where(live, nxt, self.tok))
+        self.done |= live & (torch.isin(nxt, self.stops) | (self.n >= self.limit))
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Greedy continuations of `prompts`, in order."""
+        res: list[list[int] | None] = [None] * len(prompts)
+
+        def keep(job: Job, tokens: list[int]) -> None:
+            res[job.key] = tokens
+
+        left = self.run(deque(Job(i, p) for i, p in enumerate(prompts)), keep)
+        if left:
+            raise ValueError(f"{len(left)} prompt(s) exceed the decoder's max_prompt {self.max_prompt}")
+        return res  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
+        """Decode every job of `jobs` (a deque `on_done` may append new jobs to, e.g. a
+        conversation's next turn) and hand each result to `on_done` as it finishes.
+        Returns the jobs whose prompt is longer than `max_prompt` (not decoded: the caller
+        sizes a decoder for them). Raises ValueError for an empty prompt."""
+        leftover: list[Job] = []
+        with self.core.attending():
+            for _ in self.rounds(jobs, on_done, leftover):
+                pass
+        return leftover
+
+    def rounds(self, jobs: deque, on_done: Callable[[Job, list[int]], None], leftover: list[Job]):
+        """`run` one round at a time: a generator that refills free rows and runs
+        `sync_every` steps per `next()`, until `jobs` and the rows are empty. Between
+        rounds the caller may add jobs to `jobs` (other threads too: deque appends are
+        atomic) and release the model; every `next()` must run inside `core.attending()`
+        and `torch.inference_mode()`. Too-long prompts go to `leftover`."""
+        busy: dict[int, Job] = {}
+        free = list(range(self.rows))
+        while jobs or busy:
+            if jobs and free and (len(free) >= self.refill_min or not busy or len(jobs) <= len(free)):
+                take = []
+                while jobs and len(take) < len(free):
+                    j = jobs.popleft()
+                    if not j.prompt:
+                        raise ValueError(f"job {j.key!r}: empty prompt")
+                    if len(j.prompt) > self.max_prompt:
+                        leftover.append(j)
+                    else:
+                        take.append(j)
+                take = [(free.pop(0), j) for j in take]
+                if take:
+                    self._fill(take)
+                    busy.update(take)
+            if not busy:
+                continue
+            for _ in range(self.sync_every):
+                self._step()
+            self.steps += self.sync_every
+            done = self.done.tolist()  # the one synchronisation per `sync_every` steps
+            finished = [r for r in busy if done[r]]
+            if finished:
+                idx = torch.tensor(finished, device=self.core.device)
+                lens = self.n[idx].tolist()
+                outs = self.out[idx].tolist()
+                for r, n, o in zip(finished, lens, outs):
+                    job = busy.pop(r)
+                    free.append(r)
+                    on_done(job, o[:n])
+            yield len(busy)
+
+    def _fill(self, take: list[tuple[int, Job]]) -> None:
+        """Prefill the prompts of `take` into their rows and set the rows' state, in as few
+        forwards as fit, sorted by length (similar widths share a forward). With
+        `self.prefill`: packs of up to its limit, a longer prompt alone. Else parts of up to 64
+        rows, each packed back to back (no padding, at most `prefill_tokens` tokens) where
+        that computes fewer attention scores than left padding to its longest prompt (T^2 <
+        R * W^2: lengths that differ a lot), else left padded (with a dense mask, packed
+        attention is quadratic in the total length)."""
+        take = sorted(take, key=lambda t: len(t[1].prompt))
+        if self.prefill is not None:
+            pack: list[tuple[int, Job]] = []
+            tokens = 0
+            for r, j in take:
+                if len(j.prompt) > self.prefill.limit:
+                    self._prefill([(r, j)], packed=False)
+                    continue
+                if pack and tokens + len(j.prompt) > self.prefill.limit:
+                    self._prefill_pack(pack)
+                    pack, tokens = [], 0
+                pack.append((r, j))
+                tokens += len(j.prompt)
+            if pack:
+                self._prefill_pack(pack)
+            return
+        for i in range(0, len(take), 64):
+            part = take[i:i + 64]
+            lens = [len(j.prompt) for _, j in part]
+            t = sum(lens)
+            self._prefill(part, packed=t * t < len(lens) * max(lens) ** 2 and t <= self.prefill_tokens)
+
+    def _prefill_pack(self, part: list[tuple[int, Job]]) -> None:
+        dev = self.core.device
+        first = self.prefill([r for r, _ in part], [j.prompt for _, j in part])
+        lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
+        self._begin(part, torch.tensor([r for r, _ in part], device=dev), first, lens, torch.zeros_like(lens))
+        self.packed_prefills += 1
+
+    def _prefill(self, part: list[tuple[int, Job]], packed: bool) -> None:
+        dev = self.core.device
+        rows = torch.tensor([r for r, _ in part], device=dev)
+        lens = torch.tensor([len(j.prompt) for _, j in part], device=dev)
+        if packed:
+            first = self.pick(self.core.fresh_packed(rows, [j.prompt for _, j in part]))
+            off = torch.zeros_like(lens)
+        else:
+            W = int(lens.max())
+            ids = torch.tensor([[0] * (W - len(j.prompt)) + j.prompt for _, j in part], device=dev)
+            off = W - lens
+            logits, _ = self.core.fresh(rows, ids, off)
+            first = self.pick(logits[:, -1])
+            lens = torch.full_like(lens, W)
+        self._begin(part, rows, first, lens, off)
+        self.packed_prefills += packed
+
+    def _begin(self, part: list[tuple[int, Job]], rows: torch.Tensor, first: torch.Tensor, start: torch.Tensor,
+               off: torch.Tensor) -> None:
+        """The state of `part`'s rows (`rows`, on the device) just prefilled: `first` token of
+        each, its next slot `start`, its padding `off`."""
+        lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=self.core.device)
+        self.prefills += 1
+        self.tok[rows] = first
+        self.start[rows] = start
+        self.off[rows] = off
+        self.n[rows] = 1
+        self.out[rows, 0] = first
+        self.limit[rows] = lim
+        self.done[rows] = torch.isin(first, self.stops) | (lim <= 1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+class Sampler:
+    """Draws from softmax(logits / temperature), restricted to the `top_k` most likely
+    tokens when top_k > 0, by the Gumbel-max trick: argmax(logits / T + G), G ~ Gumbel(0, 1).
+    Elementwise ops and an argmax only, so it runs inside the decode step's CUDA graph
+    (the default generator's offset advances on every replay); seed it with torch.manual_seed."""
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0):
+        if not temperature > 0 or top_k < 0:
+            raise ValueError(f"temperature {temperature} must be > 0 and top_k {top_k} >= 0")
+        self.temperature, self.top_k = temperature, top_k
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits.float() / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        u = torch.rand(x.shape, device=x.device).clamp_(min=torch.finfo(torch.float32).tiny)
+        return (x - torch.log(-torch.log(u))).argmax(-1)
+
+
+def greedy_generate(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: Iterable[int],
+                    batch_size: int = 16, graphs: bool | None = None, sync_every: int = 8) -> list[list[int]]:
+    """Each prompt's greedy continuation (see GreedyDecoder), `batch_size` rows at a time."""
+    if not prompts:
+        return []
+    dec = GreedyDecoder(model, rows=min(batch_size, len(prompts)), max_prompt=max(len(p) for p in prompts),
+                        max_new_tokens=max_new_tokens, stop_ids=stop_ids, graphs=graphs, sync_every=sync_every)
+    return dec.generate(prompts)
