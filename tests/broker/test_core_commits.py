@@ -39,6 +39,17 @@ def one_batch_each(rig: Rig, producer: bytes, consumers: list[bytes]) -> list[st
     return [rig.in_flight(c)[-1] for c in consumers]
 
 
+def one_batch_trained_on_a(rig: Rig) -> str:
+    """A producer `prod` and a consumer `c` on lineage A that trained (acked, not committed)
+    one batch at step 1: its ID."""
+    rig.hello(b"prod", "producer")
+    rig.hello(b"c", "consumer")
+    rig.control(b"c", "lineage", lineage="A", step=0)
+    (bid,) = one_batch_each(rig, b"prod", [b"c"])
+    rig.control(b"c", "ack", batch_ids=[bid], step=1, lineage="A")
+    return bid
+
+
 def test_an_ack_after_the_commit_of_its_step_is_committed_at_once_a_later_one_waits(tmp_path):
     r = Rig(tmp_path, lease_size=4)
     try:
@@ -109,11 +120,7 @@ def test_after_the_job_died_with_work_not_committed_new_consumers_are_refused(tm
 def test_a_lineage_that_misses_the_newest_commit_is_refused_and_its_session_ends(tmp_path):
     r = Rig(tmp_path, lease_size=2)
     try:
-        r.hello(b"prod", "producer")
-        r.hello(b"c", "consumer")
-        r.control(b"c", "lineage", lineage="A", step=0)
-        (bid,) = one_batch_each(r, b"prod", [b"c"])
-        r.control(b"c", "ack", batch_ids=[bid], step=1, lineage="A")
+        one_batch_trained_on_a(r)
         r.control(b"c", "commit", step=1, checkpoint="ckpt/A1", lineage="A")
         r.hello(b"fresh", "consumer")
         out = r.control(b"fresh", "lineage", lineage="B", step=0, checkpoint=None)  # from nothing
@@ -129,11 +136,7 @@ def test_a_lineage_that_misses_the_newest_commit_is_refused_and_its_session_ends
 def test_a_lineage_announced_again_changes_nothing(tmp_path):
     r = Rig(tmp_path, lease_size=2)
     try:
-        r.hello(b"prod", "producer")
-        r.hello(b"c", "consumer")
-        r.control(b"c", "lineage", lineage="A", step=0)
-        (bid,) = one_batch_each(r, b"prod", [b"c"])
-        r.control(b"c", "ack", batch_ids=[bid], step=1, lineage="A")
+        bid = one_batch_trained_on_a(r)
         pending = r.core.work.pool.pending()
         r.control(b"c", "lineage", lineage="A", step=0)  # a retry: not a restart from nothing
         assert list(r.core.commits.trained) == [bid] and r.core.work.pool.pending() == pending
