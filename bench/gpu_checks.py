@@ -46,7 +46,7 @@ from dflash.consumers.synthetic import as_received, rule_batch
 from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.step import batch_loss
 from dflash.consumers.train import TrainConfig, resolve_signal, train
-from dflash.protocol import codec
+from dflash.protocol import messages
 
 LAYERS = [1, 3]
 CPU = torch.device("cpu")
@@ -55,7 +55,7 @@ CPU = torch.device("cpu")
 # ---------------------------------------------------------------- inputs
 
 
-def message(b: Batch, fp8: bool) -> codec.Message:
+def message(b: Batch, fp8: bool) -> messages.Batch:
     """`b` as a consumer receives it: encoded with the codec, decoded to frame views."""
     return as_received(b, fp8, "gpu-checks")
 
@@ -67,7 +67,7 @@ def small_batch(spec, seed: int, n_seqs: int = 4, seq_len: int = 700) -> Batch:
                       sample_start=n_seqs * seed)
 
 
-def big_message(tokens: int, fp8: bool, seed: int = 0, width: int = 5 * 4096) -> codec.Message:
+def big_message(tokens: int, fp8: bool, seed: int = 0, width: int = 5 * 4096) -> messages.Batch:
     """A batch of `tokens` tokens of a Qwen3-8B capture's width (5 x 4096), 4 sequences."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, width, generator=g, dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ import zmq
 
 from common import HIDDEN, LAYER_IDS, PROFILE_DIR, batch_tensors, payload_bytes
 from dflash.protocol import codec
-from dflash.protocol.messages import header
+from dflash.protocol.messages import Batch, header
 from dflash.runtime.alloc import reuse_freed_memory
 from dflash.protocol.sockets import SocketOpts, auto_io_threads, make_socket
 
@@ -89,15 +89,16 @@ def produce(a) -> dict:
     sent = 0
     while not link.stopped.is_set():
         g = link.request_lease(a.lease, timeout_s=60)
-        if not g["samples"]:
-            if g["end"]:
+        if not g.samples:
+            if g.end:
                 break
-            time.sleep(g.get("retry_ms", 100) / 1000)
+            time.sleep((g.retry_ms or 100) / 1000)
             continue
-        for s in g["samples"]:
-            link.push_batch({**_fields(s, T), "lease": g["lease"], "epoch": g["epoch"]}, _batch(t, a.fresh))
+        for s in g.samples:
+            fields = {**_fields(s, T), "lease": g.lease, "epoch": g.epoch}
+            link.push_batch(Batch(f"{link.peer_id}-{sent}", link.peer_id, **fields, tensors=_batch(t, a.fresh)))
             sent += 1
-        link.lease_done(g["lease"], [])
+        link.lease_done(g.lease, [])
     link.close("done")
     return {"sent": sent, "payload_bytes": payload_bytes(t)}
 
@@ -117,9 +118,9 @@ def consume(a) -> dict:
                 break
             continue
         times.append(time.perf_counter())
-        sizes.append(msg.payload_bytes())
+        sizes.append(payload_bytes(msg.tensors))
         step += 1
-        link.ack([msg.header["batch_id"]], step)  # one "optimizer step" per batch
+        link.ack([msg.batch_id], step)  # one "optimizer step" per batch
         del msg
     link.commit(step, f"bench/step-{step}")
     link.close("done")

@@ -91,7 +91,7 @@ def wire_messages(heads, steps: int, encoding: str, outliers: float) -> list:
         else:
             tensors["hidden"] = hidden.to(torch.bfloat16)  # the default wire dtype
         frames = [bytes(f) for f in codec.encode(header("batch", "bench", **fields), tensors)]
-        msgs.append(codec.decode(frames))
+        msgs.append(codec.decode_batch(frames))
     return msgs
 
 

@@ -1,9 +1,10 @@
-"""What the broker core asks its server to do (core.py decides, server.py does).
+"""What the broker core asks its server to do (the core decides, server.py does).
 
-The core never touches a socket: each of its entry points returns a list of these, in
-order, and the server carries them out with its sockets. Relaying a batch is the one
-exception: whether a consumer's pipe takes a batch decides whether it stays queued, so
-`BrokerCore.dispatch` calls the server's non-blocking send as it goes.
+The core never touches a socket: its parts write what is to be done into one `Outbox`,
+and each entry point of the core returns what was written, in order, for the server to
+carry out with its sockets. Relaying a batch is the one exception: whether a consumer's
+pipe takes a batch decides whether it stays queued, so `BrokerCore.dispatch` calls the
+server's non-blocking send as it goes.
 """
 
 from __future__ import annotations
@@ -45,3 +46,24 @@ class Publish:
 
 
 Action = Send | ClosePipes | Publish
+
+
+class Outbox:
+    """The actions the core's parts decided, in order, until the entry point hands them over."""
+
+    def __init__(self):
+        self._actions: list[Action] = []
+
+    def send(self, identity: bytes, msg: Message) -> None:
+        self._actions.append(Send(identity, msg))
+
+    def close_pipes(self, pipes: list) -> None:
+        if pipes:
+            self._actions.append(ClosePipes(list(pipes)))
+
+    def publish(self, status: dict) -> None:
+        self._actions.append(Publish(status))
+
+    def take(self) -> list[Action]:
+        out, self._actions = self._actions, []
+        return out

@@ -10,6 +10,7 @@ Bad options exit 2 before (broker_command.py).
 from __future__ import annotations
 
 import shutil
+import time
 
 import click
 import zmq
@@ -54,12 +55,14 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     runinfo.start(run_dir, run_id, as_dict(cfg), broker.endpoints, cfg.instance, **lineage)
     before = latest_run(cfg.runs_dir)
     point_latest(run_id, cfg.runs_dir)
+    sink = None
     if cfg.tensorboard or cfg.wandb:
         from dflash.runtime.sinks import open_sinks
 
-        broker.metric_sink = open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "broker.progress")
-    broker.ledger.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,
-                           config=as_dict(cfg))
+        sink = open_sinks(cfg.tensorboard, cfg.wandb, run_id, run_dir, "broker.progress")
+        broker.core.use_metric_sink(sink)
+    broker.core.set_meta(run_id=run_id, schema=SCHEMA_VERSION, seed=cfg.seed, epochs=cfg.epochs,
+                         config=as_dict(cfg))
     security.warn_if_open(cfg.bind, bool(cfg.curve_keys))
     if parent is not None:
         log.info("broker.resume", **lineage["resumed_from"], left=resume.left_to_do(parent, cfg.epochs),
@@ -78,16 +81,15 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         error = f"{type(e).__name__}: {e}"
         log.exception("broker.crashed", error=error)
     finally:
-        samples = dict(broker.ledger.counts)
-        bad_batches = broker.core.poison.as_dict()
+        summary = broker.core.summary()
         broker.close()
-        if getattr(broker, "metric_sink", None) is not None:
-            broker.metric_sink.close()
-        why = getattr(broker, "outcome_why", None)
+        if sink is not None:
+            sink.close()
+        why = broker.outcome_why
         code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
-        runinfo.finish(run_dir, outcome, samples=samples, bad_batches=bad_batches, error=error, signal=broker.signal,
-                       **({"reason": why} if why else {}))
-        if parent is None and broker.core.peer_messages == 0:
+        runinfo.finish(run_dir, outcome, time.time(), samples=summary["samples"], bad_batches=summary["bad_batches"],
+                       error=error, signal=broker.signal, **({"reason": why} if why else {}))
+        if parent is None and summary["peer_messages"] == 0:
             # A fresh run no peer even tried to join holds nothing; `latest` goes back to the run
             # before it (RELIABILITY.md 10). A resumed one keeps it: it is where its chain goes on.
             give_back_latest(run_id, before, cfg.runs_dir)

@@ -1,41 +1,53 @@
 """The broker's state machine without sockets (as vLLM's EngineCore beside EngineCoreProc).
 
-`BrokerCore` holds the run: peers, the queue, leases, the ledger, lineages and the run's
-phase. Each entry point takes one typed message (inbound.py) and returns the actions
-(actions.py) that server.py carries out with its sockets; `tick(now)` runs the timers.
-It imports no ZeroMQ, so its policy (exactly-once, handshake, leases, end of stream,
-shutdown) is tested in-process (tests/broker/test_core.py).
+`BrokerCore` holds the run as a few parts, each the owner of its rules:
 
-What to do with each message lives in control.py (producers, consumers, lost peers),
-handshake.py (hello), intake.py (batches); the policy in dispatch.py, leases.py,
-liveness.py, lineage.py and ledger.py.
+- sessions.py `Sessions`: who is connected (hello, welcome, pipes, ranks, heartbeats, who
+  went silent or stopped acking);
+- work.py `Work` and intake.py `Intake`: work leases and the batches that come back for them;
+- delivery.py `Delivery`: the shared queue, dispatch by credit, acks, requeues, quarantine;
+- commits.py `Commits`: what was trained and what a checkpoint commits (lineages);
+- facts.py `RunFacts`: the run's target and dataset; phase.py `Lifecycle`: how the run ends;
+- status.py `StatusMap`: the status map, progress lines and the broker's heartbeat figures.
+
+Each entry point takes one typed message (protocol/messages.py, or inbound.py's `Unreadable`
+and `BadBatch`) and `now`, the server's monotonic clock: no part reads a clock of its own,
+so tests drive the core with an injected one (tests/broker/test_core.py). Parts write what
+is to be done into one outbox (actions.py); each entry point returns those actions for the
+server (server.py) to carry out with its sockets. Only the core knows every part: it does
+what a message means across them (a session that ends gives back its leases or batches).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
-from typing import Callable
 
-from dflash.protocol.messages import Message, StatusReply, Stop
+from dflash.protocol.messages import (CONTROL_MAX_BYTES, Ack, Bye, Commit, Credit, DatasetFacts, Done, Failed,
+                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk, StatusReply, Stop)
 from dflash.runtime.logs import get_logger
 
-from . import control, handshake, intake, resume
-from .actions import Action, ClosePipes, Publish, Send
-from .config import MAX_CREDIT, BrokerConfig
-from .dispatch import BatchQueue, QueuedBatch, dispatch, wants_batch
-from .inbound import Ack, Batch, Bye, Commit, Credit, Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart
+from . import resume, runinfo
+from .actions import Action, Outbox
+from .commits import Commits, lineage_of
+from .config import BrokerConfig
+from .delivery import Delivery, Relay
+from .dispatch import Queued
+from .facts import Facts, RunFacts
+from .inbound import BadBatch, Batch, Unreadable, connection_fields
+from .intake import Intake
 from .leases import LeasePool
 from .ledger import Ledger
-from .lineage import Lineages, TrainedBatch
-from .liveness import Every, RateLimit, RateMeter, TimeShare, silent
-from .peers import Peer, PeerTable
-from .phase import JobLost, Phase, RunEnd  # noqa: F401  (JobLost: for readers of core.job_lost)
+from .lineage import MAX_LINEAGE
+from .liveness import Every, WallClock
+from .peers import ConsumerSession, ProducerSession, Session
+from .phase import JobLost, Lifecycle, Phase, RunEnd
 from .quarantine import Poison
-from .replies import LogGate, log_bad
+from .replies import Replies
 from .resume import Parent
-from .status import build_status, log_progress, progress_fields, samples
+from .sessions import PipeBinder, Sessions
+from .status import StatusMap
+from .work import Work
 
 log = get_logger()
 
@@ -43,277 +55,363 @@ log = get_logger()
 # once per message, and the timer checks would cost as much as the message itself.
 TICK_S = 0.005
 
-
-# bind(port, io_thread_mask) -> a pipe (PUSH socket) bound there, or None when the port is taken
-PipeBinder = Callable[[int, int], object | None]
+UNKNOWN_PEER = ("this connection has no live session (never said hello, was declared lost, or its connection was "
+                "closed and reopened: ZeroMQ closes a connection that sends a frame over the control limit of "
+                f"{CONTROL_MAX_BYTES} bytes): say hello again to rejoin")
 
 
 def entry(fn):
-    """An entry point: returns the actions it queued (nested entries leave them to the outer).
-    If it raises (the server logs broker.internal_error), what it queued goes out with the
-    next entry's actions, as the old loop had sent it before the error."""
+    """An entry point: returns the actions its parts decided. If it raises (the server logs
+    broker.internal_error), what it decided goes out with the next entry's actions, as the
+    old loop had sent it before the error."""
 
     @functools.wraps(fn)
     def run(self, *args, **kwargs) -> list[Action]:
-        self._depth += 1
-        try:
-            fn(self, *args, **kwargs)
-        finally:
-            self._depth -= 1
-        if self._depth:
-            return []
-        out, self._out = self._out, []
-        return out
+        fn(self, *args, **kwargs)
+        return self.out.take()
 
     return run
 
 
 class BrokerCore:
-    def __init__(self, cfg: BrokerConfig, run_id: str, run_dir: Path, hostname: str, *,
-                 parent: Parent | None = None, bind_pipe: PipeBinder, pipe_threads: list[int] | None = None,
-                 streams: int = 1, producer_streams: int = 1, lighthouse: str | None = None,
-                 now: float | None = None):
-        """`bind_pipe` binds a consumer's data-out port; `pipe_threads` are the I/O threads
-        (affinity masks) pipes may take; `streams` pipes per consumer, `producer_streams`
-        connections per producer; `lighthouse` the elastic consumers' lighthouse address."""
-        self.cfg, self.run_id, self.run_dir, self.hostname = cfg, run_id, Path(run_dir), hostname
-        self.parent = parent  # the run this one resumes (resume.py), or None
-        self.advertise = cfg.host_to_advertise(hostname)
-        now = time.monotonic() if now is None else now
-        self.started_at, self.started_mono = time.time(), now
-        self.bind_pipe, self.pipe_threads = bind_pipe, pipe_threads or [0]
-        self.streams, self.producer_streams = streams, producer_streams
-        self.lighthouse = lighthouse
-        self.peers = PeerTable()
-        self.queue = BatchQueue(cfg.queue_bytes)
-        self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
-        self.leases = LeasePool(cfg.epochs, cfg.seed, cfg.num_samples, parent.committed if parent else None)
-        self.ledger = Ledger(self.run_dir / "ledger.sqlite")
-        self.facts: dict = {}  # target, layer_ids, hidden_size, dataset: fixed by the first producer
-        if cfg.num_samples is not None:
-            self.facts["dataset"] = {"n_samples": cfg.num_samples, "fingerprint": None}
+    def __init__(self, cfg: BrokerConfig, run_id: str, run_dir: Path, hostname: str, *, now: float, wall: float,
+                 bind_pipe: PipeBinder, parent: Parent | None = None, pipe_threads: list[int] | None = None,
+                 streams: int = 1, producer_streams: int = 1):
+        """`now` and `wall`: the monotonic and the wall clock at this moment; `bind_pipe` binds
+        a consumer's data-out port; `pipe_threads` are the I/O threads (affinity masks) pipes
+        may take; `streams` pipes per consumer, `producer_streams` connections per producer;
+        `parent` the run this one resumes (resume.py)."""
+        self.cfg, self.run_id, self.run_dir = cfg, run_id, Path(run_dir)
+        advertise = cfg.host_to_advertise(hostname)
+        self.endpoints = endpoints(cfg, advertise)
+        self.out = Outbox()
+        self.replies = Replies(self.out, now)
+        wall_clock = WallClock(wall, now)
+        pool = LeasePool(cfg.epochs, cfg.seed, cfg.num_samples, parent.committed if parent else None)
+        self.ledger = ledger = Ledger(self.run_dir / "ledger.sqlite")
+        facts = Facts(DatasetFacts(cfg.num_samples, None) if cfg.num_samples is not None else None)
         if parent is not None:  # before any socket exists: no work goes out before this is on disk
-            self.facts.update(parent.facts)
-            resume.inherit(self.ledger, parent)
-        self.dist: str | None = None  # rank 0's rendezvous endpoint
-        self.next_port = cfg.data_out_ports[0]
-        self.phase = Phase.RUNNING
-        self.end: RunEnd | None = None  # set once peers are told to stop
-        self.job_lost: JobLost | None = None  # (control.check_job)
-        self.signal: str | None = None  # the latest SIGINT/SIGTERM, as the server saw it
-        self.signals = 0  # how many: a second one ends a shutdown's drain at once
-        self.lineages = Lineages()  # whose weights hold what (lineage.py)
-        self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
+            facts = Facts.from_dict({**facts.as_dict(), **parent.facts})
+            resume.inherit(ledger, parent)
+        self.life = Lifecycle()
+        self.facts = RunFacts(facts, ledger, self.run_dir, pool)
+        self.work = Work(cfg, pool, ledger)
         self.poison = Poison(cfg.quarantine_after)  # batches refused or quarantined (quarantine.py)
-        self.blocked = False  # a batch waits on a consumer pipe that is not connected yet
+        self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, now)
+        self.intake = Intake(cfg, self.facts, self.work, self.delivery, ledger, self.poison, self.replies, self.out)
+        self.commits = Commits(run_id, ledger, self.work)
+        self.sessions = Sessions(cfg, run_id, self.endpoints["data_in"], advertise=advertise, streams=streams,
+                                 producer_streams=producer_streams, bind_pipe=bind_pipe,
+                                 pipe_threads=pipe_threads or [0], facts=self.facts, ledger=ledger, life=self.life,
+                                 parent=parent, replies=self.replies, out=self.out, wall=wall_clock)
+        self.status = StatusMap(cfg, run_id, self.run_dir, hostname, self.endpoints, sessions=self.sessions,
+                                work=self.work, delivery=self.delivery, commits=self.commits, facts=self.facts,
+                                life=self.life, ledger=ledger, poison=self.poison, wall=wall_clock, now=now)
         self.last_tick = now
         self.beat, self.progress = Every(cfg.heartbeat_s, now), Every(cfg.progress_s, now)
-        self.log_limit, self.reply_limit = LogGate(), RateLimit(3.0)
-        self.rate_in, self.rate_out = RateMeter(), RateMeter()
-        self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
-        self.full_share = TimeShare()  # how much of the last 10 s producers were blocked
         self.publish_status = bool(cfg.metrics_port)  # the --metrics-port endpoint wants the map
-        self.metric_sink = None  # --tensorboard / --wandb (runtime/sinks.py)
-        self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
-        self.peer_messages = 0  # control messages other than status asks, refused ones included
-        self._out: list[Action] = []
-        self._depth = 0
+
+    # ------------------------------------------------------------ what the server reads
 
     @property
-    def endpoints(self) -> dict:
-        eps = {"control": endpoint(self.advertise, self.cfg.port),
-               "data_in": endpoint(self.advertise, self.cfg.data_in_port)}
-        if self.cfg.metrics_port:
-            eps["metrics"] = f"http://{self.advertise}:{self.cfg.metrics_port}/metrics"
-        return eps
+    def done(self) -> bool:
+        """The outcome is decided: the server's loop ends."""
+        return self.life.phase is Phase.DONE
 
-    def status(self) -> dict:
-        """The status map (status.py; `status_reply.status`)."""
-        return build_status(self)
+    @property
+    def reading(self) -> bool:
+        """Whether the queue has room, so that data in is read (a full broker stops reading)."""
+        return self.delivery.queue.has_room()
+
+    @property
+    def blocked(self) -> bool:
+        """A batch waits on a consumer pipe that is not connected yet: look again soon."""
+        return self.delivery.blocked
 
     @property
     def outcome(self) -> str | None:
-        return self.end.outcome if self.end is not None else None
+        return self.life.outcome
 
-    # ------------------------------------------------------------ actions
+    @property
+    def outcome_why(self) -> str | None:
+        return self.life.end.outcome_why if self.life.end is not None else None
 
-    def send(self, identity: bytes, msg: Message) -> None:
-        self._out.append(Send(identity, msg))
+    def silent(self, now: float) -> bool:
+        """Whether a live peer has been silent past --timeout-s (the next tick drops it)."""
+        return bool(self.sessions.silent(now))
 
-    def close_pipes(self, p: Peer) -> None:
-        """A consumer's session ended: its data-out pipes are closed."""
-        self.discard_pipes(p.pipes)
-        p.pipes, p.pipe_threads = [], []
+    def summary(self) -> dict:
+        """What run.json records of the run when the broker ends."""
+        return {"samples": dict(self.ledger.counts), "bad_batches": self.poison.as_dict(),
+                "peer_messages": self.sessions.peer_messages}
 
-    def discard_pipes(self, pipes: list) -> None:
-        if pipes:
-            self._out.append(ClosePipes(list(pipes)))
+    def status_map(self, now: float) -> dict:
+        """The status map (status.py; `status_reply.status`)."""
+        return self.status.build(now)
+
+    # ------------------------------------------------------------ set-up
+
+    def use_lighthouse(self, address: str | None) -> None:
+        """The server started the elastic consumers' lighthouse at `address` (lighthouse.py)."""
+        self.sessions.lighthouse = address
+
+    def set_meta(self, **items) -> None:
+        """What the ledger's `meta` table records of the run (its ID, schema, seed, config)."""
+        self.ledger.set_meta(**items)
+
+    def use_metric_sink(self, sink) -> None:
+        """--tensorboard / --wandb: `sink(step, figures)` gets every broker.progress line."""
+        self.status.metric_sink = sink
 
     # ------------------------------------------------------------ control messages
 
     @entry
-    def on_control(self, identity: bytes, h: dict | None, error: str | None = None, key: str | None = None,
-                   now: float | None = None) -> None:
-        """One control message from ROUTER `identity`: its header `h` (None if it did not
-        parse), `error` if it failed the codec's checks, `key` the Curve key name it came
-        with. Checks in the order PROTOCOL.md 3 gives, then routes by type."""
-        control.handle(self, identity, h, error, key, time.monotonic() if now is None else now)
+    def on_unreadable(self, identity: bytes, bad: Unreadable, now: float) -> None:
+        """A control message refused before any session is looked up (PROTOCOL.md 3)."""
+        p = self.sessions.heard(identity, bad.type, now)
+        if bad.code == "bad_message":
+            self.replies.bad_message(identity, p.id if p else identity.hex(), bad.reason, bad.header, now)
+        else:
+            self.replies.refuse(identity, bad.code, bad.reason, bad.header, now)
 
     @entry
-    def on_hello(self, identity: bytes, msg: Hello, key: str | None = None) -> None:
-        handshake.hello(self, identity, msg, key)
+    def on_status(self, identity: bytes, m: StatusAsk, now: float) -> None:
+        self.sessions.heard(identity, m.type, now)
+        self.out.send(identity, StatusReply(self.status.build(now)))
 
     @entry
-    def on_status(self, identity: bytes) -> None:
-        self.send(identity, StatusReply(self.status()))
-
-    # One typed message each from live session `p`, after the checks of on_control (which
-    # routes here through control.HANDLERS); what each does is in control.py.
-
-    @entry
-    def on_lease(self, p: Peer, m: LeaseAsk) -> None:
-        control.on_lease(self, p, m)
+    def on_hello(self, identity: bytes, m: Hello, now: float, key: str | None = None) -> None:
+        """`key`: the authorised Curve key's name this connection used (None without Curve)."""
+        self.sessions.heard(identity, m.type, now)
+        self.sessions.hello(identity, m, key, now)
 
     @entry
-    def on_done(self, p: Peer, m: Done) -> None:
-        control.on_done(self, p, m)
+    def on_lease(self, identity: bytes, m: LeaseAsk, now: float) -> None:
+        p = self._session(identity, m, now, ProducerSession)
+        if p is not None:
+            self.out.send(p.identity, self.work.grant(p, m, len(self.sessions.table.producers()),
+                                                      ending=self.life.end is not None,
+                                                      elastic=self.sessions.lighthouse is not None))
 
     @entry
-    def on_credit(self, p: Peer, m: Credit) -> None:
-        control.on_credit(self, p, m)
+    def on_done(self, identity: bytes, m: Done, now: float) -> None:
+        p = self._session(identity, m, now, ProducerSession)
+        if p is not None:
+            self.work.done(p, m, now)
 
     @entry
-    def on_ack(self, p: Peer, m: Ack) -> None:
-        control.on_ack(self, p, m)
+    def on_credit(self, identity: bytes, m: Credit, now: float) -> None:
+        c = self._session(identity, m, now, ConsumerSession)
+        if c is None:
+            return
+        if m.credit < 0:
+            return self.replies.bad_message(c.identity, c.id, f"credit {m.credit} is negative", m.raw, now)
+        self.delivery.credit(c, m.credit)
 
     @entry
-    def on_commit(self, p: Peer, m: Commit) -> None:
-        control.on_commit(self, p, m)
+    def on_ack(self, identity: bytes, m: Ack, now: float) -> None:
+        c = self._session(identity, m, now, ConsumerSession)
+        if c is None:
+            return
+        lineage = lineage_of(m.lineage)
+        why = self.commits.superseded(c, "ack", lineage, m.step)
+        if why is not None:
+            return self._superseded(c, "ack", why, now)
+        self.commits.acked(c, self.delivery.acked(c, m.batch_ids, m.step, now), lineage, m.step, now)
 
     @entry
-    def on_lineage(self, p: Peer, m: LineageStart) -> None:
-        control.on_lineage(self, p, m)
+    def on_commit(self, identity: bytes, m: Commit, now: float) -> None:
+        c = self._session(identity, m, now, ConsumerSession)
+        if c is None:
+            return
+        lineage = lineage_of(m.lineage)
+        why = self.commits.superseded(c, "commit", lineage, m.step)
+        if why is not None:
+            return self._superseded(c, "commit", why, now)
+        self.commits.commit(c, m, lineage)
 
     @entry
-    def on_heartbeat(self, p: Peer, m: Heartbeat) -> None:
-        control.on_heartbeat(self, p, m)
+    def on_lineage(self, identity: bytes, m: LineageStart, now: float) -> None:
+        c = self._session(identity, m, now, ConsumerSession)
+        if c is None:
+            return
+        why = self.commits.stale_start(c, m)
+        if why is not None:  # the newest commit must be in the new weights, or its samples are lost
+            self.replies.refuse(c.identity, "stale_checkpoint", why, m.raw, now)
+            return self._drop(c, "lost", "started from a checkpoint older than the newest commit", now)
+        rewound = self.commits.start(c, m)
+        if rewound is not None and self.life.job_lost is not None and not self.commits.trained:
+            # what only the dead weights held is being made again
+            log.info("broker.job_resumed", peer=c.id, lineage=m.lineage[:MAX_LINEAGE], step=m.step,
+                     rewound_samples=rewound)
+            self.life.job_lost = None
+            if self.life.phase is Phase.JOB_LOST:
+                self.life.phase = Phase.RUNNING
 
     @entry
-    def on_bye(self, p: Peer, m: Bye) -> None:
-        control.on_bye(self, p, m)
+    def on_heartbeat(self, identity: bytes, m: Heartbeat, now: float) -> None:
+        p = self._session(identity, m, now)
+        if p is not None:
+            self.sessions.heartbeat(p, m, now)
 
     @entry
-    def on_failed(self, p: Peer, m: Failed) -> None:
-        control.on_failed(self, p, m)
-
-    # ------------------------------------------------------------ data in
-
-    @entry
-    def on_batch(self, batch: Batch, now: float | None = None) -> None:
-        intake.accept(self, batch, time.monotonic() if now is None else now)
+    def on_bye(self, identity: bytes, m: Bye, now: float) -> None:
+        p = self._session(identity, m, now)
+        if p is not None:
+            self._drop(p, "left", m.reason[:200], now)
 
     @entry
-    def on_bad_batch(self, sender: str, reason: str, conn: dict | None = None) -> None:
-        """A data-in message the codec refused (`sender` as server.sender names it, `conn`
-        its connection as inbound.connection describes it)."""
-        log_bad(self, "data_in", sender, reason, **intake.connection_fields(conn or {}))
+    def on_failed(self, identity: bytes, m: Failed, now: float) -> None:
+        """A peer stops on an error and says why before its `bye` (PROTOCOL.md 4.2); a
+        consumer's `bad_batch` counts against that batch (delivery.failed_on)."""
+        p = self._session(identity, m, now)
+        if p is None:
+            return
+        failure = self.sessions.failed(p, m)
+        batch = {}
+        if isinstance(p, ConsumerSession) and m.code == "bad_batch" and isinstance(m.batch_id, str):
+            fault = m.fault if isinstance(m.fault, str) and m.fault else "unknown"
+            batch = self.delivery.failed_on(p, m.batch_id, fault, m.reason)
+        if self.replies.allow(f"failed:{p.id}", now)[0]:
+            log.warning("broker.peer_failed", **p.describe(), **failure.fields(), **batch)
 
-    # ------------------------------------------------------------ dispatch
+    def _session(self, identity: bytes, m: Message, now: float, role: type[Session] = Session):
+        """The live session that sent `m` (any message counts as a sign of life), if it may
+        send it; else the sender is refused (`unknown_peer`, or `bad_message` for a message
+        of the other role) and None is returned."""
+        p = self.sessions.heard(identity, m.type, now)
+        if p is None:
+            self.replies.refuse(identity, "unknown_peer", UNKNOWN_PEER, m.raw, now)
+            return None
+        if not isinstance(p, role):
+            self.replies.bad_message(identity, p.id, f"{m.type!r} is not accepted from a {p.role}", m.raw, now)
+            return None
+        return p
 
-    def dispatch(self, relay: Callable[[Peer, QueuedBatch], bool], now: float | None = None) -> list:
-        """Hand queued batches to consumers by credit; `relay(consumer, batch)` is the
-        server's non-blocking send (False: that pipe cannot take it now)."""
-        now = time.monotonic() if now is None else now
-        if self.phase is Phase.DRAINING:  # stopping consumers train nothing more: keep batches here
-            self.blocked = False
-            return []
-        consumers = self.peers.live("consumer")
-        sent = dispatch(self.queue, consumers, relay) if self.queue else ()
-        for c, b in sent:
-            self.ledger.delivered(b, c.id)
-            c.delivered += 1
-            c.rate_in.add(1, now)
-            c.rate_tokens.add(b.tokens, now)
-            self.rate_out.add(1, now)
-        # Batches left while a consumer wants one: its pipe refused (not connected yet).
-        self.blocked = bool(self.queue) and any(wants_batch(c) for c in consumers)
-        for c in consumers:  # how long a consumer has had credit and no batch
-            hungry = c.credit > 0 and not self.queue
-            c.waiting_since = (c.waiting_since or now) if hungry else None
-            c.wait_share.update(hungry, now)
-        self.full_share.update(not self.queue.has_room(), now)
-        return list(sent)
+    # ------------------------------------------------------------ data in and out
+
+    @entry
+    def on_batch(self, batch: Batch, now: float) -> None:
+        named = self.sessions.table.by_id.get(batch.producer)
+        why = self.intake.accept(batch, named, now)
+        if why is not None:  # its own producer sent a batch that does not fit the run
+            self._drop(named, "lost", why, now)
+
+    @entry
+    def on_bad_batch(self, bad: BadBatch, now: float) -> None:
+        """A data-in message the codec refused."""
+        self.replies.log_bad("data_in", bad.sender, bad.reason, now, **connection_fields(bad.conn))
+
+    def dispatch(self, relay: Relay, now: float) -> list[tuple[ConsumerSession, Queued]]:
+        """Hand queued batches to consumers by credit; `relay(pipes, frames)` is the server's
+        non-blocking send (False: no stream of that consumer can take it now)."""
+        return self.delivery.dispatch(self.sessions.table.consumers(), relay, now,
+                                      draining=self.life.phase is Phase.DRAINING)
 
     # ------------------------------------------------------------ time and signals
 
     def on_signal(self, name: str, count: int) -> None:
         """The server saw SIGINT/SIGTERM (`count` so far); acted on at the next tick."""
-        self.signal, self.signals = name, count
+        self.life.signal, self.life.signals = name, count
 
     @entry
     def tick(self, now: float) -> None:
-        if now - self.last_tick < TICK_S and self.signal is None:
+        life = self.life
+        if now - self.last_tick < TICK_S and life.signal is None:
             return
-        if self.signal is not None and (self.phase in (Phase.RUNNING, Phase.JOB_LOST)
-                                        or (self.phase is Phase.ENDING and self.signals > 1)):
+        if life.signal is not None and (life.phase in (Phase.RUNNING, Phase.JOB_LOST)
+                                        or (life.phase is Phase.ENDING and life.signals > 1)):
             # (a first signal during end of stream changes nothing: the run is ending anyway)
-            self.shutdown(f"signal {self.signal}", now)
-        if self.phase is Phase.DRAINING and self._drained(now):
+            self._shutdown(f"signal {life.signal}", now)
+        if life.phase is Phase.DRAINING and self._drained(now):
             return
-        if self.phase is Phase.DONE:
+        if life.phase is Phase.DONE:
             return
-        if not self.queue.has_room():
-            self.leases.hold_clocks(now - self.last_tick)
+        if not self.delivery.queue.has_room():
+            self.work.pool.hold_clocks(now - self.last_tick)
         self.last_tick = now
-        for p in silent(self.peers.live(), now, self.cfg.timeout_s):
-            control.drop(self, p, "lost", f"silent for {now - p.last_seen:.1f}s (timeout {self.cfg.timeout_s}s)")
-        control.check_acks(self, now)
-        for lease in self.leases.overdue(now, self.cfg.timeout_s):
-            control.lease_incomplete(self, lease)
+        for p, why in self.sessions.silent(now):
+            self._drop(p, "lost", why, now)
+        for c, why in self.sessions.overdue_acks(now):
+            self._drop(c, "lost", why, now)
+        self.work.incomplete(now)
         if self.beat.due(now):
-            self.heartbeat_all()
+            beat = Heartbeat(self.status.heartbeat_stats())
+            for p in self.sessions.table.live():
+                self.out.send(p.identity, beat)
             if self.publish_status:
-                self._out.append(Publish(build_status(self)))
+                self.out.publish(self.status.build(now))
         if self.progress.due(now):
-            log_progress(self, now)
+            self.status.log_progress(now)
         self.ledger.maybe_flush(now)
-        self.log_limit.report(now)
-        if self.phase is not Phase.DRAINING:
-            control.check_end_of_stream(self)
+        self.replies.gate.report(now)
+        if life.phase is not Phase.DRAINING:
+            self._check_end_of_stream()
 
-    def heartbeat_all(self) -> None:
-        stats = {
-            "queue_batches": len(self.queue),
-            "queue_bytes": self.queue.bytes,
-            "q_pre": {p.id: p.stats.get("q_pre") for p in self.peers.live("producer")},
-            "in_flight": {c.id: len(c.in_flight) for c in self.peers.live("consumer")},
-            "max_credit": MAX_CREDIT,
-            # a consumer that restarts from a checkpoint takes this one, newer than its welcome's
-            "last_commit": control.last_commit(self),
-        }
-        # Run progress, so consumers can log the epoch fraction and an ETA from what
-        # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.
-        s = samples(self)
-        # Samples set aside as poison count as skipped: never trained, out of a consumer's schedule.
-        stats.update(samples_total=s["total"], samples_done=s["done"],
-                     samples_skipped=s["skipped"] + s["quarantined"], n_samples=s["n_samples"], epoch=s["epoch"],
-                     epochs=s["epochs"])
-        # The run's facts its first producer fixed: a consumer that joined before any producer
-        # waits for the target layers here rather than guess them (PROTOCOL.md 4.2).
-        stats["run_facts"] = {k: self.facts.get(k) for k in ("layer_ids", "hidden_size", "target_id")}
-        beat = Heartbeat(stats)
-        for p in self.peers.live():
-            self.send(p.identity, beat)
+    def report(self, now: float) -> None:
+        """The loop ends: log what the rate limits left out, so no suppressed count goes unsaid."""
+        self.replies.gate.report(now, force=True)
+
+    # ------------------------------------------------------------ sessions that end
+
+    def _drop(self, p: Session, state: str, reason: str, now: float) -> None:
+        """End a session (state 'lost' or 'left'): give back what it held, log what that was."""
+        silent_s = round(now - p.last_seen, 3)
+        held = self.delivery.take_back(p) if isinstance(p, ConsumerSession) else self.work.release(p)
+        self.sessions.remove(p, state, reason, held, now)
+        if isinstance(p, ConsumerSession):
+            self._check_job(p, state, reason)
+        self.sessions.log_gone(p, silent_s)
+
+    def _superseded(self, c: ConsumerSession, what: str, why: str, now: float) -> None:
+        """An ack or commit from weights a newer lineage left behind: refused, and the
+        consumer's session ends (its batches in flight go back to the queue)."""
+        self.replies.refuse(c.identity, "lineage_superseded", why, None, now)
+        self._drop(c, "lost", f"{what} from a superseded lineage", now)
+
+    def _check_job(self, c: ConsumerSession, state: str, reason: str) -> None:
+        """The last consumer is gone before end of stream while samples are trained and not
+        committed: those lived only in the weights that went with the job. This run cannot
+        make them again (their batches are gone once acked), so consumers joining it now would
+        skip them; they are refused (`job_lost`) and the run must be resumed, which makes again
+        everything not committed. After a clean stop (everything committed) consumers may join
+        and start from the newest commit (sessions.welcome)."""
+        trained, life = self.ledger.counts["trained"], self.life
+        if life.phase is Phase.RUNNING and life.job_lost is None and trained > 0 and not self.sessions.table.consumers():
+            life.job_lost = JobLost(c.id, state, reason, trained)
+            life.phase = Phase.JOB_LOST
+            last = self.ledger.last_commit
+            log.warning("broker.job_lost", peer=c.id, state=state, reason=reason, trained=trained,
+                        last_commit=list(last) if last else None, hint=f"restart with dflash-broker --resume {self.run_id}")
 
     # ------------------------------------------------------------ the end of the run
 
-    def stop_all(self, reason: str) -> None:
-        """Tell every live peer to stop (PROTOCOL.md 4.6); peers joining later are told too."""
-        self.end = RunEnd(reason, {p.id for p in self.peers.live()})
-        for p in self.peers.live():
-            self.send(p.identity, Stop(reason))
+    def _check_end_of_stream(self) -> None:
+        """PROTOCOL.md 4.6: all produced or skipped, queue empty, everything acked -> stop."""
+        life, table = self.life, self.sessions.table
+        if life.phase in (Phase.RUNNING, Phase.JOB_LOST):
+            consumers = table.consumers()
+            if self.work.pool.finished() and not self.delivery.queue and not any(c.in_flight for c in consumers):
+                log.info("broker.end_of_stream", consumers=[c.id for c in consumers],
+                         producers=[p.id for p in table.producers()], batches=self.delivery.rate_in.total,
+                         samples=dict(self.ledger.counts), bad_batches=self.poison.as_dict())
+                self._stop_all("end_of_stream")
+                life.phase = Phase.ENDING
+        elif life.phase is Phase.ENDING and not any(pid in table.by_id for pid in life.end.told):
+            self.ledger.flush()
+            # `nothing_to_train` when it trained nothing
+            outcome, why = runinfo.end_of_stream_outcome(self.ledger, self.work.pool)
+            log.info("broker.stop", reason="end_of_stream", outcome=outcome)
+            life.finish(outcome, why)
 
-    def shutdown(self, cause: str, now: float | None = None) -> None:
+    def _stop_all(self, reason: str) -> None:
+        """Tell every live peer to stop (PROTOCOL.md 4.6); peers joining later are told too."""
+        live = self.sessions.table.live()
+        self.life.end = RunEnd(reason, {p.id for p in live})
+        for p in live:
+            self.out.send(p.identity, Stop(reason))
+
+    def _shutdown(self, cause: str, now: float) -> None:
         """SIGINT/SIGTERM: tell every live peer to stop, then drain (PROTOCOL.md 4.6).
 
         Consumers answer `stop {shutdown}` by finishing their step, writing a checkpoint
@@ -321,33 +419,37 @@ class BrokerCore:
         samples trained since the last one are made and trained again after resume. So it
         keeps serving acks, commits and byes (sending no batch, granting no lease) until
         every peer has left or was lost, at most --drain-s; a second signal ends the wait."""
-        now = time.monotonic() if now is None else now
-        self.stop_all("shutdown")
-        self.end.deadline, self.end.cause = now + self.cfg.drain_s, cause
-        self.phase = Phase.DRAINING
+        self._stop_all("shutdown")
+        end = self.life.end
+        end.deadline, end.cause = now + self.cfg.drain_s, cause
+        self.life.phase = Phase.DRAINING
         self.ledger.flush()
-        log.info("broker.draining", reason=cause, peers=sorted(self.end.told), drain_s=self.cfg.drain_s)
+        log.info("broker.draining", reason=cause, peers=sorted(end.told), drain_s=self.cfg.drain_s)
 
     def _drained(self, now: float) -> bool:
         """End the loop once no peer told to stop is left (or the drain is over)."""
-        left = sorted(pid for pid in self.end.told if pid in self.peers.by_id)
-        if left and now < self.end.deadline and self.signals < 2:
+        end, signals = self.life.end, self.life.signals
+        left = sorted(pid for pid in end.told if pid in self.sessions.table.by_id)
+        if left and now < end.deadline and signals < 2:
             return False
         self.ledger.flush()
-        why = "drained" if not left else ("second signal" if self.signals >= 2 else "drain_s passed")
-        log.info("broker.stop", reason=self.end.cause, outcome="interrupted", drain=why, peers_left=left,
-                 **progress_fields(self, now))
-        self.finish("interrupted")
+        why = "drained" if not left else ("second signal" if signals >= 2 else "drain_s passed")
+        log.info("broker.stop", reason=end.cause, outcome="interrupted", drain=why, peers_left=left,
+                 **self.status.progress_fields(now))
+        self.life.finish("interrupted")
         return True
 
-    def finish(self, outcome: str, why: str | None = None) -> None:
-        self.end.outcome, self.end.outcome_why = outcome, why
-        self.phase = Phase.DONE
-
+    @entry
     def close(self) -> None:
-        """Release the ledger (what is queued is written first)."""
+        """The broker stops: every consumer's pipes close (the actions returned), and the
+        ledger is written and closed."""
+        self.sessions.close_pipes()
         self.ledger.close()
 
 
-def endpoint(host: str, port: int) -> str:
-    return f"tcp://{host}:{port}"
+def endpoints(cfg: BrokerConfig, advertise: str) -> dict:
+    """The endpoints peers dial, as the welcome and the status map name them."""
+    eps = {"control": f"tcp://{advertise}:{cfg.port}", "data_in": f"tcp://{advertise}:{cfg.data_in_port}"}
+    if cfg.metrics_port:
+        eps["metrics"] = f"http://{advertise}:{cfg.metrics_port}/metrics"
+    return eps

@@ -10,33 +10,34 @@ batches it has not asked for, so a fast one never waits behind it.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
+
+from dflash.protocol.messages import Batch
 
 from .config import MAX_UNACKED
 
 
 @dataclass(eq=False)
-class QueuedBatch:
-    """A validated batch as received: `frames` are the zmq frames, relayed as they are."""
+class Queued:
+    """A validated batch the broker holds (queued, or delivered and not yet acked): the batch
+    as it came (its typed header and its frames, relayed as they are) and, beside it, the
+    broker's own bookkeeping."""
 
-    batch_id: str
-    producer: str
-    lease: int
-    epoch: int
-    samples: list[int]
-    tokens: int
-    nbytes: int
-    frames: list = field(repr=False)
-    queued_at: float = field(default_factory=time.monotonic)
+    batch: Batch
+    nbytes: int  # header and tensor frames: what the queue's byte bound counts
+    queued_at: float  # monotonic
     deliveries: int = 0  # >1 once a lost consumer returned it
     failures: list[str] = field(default_factory=list)  # consumers that failed on it (quarantine.py)
 
+    @property
+    def batch_id(self) -> str:
+        return self.batch.batch_id
+
 
 class Consumer(Protocol):
-    """What dispatch needs of a consumer session (peers.Peer has it)."""
+    """What dispatch needs of a consumer session (peers.ConsumerSession has it)."""
 
     credit: int
     last_served: int
@@ -56,7 +57,7 @@ class BatchQueue:
         self.capacity = capacity_bytes
         self.bytes = 0
         self.in_flight_bytes = 0
-        self._q: deque[QueuedBatch] = deque()
+        self._q: deque[Queued] = deque()
 
     def __len__(self) -> int:
         return len(self._q)
@@ -66,41 +67,41 @@ class BatchQueue:
         # because the loop stops reading data-in as soon as this turns False.
         return self.bytes + self.in_flight_bytes < self.capacity
 
-    def push(self, b: QueuedBatch) -> None:
+    def push(self, b: Queued) -> None:
         self._q.append(b)
         self.bytes += b.nbytes
 
-    def push_front(self, batches: Iterable[QueuedBatch]) -> None:
+    def push_front(self, batches: Iterable[Queued]) -> None:
         """Requeue batches ahead of everything, keeping their own order (oldest first)."""
         for b in reversed(list(batches)):
             self._q.appendleft(b)
             self.bytes += b.nbytes
 
-    def peek(self) -> QueuedBatch:
+    def peek(self) -> Queued:
         return self._q[0]
 
-    def pop(self) -> QueuedBatch:
+    def pop(self) -> Queued:
         """Take the head batch out to deliver it: it stays held (in flight) until released."""
         b = self._q.popleft()
         self.bytes -= b.nbytes
         self.in_flight_bytes += b.nbytes
         return b
 
-    def release(self, b: QueuedBatch) -> None:
+    def release(self, b: Queued) -> None:
         """An in-flight batch was acked: the broker no longer holds it."""
         self.in_flight_bytes -= b.nbytes
 
-    def requeue(self, batches: Iterable[QueuedBatch]) -> None:
+    def requeue(self, batches: Iterable[Queued]) -> None:
         """In-flight batches of a lost consumer go back to the front, oldest first."""
         batches = list(batches)
         self.in_flight_bytes -= sum(b.nbytes for b in batches)
         self.push_front(batches)
 
-    def oldest_age(self, now: float | None = None) -> float:
+    def oldest_age(self, now: float) -> float:
         if not self._q:
             return 0.0
         # The head is the oldest: new batches go to the back, returned (older) ones to the front.
-        return (time.monotonic() if now is None else now) - self._q[0].queued_at
+        return now - self._q[0].queued_at
 
 
 _serve_clock = itertools.count(1)
@@ -113,8 +114,9 @@ def wants_batch(c: Consumer) -> bool:
 def dispatch(
     queue: BatchQueue,
     consumers: Iterable[Consumer],
-    send: Callable[[Consumer, QueuedBatch], bool],
-) -> list[tuple[Consumer, QueuedBatch]]:
+    send: Callable[[Consumer, Queued], bool],
+    now: float,
+) -> list[tuple[Consumer, Queued]]:
     """Hand out queued batches against credit; returns what went where.
 
     `send(consumer, batch)` tries a non-blocking send and returns False when the
@@ -130,8 +132,8 @@ def dispatch(
             ready.remove(c)
             continue
         queue.pop()
-        if not c.in_flight:  # the ack deadline runs from here (control.check_acks)
-            c.progress_at = time.monotonic()
+        if not c.in_flight:  # the ack deadline runs from here (sessions.overdue_acks)
+            c.progress_at = now
         c.credit -= 1
         c.last_served = next(_serve_clock)
         c.in_flight[b.batch_id] = b

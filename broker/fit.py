@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .inbound import Batch
+from dflash.protocol.messages import Batch
+
+from .facts import Facts
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,13 @@ class Misfit:
     reason: str
 
 
-def misfit(facts: dict, m: Batch) -> Misfit | None:
+def misfit(facts: Facts, m: Batch) -> Misfit | None:
     """Why batch `m` does not fit a run with `facts`, or None."""
-    layers = facts.get("layer_ids")
+    layers = facts.layer_ids
     if layers is not None and m.layer_ids != layers:
         return Misfit("layer_ids", f"layer_ids {m.layer_ids} are not this run's {layers}")
     specs = tensor_specs(m)
-    hidden_size = _count(facts.get("hidden_size"))
+    hidden_size = _count(facts.hidden_size)
     hidden = specs.get("hidden")
     if hidden_size and hidden is not None:
         width = hidden[1]["shape"][1]
@@ -41,7 +43,7 @@ def misfit(facts: dict, m: Batch) -> Misfit | None:
         if width != want:
             return Misfit("hidden_width", f"hidden width {width} is not {len(m.layer_ids)} layers x this run's "
                           f"hidden_size {hidden_size} = {want}")
-    vocab = _count(facts.get("vocab_size"))
+    vocab = _count(facts.vocab_size)
     ids = specs.get("input_ids")
     if vocab and ids is not None and ids[1]["shape"][0] > 0:
         frame = m.frames[1 + ids[0]]

@@ -1,8 +1,9 @@
-"""The messages the broker core consumes (PROTOCOL.md 4), as protocol/messages.py types them.
+"""What reaches the broker core, as typed values: each control message as its
+protocol/messages.py type (or, when the core must refuse it before any session is looked
+up, an `Unreadable` saying why), and each batch on data in with its frames beside its header.
 
-Every message type, with its required and optional fields, is defined once in
-protocol/messages.py; this module names the ones the core takes and adds what the broker
-keeps of a batch beside its header (its frames, relayed as they came, and their sizes).
+`control_message` is the first step of PROTOCOL.md 3's order after the header parsed: the
+version, the run, the codec's own checks, then the typed parse. The core takes it from there.
 """
 
 from __future__ import annotations
@@ -10,11 +11,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.protocol import messages
-from dflash.protocol.messages import (INSTANCE_PROPERTY, PEER_PROPERTY, Ack, Bye, Commit, Credit, Done, Failed,
-                                     Heartbeat, Hello, LeaseAsk, LineageStart, local)
+from dflash.protocol.errors import ProtocolError
+from dflash.protocol.messages import (INSTANCE_PROPERTY, PEER_PROPERTY, PROTOCOL_VERSION, Ack, Bye, Commit, Credit,
+                                     Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk,
+                                     local)
 
-__all__ = ["Ack", "Batch", "Bye", "Commit", "Credit", "Done", "Failed", "Heartbeat", "Hello", "LeaseAsk",
-           "LineageStart", "CONTROL"]
+from .replies import clip
+
+# Peer -> broker control messages: type -> struct.
+TO_BROKER: dict[str, type[Message]] = {
+    cls.type: cls for cls in (Hello, StatusAsk, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye,
+                              Failed)}
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A control message the broker refuses whoever sent it: `code` (`version`,
+    `run_mismatch`, or `bad_message` for a header that did not parse or failed the codec's
+    checks), `reason`, and its `header` when that parsed (a reject echoes it)."""
+
+    code: str
+    reason: str
+    header: dict | None = None
+
+    @property
+    def type(self) -> object:
+        """The type it claimed (None when its header did not parse)."""
+        return self.header.get("type") if self.header is not None else None
+
+
+def control_message(h: dict, error: str | None, run_id: str) -> Message | Unreadable:
+    """The typed message of control header `h` (parsed), or why the broker refuses it:
+    `error` is the codec's refusal of the message, if any; `run_id` the broker's run."""
+    if h.get("v") != PROTOCOL_VERSION:
+        return Unreadable("version", f"protocol version {h.get('v')!r} is not supported: this broker speaks "
+                          f"version {PROTOCOL_VERSION}; upgrade or downgrade dflash", h)
+    if "run" in h and h["run"] != run_id:
+        return Unreadable("run_mismatch", f"run {h['run']!r} is not the run this broker serves ({run_id}); that "
+                          "run is over or served elsewhere: leave out --run-id to join this one", h)
+    if error is not None:
+        return Unreadable("bad_message", error, h)
+    cls = TO_BROKER.get(h.get("type"))
+    if cls is None:  # the codec refuses these first; a caller that skipped it gets the same word
+        return Unreadable("bad_message", f"message type {clip(h.get('type'))!r} not accepted on this socket", h)
+    try:
+        return cls.from_header(h)
+    except ProtocolError as e:
+        return Unreadable("bad_message", e.reason, h)
 
 
 @dataclass(frozen=True)
@@ -28,6 +71,17 @@ class Batch(messages.Batch):
     def connection(self) -> dict:
         """Who sent it, as its connection says (connection() of its header frame)."""
         return connection(self.frames[0]) if self.frames else {}
+
+
+@dataclass(frozen=True)
+class BadBatch:
+    """A data-in message the codec refused: `sender` as the server names it (its `producer`
+    field if the header parsed, else its connection's peer ID or address), `reason`, and the
+    connection it came on (`connection`)."""
+
+    sender: str
+    reason: str
+    conn: dict
 
 
 def connection(frame) -> dict:
@@ -46,5 +100,7 @@ def connection(frame) -> dict:
     return out
 
 
-# Peer -> broker control messages after the handshake: type -> struct.
-CONTROL = {cls.type: cls for cls in (LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, Failed)}
+def connection_fields(conn: dict) -> dict:
+    """Log fields naming the connection a data-in message came on (connection())."""
+    return {"peer_address": conn.get("address"), "connection_peer": clip(conn.get("peer"), 64),
+            "connection_instance": clip(conn.get("instance"), 128), "curve_key": conn.get("key")}

@@ -11,9 +11,8 @@ order is the same shuffle with those left out, so a resume neither repeats nor s
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dflash.protocol.sample_order import epoch_order
 
@@ -33,7 +32,6 @@ class Lease:
     epoch: int
     samples: list[int]
     outstanding: set[int]
-    granted_at: float = field(default_factory=time.monotonic)
     done_at: float | None = None  # when the producer said `done`
     skipped: int = 0
 

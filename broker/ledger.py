@@ -190,28 +190,28 @@ class Ledger:
         self.counts["leased"] -= len(pairs)
         self.counts["skipped"] += len(pairs)
 
-    def produced(self, b) -> None:
-        """A batch (dispatch.QueuedBatch) arrived: its samples leased -> produced."""
+    def produced(self, q) -> None:
+        """A batch (dispatch.Queued) arrived: its samples leased -> produced."""
         now = time.time()
-        self._batch_row(b, "queued", None, None, now, received=now)
-        self._samples(b, "produced", None, None, now)
-        self._move("leased", "produced", len(b.samples))
+        self._batch_row(q, "queued", None, None, now, received=now)
+        self._samples(q.batch, "produced", None, None, now)
+        self._move("leased", "produced", len(q.batch.samples))
 
-    def delivered(self, b, consumer: str) -> None:
-        self._batch(b, "delivered", consumer, None)
-        self._move("produced", "delivered", len(b.samples))
+    def delivered(self, q, consumer: str) -> None:
+        self._batch(q, "delivered", consumer, None)
+        self._move("produced", "delivered", len(q.batch.samples))
 
-    def requeued(self, b) -> None:
+    def requeued(self, q) -> None:
         """delivered -> produced: the consumer holding it was lost."""
-        self._batch(b, "queued", None, None)
-        self._move("delivered", "produced", len(b.samples))
+        self._batch(q, "queued", None, None)
+        self._move("delivered", "produced", len(q.batch.samples))
 
-    def trained(self, b, consumer: str, step: int) -> None:
-        self._batch(b, "trained", consumer, step)
-        self._move("delivered", "trained", len(b.samples))
+    def trained(self, q, consumer: str, step: int) -> None:
+        self._batch(q, "trained", consumer, step)
+        self._move("delivered", "trained", len(q.batch.samples))
 
     def committed(self, step: int, checkpoint: str, peer: str, batches: list | None = None) -> int:
-        """`batches` (dispatch.QueuedBatch, acked), or without them every sample trained at
+        """`batches` (dispatch.Queued, acked), or without them every sample trained at
         a step <= `step` -> committed, and the commit recorded. Written at once (after
         every queued transition: the `trained` rows it moves)."""
         if batches is None:
@@ -224,7 +224,7 @@ class Ledger:
         return n
 
     def committed_late(self, batches: list) -> int:
-        """Batches (dispatch.QueuedBatch) just acked by `trained` at a step <= this run's
+        """Batches (dispatch.Queued) just acked by `trained` at a step <= this run's
         last commit -> committed. Returns the samples moved.
 
         Each rank acks on its own connection, so another rank's ack of step N can come
@@ -235,30 +235,32 @@ class Ledger:
         self._move("trained", "committed", n)
         return n
 
-    def rewound(self, b) -> None:
-        """trained -> pending: the weights that trained batch `b` (dispatch.QueuedBatch) were
+    def rewound(self, q) -> None:
+        """trained -> pending: the weights that trained batch `q` (dispatch.Queued) were
         left behind by a consumer that restarted from an older checkpoint (broker/lineage.py);
         its samples are leased, made and trained again."""
         now = time.time()
-        self._batch_row(b, "rewound", None, None, now)
+        self._batch_row(q, "rewound", None, None, now)
+        b = q.batch
         for s in b.samples:  # a queued `trained` row of these must not land after this
             self._states.pop((b.epoch, s), None)
         self._many("pending", ((now, b.epoch, s) for s in b.samples))
         self.counts["trained"] -= len(b.samples)
 
     def rejected(self, b, fault: str, reason: str) -> None:
-        """Batch `b` (its header's fields: batch_id, producer, lease, epoch, samples) was
+        """Batch `b` (a messages.Batch: batch_id, producer, lease, epoch, samples) was
         refused at intake: a row in `bad_batches`; its samples' states do not move (they
         were never received)."""
         self._op("bad_batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), "rejected", fault, reason,
                                0, 0, time.time()))
 
-    def quarantined(self, b, remade: list[int], aside: list[int], fault: str, reason: str) -> None:
-        """Delivered batch `b` (dispatch.QueuedBatch) was quarantined: samples `remade` ->
+    def quarantined(self, q, remade: list[int], aside: list[int], fault: str, reason: str) -> None:
+        """Delivered batch `q` (dispatch.Queued) was quarantined: samples `remade` ->
         pending (made again), samples `aside` -> quarantined (with `reason`), and its row in
         `bad_batches`."""
         now = time.time()
-        self._batch_row(b, "quarantined", None, None, now)
+        self._batch_row(q, "quarantined", None, None, now)
+        b = q.batch
         for s in b.samples:  # a queued `delivered` row of these must not land after this
             self._states.pop((b.epoch, s), None)
         self._many("pending", ((now, b.epoch, s) for s in remade))
@@ -282,12 +284,12 @@ class Ledger:
         with self.db:
             self.db.execute("BEGIN")
             n = 0
-            for b in batches:
+            for q in batches:
                 n += self.db.executemany("UPDATE samples SET state='committed', updated=? WHERE epoch=? "
                                          "AND sample=? AND state='trained'",
-                                         [(now, b.epoch, s) for s in b.samples]).rowcount
+                                         [(now, q.batch.epoch, s) for s in q.batch.samples]).rowcount
             self.db.executemany("UPDATE batches SET state='committed', updated=? WHERE batch_id=? "
-                                "AND state='trained'", [(now, b.batch_id) for b in batches])
+                                "AND state='trained'", [(now, q.batch.batch_id) for q in batches])
             if commit is not None:
                 self.db.execute("INSERT INTO commits VALUES(?,?,?,?,?)", (*commit[:2], commit[2], n, now))
         return n
@@ -323,18 +325,19 @@ class Ledger:
 
     # ------------------------------------------------------------ writing
 
-    def _batch(self, b, state: str, consumer: str | None, step: int | None) -> None:
+    def _batch(self, q, state: str, consumer: str | None, step: int | None) -> None:
         now = time.time()
-        self._batch_row(b, state, consumer, step, now)
+        self._batch_row(q, state, consumer, step, now)
         sample_state = "produced" if state == "queued" else state
-        self._samples(b, sample_state, consumer, step, now)
+        self._samples(q.batch, sample_state, consumer, step, now)
 
-    def _batch_row(self, b, state: str, consumer: str | None, step: int | None, now: float,
+    def _batch_row(self, q, state: str, consumer: str | None, step: int | None, now: float,
                    received: float | None = None) -> None:
+        b = q.batch
         if received is None and b.batch_id in self._batches:  # NULL keeps the stored value: carry it
             received = self._batches[b.batch_id][_RECEIVED]
-        self._batches[b.batch_id] = (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, b.nbytes,
-                                     state, consumer, step, b.deliveries, received, now)
+        self._batches[b.batch_id] = (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), b.tokens, q.nbytes,
+                                     state, consumer, step, q.deliveries, received, now)
 
     def _samples(self, b, state: str, consumer: str | None, step: int | None, now: float) -> None:
         for s in b.samples:

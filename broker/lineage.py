@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dispatch import Queued
+
 DEFAULT = ""  # the lineage of acks and commits that name none
 MAX_LINEAGE = 128  # characters of a lineage name kept (peers choose them)
 
@@ -34,7 +36,7 @@ class TrainedBatch:
     """An acked, not yet committed batch (its frames let go): what a commit or a rewind
     needs of it."""
 
-    batch: object  # dispatch.QueuedBatch
+    queued: Queued
     lineage: str
     step: int
     consumer: str

@@ -1,10 +1,10 @@
 """Liveness and pacing: who went silent, when to beat, how fast things move, and how
 often a noisy peer may make us log (zguide ppqueue: constants up front, one check per
-tick)."""
+tick). Every reading takes `now` (monotonic seconds) from its caller: the broker core has
+no clock of its own, so tests drive it with an injected one."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Iterable, Protocol
 
@@ -21,9 +21,9 @@ def silent(peers: Iterable[_Seen], now: float, timeout_s: float) -> list:
 class Every:
     """A periodic timer for the loop: `due(now)` is True once per `period_s`."""
 
-    def __init__(self, period_s: float, now: float | None = None):
+    def __init__(self, period_s: float, now: float):
         self.period = period_s
-        self.next = (time.monotonic() if now is None else now) + period_s
+        self.next = now + period_s
 
     def due(self, now: float) -> bool:
         if now < self.next:
@@ -44,14 +44,12 @@ class RateMeter:
         self.total = 0
         self._marks: deque[tuple[float, int]] = deque(maxlen=slots)
 
-    def add(self, n: int = 1, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def add(self, n: int, now: float) -> None:
         if not self._marks or now - self._marks[-1][0] >= self.window / self._marks.maxlen:
             self._marks.append((now, self.total))
         self.total += n
 
-    def rate(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
+    def rate(self, now: float) -> float:
         first = next(((t, c) for t, c in self._marks if now - t <= self.window), None)
         if first is None:
             return 0.0
@@ -71,8 +69,7 @@ class RateLimit:
         self.per_s, self.max_keys = per_s, max_keys
         self._state: dict[str, list] = {}  # key -> [window_start, count_in_window, suppressed]
 
-    def allow(self, key: str, now: float | None = None) -> tuple[bool, int]:
-        now = time.monotonic() if now is None else now
+    def allow(self, key: str, now: float) -> tuple[bool, int]:
         st = self._state.get(key)
         if st is None:
             if len(self._state) >= self.max_keys:
@@ -93,10 +90,10 @@ class TimeShare:
     queue full), in bounded memory. The loop calls `update(held, now)` every turn; the
     time since the previous call counts under the state given then."""
 
-    def __init__(self, window_s: float = 10.0, slots: int = 20, now: float | None = None):
+    def __init__(self, now: float, window_s: float = 10.0, slots: int = 20):
         self.window, self.slot = window_s, window_s / slots
         self._slots: deque[list[float]] = deque(maxlen=slots + 1)  # [slot start, seconds held]
-        self._t0 = self._last = time.monotonic() if now is None else now
+        self._t0 = self._last = now
         self._held = False
 
     def update(self, held: bool, now: float) -> None:
@@ -112,3 +109,14 @@ class TimeShare:
             held += max(0.0, now - self._last)  # the stretch since the last update
         span = min(self.window, now - self._t0)
         return min(1.0, held / span) if span > 0 else 0.0
+
+
+class WallClock:
+    """Wall-clock times (for the status map and run records) read off the monotonic `now`
+    the core is given: the wall time and monotonic time of one moment, then `at(now)`."""
+
+    def __init__(self, wall: float, now: float):
+        self.wall0, self.now0 = wall, now
+
+    def at(self, now: float) -> float:
+        return self.wall0 + (now - self.now0)

@@ -13,6 +13,8 @@ event carries the bound endpoint, not the client's address.
 
 from __future__ import annotations
 
+import time
+
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -55,7 +57,7 @@ class HandshakeLog:
 
     def __init__(self, curve: bool):
         self.curve = curve
-        self.gate = LogGate()
+        self.gate = LogGate(time.monotonic())
 
     def read(self, mon: zmq.Socket, socket: str) -> None:
         for _ in range(MAX_EVENTS):
@@ -67,7 +69,7 @@ class HandshakeLog:
                 error = PROTOCOL_ERRORS.get(ev["value"], f"protocol_error_{ev['value']}")
             else:
                 error = "no_detail"
-            ok, suppressed = self.gate.allow(f"handshake:{socket}:{error}")
+            ok, suppressed = self.gate.allow(f"handshake:{socket}:{error}", time.monotonic())
             if ok:
                 log.warning("broker.handshake_failed", socket=socket, endpoint=ev["endpoint"].decode(errors="replace"),
                             error=error, curve=self.curve, hint=meaning(error, self.curve), suppressed=suppressed)

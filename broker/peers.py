@@ -1,4 +1,5 @@
-"""Peer sessions: one per producer or consumer that said `hello` and got `welcome`.
+"""Peer sessions: one per producer or consumer that said `hello` and got `welcome`, a type
+for each role, and the table of them.
 
 Peer IDs (`p1`, `c1`, ...) are handed out in order and never reused within a run, so a
 log line naming `c2` means one process. Instance names are unique among live peers of a
@@ -7,77 +8,94 @@ role: two processes claiming the same name would make logs and status ambiguous.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
-from .dispatch import QueuedBatch
+from .dispatch import Queued
 from .liveness import RateMeter, TimeShare
+from .statements import ConsumerStatement, ProducerStatement
 
 LOST_HISTORY = 32  # lost/left peers kept for the status map
 
 
-class DuplicateInstance(Exception):
-    """A live peer of that role already uses that instance name."""
+@dataclass(frozen=True)
+class Failure:
+    """Why a peer stopped: its `failed` message (PROTOCOL.md 4.2), or the broker's refusal of
+    its batch (code bad_batch). Shown in the status map's `gone[].failure`."""
+
+    code: str | None
+    reason: str | None
+    hint: str | None = None
+    source: str | None = None  # a bad row's file:line
+    batch_id: str | None = None  # the batch a consumer could not train, or a producer's refused one
+    fault: str | None = None  # what is wrong with that batch
+
+    def fields(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProducerHeld:
+    """What a producer held when its session ended: its open leases, given back."""
+
+    leases: list[int]
+    samples_returned: int
+    batches_in: int
+
+
+@dataclass(frozen=True)
+class ConsumerHeld:
+    """What a consumer held when its session ended: batches delivered and not acked, requeued."""
+
+    in_flight: int
+    batch_ids: list[str]
+    credit: int
+    delivered: int
+    acked: int
+    rank: int | None
 
 
 @dataclass(eq=False)
-class Peer:
+class Pipes:
+    """A consumer's data-out streams: per stream a bound PUSH socket, its I/O thread (an
+    affinity mask), port and endpoint; `next` is the stream the next batch tries first."""
+
+    socks: list = field(repr=False)
+    threads: list[int]
+    ports: list[int]
+    endpoints: list[str]
+    next: int = 0
+
+
+@dataclass(eq=False, kw_only=True)
+class Session:
+    """What every live peer has: who it is, when it was last heard, its heartbeat figures, and
+    (once gone) how it went."""
+
+    role: ClassVar[str]
     id: str
-    role: str
     identity: bytes  # ROUTER identity of its control DEALER
     instance: str
     host: str
     pid: int
     gpu: int | None
-    config: dict
-    joined_at: float = field(default_factory=time.time)
-    last_seen: float = field(default_factory=time.monotonic)
-    stats: dict = field(default_factory=dict)
-    stats_at: float | None = None
-    state: str = "live"  # live | lost | left
-    gone_at: float | None = None
-    gone_reason: str | None = None
-    held: dict = field(default_factory=dict)  # what it held when it went (status map)
-    failure: dict | None = None  # why it stopped: its `failed` message, or the broker's refusal (status map)
+    joined_at: float  # wall clock
+    last_seen: float  # monotonic: any message counts
     curve_key: str | None = None  # the authorised Curve key it joined with (None without Curve)
-    # consumer side
-    credit: int = 0
-    last_served: int = 0
-    in_flight: OrderedDict[str, QueuedBatch] = field(default_factory=OrderedDict)
-    pipes: list = field(default_factory=list, repr=False)  # one PUSH socket per data stream
-    pipe_threads: list[int] = field(default_factory=list)  # each pipe's I/O thread (affinity mask)
-    ports: list[int] = field(default_factory=list)
-    data_out: str | None = None  # the first stream's endpoint
-    data_streams: list[str] = field(default_factory=list)  # every stream's endpoint
-    next_stream: int = 0  # the stream the next batch tries first
-    rank: int | None = None
-    waiting_since: float | None = None  # credit > 0 and nothing to send it
-    wait_share: TimeShare = field(default_factory=TimeShare)  # how much of the last 10 s it waited
-    delivered: int = 0
-    acked: int = 0
-    # The ack deadline's clock: the later of its latest ack and the delivery that gave it
-    # batches while it held none; and its slowest gap between two acks so far.
-    progress_at: float = field(default_factory=time.monotonic)
-    slowest_ack_gap: float = 0.0
-    # producer side
-    batches_in: int = 0
-    bytes_in: int = 0
-    samples_in: int = 0
-    stale: int = 0
-    rate_in: RateMeter = field(default_factory=RateMeter)  # batches from / to this peer
+    stats: dict = field(default_factory=dict)  # its latest heartbeat's figures (sanitised: status.sanitize_stats)
+    stats_at: float | None = None  # wall clock
+    state: str = "live"  # live | lost | left
+    gone_at: float | None = None  # wall clock
+    gone_reason: str | None = None
+    held: ProducerHeld | ConsumerHeld | None = None  # what it held when it went
+    failure: Failure | None = None
+    rate_in: RateMeter = field(default_factory=RateMeter)  # batches from (producer) or to (consumer) it
     rate_tokens: RateMeter = field(default_factory=RateMeter)
 
     @property
     def live(self) -> bool:
         return self.state == "live"
-
-    def close_pipes(self) -> None:
-        """Close a consumer's data-out sockets (nothing queued in them is waited for)."""
-        for sock in self.pipes:
-            sock.close(linger=0)
-        self.pipes = []
 
     def describe(self) -> dict[str, Any]:
         """Identity fields for log lines; `peer_*` so they never shadow our own."""
@@ -85,45 +103,82 @@ class Peer:
                 "peer_host": self.host, "peer_pid": self.pid, "peer_gpu": self.gpu}
 
 
+@dataclass(eq=False, kw_only=True)
+class ProducerSession(Session):
+    role: ClassVar[str] = "producer"
+    said: ProducerStatement = field(default_factory=ProducerStatement)
+    batches_in: int = 0
+    bytes_in: int = 0
+    samples_in: int = 0
+    stale: int = 0  # batches dropped as stale
+
+
+@dataclass(eq=False, kw_only=True)
+class ConsumerSession(Session):
+    role: ClassVar[str] = "consumer"
+    said: ConsumerStatement = field(default_factory=ConsumerStatement)
+    pipes: Pipes
+    rank: int | None = None
+    credit: int = 0
+    last_served: int = 0
+    in_flight: OrderedDict[str, Queued] = field(default_factory=OrderedDict)
+    waiting_since: float | None = None  # credit > 0 and nothing to send it
+    wait_share: TimeShare  # how much of the last 10 s it waited
+    delivered: int = 0
+    acked: int = 0
+    # The ack deadline's clock: the later of its latest ack and the delivery that gave it
+    # batches while it held none; and its slowest gap between two acks so far.
+    progress_at: float
+    slowest_ack_gap: float = 0.0
+
+
 class PeerTable:
     """Live sessions by ROUTER identity and by peer ID, plus a short history of the gone."""
 
     def __init__(self):
         self._counters = {"producer": 0, "consumer": 0}
-        self.by_identity: dict[bytes, Peer] = {}
-        self.by_id: dict[str, Peer] = {}
-        self.gone: deque[Peer] = deque(maxlen=LOST_HISTORY)
+        self.by_identity: dict[bytes, Session] = {}
+        self.by_id: dict[str, Session] = {}
+        self.gone: deque[Session] = deque(maxlen=LOST_HISTORY)
 
-    def live(self, role: str | None = None) -> list[Peer]:
-        return [p for p in self.by_id.values() if role is None or p.role == role]
+    def live(self) -> list[Session]:
+        return list(self.by_id.values())
 
-    def instance_taken(self, role: str, instance: str) -> Peer | None:
-        return next((p for p in self.live(role) if p.instance == instance), None)
+    def producers(self) -> list[ProducerSession]:
+        return [p for p in self.by_id.values() if isinstance(p, ProducerSession)]
 
-    def add(self, role: str, identity: bytes, hello: dict) -> Peer:
-        """Open a session. Raises DuplicateInstance."""
-        other = self.instance_taken(role, hello["instance"])
-        if other is not None:
-            raise DuplicateInstance(
-                f"a live {role} is already named {hello['instance']!r} ({other.id} on {other.host}, "
-                f"pid {other.pid}); give this one another --instance"
-            )
+    def consumers(self) -> list[ConsumerSession]:
+        return [p for p in self.by_id.values() if isinstance(p, ConsumerSession)]
+
+    def producer(self, peer_id: str) -> ProducerSession | None:
+        p = self.by_id.get(peer_id)
+        return p if isinstance(p, ProducerSession) else None
+
+    def instance_taken(self, role: str, instance: str) -> Session | None:
+        return next((p for p in self.by_id.values() if p.role == role and p.instance == instance), None)
+
+    def next_id(self, role: str) -> str:
+        """The next peer ID of `role` (spent: IDs are never reused)."""
         self._counters[role] += 1
-        pid = f"{role[0]}{self._counters[role]}"
-        gpu = hello.get("gpu")
-        p = Peer(pid, role, identity, hello["instance"], hello["host"], hello["pid"],
-                 gpu if isinstance(gpu, int) else None, hello.get("config") or {})
-        self.by_identity[identity] = p
-        self.by_id[pid] = p
-        return p
+        return f"{role[0]}{self._counters[role]}"
 
-    def remove(self, p: Peer, state: str, reason: str) -> None:
-        p.state, p.gone_at, p.gone_reason = state, time.time(), reason
+    def add(self, p: Session) -> None:
+        self.by_identity[p.identity] = p
+        self.by_id[p.id] = p
+
+    def move(self, p: Session, identity: bytes) -> None:
+        """Session `p` continues on a new connection (the same process reconnected)."""
+        self.by_identity.pop(p.identity, None)
+        p.identity = identity
+        self.by_identity[identity] = p
+
+    def remove(self, p: Session, state: str, reason: str, wall: float) -> None:
+        p.state, p.gone_at, p.gone_reason = state, wall, reason
         self.by_identity.pop(p.identity, None)
         self.by_id.pop(p.id, None)
         self.gone.append(p)
 
     def next_rank(self, world_size: int) -> int | None:
         """Lowest rank no live consumer holds (a lost rank is taken by the next to join)."""
-        held = {p.rank for p in self.live("consumer")}
+        held = {p.rank for p in self.consumers()}
         return next((r for r in range(world_size) if r not in held), None)

@@ -1,4 +1,6 @@
-"""The run's phase and how it ends (PROTOCOL.md 4.6): one enum instead of loose flags."""
+"""The run's phase and how it ends (PROTOCOL.md 4.6): one enum instead of loose flags, and
+`Lifecycle`, the core's part that holds them (the core moves it; sessions read it to refuse
+consumers of a lost job and to tell a late joiner to stop)."""
 
 from __future__ import annotations
 
@@ -37,3 +39,30 @@ class JobLost:
     state: str
     reason: str
     trained: int
+
+    def text(self, run_id: str) -> str:
+        """Why consumers are refused now, and what to do (a reject's reason, the status map)."""
+        return (f"this run's training job ended with {self.trained} trained samples not committed (its last "
+                f"consumer {self.peer} {self.state}: {self.reason[:80]}); only the weights that died with "
+                f"it held them, and this run will not make them again: stop the run and restart it with "
+                f"dflash-broker --resume {run_id}")
+
+
+@dataclass
+class Lifecycle:
+    """The run's phase, how it ends once peers are told to stop, a lost job, and the signals
+    the server saw (acted on at the next tick)."""
+
+    phase: Phase = Phase.RUNNING
+    end: RunEnd | None = None  # set once peers are told to stop
+    job_lost: JobLost | None = None
+    signal: str | None = None  # the latest SIGINT/SIGTERM
+    signals: int = 0  # how many: a second one ends a shutdown's drain at once
+
+    @property
+    def outcome(self) -> str | None:
+        return self.end.outcome if self.end is not None else None
+
+    def finish(self, outcome: str, why: str | None = None) -> None:
+        self.end.outcome, self.end.outcome_why = outcome, why
+        self.phase = Phase.DONE

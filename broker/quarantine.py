@@ -15,24 +15,13 @@ A batch is bad in one of two ways (docs/RELIABILITY.md, "Poison batches"):
   block a run, and no sample is dropped without a count or trained twice.
 
 `Poison` keeps the counts by fault (status map `bad_batches`, run.json, the ledger's
-`bad_batches` table) and how often each sample was quarantined.
+`bad_batches` table) and how often each sample was quarantined; intake.py refuses, and
+delivery.py quarantines, by its rule.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
-
-from dflash.runtime.logs import get_logger
-
-from .dispatch import QueuedBatch
-from .replies import MAX_REASON, clip
-
-if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
-    from .core import BrokerCore
-    from .peers import Peer
-
-log = get_logger()
 
 # How often a sample's batch may be quarantined before the sample is set aside: once made
 # again, since the first bad copy need not be the producer's fault.
@@ -57,45 +46,13 @@ class Poison:
             row["remade"] += remade
             row["set_aside"] += aside
 
-    def split(self, b: QueuedBatch) -> tuple[list[int], list[int]]:
+    def split(self, epoch: int, samples: list[int]) -> tuple[list[int], list[int]]:
         """(samples to make again, samples to set aside) of a batch being quarantined."""
         remade, aside = [], []
-        for s in b.samples:
-            self.tries[b.epoch, s] += 1
-            (remade if self.tries[b.epoch, s] <= REMAKES else aside).append(s)
+        for s in samples:
+            self.tries[epoch, s] += 1
+            (remade if self.tries[epoch, s] <= REMAKES else aside).append(s)
         return remade, aside
 
     def as_dict(self) -> dict:
         return {action: {fault: dict(row) for fault, row in faults.items()} for action, faults in self.counts.items()}
-
-
-def failed_on(core: BrokerCore, c: Peer, batch_id: str, fault: str, reason: str) -> dict:
-    """Consumer `c` reports that it cannot train `batch_id` (and is leaving): count it
-    against the batch, and quarantine the batch once `--quarantine-after` consumers have.
-    Returns what the log line says of it: `batch_held`, `batch_failures`, `quarantined`."""
-    qb = c.in_flight.get(batch_id)
-    if qb is None:  # not delivered to this consumer, or acked: nothing to count against
-        return {"batch_held": False}
-    if c.id not in qb.failures:  # one session counts once, however often it says so
-        qb.failures.append(c.id)
-    n = len(qb.failures)
-    if n >= core.poison.quarantine_after:
-        quarantine(core, c, qb, fault, reason)
-    return {"batch_held": True, "batch_failures": n, "quarantined": n >= core.poison.quarantine_after}
-
-
-def quarantine(core: BrokerCore, c: Peer, qb: QueuedBatch, fault: str, reason: str) -> None:
-    """Take `qb` out of `c`'s hands for good; its samples are made again or set aside."""
-    del c.in_flight[qb.batch_id]
-    core.batch_ids.discard(qb.batch_id)
-    core.queue.release(qb)
-    qb.frames = []  # never delivered again
-    fault, reason = clip(fault, 64) or "unknown", clip(reason, MAX_REASON)
-    remade, aside = core.poison.split(qb)
-    core.ledger.quarantined(qb, remade, aside, fault, reason)
-    if remade:
-        core.leases.rewind(qb.epoch, remade)
-    core.poison.count("quarantined", fault, len(qb.samples), len(remade), len(aside))
-    log.warning("broker.batch_quarantined", batch_id=qb.batch_id, producer=qb.producer, lease=qb.lease,
-                epoch=qb.epoch, samples=len(qb.samples), remade=len(remade), set_aside=len(aside), fault=fault,
-                reason=reason, consumers=list(qb.failures), deliveries=qb.deliveries)

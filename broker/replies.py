@@ -1,19 +1,17 @@
 """Refusals: `reject` answers and the log lines that go with them, both rate-limited (per
 sender, and log lines also per kind) and clipped, so a flood of bad messages cannot become
-a log storm or a send storm."""
+a log storm or a send storm. `Replies` is the core's part that owns both limits; every
+other part asks it before a warning a peer can cause (`allow`)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from dflash.protocol.messages import Reject
 from dflash.runtime.logs import get_logger
 
+from .actions import Outbox
 from .liveness import Every, RateLimit
-
-if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
-    from .core import BrokerCore
 
 log = get_logger()
 
@@ -43,15 +41,15 @@ class LogGate:
     suppressed): the lines of that kind left out since the last one logged.
     """
 
-    def __init__(self, per_sender: float = SENDER_LINES_PER_S, per_kind: float = KIND_LINES_PER_S,
+    def __init__(self, now: float, per_sender: float = SENDER_LINES_PER_S, per_kind: float = KIND_LINES_PER_S,
                  report_s: float = 5.0):
         self._senders, self._kinds = RateLimit(per_sender), RateLimit(per_kind, max_keys=64)
         self._suppressed: Counter[str] = Counter()
-        self._report = Every(report_s)
+        self._report = Every(report_s, now)
 
-    def allow(self, key: str) -> tuple[bool, int]:
+    def allow(self, key: str, now: float) -> tuple[bool, int]:
         kind = key.split(":", 1)[0]
-        if self._senders.allow(key)[0] and self._kinds.allow(kind)[0]:
+        if self._senders.allow(key, now)[0] and self._kinds.allow(kind, now)[0]:
             return True, self._suppressed.pop(kind, 0)
         self._suppressed[kind] += 1
         return False, 0
@@ -80,33 +78,49 @@ def answers(h: dict | None) -> dict | None:
     return out
 
 
-def refuse(core: BrokerCore, identity: bytes, code: str, reason: str, h: dict | None = None) -> None:
-    """Answer `reject {code, reason, answers}` and log broker.peer_rejected."""
-    key = identity.hex()[:64]
-    reason = clip(reason, MAX_REASON)
-    ok, suppressed = core.log_limit.allow(f"reject:{key}")
-    if ok:
-        h = h or {}
-        log.warning("broker.peer_rejected", code=code, reason=reason, identity=key, type=clip(h.get("type")),
-                    peer_role=clip(h.get("role")), peer_instance=clip(h.get("instance")),
-                    peer_host=clip(h.get("host")), peer_pid=clip(h.get("pid")), suppressed=suppressed)
-    if core.reply_limit.allow(key)[0]:
-        core.send(identity, Reject(reason, code, answers(h)))
+class Replies:
+    """`reject` answers and the warning lines a peer can cause, rate-limited (the core's part
+    for refusals: every other part refuses through it)."""
 
+    def __init__(self, out: Outbox, now: float):
+        self.out = out
+        self.gate, self.replies = LogGate(now), RateLimit(3.0)
 
-def bad_message(core: BrokerCore, identity: bytes, who: str, reason: str, h: dict | None = None) -> None:
-    """A control message failed validation: log it, answer `reject {code: bad_message}`
-    (with `answers` when its header parsed)."""
-    log_bad(core, "control", who, reason)
-    if core.reply_limit.allow(identity.hex())[0]:
-        core.send(identity, Reject(f"bad message: {reason}", "bad_message", answers(h)))
+    def allow(self, key: str, now: float) -> tuple[bool, int]:
+        """Whether a warning line of `key` ("kind:sender") may be logged now, and how many of
+        its kind were left out since the last one (LogGate)."""
+        return self.gate.allow(key, now)
 
+    def reply(self, identity: bytes, msg: Reject, now: float) -> None:
+        """Send `msg` unless `identity` had its share of replies this second."""
+        if self.replies.allow(identity.hex(), now)[0]:
+            self.out.send(identity, msg)
 
-def log_bad(core: BrokerCore, socket: str, who: str, reason: str, **conn) -> None:
-    """broker.bad_message, rate-limited by LogGate, with a suppressed count; `conn`: on data
-    in, the connection it came on (intake.connection_fields)."""
-    who = clip(who)
-    ok, suppressed = core.log_limit.allow(f"bad:{socket}:{who}")
-    if ok:
-        log.warning("broker.bad_message", socket=socket, peer=who, reason=clip(reason, MAX_REASON), **conn,
-                    suppressed=suppressed)
+    def refuse(self, identity: bytes, code: str, reason: str, h: dict | None, now: float) -> None:
+        """Answer `reject {code, reason, answers}` and log broker.peer_rejected."""
+        key = identity.hex()[:64]
+        reason = clip(reason, MAX_REASON)
+        ok, suppressed = self.gate.allow(f"reject:{key}", now)
+        if ok:
+            h = h or {}
+            log.warning("broker.peer_rejected", code=code, reason=reason, identity=key, type=clip(h.get("type")),
+                        peer_role=clip(h.get("role")), peer_instance=clip(h.get("instance")),
+                        peer_host=clip(h.get("host")), peer_pid=clip(h.get("pid")), suppressed=suppressed)
+        if self.replies.allow(key, now)[0]:
+            self.out.send(identity, Reject(reason, code, answers(h)))
+
+    def bad_message(self, identity: bytes, who: str, reason: str, h: dict | None, now: float) -> None:
+        """A control message failed validation: log it, answer `reject {code: bad_message}`
+        (with `answers` when its header parsed)."""
+        self.log_bad("control", who, reason, now)
+        if self.replies.allow(identity.hex(), now)[0]:
+            self.out.send(identity, Reject(f"bad message: {reason}", "bad_message", answers(h)))
+
+    def log_bad(self, socket: str, who: str, reason: str, now: float, **conn) -> None:
+        """broker.bad_message, rate-limited by LogGate, with a suppressed count; `conn`: on data
+        in, the connection it came on (intake.connection_fields)."""
+        who = clip(who)
+        ok, suppressed = self.gate.allow(f"bad:{socket}:{who}", now)
+        if ok:
+            log.warning("broker.bad_message", socket=socket, peer=who, reason=clip(reason, MAX_REASON), **conn,
+                        suppressed=suppressed)

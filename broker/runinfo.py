@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dflash.protocol.messages import PROTOCOL_VERSION
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import hostname, iso_utc, write_json_atomic, write_run_json
 
-
-if TYPE_CHECKING:  # the core calls these with itself; imported for the annotations only
-    from .core import BrokerCore
+from .leases import LeasePool
+from .ledger import Ledger
 
 
 def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: str,
@@ -39,24 +36,25 @@ def update(run_dir: Path, **fields) -> None:
     write_json_atomic(path, info)
 
 
-def finish(run_dir: Path, outcome: str, **fields) -> None:
-    update(run_dir, outcome=outcome, ended_at=iso_utc(time.time()), **fields)
+def finish(run_dir: Path, outcome: str, wall: float, **fields) -> None:
+    """The run ended with `outcome` at `wall` (the wall clock's seconds)."""
+    update(run_dir, outcome=outcome, ended_at=iso_utc(wall), **fields)
 
 
-def end_of_stream_outcome(core: BrokerCore) -> tuple[str, str | None]:
+def end_of_stream_outcome(ledger: Ledger, pool: LeasePool) -> tuple[str, str | None]:
     """The outcome of a run that reached end of stream: `completed`, or `nothing_to_train`
     with why when no sample was trained in it or inherited (an empty dataset, or every
     sample skipped by its producer): such a run did nothing, and an exit 0 saying
     "every sample trained" hid that. Logs `broker.nothing_to_train`."""
-    counts = core.ledger.counts
+    counts = ledger.counts
     if counts["trained"] + counts["committed"] + counts["inherited"] > 0:
         return "completed", None
-    n = core.leases.n_samples if core.leases.known else None
+    n = pool.n_samples if pool.known else None
     if not n:
         why = "the dataset has 0 samples (an empty data file?)"
         reasons: dict = {}
     else:
-        reasons = core.ledger.skip_reasons()
+        reasons = ledger.skip_reasons()
         listed = ", ".join(f"{v} {k}" for k, v in sorted(reasons.items(), key=lambda x: -x[1]))
         aside = " or set aside as poison" if counts["quarantined"] else ""
         why = (f"every sample was skipped{aside} ({listed or str(counts['skipped']) + ' skipped'}) and none trained"

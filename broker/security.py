@@ -4,6 +4,8 @@ listens beyond this host without Curve."""
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from dflash.protocol import curve
@@ -28,10 +30,10 @@ def setup(curve_keys: str | None, ctx: zmq.Context):
 def _denied_logger():
     """broker.curve_denied, rate-limited: the authenticator thread calls it for every
     refused connection attempt, and a refused client reconnects again and again."""
-    gate = LogGate()  # used by the authenticator thread only
+    gate = LogGate(time.monotonic())  # used by the authenticator thread only
 
     def denied(key: str) -> None:
-        ok, suppressed = gate.allow(f"curve:{key}")
+        ok, suppressed = gate.allow(f"curve:{key}", time.monotonic())
         if ok:
             log.warning("broker.curve_denied", key=key, suppressed=suppressed,
                         hint="not in the broker's authorized/ folder: add its .key there to admit it")

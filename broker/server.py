@@ -19,7 +19,8 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Message
+from dflash.protocol.messages import (CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed,
+                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk)
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
@@ -28,12 +29,11 @@ from . import lighthouse, monitor, security
 from .actions import ClosePipes, Publish, Send
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
-from .core import BrokerCore, Phase
-from .dispatch import QueuedBatch
-from .inbound import Batch, connection
-from .liveness import silent
+from .core import BrokerCore
+from .inbound import BadBatch, Batch, Unreadable, connection, control_message
 from .metrics import MetricsServer
-from .peers import Peer
+from .peers import Pipes
+from .replies import LogGate
 from .resume import Parent
 
 log = get_logger()
@@ -59,9 +59,10 @@ class Broker:
         self.ctx = None
         self.monitors: dict = {}  # monitor socket -> (the socket it watches, its name): handshake failures
         self.handshakes = monitor.HandshakeLog(curve=bool(cfg.curve_keys))
+        self.send_gate = LogGate(time.monotonic())  # broker.send_failed lines, rate-limited
         # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
-        self.core = BrokerCore(cfg, run_id, run_dir, hostname, parent=parent, bind_pipe=self._bind_pipe,
-                               pipe_threads=self.pipe_threads, streams=self.streams,
+        self.core = BrokerCore(cfg, run_id, run_dir, hostname, now=time.monotonic(), wall=time.time(), parent=parent,
+                               bind_pipe=self._bind_pipe, pipe_threads=self.pipe_threads, streams=self.streams,
                                producer_streams=self.producer_streams)
         self.ctx = zmq.Context(io_threads=self.io_threads)
         try:
@@ -83,8 +84,9 @@ class Broker:
             if cfg.metrics_port:  # bound with the sockets: a port in use stops the start
                 self.metrics = MetricsServer(cfg.bind, cfg.metrics_port)
             if cfg.elastic and cfg.consumers >= 2:  # consumers meet there every step
-                self.lighthouse = lighthouse.start(cfg.bind, cfg.lighthouse_port, self.core.advertise, cfg.timeout_s)
-                self.core.lighthouse = self.lighthouse.address if self.lighthouse is not None else None
+                self.lighthouse = lighthouse.start(cfg.bind, cfg.lighthouse_port, cfg.host_to_advertise(hostname),
+                                                   cfg.timeout_s)
+                self.core.use_lighthouse(self.lighthouse.address if self.lighthouse is not None else None)
         except Exception:
             self.close()
             raise
@@ -92,19 +94,8 @@ class Broker:
     # What callers (broker_process.py, tests) read of the run: the core's.
     run_id = property(lambda self: self.core.run_id)
     run_dir = property(lambda self: self.core.run_dir)
-    peers = property(lambda self: self.core.peers)
-    ledger = property(lambda self: self.core.ledger)
-    queue = property(lambda self: self.core.queue)
     endpoints = property(lambda self: self.core.endpoints)
-    outcome_why = property(lambda self: self.core.end.outcome_why if self.core.end else None)
-
-    @property
-    def metric_sink(self):
-        return self.core.metric_sink
-
-    @metric_sink.setter
-    def metric_sink(self, sink) -> None:
-        self.core.metric_sink = sink
+    outcome_why = property(lambda self: self.core.outcome_why)
 
     # I/O threads by role (ZMQ_AFFINITY masks; 0 = any, with one thread). libzmq puts a new
     # connection on the least loaded thread of its socket's mask, counting every socket
@@ -148,10 +139,10 @@ class Broker:
         for mon in self.monitors:
             poller.register(mon, zmq.POLLIN)
         core = self.core
-        while core.phase is not Phase.DONE:
+        while not core.done:
             # zguide lbbroker: read producers only while the queue has room. A full
             # broker stops reading, the producers' PUSH pipes fill, their sends block.
-            poller.modify(self.data_in, zmq.POLLIN if core.queue.has_room() else 0)
+            poller.modify(self.data_in, zmq.POLLIN if core.reading else 0)
             events = dict(poller.poll(BLOCKED_POLL_MS if core.blocked else POLL_MS))
             if self.control in events:
                 self._drain(self.control, self._control)
@@ -160,12 +151,13 @@ class Broker:
             for mon, (_, name) in self.monitors.items():
                 if mon in events:
                     self.handshakes.read(mon, name)
-            core.dispatch(self._send_batch)
+            core.dispatch(self._send_batch, time.monotonic())
             if self.signal is not None:
                 core.on_signal(self.signal, self.signals)
             self.tick(time.monotonic())
-        core.log_limit.report(time.monotonic(), force=True)  # no suppressed count goes unsaid
+        core.report(time.monotonic())  # no suppressed count goes unsaid
         self.handshakes.report(time.monotonic(), force=True)
+        self.send_gate.report(time.monotonic(), force=True)
         return core.outcome
 
     def tick(self, now: float) -> None:
@@ -173,14 +165,15 @@ class Broker:
         socket empty (the loop stalled: descheduled on a loaded host, a GC pass, a slow disk):
         what peers sent meanwhile is read first, so a peer that kept talking is not dropped."""
         core = self.core
-        if silent(core.peers.live(), now, core.cfg.timeout_s) and self.control.poll(RECHECK_MS):
+        if core.silent(now) and self.control.poll(RECHECK_MS):
             self._drain(self.control, self._control)
         self.do(core.tick(now))
         self.handshakes.report(now)
+        self.send_gate.report(now)
 
     def _drain(self, sock: zmq.Socket, handle, while_room: bool = False) -> None:
         for _ in range(DRAIN_MAX):
-            if while_room and not self.core.queue.has_room():
+            if while_room and not self.core.reading:
                 return
             try:
                 frames = recv_frames(sock, zmq.NOBLOCK)
@@ -194,45 +187,79 @@ class Broker:
                 return
 
     def _control(self, frames: list) -> None:
-        """Parse one control message for the core; the core validates the rest in order."""
-        identity, frames = frames[0].bytes, frames[1:]
-        peer = self.core.peers.by_identity.get(identity)
+        """One control message: its typed message (or why it is refused) to the core's entry
+        point for its type, which validates the rest in PROTOCOL.md 3's order."""
+        identity, frames, now = frames[0].bytes, frames[1:], time.monotonic()
         try:
             if not frames:
                 raise ProtocolError("empty message")
             h = codec.unpack_header(frames[0])
         except ProtocolError as e:
-            return self.do(self.core.on_control(identity, None, e.reason))
+            return self.do(self.core.on_unreadable(identity, Unreadable("bad_message", e.reason), now))
         error = None
         try:
             # checked, never read: no tensor views (a control message with tensors would import torch)
-            codec.decode(frames, allowed=CONTROL_TO_BROKER, run=self.core.run_id,
-                         peer=peer.id if peer else identity.hex(), parsed=h, views=False)
+            codec.decode(frames, allowed=CONTROL_TO_BROKER, run=self.core.run_id, parsed=h, views=False)
         except ProtocolError as e:
             error = e.reason
-        key = curve.key_name(frames[0]) if h.get("type") == "hello" else None
-        self.do(self.core.on_control(identity, h, error, key))
+        msg = control_message(h, error, self.core.run_id)
+        self.do(self._deliver(identity, msg, now, frames[0]))
+
+    def _deliver(self, identity: bytes, msg: Message | Unreadable, now: float, header_frame=None) -> list:
+        """The core's entry point for `msg`'s type; `header_frame` (a hello's) names the Curve
+        key its connection authenticated with."""
+        core = self.core
+        match msg:
+            case Unreadable():
+                return core.on_unreadable(identity, msg, now)
+            case StatusAsk():
+                return core.on_status(identity, msg, now)
+            case Hello():
+                key = curve.key_name(header_frame) if header_frame is not None else None
+                return core.on_hello(identity, msg, now, key)
+            case LeaseAsk():
+                return core.on_lease(identity, msg, now)
+            case Done():
+                return core.on_done(identity, msg, now)
+            case Credit():
+                return core.on_credit(identity, msg, now)
+            case Ack():
+                return core.on_ack(identity, msg, now)
+            case Commit():
+                return core.on_commit(identity, msg, now)
+            case LineageStart():
+                return core.on_lineage(identity, msg, now)
+            case Heartbeat():
+                return core.on_heartbeat(identity, msg, now)
+            case Bye():
+                return core.on_bye(identity, msg, now)
+            case Failed():
+                return core.on_failed(identity, msg, now)
+        raise TypeError(f"no broker entry point for {msg!r}")
 
     def _data(self, frames: list) -> None:
+        now = time.monotonic()
         try:
             msg = codec.decode(frames, allowed=DATA, run=self.core.run_id, views=False)  # relayed, never read
             payload = msg.payload_bytes()
         except ProtocolError as e:
-            return self.do(self.core.on_bad_batch(sender(frames), e.reason, connection(frames[0]) if frames else {}))
+            bad = BadBatch(sender(frames), e.reason, connection(frames[0]) if frames else {})
+            return self.do(self.core.on_bad_batch(bad, now))
         batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
-        self.do(self.core.on_batch(batch))
+        self.do(self.core.on_batch(batch, now))
 
-    def _send_batch(self, c: Peer, b: QueuedBatch) -> bool:
+    @staticmethod
+    def _send_batch(pipes: Pipes, frames: list) -> bool:
         """Send on the consumer's next data stream that takes it (streams in turn)."""
-        n = len(c.pipes)
+        n = len(pipes.socks)
         for i in range(n):
-            s = (c.next_stream + i) % n
+            s = (pipes.next + i) % n
             try:
                 # The very frames that came in, tensor buffers untouched (copy=False).
-                send_frames(c.pipes[s], b.frames, zmq.NOBLOCK)
+                send_frames(pipes.socks[s], frames, zmq.NOBLOCK)
             except zmq.Again:  # not connected (yet), or full: try the next stream
                 continue
-            c.next_stream = s + 1
+            pipes.next = s + 1
             return True
         return False  # no stream took it: the batch stays queued
 
@@ -267,15 +294,14 @@ class Broker:
         try:
             send_frames(self.control, frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            ok, suppressed = self.core.log_limit.allow(f"send:{identity.hex()}")
+            ok, suppressed = self.send_gate.allow(f"send:{identity.hex()}", time.monotonic())
             if ok:
                 log.warning("broker.send_failed", identity=identity.hex(), type=msg.type, error=str(e),
                             suppressed=suppressed)
 
     def close(self) -> None:
         """Release sockets and the ledger. Safe on a half-built broker."""
-        for p in list(self.core.peers.live()):
-            p.close_pipes()
+        self.do(self.core.close())  # the consumers' pipes, before the context ends
         for mon, (sock, _) in self.monitors.items():
             sock.disable_monitor()
             mon.close(linger=0)
@@ -291,7 +317,6 @@ class Broker:
             self.lighthouse.close()
         if self.ctx is not None:
             self.ctx.term()
-        self.core.close()
 
 
 def sender(frames: list) -> str:

@@ -1,6 +1,7 @@
-"""The batch a consumer trains on, made from a decoded `batch` message (or built locally).
+"""The batch a consumer trains on: the wire's batch (protocol/messages.py `Batch`, as the
+link read it) with tensors of its own on the training device (or built locally).
 
-Decoded tensors are read-only views of ZeroMQ frames (PROTOCOL.md): `from_message`
+The link's tensors are read-only views of ZeroMQ frames (PROTOCOL.md): `from_message`
 converts them (fp8 is dequantised), so later in-place work never touches the frames.
 The training loop usually gets its batches already converted, and already on the GPU,
 from the stager (staging.py); a batch's tensors may live on any one device.
@@ -9,10 +10,10 @@ from the stager (staging.py); a batch's tensors may live on any one device.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
+from dflash.protocol import messages
 from dflash.protocol.errors import DFlashError
 from dflash.protocol.fp8 import hidden_from_batch
 
@@ -47,16 +48,15 @@ class Batch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def from_message(cls, msg: Any, hidden_dtype: torch.dtype = torch.bfloat16,
+    def from_message(cls, msg: messages.Batch, hidden_dtype: torch.dtype = torch.bfloat16,
                      device: torch.device | None = None) -> "Batch":
-        """From a `codec.Message` of type batch (already validated by the codec), with
-        tensors of its own: on `device` if given (the copy there is the only copy; fp8 is
+        """From a batch as the link read it (its tensors views of the frames), with tensors
+        of its own: on `device` if given (the copy there is the only copy; fp8 is
         dequantised there), else copies on the CPU. Raises TypeError for anything else (a
         batch source yielding the wrong thing)."""
-        h = getattr(msg, "header", None)
-        if not isinstance(h, dict) or h.get("type") != "batch":
+        if not isinstance(msg, messages.Batch):
             raise TypeError(f"expected a batch message, a Batch or None from the batch source, got "
-                            f"{type(msg).__name__}" + (f" of type {h.get('type')!r}" if isinstance(h, dict) else ""))
+                            f"{type(msg).__name__}")
         t = msg.tensors
 
         def own(frame: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -64,27 +64,14 @@ class Batch:
             x = x if dtype is None else x.to(dtype)
             return x.clone() if x.data_ptr() == frame.data_ptr() else x  # still a view of the frame
 
-        hidden = hidden_from_batch(h, t, hidden_dtype, device)
+        hidden = hidden_from_batch(msg, hidden_dtype, device)
         if hidden.data_ptr() == t["hidden"].data_ptr():
             hidden = hidden.clone()
         final = own(t["final_hidden"], hidden_dtype) if "final_hidden" in t else None
-        return cls.from_header(h, own(t["input_ids"]), own(t["loss_mask"]), hidden, final)
-
-    @classmethod
-    def from_header(cls, h: dict, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                    hidden: torch.Tensor, final_hidden: torch.Tensor | None = None) -> "Batch":
-        """A batch message's header fields with tensors already converted (by the caller)."""
-        return cls(
-            batch_id=str(h["batch_id"]),
-            samples=[int(s) for s in h["samples"]],
-            seq_lens=[int(n) for n in h["seq_lens"]],
-            layer_ids=[int(i) for i in h["layer_ids"]],
-            epoch=int(h["epoch"]),
-            input_ids=input_ids,
-            loss_mask=loss_mask,
-            hidden=hidden,
-            final_hidden=final_hidden,
-        )
+        return cls(batch_id=msg.batch_id, samples=[int(s) for s in msg.samples],
+                   seq_lens=[int(n) for n in msg.seq_lens], layer_ids=[int(i) for i in msg.layer_ids],
+                   epoch=msg.epoch, input_ids=own(t["input_ids"]), loss_mask=own(t["loss_mask"]), hidden=hidden,
+                   final_hidden=final)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.input_ids, self.loss_mask, self.hidden

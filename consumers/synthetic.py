@@ -15,8 +15,10 @@ from typing import Iterator
 
 import torch
 
-from .batch import Batch
+from dflash.protocol import messages
 from dflash.runtime.target_heads import TargetSpec
+
+from .batch import Batch
 
 
 def rule_batch(
@@ -56,21 +58,20 @@ def synthetic_stream(
                          dtype=dtype)
 
 
-def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"):
-    """`b` as a consumer receives it from the broker: encoded with the real codec (hidden in
-    bf16, or fp8 with per-row scales) and decoded again, so its tensors are read-only views
-    of the frames. For tests and benchmarks of the receiving side."""
+def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local") -> messages.Batch:
+    """`b` as a consumer's link reads it from the broker: encoded with the real codec (hidden
+    in bf16, or fp8 with per-row scales) and decoded again, so its tensors are read-only
+    views of the frames. For tests and benchmarks of the receiving side."""
     from dflash.protocol import codec
     from dflash.protocol.fp8 import ENCODING, encode_fp8
-    from dflash.protocol.messages import Batch as BatchHeader
 
-    fields = dict(batch_id=b.batch_id, producer="p1", lease=0, epoch=b.epoch, samples=b.samples,
-                  seq_lens=b.seq_lens, layer_ids=b.layer_ids)
     tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
+    encoding = None
     if fp8:
         q, scale = encode_fp8(b.hidden, len(b.layer_ids))
         tensors.update(hidden=q, hidden_scale=scale)
-        fields["hidden_encoding"] = ENCODING
+        encoding = ENCODING
     else:
         tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    return codec.decode([bytes(f) for f in codec.encode(BatchHeader(**fields).to_header(run), tensors)])
+    sent = messages.Batch(b.batch_id, "p1", 0, b.epoch, b.samples, b.seq_lens, b.layer_ids, encoding, tensors=tensors)
+    return codec.decode_batch([bytes(f) for f in codec.encode(sent.to_header(run), sent.tensors)], run=run)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
-from dflash.protocol.messages import Failed
+from dflash.protocol.messages import Batch, Failed
 from dflash.protocol.sample_order import epoch_order
 
 from .data import BadRow
@@ -68,10 +68,10 @@ def failure(e: BaseException) -> Failed:
 def link_sink(link, stop: threading.Event | None = None) -> BatchSink:
     """Push to the link; while backpressure holds a batch, look at `stop` every 0.5 s and
     raise Stopped once set (the batch is dropped: its samples go back with `bye`)."""
-    def push(fields: dict, tensors: dict) -> str:
+    def push(batch: Batch) -> None:
         while True:
             try:
-                return link.push_batch(fields, tensors, timeout_s=None if stop is None else 0.5)
+                return link.push_batch(batch, timeout_s=None if stop is None else 0.5)
             except TimeoutError:
                 if stop.is_set():
                     raise Stopped("stopped by a signal while the broker's queue was full") from None

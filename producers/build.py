@@ -175,9 +175,11 @@ def hello_config(c: Components, cfg: ProducerConfig) -> dict:
     }
 
 
-def make_producer(cfg: ProducerConfig, c: Components, source: WorkSource, sink: BatchSink) -> Producer:
+def make_producer(cfg: ProducerConfig, c: Components, source: WorkSource, sink: BatchSink,
+                  name: str = "local") -> Producer:
+    """The producer of `cfg` over components `c`; `name` (its peer ID) names its batches."""
     # per_sequence: nothing keeps packed sequences apart on this model (_check_packing)
-    return Producer(c.target, c.dataset, c.encoder, source, sink, token_budget=cfg.token_budget,
+    return Producer(c.target, c.dataset, c.encoder, source, sink, name=name, token_budget=cfg.token_budget,
                     max_batch_size=1 if c.target.per_sequence else cfg.max_batch_size, prefetch=cfg.prefetch,
                     skip_bad_rows=cfg.skip_bad_rows, hidden_encoding=cfg.hidden_encoding,
                     regenerator=c.regenerator, regen_ahead=cfg.regen_ahead)

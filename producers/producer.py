@@ -11,6 +11,7 @@ to the sink; batches never mix leases, since a batch header names one lease.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import defaultdict, deque
@@ -19,6 +20,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from dflash.protocol.fp8 import ENCODING as FP8_ENCODING, encode_fp8
+from dflash.protocol.messages import Batch
 from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger
 
@@ -33,8 +35,8 @@ from .target import Target
 
 log = get_logger()
 
-# (header fields, tensors) -> batch ID (or None). May block: that is backpressure.
-BatchSink = Callable[[dict, dict], "str | None"]
+# Takes each batch the producer built. May block: that is backpressure.
+BatchSink = Callable[[Batch], None]
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -80,14 +82,17 @@ class LocalWorkSource:
 
 
 class Producer:
-    """Runs leases from `source` through `target` into `sink` until the source is empty."""
+    """Runs leases from `source` through `target` into `sink` until the source is empty.
+    `name` is the producer's peer ID: its batches are `<name>-0`, `<name>-1`, ... (the broker
+    takes a batch only from the peer it names)."""
 
     def __init__(self, target: Target, dataset: DataSource, encoder: ChatEncoder, source: WorkSource,
                  sink: BatchSink, *, token_budget: int, max_batch_size: int, prefetch: int = 4,
                  skip_bad_rows: bool = False, hidden_encoding: str = "raw",
                  regenerator: Regenerator | None = None, regen_ahead: int = 0,
-                 forward: Callable[[PackedBatch], torch.Tensor] | None = None):
-        self.target, self.dataset, self.encoder = target, dataset, encoder
+                 forward: Callable[[PackedBatch], torch.Tensor] | None = None, name: str = "local"):
+        self.target, self.dataset, self.encoder, self.name = target, dataset, encoder, name
+        self._batch_seq = itertools.count()
         self.source, self.sink, self.regenerator = source, sink, regenerator
         self.token_budget, self.max_batch_size = token_budget, max_batch_size
         self.skip_bad_rows, self.hidden_encoding = skip_bad_rows, hidden_encoding
@@ -236,9 +241,7 @@ class Producer:
     def _emit(self, batch: PackedBatch, hidden: torch.Tensor, wait_s: float, fwd_s: float) -> None:
         t0 = time.monotonic()
         tensors = {"input_ids": batch.input_ids, "loss_mask": batch.loss_mask}
-        fields = {"samples": batch.samples, "seq_lens": batch.seq_lens, "layer_ids": self.target.layer_ids,
-                  "epoch": batch.epoch, "lease": batch.lease}
-        final = None
+        encoding, final = None, None
         if self.target.final_norm is not None:  # --final-hidden: the last slot travels as its own tensor
             n_h = len(self.target.layer_ids) * self.target.hidden_size
             hidden, final = hidden[:, :n_h].contiguous(), to_host(hidden[:, n_h:].contiguous())
@@ -246,14 +249,17 @@ class Producer:
             # Encoded on the GPU: half the bytes cross PCIe and the wire.
             q, scale = encode_fp8(hidden, len(self.target.layer_ids))
             tensors["hidden"], tensors["hidden_scale"] = to_host(q), to_host(scale)
-            fields["hidden_encoding"] = FP8_ENCODING
+            encoding = FP8_ENCODING
         else:
             tensors["hidden"] = to_host(hidden)  # [T, n*H]
         if final is not None:
             tensors["final_hidden"] = final  # [T, H], the model dtype (never fp8: it makes soft labels)
         del hidden
+        batch_id = f"{self.name}-{next(self._batch_seq)}"
+        out = Batch(batch_id, self.name, batch.lease, batch.epoch, batch.samples, batch.seq_lens,
+                    list(self.target.layer_ids), encoding, tensors=tensors)
         t1 = time.monotonic()
-        batch_id = self.sink(fields, tensors)
+        self.sink(out)
         t2 = time.monotonic()
         self.counts["batches"] += 1
         self.counts["tokens"] += batch.tokens

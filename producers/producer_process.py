@@ -125,7 +125,7 @@ def _dry_run(cfg: ProducerConfig, c) -> dict:
 
         weights = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    summary = make_producer(cfg, c, source, lambda fields, tensors: None).run()
+    summary = make_producer(cfg, c, source, lambda batch: None).run()
     if device.type == "cuda":
         summary["gpu_weights_gib"] = round(weights / 2**30, 2)
         summary["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -151,7 +151,8 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
     stop = GracefulStop().install()
     reason, flush_s = "failed", 60.0
     try:
-        producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size, stop), link_sink(link, stop))
+        producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size, stop), link_sink(link, stop),
+                                 name=link.peer_id)
         producer.stop = stop
         try:
             summary = producer.run()

@@ -24,6 +24,7 @@ import msgpack
 
 from .errors import ProtocolError
 from .messages import (
+    DATA,
     MAX_HEADER_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_NDIM,
@@ -31,6 +32,7 @@ from .messages import (
     MESSAGES,
     PRE_HANDSHAKE,
     PROTOCOL_VERSION,
+    Batch,
 )
 from .sockets import recv_frames, send_frames
 
@@ -282,6 +284,17 @@ def decode(
         if h["type"] == "batch":
             check_batch(h, shapes)
         return Message(h, tensors, list(frames))
+    except ProtocolError as e:
+        e.peer = e.peer or peer
+        raise
+
+
+def decode_batch(frames: Sequence[Any], *, run: str | None = None, peer: str | None = None) -> Batch:
+    """A `batch` message as a consumer reads it: checked as `decode` checks it, then typed,
+    its tensors read-only views of `frames`. Raises ProtocolError (with `peer`)."""
+    msg = decode(frames, allowed=DATA, run=run, peer=peer)
+    try:
+        return Batch.from_header(msg.header, tensors=msg.tensors)
     except ProtocolError as e:
         e.peer = e.peer or peer
         raise

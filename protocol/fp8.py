@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from .codec import FP8_ENCODING as ENCODING
+from .messages import Batch
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
@@ -39,14 +41,16 @@ def decode_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 FP8_DECODE_ROWS = 2048
 
 
-def hidden_from_batch(header: dict, tensors: dict, dtype: torch.dtype = torch.bfloat16,
+def hidden_from_batch(batch: Batch, dtype: torch.dtype = torch.bfloat16,
                       device: torch.device | None = None) -> torch.Tensor:
     """The batch's hidden states as `dtype` (on `device`, else where they are), whatever
-    encoding travelled on the wire. fp8 travels to the device as fp8 plus scales (half
-    the bytes of bf16) and is dequantised there, FP8_DECODE_ROWS rows at a time. Raw
-    hidden states of the same dtype and device come back as the very tensor given."""
+    encoding travelled on the wire (its `hidden_encoding`). fp8 travels to the device as
+    fp8 plus scales (half the bytes of bf16) and is dequantised there, FP8_DECODE_ROWS rows
+    at a time. Raw hidden states of the same dtype and device come back as the very tensor
+    given."""
     move = (lambda x: x) if device is None else (lambda x: x.to(device))
-    if header.get("hidden_encoding", "raw") != ENCODING:
+    tensors = batch.tensors
+    if batch.hidden_encoding != ENCODING:
         return move(tensors["hidden"]).to(dtype)  # the same dtype: no second copy
     q, scale = move(tensors["hidden"]), move(tensors["hidden_scale"])
     out = torch.empty(q.shape, dtype=dtype, device=q.device)

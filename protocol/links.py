@@ -10,7 +10,6 @@ socket, handshake, heartbeats, liveness, close) plus that role's data side and c
 
 from __future__ import annotations
 
-import itertools
 import queue
 import time
 
@@ -21,7 +20,7 @@ from dflash.runtime.logs import get_logger
 from . import codec
 from .credit import CreditWindow
 from .errors import MessageTooLarge, ProtocolError
-from .messages import (DATA, INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done,
+from .messages import (INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done,
                        Grant, LeaseAsk)
 from .peer import PeerLink, from_broker
 from .sockets import SocketOpts, make_socket, nth_other_thread, other_threads, readable, recv_frames, send_frames
@@ -41,7 +40,6 @@ class ProducerLink(PeerLink):
         super().__init__(broker, instance, **kw)
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
         self._grants: queue.Queue = queue.Queue()
-        self._seq = itertools.count()
         self._pending_batch: list | None = None  # frames a full PUSH pipe refused, sent next turn
 
     def _open_data(self) -> list:
@@ -85,20 +83,20 @@ class ProducerLink(PeerLink):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no grant from the broker within {timeout_s}s") from None
 
-    def push_batch(self, fields: dict, tensors: dict, timeout_s: float | None = None) -> str:
-        """Queue one batch for the broker (`fields`: Batch's but its ID and producer); blocks
-        while the outbox is full. Returns its ID."""
-        batch_id = f"{self.peer_id}-{next(self._seq)}"
-        h = Batch(batch_id=batch_id, producer=self.peer_id, **fields).to_header(self.run_id)
-        frames = codec.encode(h, tensors)
-        self._check_size(batch_id, frames)
+    def push_batch(self, batch: Batch, timeout_s: float | None = None) -> None:
+        """Queue one batch for the broker; blocks while the outbox is full. Its `producer`
+        must be this link's peer ID (the broker refuses a batch that names another peer)."""
+        if batch.producer != self.peer_id:
+            raise ValueError(f"batch {batch.batch_id} names producer {batch.producer!r}, this link is {self.peer_id!r}")
+        frames = codec.encode(batch.to_header(self.run_id), batch.tensors)
+        self._check_size(batch.batch_id, frames)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._check()
             try:
                 self._outbox.put(frames, timeout=0.1)
                 self._wake()
-                return batch_id
+                return
             except queue.Full:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError("outbox still full: the broker is not reading") from None
@@ -191,7 +189,7 @@ class ConsumerLink(PeerLink):
 
     # ------------------------------------------------------------ caller API
 
-    def next_batch(self, timeout_s: float | None = None) -> codec.Message | None:
+    def next_batch(self, timeout_s: float | None = None) -> Batch | None:
         """The next batch, or None on timeout or once stopped and drained. Grants credit."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -209,7 +207,7 @@ class ConsumerLink(PeerLink):
             # Decoded here, in the caller's thread, not on the I/O thread: at thousands of
             # small batches a second that thread was a relay's busiest.
             try:
-                return codec.decode(frames, allowed=DATA, run=self.run_id, peer="broker")
+                return codec.decode_batch(frames, run=self.run_id, peer="broker")
             except ProtocolError as e:
                 log.error("link.bad_message", reason=e.reason, peer="broker")
 

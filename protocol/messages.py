@@ -438,7 +438,11 @@ class StatusReply(Message):
 
 @dataclass(frozen=True)
 class Batch(Message):
-    """A batch's header; its tensors travel as frames (`tensors` in the envelope)."""
+    """One batch of hidden states (PROTOCOL.md 5): its header's fields and, beside them, its
+    `tensors` by name (`input_ids`, `loss_mask`, `hidden`, ...). A producer builds it, its
+    link sends the tensors as frames, a consumer's link reads it back with the tensors as
+    read-only views of those frames. The broker relays the frames unread: its batches
+    (broker/inbound.py) keep the frames and leave `tensors` empty."""
 
     type: ClassVar[str] = "batch"
     batch_id: str
@@ -449,6 +453,12 @@ class Batch(Message):
     seq_lens: list
     layer_ids: list
     hidden_encoding: str | None = optional()  # raw when absent
+    tensors: dict = local(default_factory=dict, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        """T, the tokens packed in this batch (its sequences' lengths summed)."""
+        return int(sum(self.seq_lens))
 
 
 MESSAGES: dict[str, type[Message]] = {

@@ -11,6 +11,7 @@ one sequence per batch; every other family packs. In-process calls of the real f
 the pipeline over sockets is tested elsewhere (test_pipeline_e2e.py)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,6 @@ from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.producer import LocalWorkSource
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.protocol import codec
-from dflash.protocol.messages import header
 from dflash.tools import eval_command
 from dflash.tools.families import WINDOW, build, tiny_config
 from dflash.tools.tiny import build_tokenizer
@@ -65,15 +65,14 @@ def _save_target(folder, family, tie, tokenizer):
 
 def _produce(folder):
     """The producer's own path: load, check packing, pack and capture CHATS chats, twice
-    (two epochs). Returns (components, [(fields, tensors)] as the sink got them, logs)."""
+    (two epochs). Returns (components, [the batches as the sink got them], logs)."""
     cfg = ProducerConfig(target=str(folder), data=CHATS_PATH, device="cpu", dtype="float32",
                          target_layers=",".join(map(str, LAYERS)), token_budget=256, max_length=96, max_batch_size=8,
                          lease_size=CHATS, prefetch=1)
     pushed = []
 
-    def sink(fields, tensors):
-        pushed.append((fields, {k: v.clone() for k, v in tensors.items()}))
-        return f"b{len(pushed)}"
+    def sink(b):  # a copy: the producer reuses the pinned host memory of a batch the sink let go
+        pushed.append(replace(b, tensors={k: v.clone() for k, v in b.tensors.items()}))
 
     with capture_logs() as logs:
         comps: Components = load_components(cfg)
@@ -84,9 +83,9 @@ def _produce(folder):
 
 def _as_delivered(pushed):
     """What the broker hands a consumer: each batch under its ID, through the real codec."""
-    for i, (fields, tensors) in enumerate(pushed):
-        h = header("batch", "20261201T000000Z-fam0", batch_id=f"b{i}", producer="p1", **fields)
-        yield codec.decode([bytes(f) for f in codec.encode(h, tensors)])
+    run = "20261201T000000Z-fam0"
+    for b in pushed:
+        yield codec.decode_batch([bytes(f) for f in codec.encode(b.to_header(run), b.tensors)], run=run)
 
 
 @pytest.mark.timeout(120)
@@ -99,7 +98,7 @@ def test_family_trains_exports_and_decodes_losslessly(family, tie, tokenizer, tm
     # Produce: packed where the family's attention keeps sequences apart, else one per pass, said loudly.
     comps, pushed, logs = _produce(folder)
     per_seq = [e for e in logs if e["event"] == "produce.per_sequence"]
-    widest = max(len(f["seq_lens"]) for f, _ in pushed)
+    widest = max(len(b.seq_lens) for b in pushed)
     version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
     if family in PACKS_NOWHERE or version < PACKS_FROM.get(family, (0, 0)):
         assert comps.target.per_sequence and len(per_seq) == 1 and widest == 1
@@ -107,13 +106,13 @@ def test_family_trains_exports_and_decodes_losslessly(family, tie, tokenizer, tm
         assert not comps.target.per_sequence and not per_seq and widest > 1, family
 
     # Capture: every sequence's features equal its hidden_states[i + 1] run alone.
-    for fields, tensors in pushed:
-        assert fields["layer_ids"] == LAYERS
-        hidden, start = tensors["hidden"], 0
+    for b in pushed:
+        assert b.layer_ids == LAYERS
+        hidden, start = b.tensors["hidden"], 0
         width = len(LAYERS) * reference.config.get_text_config().hidden_size
         assert hidden.dtype == torch.float32 and hidden.shape[1] == width
-        for n in fields["seq_lens"]:
-            ids = tensors["input_ids"][start:start + n].long()[None]
+        for n in b.seq_lens:
+            ids = b.tensors["input_ids"][start:start + n].long()[None]
             with torch.no_grad():
                 hs = reference(input_ids=ids, output_hidden_states=True).hidden_states
             want = torch.cat([hs[i + 1][0] for i in LAYERS], dim=-1)

@@ -19,14 +19,6 @@ pytestmark = pytest.mark.unit
 
 ROLES = ("dflash.producers", "dflash.consumers", "dflash.broker")
 
-# The broker's policy: functions in these modules read and change BrokerCore's state and
-# call each other. Phase 2 of issue 32 makes it one typed core; until then a cycle among
-# these modules (and only these) is allowed.
-BROKER_POLICY_NOT_YET_ONE_CORE = frozenset({
-    "dflash.broker.control", "dflash.broker.core", "dflash.broker.handshake", "dflash.broker.intake", "dflash.broker.quarantine",
-    "dflash.broker.replies", "dflash.broker.runinfo", "dflash.broker.status",
-})
-
 
 def _role(module: str) -> str | None:
     return next((r for r in ROLES if module == r or module.startswith(r + ".")), None)
@@ -56,15 +48,8 @@ def test_the_graph_is_the_installed_packages():
 
 def test_no_import_cycle(graph):
     found = cycles(graph)
-    allowed = [c for c in found if set(c) <= BROKER_POLICY_NOT_YET_ONE_CORE]
-    bad = [c for c in found if c not in allowed]
-    for c in found:
-        print(f"cycle{' (allowed: broker policy, phase 2)' if c in allowed else ''}: {', '.join(c)}\n    "
-              f"{_loop(graph, c)}")
-    assert not bad, "import cycles among the project's modules (each with one loop through it):\n" + "\n".join(
-        f"  {', '.join(c)}\n    {_loop(graph, c)}" for c in bad)
-    assert allowed, (
-        "the broker's policy modules no longer import each other in a cycle: remove BROKER_POLICY_NOT_YET_ONE_CORE")
+    assert not found, "import cycles among the project's modules (each with one loop through it):\n" + "\n".join(
+        f"  {', '.join(c)}\n    {_loop(graph, c)}" for c in found)
 
 
 def test_no_import_between_roles(graph):

@@ -10,6 +10,7 @@ Exit 0 after a clean end of stream; the consumer prints one JSON line with what 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ import torch
 import zmq
 
 from dflash.protocol.links import ConsumerLink, ProducerLink
+from dflash.protocol.messages import Batch
 from dflash.runtime.logs import close_logging, setup_logging
 
 SEQ = 3
@@ -27,6 +29,7 @@ def produce(broker: str, runs_dir: str, n: int) -> None:
     cfg = {"target": "tiny", "layer_ids": [0, 1], "hidden_size": 4, "dataset": {"n_samples": n, "fingerprint": "x"}}
     link = ProducerLink(broker, "link-prod", config=cfg, runs_dir=runs_dir)
     link.start()
+    seq = itertools.count()
     while not link.stopped.is_set():
         g = link.request_lease(8, timeout_s=10)
         if not g.samples:
@@ -37,8 +40,8 @@ def produce(broker: str, runs_dir: str, n: int) -> None:
             ids = torch.full((SEQ,), s, dtype=torch.int32)
             tensors = {"input_ids": ids, "loss_mask": torch.ones(SEQ, dtype=torch.uint8),
                        "hidden": torch.full((SEQ, 8), float(s), dtype=torch.bfloat16)}
-            link.push_batch({"lease": g.lease, "epoch": g.epoch, "samples": [s], "seq_lens": [SEQ],
-                             "layer_ids": [0, 1]}, tensors)
+            link.push_batch(Batch(f"{link.peer_id}-{next(seq)}", link.peer_id, g.lease, g.epoch, [s], [SEQ], [0, 1],
+                                  tensors=tensors))
         link.lease_done(g.lease, [])
     streams = len(link.welcome.data_streams or [])
     link.close("done")
@@ -55,11 +58,11 @@ def consume(broker: str, runs_dir: str, io_threads: int = 0) -> None:
             if link.stopped.is_set():
                 break
             continue
-        s = msg.header["samples"][0]
+        s = msg.samples[0]
         ok = bool((msg.tensors["input_ids"] == s).all() and (msg.tensors["hidden"].float() == s).all())
         got.append((s, ok))
         step += 1
-        link.ack([msg.header["batch_id"]], step)
+        link.ack([msg.batch_id], step)
     link.commit(step, f"ckpt/step-{step}")
     masks = [sock.getsockopt(zmq.AFFINITY) for sock in link._streams]  # each data stream's I/O thread
     link.close("done")
@@ -87,8 +90,8 @@ def hold(broker: str, runs_dir: str, n: int, inbox_bytes: int) -> None:
         msg = link.next_batch(timeout_s=10)
         if msg is None:
             break
-        got.append(msg.header["samples"][0])
-        link.ack([msg.header["batch_id"]], len(got))
+        got.append(msg.samples[0])
+        link.ack([msg.batch_id], len(got))
     link.commit(len(got), "ckpt")
     link.close("done")
     print(json.dumps({"samples": sorted(got)}), flush=True)

@@ -1,7 +1,8 @@
 """The broker's policy against BrokerCore in-process: no sockets, no broker process.
 
-Each test drives the core with the headers a peer would send (through `on_control`, so
-the validation order is the real one), real batches' header fields, a real SQLite ledger
+Each test drives the core with the headers a peer would send (through the codec's checks
+and the typed entry points, tests/harness/core_rig.py, so the validation order is the real
+one), real batches' header fields, a real SQLite ledger
 in tmp_path, and checks what the core decided: the actions it returned, its phase, the
 ledger's counts and rows, the queue and the lease pool.
 """
@@ -9,118 +10,26 @@ ledger's counts and rows, the queue and the lease pool.
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
-import time
 
 import pytest
 
-from dflash.broker import runinfo
-from dflash.broker.actions import ClosePipes, Send
-from dflash.broker.config import MAX_CREDIT, BrokerConfig
-from dflash.broker.core import BrokerCore, Phase
-from dflash.broker.inbound import Batch, Bye, Credit
+from dflash.broker.actions import ClosePipes
+from dflash.broker.config import MAX_CREDIT
+from dflash.broker.inbound import Unreadable
+from dflash.broker.phase import Phase
+from dflash.protocol.messages import Bye, Credit
 from dflash.protocol.sample_order import epoch_order
+from tests.harness.core_rig import N, RUN, Rig, codes, ledger_states, sent
 
 pytestmark = pytest.mark.unit
-
-RUN = "run-core-test"
-N = 8  # samples in the dataset
-PORTS = (7000, 7009)
-
-
-class Pipe:
-    """A consumer's data-out pipe as the core sees it: what was relayed to it."""
-
-    def __init__(self, port: int, thread: int):
-        self.port, self.thread, self.sent, self.full = port, thread, [], False
-
-
-class Rig:
-    """A BrokerCore with a pipe binder that refuses the ports in `taken` (resuming `parent`, a resume.Parent)."""
-
-    def __init__(self, tmp_path, parent=None, **cfg):
-        opts = dict(num_samples=N, lease_size=4, data_out_ports=PORTS, timeout_s=10.0, heartbeat_s=1.0)
-        opts.update(cfg)
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        self.taken: set[int] = set()
-        self.bound: list[Pipe] = []
-        self.core = BrokerCore(BrokerConfig(**opts), RUN, tmp_path, "testhost", bind_pipe=self._bind, parent=parent)
-        runinfo.start(tmp_path, RUN, {}, self.core.endpoints, "main")  # as dflash-broker does
-        self.pid = 1000
-
-    def _bind(self, port: int, thread: int):
-        if port in self.taken:
-            return None
-        pipe = Pipe(port, thread)
-        self.bound.append(pipe)
-        return pipe
-
-    def control(self, identity: bytes, type_: str, *, run: str | None = RUN, v: int = 1, now=None, **fields):
-        h = {"v": v, "type": type_, **({"run": run} if run is not None else {}), **fields}
-        return self.core.on_control(identity, h, None, None, now)
-
-    def hello(self, identity: bytes, role: str, instance: str | None = None, pid: int | None = None, **config):
-        self.pid += 1
-        return self.control(identity, "hello", run=None, role=role, instance=instance or identity.decode(),
-                            host="testhost", pid=self.pid if pid is None else pid, config=config)
-
-    def peer(self, identity: bytes):
-        return self.core.peers.by_identity[identity]
-
-    def batch(self, producer: str, lease: int, epoch: int, samples: list[int], batch_id: str | None = None):
-        bid = batch_id or f"{producer}-{lease}-{samples[0]}"
-        b = Batch(bid, producer, lease, epoch, list(samples), [4] * len(samples), [1, 2], payload_bytes=100,
-                  header_bytes=10, frames=[b"h", b"t"])
-        return self.core.on_batch(b)
-
-    def relay(self, c, qb) -> bool:
-        pipe = c.pipes[0]
-        if pipe.full:
-            return False
-        pipe.sent.append(qb.batch_id)
-        return True
-
-    def produce(self, identity: bytes = b"prod", want: int = 4) -> tuple[str, dict]:
-        """Hello (if new), lease, and one batch per lease of all its samples."""
-        if identity not in self.core.peers.by_identity:
-            assert sent(self.hello(identity, "producer"), "welcome")
-        grant = sent(self.control(identity, "lease", want=want), "grant")[0].fields
-        p = self.peer(identity).id
-        if grant["lease"]:
-            self.batch(p, grant["lease"], grant["epoch"], grant["samples"])
-        return p, grant
-
-    def consumer(self, identity: bytes = b"cons", credit: int = 8, **config) -> str:
-        assert sent(self.hello(identity, "consumer", **config), "welcome")
-        self.control(identity, "credit", credit=credit)
-        return self.peer(identity).id
-
-
-def sent(actions: list, type_: str) -> list[Send]:
-    return [a for a in actions if isinstance(a, Send) and a.type == type_]
-
-
-def codes(actions: list) -> list[str]:
-    return [a.fields["code"] for a in sent(actions, "reject")]
-
 
 @pytest.fixture
 def rig(tmp_path):
     r = Rig(tmp_path)
     yield r
-    r.core.close()
-
-
-def ledger_states(core) -> dict[str, int]:
-    core.ledger.flush()
-    core.ledger.sync()
-    db = sqlite3.connect(core.ledger.path)
-    try:
-        return dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
-    finally:
-        db.close()
+    r.close()
 
 
 # ---------------------------------------------------------------- the module itself
@@ -142,7 +51,7 @@ def test_hello_welcomes_peers_with_fresh_ids_and_a_bound_pipe(rig):
     assert w["peer"] == "p1" and w["run"] == RUN and w["data_in"] == "tcp://testhost:5556"
     w = sent(rig.hello(b"cons", "consumer"), "welcome")[0].fields
     assert w["peer"] == "c1" and w["data_out"] == "tcp://testhost:7000"
-    assert [p.port for p in rig.peer(b"cons").pipes] == [7000] and rig.peer(b"cons").ports == [7000]
+    assert [p.port for p in rig.peer(b"cons").pipes.socks] == [7000] and rig.peer(b"cons").pipes.ports == [7000]
     assert w["run_config"]["max_credit"] == 64 and w["run_config"]["epochs"] == 1
 
 
@@ -150,7 +59,7 @@ def test_duplicate_instance_is_refused_and_spends_no_peer_id(rig):
     rig.hello(b"c-a", "consumer", instance="gpu0")
     out = rig.hello(b"c-b", "consumer", instance="gpu0")  # another pid: another process
     assert codes(out) == ["duplicate_instance"] and not sent(out, "welcome")
-    assert [p.id for p in rig.core.peers.live()] == ["c1"]
+    assert [p.id for p in rig.core.sessions.table.live()] == ["c1"]
     assert len(rig.bound) == 1  # no pipe was bound for the refused one
     assert sent(rig.hello(b"c-c", "consumer", instance="gpu1"), "welcome")[0].fields["peer"] == "c2"
 
@@ -160,23 +69,23 @@ def test_same_process_on_a_new_connection_keeps_its_session(rig):
     c = rig.peer(b"old")
     out = rig.hello(b"new", "consumer", instance="gpu0", pid=4242)
     assert sent(out, "welcome")[0].fields["peer"] == "c1" and sent(out, "welcome")[0].identity == b"new"
-    assert rig.core.peers.by_identity == {b"new": c} and c.identity == b"new"
+    assert rig.core.sessions.table.by_identity == {b"new": c} and c.identity == b"new"
 
 
 def test_wrong_run_and_wrong_version_are_refused_before_anything_else(rig):
     rig.hello(b"prod", "producer")
     assert codes(rig.control(b"prod", "lease", run="someone-elses-run", want=4)) == ["run_mismatch"]
     assert codes(rig.control(b"prod", "lease", v=99, want=4)) == ["version"]
-    assert rig.core.leases.open == {} and rig.core.ledger.counts["leased"] == 0
+    assert rig.core.work.pool.open == {} and rig.core.ledger.counts["leased"] == 0
 
 
 def test_unknown_peer_bad_header_and_wrong_role_are_refused(rig):
     assert codes(rig.control(b"stranger", "lease", want=4)) == ["unknown_peer"]
-    assert codes(rig.core.on_control(b"x", None, "header is not valid msgpack")) == ["bad_message"]
+    assert codes(rig.core.on_unreadable(b"x", Unreadable("bad_message", "header is not valid msgpack"), rig.now)) == ["bad_message"]
     rig.hello(b"prod", "producer")
     out = rig.control(b"prod", "ack", batch_ids=["p1-1"], step=1)
     assert codes(out) == ["bad_message"] and "not accepted from a producer" in sent(out, "reject")[0].fields["reason"]
-    out = rig.core.on_control(b"prod", {"v": 1, "type": "lease", "run": RUN}, "lease: missing field 'want'")
+    out = rig.send(b"prod", {"v": 1, "type": "lease", "run": RUN})  # the codec: lease: missing field 'want'
     assert codes(out) == ["bad_message"]  # the codec's refusal, answered after the run check
 
 
@@ -189,18 +98,18 @@ def test_ranks_are_handed_out_and_a_full_group_is_refused(tmp_path):
         r.control(b"a", "bye", reason="done")  # a lost rank's number goes to the next to join
         assert sent(r.hello(b"d", "consumer"), "welcome")[0].fields["run_config"]["rank"] == 0
     finally:
-        r.core.close()
+        r.close()
 
 
 def test_pipe_ports_rotate_and_skip_a_port_another_process_holds(rig):
     rig.taken.add(7000)
     rig.hello(b"c-a", "consumer")
     rig.hello(b"c-b", "consumer")
-    assert rig.peer(b"c-a").ports == [7001] and rig.peer(b"c-b").ports == [7002]
+    assert rig.peer(b"c-a").pipes.ports == [7001] and rig.peer(b"c-b").pipes.ports == [7002]
     out = rig.control(b"c-a", "bye", reason="x")
     assert any(isinstance(a, ClosePipes) and [p.port for p in a.pipes] == [7001] for a in out)
     rig.hello(b"c-c", "consumer")  # not 7001: a lost-but-running consumer may still dial it
-    assert rig.peer(b"c-c").ports == [7003]
+    assert rig.peer(b"c-c").pipes.ports == [7003]
 
 
 # ---------------------------------------------------------------- leases and batches
@@ -209,12 +118,12 @@ def test_pipe_ports_rotate_and_skip_a_port_another_process_holds(rig):
 def test_grant_follows_the_epoch_order_and_a_batch_is_queued_once(rig):
     p, grant = rig.produce()
     assert grant["lease"] == 1 and grant["samples"] == epoch_order(0, 0, N)[:4] and grant["end"] is False
-    assert len(rig.core.queue) == 1 and rig.core.ledger.counts["produced"] == 4
+    assert len(rig.core.delivery.queue) == 1 and rig.core.ledger.counts["produced"] == 4
     rig.batch(p, 1, 0, grant["samples"], batch_id="again")  # the same samples again: stale
     rig.batch(p, 1, 0, grant["samples"], batch_id=f"{p}-1-{grant['samples'][0]}")
-    assert len(rig.core.queue) == 1 and rig.core.ledger.counts["produced"] == 4
+    assert len(rig.core.delivery.queue) == 1 and rig.core.ledger.counts["produced"] == 4
     assert rig.peer(b"prod").stale == 2
-    assert 1 not in rig.core.leases.open  # every sample arrived: the lease is complete
+    assert 1 not in rig.core.work.pool.open  # every sample arrived: the lease is complete
 
 
 def test_a_batch_from_no_live_producer_or_for_samples_not_leased_is_dropped(rig):
@@ -227,19 +136,19 @@ def test_a_batch_from_no_live_producer_or_for_samples_not_leased_is_dropped(rig)
     rig.batch(p2, g1["lease"], 0, g1["samples"])  # another producer's lease
     rig.batch(p2, g2["lease"], 0, [g2["samples"][0], N + 5])  # a sample its lease does not hold
     rig.batch(p2, g2["lease"], 1, g2["samples"])  # the wrong epoch
-    assert len(rig.core.queue) == 0 and rig.core.ledger.counts["produced"] == 0
+    assert len(rig.core.delivery.queue) == 0 and rig.core.ledger.counts["produced"] == 0
     assert rig.peer(b"prod2").stale == 3
-    assert rig.core.leases.open[g2["lease"]].outstanding == set(g2["samples"])  # nothing half-recorded
+    assert rig.core.work.pool.open[g2["lease"]].outstanding == set(g2["samples"])  # nothing half-recorded
     rig.batch(p2, g2["lease"], 0, g2["samples"])
-    assert len(rig.core.queue) == 1 and rig.core.ledger.counts["produced"] == 2
+    assert len(rig.core.delivery.queue) == 1 and rig.core.ledger.counts["produced"] == 2
 
 
 def test_a_lost_producers_leases_go_back_to_the_front_of_the_pool(rig):
     rig.hello(b"prod", "producer")
     grant = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
-    pending = rig.core.leases.pending()
+    pending = rig.core.work.pool.pending()
     rig.control(b"prod", "bye", reason="killed")
-    assert rig.core.leases.pending() == pending + 4 and rig.core.leases.open == {}
+    assert rig.core.work.pool.pending() == pending + 4 and rig.core.work.pool.open == {}
     rig.hello(b"prod2", "producer")
     again = sent(rig.control(b"prod2", "lease", want=4), "grant")[0].fields
     assert again["samples"] == grant["samples"] and again["lease"] == 2
@@ -251,13 +160,13 @@ def test_done_with_samples_missing_is_given_back_after_the_timeout(rig):
     p = rig.peer(b"prod").id
     rig.batch(p, 1, 0, grant["samples"][:2])
     rig.control(b"prod", "done", lease=1, skipped=[])
-    t0 = time.monotonic()
+    t0 = rig.advance(0.01)
     rig.control(b"prod", "heartbeat", stats={}, now=t0 + 9)  # alive: only its lease is late
-    rig.core.tick(t0 + 5)
-    assert 1 in rig.core.leases.open  # within the grace
-    rig.core.tick(t0 + 11)
-    assert 1 not in rig.core.leases.open and rig.core.leases.pending() == N - 4 + 2
-    assert rig.core.peers.by_id.get(p) is not None
+    rig.tick(t0 + 5)
+    assert 1 in rig.core.work.pool.open  # within the grace
+    rig.tick(t0 + 11)
+    assert 1 not in rig.core.work.pool.open and rig.core.work.pool.pending() == N - 4 + 2
+    assert rig.core.sessions.table.by_id.get(p) is not None
 
 
 # ---------------------------------------------------------------- exactly once
@@ -266,13 +175,13 @@ def test_done_with_samples_missing_is_given_back_after_the_timeout(rig):
 def test_credit_dispatch_ack_and_commit_move_samples_through_the_ledger(rig):
     p, grant = rig.produce()
     c = rig.consumer()
-    sent_ = rig.core.dispatch(rig.relay)
+    sent_ = rig.dispatch()
     bid = f"{p}-1-{grant['samples'][0]}"
-    assert [b.batch_id for _, b in sent_] == [bid] and rig.peer(b"cons").pipes[0].sent == [bid]
+    assert [b.batch_id for _, b in sent_] == [bid] and rig.peer(b"cons").pipes.socks[0].sent == [bid]
     assert rig.peer(b"cons").credit == 7 and rig.core.ledger.counts["delivered"] == 4
     rig.control(b"cons", "ack", batch_ids=[bid], step=1)
     assert rig.core.ledger.counts["trained"] == 4 and not rig.peer(b"cons").in_flight
-    assert rig.core.queue.in_flight_bytes == 0 and bid in rig.core.trained
+    assert rig.core.delivery.queue.in_flight_bytes == 0 and bid in rig.core.commits.trained
     rig.control(b"cons", "commit", step=1, checkpoint="ckpt/step1")
     assert rig.core.ledger.counts["committed"] == 4 and rig.core.ledger.counts["trained"] == 0
     assert ledger_states(rig.core) == {"committed": 4} and rig.core.ledger.last_commit == (1, "ckpt/step1")
@@ -283,19 +192,19 @@ def test_commit_moves_only_what_was_trained_up_to_its_step(rig):
     p, g1 = rig.produce()
     _, g2 = rig.produce()
     rig.consumer()
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     b1, b2 = f"{p}-1-{g1['samples'][0]}", f"{p}-2-{g2['samples'][0]}"
     rig.control(b"cons", "ack", batch_ids=[b1], step=1)
     rig.control(b"cons", "ack", batch_ids=[b2], step=2)
     rig.control(b"cons", "commit", step=1, checkpoint="ckpt/1")
-    assert rig.core.ledger.counts["committed"] == 4 and list(rig.core.trained) == [b2]
+    assert rig.core.ledger.counts["committed"] == 4 and list(rig.core.commits.trained) == [b2]
     assert ledger_states(rig.core) == {"committed": 4, "trained": 4}
 
 
 def test_an_ack_of_an_unknown_batch_moves_nothing(rig):
     rig.produce()
     rig.consumer()
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     rig.control(b"cons", "ack", batch_ids=["no-such-batch", 17], step=1)
     assert rig.core.ledger.counts["trained"] == 0 and len(rig.peer(b"cons").in_flight) == 1
 
@@ -304,18 +213,18 @@ def test_a_lost_consumers_batches_are_requeued_first_and_its_pipes_closed(rig):
     p, g1 = rig.produce()
     rig.produce()
     rig.consumer(credit=1)
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     held = list(rig.peer(b"cons").in_flight)
-    pipe = rig.peer(b"cons").pipes[0]
-    t0 = time.monotonic()
+    pipe = rig.peer(b"cons").pipes.socks[0]
+    t0 = rig.advance(0.01)
     rig.control(b"prod", "heartbeat", stats={}, now=t0 + 10.5)
-    out = rig.core.tick(t0 + 11)  # the consumer is silent past timeout_s
-    assert rig.core.peers.gone[-1].id == "c1" and rig.core.peers.gone[-1].state == "lost"
+    out = rig.tick(t0 + 11)  # the consumer is silent past timeout_s
+    assert rig.core.sessions.table.gone[-1].id == "c1" and rig.core.sessions.table.gone[-1].state == "lost"
     assert any(isinstance(a, ClosePipes) and a.pipes == [pipe] for a in out)
-    assert rig.core.queue.peek().batch_id == held[0] and len(rig.core.queue) == 2
+    assert rig.core.delivery.queue.peek().batch_id == held[0] and len(rig.core.delivery.queue) == 2
     assert rig.core.ledger.counts["delivered"] == 0 and rig.core.ledger.counts["produced"] == 8
     rig.consumer(b"cons2", credit=4)  # the next consumer gets the returned batch first
-    assert [b.batch_id for _, b in rig.core.dispatch(rig.relay)][0] == held[0]
+    assert [b.batch_id for _, b in rig.dispatch()][0] == held[0]
 
 
 def test_a_consumer_that_heartbeats_but_never_acks_is_lost_at_its_ack_deadline(tmp_path):
@@ -323,18 +232,18 @@ def test_a_consumer_that_heartbeats_but_never_acks_is_lost_at_its_ack_deadline(t
     try:
         r.produce()
         r.consumer()
-        r.core.dispatch(r.relay)
-        t0 = time.monotonic()
+        r.dispatch()
+        t0 = r.advance(0.01)
         for dt in (2, 4):
             r.control(b"cons", "heartbeat", stats={"step": 0}, now=t0 + dt)
-            r.core.tick(t0 + dt)
-        assert "c1" in r.core.peers.by_id  # within the deadline
+            r.tick(t0 + dt)
+        assert "c1" in r.core.sessions.table.by_id  # within the deadline
         r.control(b"cons", "heartbeat", stats={"step": 0}, now=t0 + 6)
-        r.core.tick(t0 + 6)
-        assert "c1" not in r.core.peers.by_id and "no ack" in r.core.peers.gone[-1].gone_reason
-        assert len(r.core.queue) == 1 and r.core.ledger.counts["delivered"] == 0
+        r.tick(t0 + 6)
+        assert "c1" not in r.core.sessions.table.by_id and "no ack" in r.core.sessions.table.gone[-1].gone_reason
+        assert len(r.core.delivery.queue) == 1 and r.core.ledger.counts["delivered"] == 0
     finally:
-        r.core.close()
+        r.close()
 
 
 def test_an_ack_after_the_commit_that_holds_it_is_committed_at_once(rig):
@@ -342,13 +251,13 @@ def test_an_ack_after_the_commit_that_holds_it_is_committed_at_once(rig):
     _, g2 = rig.produce()
     rig.consumer(b"r0", credit=1)
     rig.consumer(b"r1", credit=1)
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     (b0,), (b1,) = list(rig.peer(b"r0").in_flight), list(rig.peer(b"r1").in_flight)
     rig.control(b"r0", "ack", batch_ids=[b0], step=3)
     rig.control(b"r0", "commit", step=3, checkpoint="ckpt/3")  # rank 0 commits step 3...
     assert rig.core.ledger.counts["committed"] == 4
     rig.control(b"r1", "ack", batch_ids=[b1], step=3)  # ...rank 1's ack of step 3 comes after
-    assert rig.core.ledger.counts["committed"] == 8 and not rig.core.trained
+    assert rig.core.ledger.counts["committed"] == 8 and not rig.core.commits.trained
     assert ledger_states(rig.core) == {"committed": 8}
 
 
@@ -357,20 +266,20 @@ def test_commits_of_a_superseded_lineage_are_refused_and_what_it_alone_held_is_r
     _, g2 = rig.produce()
     rig.consumer(b"old", credit=2)
     rig.control(b"old", "lineage", lineage="A", step=0)
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     b1, b2 = list(rig.peer(b"old").in_flight)
     rig.control(b"old", "ack", batch_ids=[b1], step=1, lineage="A")
     rig.control(b"old", "ack", batch_ids=[b2], step=3, lineage="A")
-    pending = rig.core.leases.pending()
+    pending = rig.core.work.pool.pending()
     rig.consumer(b"new", credit=2)  # restarts from A's checkpoint of step 1
     rig.control(b"new", "lineage", lineage="B", parent="A", step=1, checkpoint="ckpt/1")
-    assert list(rig.core.trained) == [b1]  # B's weights hold step 1 of A, not step 3
-    assert rig.core.leases.pending() == pending + 4 and rig.core.ledger.counts["trained"] == 4
+    assert list(rig.core.commits.trained) == [b1]  # B's weights hold step 1 of A, not step 3
+    assert rig.core.work.pool.pending() == pending + 4 and rig.core.ledger.counts["trained"] == 4
     out = rig.control(b"old", "commit", step=3, checkpoint="ckpt/A3", lineage="A")
-    assert codes(out) == ["lineage_superseded"] and "c1" not in rig.core.peers.by_id
+    assert codes(out) == ["lineage_superseded"] and "c1" not in rig.core.sessions.table.by_id
     assert rig.core.ledger.counts["committed"] == 0
     rig.control(b"new", "commit", step=2, checkpoint="ckpt/B2", lineage="B")
-    assert rig.core.ledger.counts["committed"] == 4 and rig.core.lineages.last_commit_lineage == "B"
+    assert rig.core.ledger.counts["committed"] == 4 and rig.core.commits.lineages.last_commit_lineage == "B"
 
 
 # ---------------------------------------------------------------- end of stream, shutdown, phases
@@ -381,7 +290,7 @@ def drain_to_trained(rig, commit: bool = True):
     for _ in range(N // 4):
         rig.produce()
     rig.consumer()
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     ids = list(rig.peer(b"cons").in_flight)
     rig.control(b"cons", "ack", batch_ids=ids, step=1)
     if commit:
@@ -390,19 +299,19 @@ def drain_to_trained(rig, commit: bool = True):
 
 def test_end_of_stream_tells_everyone_to_stop_then_completes_when_they_leave(rig):
     drain_to_trained(rig)
-    assert rig.core.phase is Phase.RUNNING
-    t0 = time.monotonic()
-    out = rig.core.tick(t0)
-    assert rig.core.phase is Phase.ENDING and rig.core.end.reason == "end_of_stream"
+    assert rig.core.life.phase is Phase.RUNNING
+    t0 = rig.advance(0.01)
+    out = rig.tick(t0)
+    assert rig.core.life.phase is Phase.ENDING and rig.core.life.end.reason == "end_of_stream"
     assert sorted(a.identity for a in sent(out, "stop")) == [b"cons", b"prod"]
     assert sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields["end"] is True
     out = rig.hello(b"late", "consumer")  # a joiner is told to stop too
     assert sent(out, "welcome") and sent(out, "stop")[0].fields["reason"] == "end_of_stream"
     for who in (b"prod", b"cons", b"late"):
         rig.control(who, "bye", reason="stop")
-    rig.core.tick(t0 + 1)
-    assert rig.core.phase is Phase.DONE and rig.core.outcome == "completed"
-    assert rig.core.status()["broker"]["state"] == "stopping"
+    rig.tick(t0 + 1)
+    assert rig.core.life.phase is Phase.DONE and rig.core.outcome == "completed"
+    assert rig.status()["broker"]["state"] == "stopping"
 
 
 def test_a_run_whose_every_sample_was_skipped_ends_as_nothing_to_train(rig):
@@ -411,39 +320,39 @@ def test_a_run_whose_every_sample_was_skipped_ends_as_nothing_to_train(rig):
         g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
         rig.control(b"prod", "done", lease=g["lease"], skipped=[[s, "too_long"] for s in g["samples"]])
         assert g["lease"] == lease
-    rig.core.tick(time.monotonic())
-    assert rig.core.phase is Phase.ENDING
+    rig.tick(rig.advance(0.01))
+    assert rig.core.life.phase is Phase.ENDING
     rig.control(b"prod", "bye", reason="stop")
-    rig.core.tick(time.monotonic() + 1)
-    assert rig.core.phase is Phase.DONE and rig.core.outcome == "nothing_to_train"
-    assert "skipped" in rig.core.end.outcome_why
+    rig.tick(rig.now + 1)
+    assert rig.core.life.phase is Phase.DONE and rig.core.outcome == "nothing_to_train"
+    assert "skipped" in rig.core.life.end.outcome_why
 
 
 def test_a_signal_drains_peers_serving_commits_but_sending_no_batch(rig):
     drain_to_trained(rig, commit=False)
-    t0 = time.monotonic()
+    t0 = rig.advance(0.01)
     rig.core.on_signal("SIGTERM", 1)
-    out = rig.core.tick(t0)
-    assert rig.core.phase is Phase.DRAINING and rig.core.end.reason == "shutdown"
+    out = rig.tick(t0)
+    assert rig.core.life.phase is Phase.DRAINING and rig.core.life.end.reason == "shutdown"
     assert {a.fields["reason"] for a in sent(out, "stop")} == {"shutdown"} and len(sent(out, "stop")) == 2
     assert not sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields["samples"]
     rig.control(b"cons", "commit", step=1, checkpoint="ckpt/last")  # the last commit is still recorded
     assert rig.core.ledger.counts["committed"] == 8
-    rig.core.tick(t0 + 0.5)
-    assert rig.core.phase is Phase.DRAINING  # peers are still there
+    rig.tick(t0 + 0.5)
+    assert rig.core.life.phase is Phase.DRAINING  # peers are still there
     rig.control(b"cons", "bye", reason="stop")
     rig.control(b"prod", "bye", reason="stop")
-    rig.core.tick(t0 + 1)
-    assert rig.core.phase is Phase.DONE and rig.core.outcome == "interrupted"
+    rig.tick(t0 + 1)
+    assert rig.core.life.phase is Phase.DONE and rig.core.outcome == "interrupted"
 
 
 def test_no_batch_goes_out_while_draining(rig):
     rig.produce()
     rig.core.on_signal("SIGINT", 1)
-    rig.core.tick(time.monotonic())
+    rig.tick(rig.advance(0.01))
     rig.consumer()  # joins during the drain: told to stop, given nothing
-    assert rig.core.dispatch(rig.relay) == [] and len(rig.core.queue) == 1
-    assert rig.peer(b"cons").pipes[0].sent == []
+    assert rig.dispatch() == [] and len(rig.core.delivery.queue) == 1
+    assert rig.peer(b"cons").pipes.socks[0].sent == []
 
 
 def test_the_drain_ends_at_drain_s_or_at_a_second_signal(tmp_path):
@@ -451,37 +360,37 @@ def test_the_drain_ends_at_drain_s_or_at_a_second_signal(tmp_path):
         r = Rig(tmp_path / str(second), drain_s=30.0)
         try:
             r.consumer()
-            t0 = time.monotonic()
+            t0 = r.advance(0.01)
             r.core.on_signal("SIGTERM", 1)
-            r.core.tick(t0)
+            r.tick(t0)
             r.control(b"cons", "heartbeat", stats={}, now=t0 + 5)
-            r.core.tick(t0 + 5)
-            assert r.core.phase is Phase.DRAINING
+            r.tick(t0 + 5)
+            assert r.core.life.phase is Phase.DRAINING
             if second:
                 r.core.on_signal("SIGTERM", 2)
-                r.core.tick(t0 + 6)
+                r.tick(t0 + 6)
             else:
                 r.control(b"cons", "heartbeat", stats={}, now=t0 + 29)
-                r.core.tick(t0 + 29)
-                assert r.core.phase is Phase.DRAINING
-                r.core.tick(t0 + 31)
-            assert r.core.phase is Phase.DONE and r.core.outcome == "interrupted"
-            assert "c1" in r.core.peers.by_id  # it never left: the drain gave up on it
+                r.tick(t0 + 29)
+                assert r.core.life.phase is Phase.DRAINING
+                r.tick(t0 + 31)
+            assert r.core.life.phase is Phase.DONE and r.core.outcome == "interrupted"
+            assert "c1" in r.core.sessions.table.by_id  # it never left: the drain gave up on it
         finally:
-            r.core.close()
+            r.close()
 
 
 def test_a_first_signal_during_end_of_stream_changes_nothing_a_second_drains(rig):
     drain_to_trained(rig)
-    t0 = time.monotonic()
-    rig.core.tick(t0)
-    assert rig.core.phase is Phase.ENDING
+    t0 = rig.advance(0.01)
+    rig.tick(t0)
+    assert rig.core.life.phase is Phase.ENDING
     rig.core.on_signal("SIGTERM", 1)
-    rig.core.tick(t0 + 0.1)
-    assert rig.core.phase is Phase.ENDING
+    rig.tick(t0 + 0.1)
+    assert rig.core.life.phase is Phase.ENDING
     rig.core.on_signal("SIGTERM", 2)
-    rig.core.tick(t0 + 0.2)  # a second signal: the drain ends at once, peers or not
-    assert rig.core.end.reason == "shutdown" and rig.core.phase is Phase.DONE
+    rig.tick(t0 + 0.2)  # a second signal: the drain ends at once, peers or not
+    assert rig.core.life.end.reason == "shutdown" and rig.core.life.phase is Phase.DONE
     assert rig.core.outcome == "interrupted"
 
 
@@ -490,28 +399,28 @@ def test_the_job_lost_with_uncommitted_work_refuses_consumers(tmp_path):
     try:
         r.produce()
         r.consumer()
-        r.core.dispatch(r.relay)
+        r.dispatch()
         r.control(b"cons", "ack", batch_ids=list(r.peer(b"cons").in_flight), step=1)
         r.control(b"cons", "bye", reason="crashed")  # trained 4 samples, committed none
-        assert r.core.phase is Phase.JOB_LOST and r.core.job_lost.trained == 4
+        assert r.core.life.phase is Phase.JOB_LOST and r.core.life.job_lost.trained == 4
         assert codes(r.hello(b"cons2", "consumer")) == ["job_lost"]
-        st = r.core.status()
+        st = r.status()
         assert st["broker"]["state"] == "job_lost" and st["job_lost"]["peer"] == "c1"
         assert st["progress"]["eta_s"] is None
-        r.core.tick(time.monotonic())
-        assert r.core.phase is Phase.JOB_LOST  # not the end of the stream: samples are left
+        r.tick(r.advance(0.01))
+        assert r.core.life.phase is Phase.JOB_LOST  # not the end of the stream: samples are left
     finally:
-        r.core.close()
+        r.close()
 
 
 def test_a_consumer_leaving_after_a_commit_of_everything_loses_no_job(rig):
     rig.produce()
     rig.consumer()
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     rig.control(b"cons", "ack", batch_ids=list(rig.peer(b"cons").in_flight), step=1)
     rig.control(b"cons", "commit", step=1, checkpoint="ckpt/1")
     rig.control(b"cons", "bye", reason="restart")
-    assert rig.core.phase is Phase.RUNNING and rig.core.job_lost is None
+    assert rig.core.life.phase is Phase.RUNNING and rig.core.life.job_lost is None
     w = sent(rig.hello(b"cons2", "consumer"), "welcome")[0].fields
     assert w["run_config"]["resumed_from"] == {"run": RUN, "step": 1, "checkpoint": "ckpt/1"}
 
@@ -520,7 +429,7 @@ def test_heartbeats_carry_the_last_commit_and_the_run_facts(rig):
     rig.hello(b"prod", "producer", layer_ids=[1, 2], hidden_size=64)
     assert json.loads((rig.core.run_dir / "run.json").read_text())["facts"]["layer_ids"] == [1, 2]
     rig.consumer()
-    out = rig.core.tick(time.monotonic() + 1.5)
+    out = rig.tick(rig.now + 1.5)
     beats = sent(out, "heartbeat")
     assert sorted(a.identity for a in beats) == [b"cons", b"prod"]
     stats = beats[0].fields["stats"]
@@ -534,13 +443,13 @@ def test_heartbeats_carry_the_last_commit_and_the_run_facts(rig):
 def test_the_typed_entry_points_do_what_the_routed_messages_do(rig):
     rig.hello(b"cons", "consumer")
     c = rig.peer(b"cons")
-    assert rig.core.on_credit(c, Credit(5)) == [] and c.credit == 5
-    rig.core.on_credit(c, Credit(500))
+    assert rig.core.on_credit(b"cons", Credit(5), rig.now) == [] and c.credit == 5
+    rig.core.on_credit(b"cons", Credit(500), rig.now)
     assert c.credit == MAX_CREDIT  # capped
-    out = rig.core.on_credit(c, Credit(-1, raw={"type": "credit", "credit": -1}))
+    out = rig.core.on_credit(b"cons", Credit(-1, raw={"type": "credit", "credit": -1}), rig.now)
     assert codes(out) == ["bad_message"] and c.credit == MAX_CREDIT
-    out = rig.core.on_bye(c, Bye("done"))
-    assert "c1" not in rig.core.peers.by_id and rig.core.peers.gone[-1].state == "left"
+    out = rig.core.on_bye(b"cons", Bye("done"), rig.now)
+    assert "c1" not in rig.core.sessions.table.by_id and rig.core.sessions.table.gone[-1].state == "left"
     assert any(isinstance(a, ClosePipes) for a in out)
 
 
@@ -559,35 +468,35 @@ def test_a_batch_over_max_message_bytes_is_dropped_and_its_producer_told(tmp_pat
         rej = sent(out, "reject")
         assert [a.fields["code"] for a in rej] == ["too_large"] and rej[0].identity == b"prod"
         assert rej[0].fields["answers"]["type"] == "batch"
-        assert len(r.core.queue) == 0 and r.core.leases.open[g["lease"]].outstanding == set(g["samples"])
+        assert len(r.core.delivery.queue) == 0 and r.core.work.pool.open[g["lease"]].outstanding == set(g["samples"])
     finally:
-        r.core.close()
+        r.close()
 
 
 def test_a_batch_of_other_target_layers_is_dropped(rig):
     rig.hello(b"prod", "producer", layer_ids=[3, 4])
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
     rig.batch(rig.peer(b"prod").id, g["lease"], 0, g["samples"])  # the rig's batches say [1, 2]
-    assert len(rig.core.queue) == 0 and rig.core.ledger.counts["produced"] == 0
+    assert len(rig.core.delivery.queue) == 0 and rig.core.ledger.counts["produced"] == 0
 
 
 def test_an_elastic_consumer_announcing_its_lineage_takes_over_a_lost_job(tmp_path):
     r = Rig(tmp_path, num_samples=16, consumers=2)
-    r.core.lighthouse = "tcp://testhost:29510"  # elastic: the server started a lighthouse
+    r.core.use_lighthouse("tcp://testhost:29510")  # elastic: the server started a lighthouse
     try:
         r.produce()
         r.consumer(lineages=True)
         r.control(b"cons", "lineage", lineage="A", step=0)
-        r.core.dispatch(r.relay)
+        r.dispatch()
         r.control(b"cons", "ack", batch_ids=list(r.peer(b"cons").in_flight), step=1, lineage="A")
         r.control(b"cons", "bye", reason="crashed")
-        assert r.core.phase is Phase.JOB_LOST
+        assert r.core.life.phase is Phase.JOB_LOST
         assert codes(r.hello(b"plain", "consumer")) == ["job_lost"]  # no lineage: refused
-        pending = r.core.leases.pending()
+        pending = r.core.work.pool.pending()
         r.consumer(b"new", lineages=True)  # starts from nothing: what A alone held is made again
         r.control(b"new", "lineage", lineage="B", step=0)
-        assert r.core.phase is Phase.RUNNING and r.core.job_lost is None
-        assert r.core.leases.pending() == pending + 4 and not r.core.trained
+        assert r.core.life.phase is Phase.RUNNING and r.core.life.job_lost is None
+        assert r.core.work.pool.pending() == pending + 4 and not r.core.commits.trained
         assert r.core.ledger.counts["trained"] == 0
     finally:
-        r.core.close()
+        r.close()

@@ -6,7 +6,9 @@ it, and of nobody else. A real broker process, two real `ProducerLink`s in this 
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -16,7 +18,7 @@ import zmq
 from dflash.protocol import codec
 from dflash.protocol.errors import Rejected
 from dflash.protocol.links import ProducerLink
-from dflash.protocol.messages import header
+from dflash.protocol.messages import Batch
 from dflash.runtime.logs import close_logging, setup_logging
 from tests.harness.broker import BrokerProc
 
@@ -53,17 +55,19 @@ def links(broker):
         close_logging()
 
 
-def _batch(lease: int, epoch: int, s: int, width: int = 8) -> tuple[dict, dict]:
-    fields = {"lease": lease, "epoch": epoch, "samples": [s], "seq_lens": [3], "layer_ids": [0, 1]}
+SEQ = itertools.count()  # batch IDs: one sequence for every link of the test
+
+
+def _batch(link: ProducerLink, lease: int, epoch: int, s: int, width: int = 8) -> Batch:
     tensors = {"input_ids": torch.full((3,), s, dtype=torch.int32), "loss_mask": torch.ones(3, dtype=torch.uint8),
                "hidden": torch.zeros((3, width), dtype=torch.bfloat16)}
-    return fields, tensors
+    return Batch(f"{link.peer_id}-{next(SEQ)}", link.peer_id, lease, epoch, [s], [3], [0, 1], tensors=tensors)
 
 
 def test_stale_and_unreadable_messages_name_each_producer_of_one_host(broker, links):
     b = links[1]
     for link in links:
-        link.push_batch(*_batch(999, 0, 1))  # a lease it does not hold: stale
+        link.push_batch(_batch(link, 999, 0, 1))  # a lease it does not hold: stale
     stale = {e["producer"]: e for e in (broker.wait_event("broker.batch_stale", pred=lambda e, p=link.peer_id:
                                                           e["producer"] == p) for link in links)}
     for link in links:
@@ -90,22 +94,21 @@ def test_a_batch_that_does_not_fit_ends_only_the_session_whose_connection_sent_i
     assert ga.samples and gb.samples  # both lease (a share of the 8 each)
 
     # Sent from elsewhere while naming b: refused, counted, and b keeps its session and lease
-    fields, tensors = _batch(gb.lease, gb.epoch, gb.samples[0], width=12)
+    forged = replace(_batch(b, gb.lease, gb.epoch, gb.samples[0], width=12), batch_id="forged-1")
     foreign = zmq.Context.instance().socket(zmq.PUSH)
     foreign.setsockopt(zmq.LINGER, 1000)
     foreign.connect(b.welcome.data_in)
-    foreign.send_multipart(codec.encode(header("batch", b.run_id, batch_id="forged-1", producer=b.peer_id, **fields),
-                                        tensors))
+    foreign.send_multipart(codec.encode(forged.to_header(b.run_id), forged.tensors))
     ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["batch_id"] == "forged-1")
     assert ev["fault"] == "hidden_width" and ev["own_connection"] is False and ev["peer"] == b.peer_id
     assert ev["peer_instance"] == b.instance and ev["connection_peer"] is None
     foreign.close()
-    b.push_batch(*_batch(gb.lease, gb.epoch, gb.samples[0]))  # its own correct copy is taken
+    b.push_batch(_batch(b, gb.lease, gb.epoch, gb.samples[0]))  # its own correct copy is taken
     time.sleep(0.5)
     assert broker.ask()["samples"]["produced"] == 1
 
     # Sent by a's own link: a is told (bad_batch) and its session ends, its leases back to the pool
-    a.push_batch(*_batch(ga.lease, ga.epoch, ga.samples[0], width=12))
+    a.push_batch(_batch(a, ga.lease, ga.epoch, ga.samples[0], width=12))
     ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["peer"] == a.peer_id)
     assert ev["own_connection"] is True and ev["connection_instance"] == a.instance
     lost = broker.wait_event("broker.peer_lost", pred=lambda e: e["peer"] == a.peer_id)

@@ -10,8 +10,8 @@ import time as time_module
 import pytest
 
 from dflash.broker import ledger as ledger_mod
-from dflash.broker.dispatch import QueuedBatch
 from dflash.broker.ledger import Ledger
+from tests.harness.core_rig import queued as held
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +30,7 @@ def _transitions(led: Ledger, seed: int, flush_each: bool = False) -> None:
     led.epoch_started(0, 7, 40)
     queued, out, n = [], [], 0
     for s in range(38):  # 38 arrive; 38 is skipped and 39 given back (never made)
-        b = QueuedBatch(f"p1-{s}", "p1", 1, 0, [s], 5, 100, [])
+        b = held(f"p1-{s}", [s], 5, 100)
         led.produced(b)
         queued.append(b)
         while queued and rng.random() < 0.6:  # deliver some, in order

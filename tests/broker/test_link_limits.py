@@ -12,7 +12,9 @@ finding 10: none of these may lose a message without a word.
 
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ import zmq
 from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
-from dflash.protocol.messages import Heartbeat, header
+from dflash.protocol.messages import Batch, Grant, Heartbeat, header
 from dflash.protocol.links import ProducerLink
 from dflash.runtime.logs import close_logging, setup_logging
 
@@ -51,20 +53,22 @@ def producer(broker):
         close_logging()
 
 
-def _batch(g: dict, s: int, width: int) -> tuple[dict, dict]:
-    fields = {"lease": g.lease, "epoch": g.epoch, "samples": [s], "seq_lens": [3], "layer_ids": [0, 1]}
+SEQ = itertools.count()
+
+
+def _batch(link: ProducerLink, g: Grant, s: int, width: int) -> Batch:
     tensors = {"input_ids": torch.full((3,), s, dtype=torch.int32), "loss_mask": torch.ones(3, dtype=torch.uint8),
                "hidden": torch.zeros((3, width), dtype=torch.bfloat16)}
-    return fields, tensors
+    return Batch(f"{link.peer_id}-{next(SEQ)}", link.peer_id, g.lease, g.epoch, [s], [3], [0, 1], tensors=tensors)
 
 
 def test_a_batch_over_the_limit_is_refused_by_the_link_before_it_leaves(broker, producer):
     g = producer.request_lease(2, timeout_s=10)
-    fields, tensors = _batch(g, g.samples[0], 1000)  # 6000 tensor bytes > LIMIT
+    big = _batch(producer, g, g.samples[0], 1000)  # 6000 tensor bytes > LIMIT
     with pytest.raises(MessageTooLarge, match=rf"over the broker's limit of {LIMIT} bytes.*--max-message-bytes"):
-        producer.push_batch(fields, tensors)
-    producer.push_batch(*_batch(g, g.samples[0], 4))  # the link goes on: the same sample, small enough
-    producer.push_batch(*_batch(g, g.samples[1], 4))
+        producer.push_batch(big)
+    producer.push_batch(_batch(producer, g, g.samples[0], 4))  # the link goes on: the same sample, small enough
+    producer.push_batch(_batch(producer, g, g.samples[1], 4))
     producer.lease_done(g.lease, [])
     time.sleep(0.5)
     assert broker.ask()["samples"]["produced"] == 2
@@ -72,12 +76,11 @@ def test_a_batch_over_the_limit_is_refused_by_the_link_before_it_leaves(broker, 
 
 def test_a_batch_over_the_limit_from_another_client_is_logged_and_its_producer_told(broker, producer):
     g = producer.request_lease(1, timeout_s=10)
-    fields, tensors = _batch(g, g.samples[0], 1000)
-    h = header("batch", producer.run_id, batch_id="big-1", producer=producer.peer_id, **fields)
+    big = replace(_batch(producer, g, g.samples[0], 1000), batch_id="big-1")
     push = zmq.Context.instance().socket(zmq.PUSH)  # past the link's own check, as a foreign client would
     push.setsockopt(zmq.LINGER, 0)
     push.connect(producer.welcome.data_in)
-    push.send_multipart(codec.encode(h, tensors))
+    push.send_multipart(codec.encode(big.to_header(producer.run_id), big.tensors))
     ev = broker.wait_event("broker.batch_too_large")
     assert ev["producer"] == producer.peer_id and ev["batch_id"] == "big-1"
     assert ev["bytes"] == 6015 and ev["limit"] == LIMIT

@@ -13,11 +13,13 @@ import pytest
 import zmq
 
 from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
-from dflash.broker.dispatch import BatchQueue, QueuedBatch, dispatch
+from dflash.broker.dispatch import BatchQueue, dispatch
 from dflash.broker.leases import LeasePool, StaleBatch
 from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 from dflash.broker.liveness import RateLimit, RateMeter
+from dflash.broker.peers import Pipes
+from tests.harness.core_rig import queued
 
 pytestmark = pytest.mark.integration
 
@@ -79,8 +81,8 @@ class FakeConsumer:
     connected: bool = True
 
 
-def _batch(i: int, nbytes: int = 10) -> QueuedBatch:
-    return QueuedBatch(f"p1-{i}", "p1", 1, 0, [i], 4, nbytes, [])
+def _batch(i: int, nbytes: int = 10):
+    return queued(f"p1-{i}", [i], 4, nbytes)
 
 
 def test_dispatch_oldest_first_least_recently_served_first_and_only_against_credit():
@@ -89,7 +91,7 @@ def test_dispatch_oldest_first_least_recently_served_first_and_only_against_cred
         q.push(_batch(i))
     assert not q.has_room()  # 40 bytes > 35: data in stops being read
     a, b, c = FakeConsumer("a", credit=2), FakeConsumer("b", credit=1), FakeConsumer("c", connected=False, credit=5)
-    sent = dispatch(q, [a, b, c], lambda con, _b: con.connected)
+    sent = dispatch(q, [a, b, c], lambda con, _b: con.connected, 0.0)
     assert [(con.name, bt.batch_id) for con, bt in sent] == [("a", "p1-0"), ("b", "p1-1"), ("a", "p1-2")]
     assert (a.credit, b.credit, c.credit) == (0, 0, 5) and len(q) == 1
     # delivered but not acked is still held (for redelivery), so it still counts: 10 + 30
@@ -118,7 +120,7 @@ def test_ledger_keeps_up_with_thousands_of_samples_per_second(tmp_path):
     for lease in range(n // per):
         samples = list(range(lease * per, (lease + 1) * per))
         led.leased(lease + 1, 0, "p1", samples)
-        b = QueuedBatch(f"p1-{lease}", "p1", lease + 1, 0, samples, 64, 1000, [])
+        b = queued(f"p1-{lease}", samples, 64, 1000, lease=lease + 1)
         led.produced(b)
         led.delivered(b, "c1")
         led.trained(b, "c1", step=lease)
@@ -141,10 +143,11 @@ def test_ledger_survives_a_broker_crash(tmp_path):
     code = f"""
 import os
 from dflash.broker.ledger import Ledger
-from dflash.broker.dispatch import QueuedBatch
+from dflash.broker.dispatch import Queued
+from dflash.protocol.messages import Batch
 led = Ledger({str(tmp_path / 'l.sqlite')!r})
 led.leased(1, 0, 'p1', [1, 2, 3])
-b = QueuedBatch('p1-1', 'p1', 1, 0, [1, 2, 3], 12, 100, [])
+b = Queued(Batch('p1-1', 'p1', 1, 0, [1, 2, 3], [4, 4, 4], [1]), 100, 0.0)
 led.produced(b); led.delivered(b, 'c1'); led.trained(b, 'c1', 5)
 led.committed(5, 'step-5', 'c1')
 led.leased(2, 0, 'p1', [4])
@@ -167,7 +170,7 @@ os._exit(9)
 def test_rate_meter_and_rate_limit():
     m = RateMeter(window_s=10)
     for i in range(100):
-        m.add(1, now=100 + i * 0.05)  # 20 per second for 5 s
+        m.add(1, 100 + i * 0.05)  # 20 per second for 5 s
     assert 18 <= m.rate(now=105) <= 21
     assert m.rate(now=200) == 0.0
     rl = RateLimit(per_s=3)
@@ -199,12 +202,6 @@ class RecordingSocket:
         return out
 
 
-@dataclass(eq=False)
-class StreamConsumer(FakeConsumer):
-    pipes: list = field(default_factory=list)
-    next_stream: int = 0
-
-
 def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
     from dflash.broker.server import Broker
 
@@ -215,8 +212,8 @@ def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
     push.send_multipart([b"h", b"x" * (1 << 20)])
     frames = pull.recv_multipart(copy=False)
     sock = RecordingSocket()
-    c = StreamConsumer("c", pipes=[sock])
-    assert Broker._send_batch(None, c, QueuedBatch("p1-1", "p1", 1, 0, [0], 4, 1 << 20, frames))
+    c = Pipes([sock], [0], [7000], ["tcp://h:7000"])
+    assert Broker._send_batch(c, frames)
     assert [f for f, _, _ in sock.calls] == frames and all(a is b for a, b in zip((f for f, _, _ in sock.calls), frames))
     assert all(isinstance(f, zmq.Frame) for f, _, _ in sock.calls)  # the zmq frames themselves
     assert all(copy is False and flags & zmq.NOBLOCK for _, flags, copy in sock.calls)
@@ -229,15 +226,15 @@ def test_batches_take_a_consumers_data_streams_in_turn_and_skip_one_that_refuses
     from dflash.broker.server import Broker
 
     s0, s1 = RecordingSocket(), RecordingSocket()
-    c = StreamConsumer("c", pipes=[s0, s1])
-    batches = [QueuedBatch(f"p1-{i}", "p1", 1, 0, [i], 4, 8, [f"h{i}".encode(), b"t" * 8]) for i in range(6)]
+    c = Pipes([s0, s1], [0, 0], [7000, 7001], ["tcp://h:7000", "tcp://h:7001"])
+    batches = [[f"h{i}".encode(), b"t" * 8] for i in range(6)]
     for b in batches[:4]:
-        assert Broker._send_batch(None, c, b)
+        assert Broker._send_batch(c, b)
     assert [m[0] for m in s0.messages()] == [b"h0", b"h2"] and [m[0] for m in s1.messages()] == [b"h1", b"h3"]
     s0.full = True  # not connected, or full: the other stream takes the batch
-    assert Broker._send_batch(None, c, batches[4]) and s1.messages()[-1][0] == b"h4"
+    assert Broker._send_batch(c, batches[4]) and s1.messages()[-1][0] == b"h4"
     s1.full = True
-    assert not Broker._send_batch(None, c, batches[5])  # no stream took it: it stays queued
+    assert not Broker._send_batch(c, batches[5])  # no stream took it: it stays queued
     assert sum(len(s.messages()) for s in (s0, s1)) == 5
 
 

@@ -2,21 +2,20 @@
 a batch that does not fit the run's target is refused at intake and its producer's own
 copy still taken; a batch consumers keep failing on is quarantined, its samples made again
 once and then set aside, counted by fault, and the run still ends. Real batches (header and tensor frames through the codec, as the
-server decodes them), a real SQLite ledger; the rig of test_core.py."""
+server decodes them), a real SQLite ledger; the rig of tests/harness/core_rig.py."""
 
 from __future__ import annotations
 
 import sqlite3
-import time
 from array import array
 
 import pytest
 
-from dflash.broker.core import Phase
 from dflash.broker.inbound import Batch
+from dflash.broker.phase import Phase
 from dflash.protocol import codec
 from dflash.protocol.messages import DATA
-from tests.broker.test_core import RUN, Rig, codes, ledger_states, sent
+from tests.harness.core_rig import RUN, Rig, codes, ledger_states, sent
 from tests.harness.fakes import batch_frames
 
 pytestmark = pytest.mark.unit
@@ -49,7 +48,7 @@ def bad_rows(core) -> list[tuple]:
 def rig(tmp_path):
     r = Rig(tmp_path)
     yield r
-    r.core.close()
+    r.close()
 
 
 # ---------------------------------------------------------------- refused at intake
@@ -62,25 +61,25 @@ def test_a_batch_that_does_not_fit_the_target_is_refused_and_the_producers_own_c
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
     p = rig.peer(b"prod").id
     lying = real_batch(p, g["lease"], g["samples"], batch_id="liar-1", **lie)
-    out = rig.core.on_batch(lying)
+    out = rig.core.on_batch(lying, rig.now)
     # Not from p1's connection (no ZMTP metadata names it): dropped, p1 neither told nor ended
-    assert not sent(out, "reject") and rig.core.peers.by_id.get(p) is not None
-    assert len(rig.core.queue) == 0 and rig.core.leases.open[g["lease"]].outstanding == set(g["samples"])
-    assert rig.core.status()["bad_batches"] == {"rejected": {fault: {"batches": 1, "samples": 4}}}
+    assert not sent(out, "reject") and rig.core.sessions.table.by_id.get(p) is not None
+    assert len(rig.core.delivery.queue) == 0 and rig.core.work.pool.open[g["lease"]].outstanding == set(g["samples"])
+    assert rig.status()["bad_batches"] == {"rejected": {fault: {"batches": 1, "samples": 4}}}
     assert bad_rows(rig.core) == [("liar-1", "rejected", fault, 4, 0, 0)]
     # The producer's correct copy of the same samples is accepted, not dropped as stale
-    rig.core.on_batch(real_batch(p, g["lease"], g["samples"]))
-    assert len(rig.core.queue) == 1 and rig.peer(b"prod").stale == 0
-    assert g["lease"] not in rig.core.leases.open
+    rig.core.on_batch(real_batch(p, g["lease"], g["samples"]), rig.now)
+    assert len(rig.core.delivery.queue) == 1 and rig.peer(b"prod").stale == 0
+    assert g["lease"] not in rig.core.work.pool.open
 
 
 def test_facts_nobody_stated_are_not_checked_and_a_stated_vocabulary_must_agree(rig):
     rig.hello(b"prod", "producer", layer_ids=[1, 2])  # no hidden_size, no vocab_size: nothing to check with
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
-    rig.core.on_batch(real_batch(rig.peer(b"prod").id, g["lease"], g["samples"], width=12, ids_plus=1000))
-    assert len(rig.core.queue) == 1 and rig.core.status()["bad_batches"] == {}
+    rig.core.on_batch(real_batch(rig.peer(b"prod").id, g["lease"], g["samples"], width=12, ids_plus=1000), rig.now)
+    assert len(rig.core.delivery.queue) == 1 and rig.status()["bad_batches"] == {}
     assert sent(rig.hello(b"prod2", "producer", layer_ids=[1, 2], vocab_size=100), "welcome")
-    assert rig.core.facts["vocab_size"] == 100  # a later producer fills a fact the first left out
+    assert rig.core.facts.facts.vocab_size == 100  # a later producer fills a fact the first left out
     assert codes(rig.hello(b"prod3", "producer", layer_ids=[1, 2], vocab_size=99)) == ["config_mismatch"]
     assert codes(rig.hello(b"prod4", "producer", layer_ids=[1, 2], hidden_size="64")) == ["config_mismatch"]
 
@@ -99,15 +98,15 @@ def test_a_batch_every_consumer_fails_on_is_quarantined_made_again_once_then_set
     p, g = rig.produce()
     bid = f"{p}-1-{g['samples'][0]}"
     rig.consumer(b"c1")
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     assert not sent(fail_on(rig, b"c1", bid), "reject")
-    assert rig.core.queue.peek().batch_id == bid and rig.core.queue.peek().failures == ["c1"]  # requeued first
+    assert rig.core.delivery.queue.peek().batch_id == bid and rig.core.delivery.queue.peek().failures == ["c1"]  # requeued first
     rig.consumer(b"c2")
-    assert [b.batch_id for _, b in rig.core.dispatch(rig.relay)] == [bid]
+    assert [b.batch_id for _, b in rig.dispatch()] == [bid]
     fail_on(rig, b"c2", bid)  # the second consumer fails too (--quarantine-after 2): quarantined
-    assert len(rig.core.queue) == 0 and bid not in rig.core.batch_ids and rig.core.queue.in_flight_bytes == 0
-    assert rig.core.leases.pending() == 8  # its 4 samples went back to the pool, to be made again
-    assert rig.core.status()["bad_batches"]["quarantined"] == {
+    assert len(rig.core.delivery.queue) == 0 and bid not in rig.core.delivery.batch_ids and rig.core.delivery.queue.in_flight_bytes == 0
+    assert rig.core.work.pool.pending() == 8  # its 4 samples went back to the pool, to be made again
+    assert rig.status()["bad_batches"]["quarantined"] == {
         "token_ids": {"batches": 1, "samples": 4, "remade": 4, "set_aside": 0}}
     assert ledger_states(rig.core) == {"pending": 4}
 
@@ -117,21 +116,21 @@ def test_a_batch_every_consumer_fails_on_is_quarantined_made_again_once_then_set
     bid2 = f"{p}-{again['lease']}-{again['samples'][0]}"
     for c in (b"c3", b"c4"):
         rig.consumer(c)
-        rig.core.dispatch(rig.relay)
+        rig.dispatch()
         fail_on(rig, c, bid2)
-    assert rig.core.status()["bad_batches"]["quarantined"]["token_ids"] == {
+    assert rig.status()["bad_batches"]["quarantined"]["token_ids"] == {
         "batches": 2, "samples": 8, "remade": 4, "set_aside": 4}
-    s = rig.core.status()["samples"]
-    assert s["quarantined"] == 4 and s["delivered"] == 0 and rig.core.leases.pending() == 4
+    s = rig.status()["samples"]
+    assert s["quarantined"] == 4 and s["delivered"] == 0 and rig.core.work.pool.pending() == 4
 
     # The rest of the run is trained, and the run ends (set-aside samples count as done)
     rig.produce()
     rig.consumer(b"c5")
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     rig.control(b"c5", "ack", batch_ids=list(rig.peer(b"c5").in_flight), step=1)
     rig.control(b"c5", "commit", step=1, checkpoint="ckpt/1")
-    beat = rig.core.tick(time.monotonic() + 5)  # due: heartbeats, then end of stream
-    assert rig.core.phase is Phase.ENDING
+    beat = rig.tick(rig.advance(5))  # due: heartbeats, then end of stream
+    assert rig.core.life.phase is Phase.ENDING
     stats = next(a.fields["stats"] for a in sent(beat, "heartbeat"))
     assert stats["samples_skipped"] == 4 and stats["samples_done"] == 8  # out of a consumer's schedule
     assert ledger_states(rig.core) == {"committed": 4, "quarantined": 4}
@@ -143,27 +142,27 @@ def test_a_batch_every_consumer_fails_on_is_quarantined_made_again_once_then_set
     assert reasons == {f"token_ids: batch {bid2}: token_ids wrong"}
     for who in (b"prod", b"c5"):
         rig.control(who, "bye", reason="done")
-    rig.core.tick(time.monotonic() + 6)
-    assert rig.core.phase is Phase.DONE and rig.core.outcome == "completed"
+    rig.tick(rig.advance(1))
+    assert rig.core.life.phase is Phase.DONE and rig.core.outcome == "completed"
 
 
 def test_a_batch_one_consumer_fails_on_and_the_next_trains_is_trained_once(rig):
     p, g = rig.produce()
     bid = f"{p}-1-{g['samples'][0]}"
     rig.consumer(b"c1")
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     fail_on(rig, b"c1", bid, fault="hidden_width")
     rig.consumer(b"c2")
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     rig.control(b"c2", "ack", batch_ids=[bid], step=1)
-    assert rig.core.ledger.counts["trained"] == 4 and rig.core.status()["bad_batches"] == {}
-    gone = rig.core.status()["gone"][-1]
+    assert rig.core.ledger.counts["trained"] == 4 and rig.status()["bad_batches"] == {}
+    gone = rig.status()["gone"][-1]
     assert gone["peer"] == "c1" and gone["failure"]["batch_id"] == bid and gone["failure"]["code"] == "bad_batch"
 
 
 def test_a_failure_naming_a_batch_the_consumer_does_not_hold_counts_against_nothing(rig):
     p, g = rig.produce()
     rig.consumer(b"c1")
-    rig.core.dispatch(rig.relay)
+    rig.dispatch()
     fail_on(rig, b"c1", "p1-99-0")
-    assert rig.core.queue.peek().failures == [] and rig.core.status()["bad_batches"] == {}
+    assert rig.core.delivery.queue.peek().failures == [] and rig.status()["bad_batches"] == {}

@@ -76,13 +76,13 @@ def test_a_64mib_batch_is_relayed_without_a_python_copy(tmp_path, io_threads):
             tracemalloc.stop()
             b.signal = "SIGTERM"  # acted on by the loop itself: it stops, then we read its state
             loop.join(10)
-            pipes = b.peers.by_id[cons.peer].pipes if cons.peer in b.peers.by_id else []
+            pipes = b.core.sessions.table.by_id[cons.peer].pipes.socks if cons.peer in b.core.sessions.table.by_id else []
             pipe_affinity = [pipe.getsockopt(zmq.AFFINITY) for pipe in pipes]
             in_affinity = b.data_in.getsockopt(zmq.AFFINITY)
             control_affinity = b.control.getsockopt(zmq.AFFINITY)
             b.close()
         assert got is not None, "the batch never reached the consumer"
-        relayed = b.peers.by_id[cons.peer].in_flight[f"{prod.peer}-1"].frames
+        relayed = b.core.sessions.table.by_id[cons.peer].in_flight[f"{prod.peer}-1"].batch.frames
         prod.close()
         cons.close()
 
@@ -115,7 +115,7 @@ def test_consumer_pipes_take_the_pipe_threads_in_turn(tmp_path, data_streams):
         finally:
             b.signal = "SIGTERM"
             loop.join(10)
-            masks = [[p.getsockopt(zmq.AFFINITY) for p in b.peers.by_id[c.peer].pipes] for c in consumers]
+            masks = [[p.getsockopt(zmq.AFFINITY) for p in b.core.sessions.table.by_id[c.peer].pipes.socks] for c in consumers]
             b.close()
             for c in consumers:
                 c.close()

@@ -117,7 +117,8 @@ def test_final_hidden_crosses_the_wire_and_is_required_for_distillation(heads):
                   layer_ids=b.layer_ids)
     tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask, "hidden": b.hidden.to(torch.bfloat16),
                "final_hidden": b.final_hidden.to(torch.bfloat16)}
-    msg = codec.decode([bytes(f) for f in codec.encode(header("batch", "20261129T000000Z-abcd", **fields), tensors)])
+    msg = codec.decode_batch([bytes(f) for f in codec.encode(header("batch", "20261129T000000Z-abcd", **fields),
+                                                               tensors)])
     got = Batch.from_message(msg, torch.float32)
     assert torch.equal(got.final_hidden, b.final_hidden.to(torch.bfloat16).float())
     bad = dict(tensors, final_hidden=b.final_hidden[:, :5].contiguous())

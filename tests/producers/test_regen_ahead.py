@@ -24,6 +24,7 @@ from dflash.producers.producer import LocalWorkSource, Producer
 from dflash.producers.regen_ahead import Claims, RegenAhead
 from dflash.producers.regenerate import RegenCache, Regenerator
 from dflash.producers.target import load_target
+from dflash.protocol.messages import Batch
 
 pytestmark = pytest.mark.integration
 
@@ -60,20 +61,20 @@ def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, toke
     target = load_target(str(tiny), None, device=CPU, full=True)
     path = write_jsonl(tmp_path / "d.jsonl", _rows(12) + [{"text": "plain text row"}])
     data = open_dataset(path)
-    sent: list[tuple[dict, dict]] = []
+    sent: list[Batch] = []
     source = LocalWorkSource(len(data), lease_size=5, epochs=2)
     regen = _regenerator(target, tokenizer, tmp_path / "cache")
-    prod = Producer(target, data, ChatEncoder(tokenizer, 4096), source, lambda f, t: sent.append((f, t)),
+    prod = Producer(target, data, ChatEncoder(tokenizer, 4096), source, sent.append,
                     token_budget=200, max_batch_size=3, regenerator=regen, regen_ahead=64)
     summary = prod.run()
 
     by_epoch: dict[int, list[int]] = {0: [], 1: []}
     got: dict[int, tuple[list[int], list[int]]] = {}
-    for fields, tensors in sent:
-        by_epoch[fields["epoch"]] += fields["samples"]
+    for b in sent:
+        by_epoch[b.epoch] += b.samples
         lease = source.done  # every lease reported done, with nothing skipped
-        ids, mask, k = tensors["input_ids"].tolist(), tensors["loss_mask"].tolist(), 0
-        for s, n in zip(fields["samples"], fields["seq_lens"]):
+        ids, mask, k = b.tensors["input_ids"].tolist(), b.tensors["loss_mask"].tolist(), 0
+        for s, n in zip(b.samples, b.seq_lens):
             got.setdefault(s, (ids[k:k + n], mask[k:k + n]))
             assert got[s] == (ids[k:k + n], mask[k:k + n])  # epoch 2 reads the same IDs back
             k += n

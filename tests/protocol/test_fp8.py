@@ -29,8 +29,7 @@ def test_fp8_batch_travels_through_codec_and_halves_bytes():
          "hidden_encoding": ENCODING}
     tensors = {"input_ids": torch.zeros(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
                "hidden": q, "hidden_scale": s}
-    msg = codec.decode(codec.encode(h, tensors))
-    out = hidden_from_batch(msg.header, msg.tensors, torch.float32)
+    out = hidden_from_batch(codec.decode_batch(codec.encode(h, tensors)), torch.float32)
     assert torch.allclose(out, hidden.float(), rtol=0.07, atol=1e-2)
     assert q.numel() * 1 + s.numel() * 4 < 0.55 * hidden.numel() * 2
 

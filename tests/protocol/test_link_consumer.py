@@ -71,7 +71,7 @@ def test_batches_from_every_stream_are_taken_and_a_bad_one_is_dropped(tmp_path, 
             while len(got) < 5:
                 msg = link.next_batch(timeout_s=10)
                 assert msg is not None, f"got {got} only"
-                got.append(msg.header["samples"][0])
+                got.append(msg.samples[0])
                 assert int(msg.tensors["input_ids"][0]) == got[-1] and msg.tensors["hidden"].shape == (2, 4)
             masks = [s.getsockopt(zmq.AFFINITY) for s in link._streams]
         finally:

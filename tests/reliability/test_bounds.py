@@ -112,10 +112,10 @@ def test_batches_held_for_a_consumer_that_never_acks_stay_within_queue_bytes(bro
 
 
 def test_rate_limit_state_stays_bounded_under_invented_senders():
-    gate = LogGate()
+    gate = LogGate(0.0)
     for i in range(50_000):
-        gate.allow(f"bad:control:{i:08x}")
-        gate.allow(f"stale:sender-{i}")
+        gate.allow(f"bad:control:{i:08x}", i * 1e-4)
+        gate.allow(f"stale:sender-{i}", i * 1e-4)
     assert len(gate._senders._state) <= gate._senders.max_keys
     assert len(gate._kinds._state) <= 2
 

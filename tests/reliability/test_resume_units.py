@@ -16,6 +16,8 @@ from dflash.broker import resume
 from dflash.broker.leases import LeasePool
 from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
+from dflash.broker.dispatch import Queued
+from dflash.protocol.messages import Batch
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +52,13 @@ def test_pool_refuses_committed_bitmaps_of_another_dataset_size():
 
 
 KILL_AFTER_COMMIT = """
-import os, signal, sys, types
+import os, signal, sys
+from dflash.broker.dispatch import Queued
 from dflash.broker.ledger import Ledger
+from dflash.protocol.messages import Batch
 led = Ledger(sys.argv[1])
 led.set_meta(run_id="20260101T000000Z-aaaa")
-b = types.SimpleNamespace(batch_id="p1-1", producer="p1", lease=1, epoch=0, samples=[4, 5], tokens=8,
-                          nbytes=64, deliveries=1)
+b = Queued(Batch("p1-1", "p1", 1, 0, [4, 5], [4, 4], [1]), nbytes=64, queued_at=0.0, deliveries=1)
 led.leased(1, 0, "p1", [4, 5, 6])
 led.produced(b); led.delivered(b, "c1"); led.trained(b, "c1", 3)
 led.committed(3, "ckpt/step-3", "c1")
@@ -100,10 +103,7 @@ def _run_folder(root, run_id: str, parent: str | None = None) -> Path:
 
 
 def _commit(led: Ledger, samples: list[int], step: int, bid: str) -> None:
-    import types
-
-    b = types.SimpleNamespace(batch_id=bid, producer="p1", lease=1, epoch=0, samples=samples, tokens=4,
-                              nbytes=8, deliveries=1)
+    b = Queued(Batch(bid, "p1", 1, 0, samples, [2] * len(samples), [1]), nbytes=8, queued_at=0.0, deliveries=1)
     led.leased(1, 0, "p1", samples)
     led.produced(b)
     led.delivered(b, "c1")

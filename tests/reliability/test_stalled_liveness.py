@@ -87,7 +87,7 @@ def test_a_broker_that_stalled_reads_what_its_peers_sent_before_dropping_them(tm
                 if b.control.poll(50):
                     _pump(b)
             (prod,) = made
-            live = lambda: {p.id for p in b.peers.live()}  # noqa: E731
+            live = lambda: {p.id for p in b.core.sessions.table.live()}  # noqa: E731
             assert prod.peer in live()
             # The broker's loop stalls (not turned) past the timeout; the producer talks
             # meanwhile, and its heartbeat waits unread when the loop wakes to its timers.

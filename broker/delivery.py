@@ -1,0 +1,139 @@
+"""The core's part for batches between intake and training (PROTOCOL.md 4.5): the shared
+queue, dispatch by credit, acks that free what consumers trained, a lost consumer's batches
+requeued, and a batch consumers keep failing on quarantined (quarantine.py's rule).
+
+The queue and the dispatch rule are dispatch.py's; this part adds the ledger rows, the
+rates the status map shows, and what a consumer session counts of its batches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dflash.runtime.logs import get_logger
+
+from .config import MAX_CREDIT
+from .dispatch import BatchQueue, Queued, dispatch, wants_batch
+from .ledger import Ledger
+from .liveness import RateMeter, TimeShare
+from .peers import ConsumerHeld, ConsumerSession, Pipes
+from .quarantine import Poison
+from .replies import MAX_REASON, Replies, clip
+from .work import Work
+
+log = get_logger()
+
+# relay(pipes, frames) -> whether one of a consumer's data streams took the batch's frames now
+Relay = Callable[[Pipes, list], bool]
+
+
+class Delivery:
+    def __init__(self, queue_bytes: int, ledger: Ledger, work: Work, poison: Poison, replies: Replies, now: float):
+        self.queue = BatchQueue(queue_bytes)
+        self.ledger, self.work, self.poison, self.replies = ledger, work, poison, replies
+        self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
+        self.rate_in, self.rate_out = RateMeter(), RateMeter()
+        self.full_share = TimeShare(now)  # how much of the last 10 s producers were blocked
+        self.blocked = False  # a batch waits on a consumer pipe that is not connected yet
+
+    def push(self, q: Queued, now: float) -> None:
+        """A batch accepted at intake joins the queue."""
+        self.queue.push(q)
+        self.batch_ids.add(q.batch_id)
+        self.ledger.produced(q)
+        self.rate_in.add(1, now)
+
+    def credit(self, c: ConsumerSession, n: int) -> None:
+        c.credit = min(MAX_CREDIT, c.credit + n)
+
+    def dispatch(self, consumers: list[ConsumerSession], relay: Relay, now: float,
+                 draining: bool) -> list[tuple[ConsumerSession, Queued]]:
+        """Hand queued batches to consumers by credit (none while `draining`: stopping
+        consumers train nothing more, the batches stay here)."""
+        if draining:
+            self.blocked = False
+            return []
+        queue = self.queue
+        sent = dispatch(queue, consumers, lambda c, q: relay(c.pipes, q.batch.frames), now) if queue else ()
+        for c, q in sent:
+            self.ledger.delivered(q, c.id)
+            c.delivered += 1
+            c.rate_in.add(1, now)
+            c.rate_tokens.add(q.batch.tokens, now)
+            self.rate_out.add(1, now)
+        # Batches left while a consumer wants one: its pipe refused (not connected yet).
+        self.blocked = bool(queue) and any(wants_batch(c) for c in consumers)
+        for c in consumers:  # how long a consumer has had credit and no batch
+            hungry = c.credit > 0 and not queue
+            c.waiting_since = (c.waiting_since or now) if hungry else None
+            c.wait_share.update(hungry, now)
+        self.full_share.update(not queue.has_room(), now)
+        return list(sent)
+
+    def acked(self, c: ConsumerSession, batch_ids: list, step: int, now: float) -> list[Queued]:
+        """The batches of `batch_ids` that `c` held: no longer the broker's to hold or send
+        (their frames let go). An ID it does not hold is logged (broker.ack_unknown)."""
+        unknown, trained = [], []
+        for bid in batch_ids:
+            q = c.in_flight.pop(bid, None) if isinstance(bid, str) else None
+            if q is None:
+                unknown.append(bid)
+                continue
+            self.batch_ids.discard(bid)
+            self.queue.release(q)
+            q.batch.frames.clear()  # trained: never sent again (a rewind makes its samples anew)
+            c.acked += 1
+            trained.append(q)
+        if trained:
+            if c.acked > len(trained):  # a gap between two acks: how slow this consumer's steps are
+                c.slowest_ack_gap = max(c.slowest_ack_gap, now - c.progress_at)
+            c.progress_at = now
+        if unknown and self.replies.allow(f"ack:{c.id}", now)[0]:
+            log.warning("broker.ack_unknown", peer=c.id, step=step, batch_ids=[str(x)[:64] for x in unknown[:16]],
+                        n=len(unknown))
+        return trained
+
+    def take_back(self, c: ConsumerSession) -> ConsumerHeld:
+        """A consumer's session ended: what it held goes back to the front of the queue."""
+        back = list(c.in_flight.values())
+        c.in_flight.clear()
+        for q in back:
+            self.ledger.requeued(q)
+        self.queue.requeue(back)  # returned batches are the oldest: they go first
+        return ConsumerHeld(len(back), [x.batch_id for x in back[:16]], c.credit, c.delivered, c.acked, c.rank)
+
+    def failed_on(self, c: ConsumerSession, batch_id: str, fault: str, reason: str) -> dict:
+        """Consumer `c` reports that it cannot train `batch_id` (and is leaving): count it
+        against the batch, and quarantine the batch once `--quarantine-after` consumers have.
+        Returns what the log line says of it: `batch_held`, `batch_failures`, `quarantined`."""
+        q = c.in_flight.get(batch_id)
+        if q is None:  # not delivered to this consumer, or acked: nothing to count against
+            return {"batch_held": False}
+        if c.id not in q.failures:  # one session counts once, however often it says so
+            q.failures.append(c.id)
+        n = len(q.failures)
+        if n >= self.poison.quarantine_after:
+            self.quarantine(c, q, fault, reason)
+        return {"batch_held": True, "batch_failures": n, "quarantined": n >= self.poison.quarantine_after}
+
+    def quarantine(self, c: ConsumerSession, q: Queued, fault: str, reason: str) -> None:
+        """Take `q` out of `c`'s hands for good; its samples are made again or set aside."""
+        del c.in_flight[q.batch_id]
+        self.batch_ids.discard(q.batch_id)
+        self.queue.release(q)
+        q.batch.frames.clear()  # never delivered again
+        fault, reason = clip(fault, 64) or "unknown", clip(reason, MAX_REASON)
+        b = q.batch
+        remade, aside = self.poison.split(b.epoch, b.samples)
+        self.ledger.quarantined(q, remade, aside, fault, reason)
+        if remade:
+            self.work.remake(b.epoch, remade)
+        self.poison.count("quarantined", fault, len(b.samples), len(remade), len(aside))
+        log.warning("broker.batch_quarantined", batch_id=b.batch_id, producer=b.producer, lease=b.lease,
+                    epoch=b.epoch, samples=len(b.samples), remade=len(remade), set_aside=len(aside), fault=fault,
+                    reason=reason, consumers=list(q.failures), deliveries=q.deliveries)
+
+    def in_flight(self, consumers: list[ConsumerSession]) -> tuple[int, int]:
+        """(batches, bytes) delivered to `consumers` and not acked yet."""
+        return (sum(len(c.in_flight) for c in consumers),
+                sum(q.nbytes for c in consumers for q in c.in_flight.values()))

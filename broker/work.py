@@ -1,0 +1,90 @@
+"""The core's part for work leases (PROTOCOL.md 4.3): `lease` -> `grant`, `done`, leases
+whose samples never came, a lost producer's leases given back, and samples sent back to be
+made again. The order of work is leases.py's `LeasePool`; this part adds the ledger rows and
+the log lines of each move.
+"""
+
+from __future__ import annotations
+
+from dflash.protocol.messages import Done, Grant, LeaseAsk
+from dflash.runtime.logs import get_logger
+
+from .config import BrokerConfig
+from .leases import Lease, LeasePool
+from .ledger import Ledger
+from .peers import ProducerHeld, ProducerSession
+
+log = get_logger()
+
+RETRY_MS = 500  # "nothing to lease now, ask again in" (grant.retry_ms)
+
+
+class Work:
+    def __init__(self, cfg: BrokerConfig, pool: LeasePool, ledger: Ledger):
+        self.cfg, self.pool, self.ledger = cfg, pool, ledger
+
+    def grant(self, p: ProducerSession, m: LeaseAsk, producers: int, ending: bool, elastic: bool) -> Grant:
+        """The answer to `p`'s lease ask: a share of what is left (`producers` live), or an
+        empty grant (`end` once there is nothing more to make: the run is `ending`, or every
+        sample is made and no `elastic` consumer may send samples back to the pool)."""
+        pool = self.pool
+        epoch_before = pool.epoch
+        size = min(m.want, self.cfg.lease_size, pool.share(producers))
+        lease = None if ending else pool.grant(p.id, size)
+        if lease is None:
+            # Elastic consumers may restart the training from a checkpoint, sending samples
+            # already made back to the pool (commits.py): producers stay until end of stream.
+            end = ending or (pool.finished() and not elastic)
+            return Grant(0, pool.epoch, [], end, retry_ms=RETRY_MS)
+        if pool.epoch != epoch_before or lease.id == 1:
+            self.ledger.epoch_started(pool.epoch, self.cfg.seed, pool.n_samples)
+            log.info("broker.epoch_started", epoch=pool.epoch, epochs=self.cfg.epochs, n_samples=pool.n_samples)
+        self.ledger.leased(lease.id, lease.epoch, p.id, lease.samples)
+        log.info("broker.lease_granted", lease=lease.id, peer=p.id, epoch=lease.epoch, n=len(lease.samples),
+                 want=m.want, pending=pool.pending())
+        return Grant(lease.id, lease.epoch, lease.samples, False)
+
+    def done(self, p: ProducerSession, m: Done, now: float) -> None:
+        """`p` made what it could of a lease: its skipped samples are recorded, and the lease
+        closes once its last batch is in (or after the timeout, `incomplete`)."""
+        lease = self.pool.open.get(m.lease)
+        if lease is None or lease.producer != p.id:
+            # Already complete (every sample arrived before `done`), or not this producer's.
+            log.debug("broker.done_ignored", peer=p.id, lease=m.lease)
+            return
+        skipped = self.pool.skip(lease, m.skipped)
+        if skipped:
+            self.ledger.skipped(lease.epoch, skipped)
+            log.info("broker.samples_skipped", peer=p.id, lease=lease.id, n=len(skipped),
+                     first=[list(x) for x in skipped[:8]])
+        lease.done_at = now
+        self.finish(lease)
+
+    def finish(self, lease: Lease) -> None:
+        """Close `lease` if every sample of it arrived or was skipped."""
+        if self.pool.close_if_complete(lease):
+            self.ledger.lease_closed(lease.id, "done")
+            log.info("broker.lease_done", lease=lease.id, peer=lease.producer, epoch=lease.epoch,
+                     n=len(lease.samples), skipped=lease.skipped)
+
+    def incomplete(self, now: float) -> None:
+        """Leases whose `done` came long ago but whose samples never arrived: made again elsewhere."""
+        for lease in self.pool.overdue(now, self.cfg.timeout_s):
+            back = self.pool.give_back(lease)
+            self.ledger.released(lease.epoch, back)
+            self.ledger.lease_closed(lease.id, "incomplete")
+            log.warning("broker.lease_incomplete", lease=lease.id, peer=lease.producer, missing=len(back),
+                        samples=back[:16], waited_s=round(self.cfg.timeout_s, 1))
+
+    def release(self, p: ProducerSession) -> ProducerHeld:
+        """A producer's session ended: its open leases go back to the front of the pool."""
+        returned = self.pool.release(p.id)
+        for lease, back in returned:
+            self.ledger.released(lease.epoch, back)
+            self.ledger.lease_closed(lease.id, "returned")
+        return ProducerHeld([le.id for le, _ in returned], sum(len(x) for _, x in returned), p.batches_in)
+
+    def remake(self, epoch: int, samples: list[int]) -> None:
+        """Samples already made go back to the front of the pool, to be made again (a rewound
+        lineage, a quarantined batch): the ledger row moves are the caller's."""
+        self.pool.rewind(epoch, samples)

@@ -1,0 +1,161 @@
+"""A `BrokerCore` in-process, without sockets or a broker process, driven as the server
+drives it: each control message a peer would send is a header that goes through the codec's
+checks and broker/inbound.py's `control_message` to the core's typed entry point for its
+type; each batch is a typed `Batch` with frames beside it; time is an injected clock that
+only the test moves. A real SQLite ledger and run.json in the test's folder.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from dflash.broker import runinfo
+from dflash.broker.actions import Send
+from dflash.broker.config import BrokerConfig
+from dflash.broker.core import BrokerCore
+from dflash.broker.dispatch import Queued
+from dflash.broker.inbound import Batch, Unreadable, control_message
+from dflash.protocol import codec
+from dflash.protocol.errors import ProtocolError
+from dflash.protocol.messages import CONTROL_TO_BROKER
+
+RUN = "run-core-test"
+N = 8  # samples in the dataset
+PORTS = (7000, 7009)
+T0 = 1000.0  # the injected clock's start (monotonic seconds)
+WALL0 = 1_800_000_000.0  # the wall clock at T0
+
+# A typed control message -> the core's entry point for it (as server.Broker._deliver routes).
+ENTRY = {"status": "on_status", "hello": "on_hello", "lease": "on_lease", "done": "on_done", "credit": "on_credit",
+         "ack": "on_ack", "commit": "on_commit", "lineage": "on_lineage", "heartbeat": "on_heartbeat",
+         "bye": "on_bye", "failed": "on_failed"}
+
+
+class Pipe:
+    """A consumer's data-out pipe as the core sees it: what was relayed to it."""
+
+    def __init__(self, port: int, thread: int):
+        self.port, self.thread, self.sent, self.full = port, thread, [], False
+
+
+class Rig:
+    """A BrokerCore with a pipe binder that refuses the ports in `taken` (resuming `parent`,
+    a resume.Parent), and a clock at `now` that moves only when the test says."""
+
+    def __init__(self, tmp_path, parent=None, streams: int = 1, **cfg):
+        opts = dict(num_samples=N, lease_size=4, data_out_ports=PORTS, timeout_s=10.0, heartbeat_s=1.0)
+        opts.update(cfg)
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        self.now = T0
+        self.taken: set[int] = set()
+        self.bound: list[Pipe] = []
+        self.core = BrokerCore(BrokerConfig(**opts), RUN, tmp_path, "testhost", now=self.now, wall=WALL0,
+                               bind_pipe=self._bind, parent=parent, streams=streams)
+        runinfo.start(tmp_path, RUN, {}, self.core.endpoints, "main")  # as dflash-broker does
+        self.pid = 1000
+
+    def advance(self, dt: float) -> float:
+        self.now += dt
+        return self.now
+
+    def _bind(self, port: int, thread: int):
+        if port in self.taken:
+            return None
+        pipe = Pipe(port, thread)
+        self.bound.append(pipe)
+        return pipe
+
+    def send(self, identity: bytes, h: dict, now: float | None = None) -> list:
+        """Header `h` from `identity`, through the server's steps: the codec's checks, the
+        typed message (or why it is refused), the entry point for its type."""
+        now = self.now if now is None else now
+        try:
+            codec.check_header(h, allowed=CONTROL_TO_BROKER, run=RUN)
+            error = None
+        except ProtocolError as e:
+            error = e.reason
+        msg = control_message(h, error, RUN)
+        if isinstance(msg, Unreadable):
+            return self.core.on_unreadable(identity, msg, now)
+        return getattr(self.core, ENTRY[msg.type])(identity, msg, now)
+
+    def control(self, identity: bytes, type_: str, *, run: str | None = RUN, v: int = 1, now=None, **fields):
+        h = {"v": v, "type": type_, **({"run": run} if run is not None else {}), **fields}
+        return self.send(identity, h, now)
+
+    def hello(self, identity: bytes, role: str, instance: str | None = None, pid: int | None = None, **config):
+        self.pid += 1
+        return self.control(identity, "hello", run=None, role=role, instance=instance or identity.decode(),
+                            host="testhost", pid=self.pid if pid is None else pid, config=config)
+
+    def peer(self, identity: bytes):
+        return self.core.sessions.table.by_identity[identity]
+
+    def batch(self, producer: str, lease: int, epoch: int, samples: list[int], batch_id: str | None = None):
+        bid = batch_id or f"{producer}-{lease}-{samples[0]}"
+        b = Batch(bid, producer, lease, epoch, list(samples), [4] * len(samples), [1, 2], payload_bytes=100,
+                  header_bytes=10, frames=[bid.encode(), b"t" * 100])
+        return self.core.on_batch(b, self.now)
+
+    def relay(self, pipes, frames) -> bool:
+        pipe = pipes.socks[0]
+        if pipe.full:
+            return False
+        pipe.sent.append(bytes(frames[0]).decode())
+        return True
+
+    def dispatch(self) -> list:
+        return self.core.dispatch(self.relay, self.now)
+
+    def tick(self, now: float | None = None) -> list:
+        return self.core.tick(self.now if now is None else now)
+
+    def status(self) -> dict:
+        return self.core.status_map(self.now)
+
+    def produce(self, identity: bytes = b"prod", want: int = 4) -> tuple[str, dict]:
+        """Hello (if new), lease, and one batch per lease of all its samples."""
+        if identity not in self.core.sessions.table.by_identity:
+            assert sent(self.hello(identity, "producer"), "welcome")
+        grant = sent(self.control(identity, "lease", want=want), "grant")[0].fields
+        p = self.peer(identity).id
+        if grant["lease"]:
+            self.batch(p, grant["lease"], grant["epoch"], grant["samples"])
+        return p, grant
+
+    def consumer(self, identity: bytes = b"cons", credit: int = 8, **config) -> str:
+        assert sent(self.hello(identity, "consumer", **config), "welcome")
+        self.control(identity, "credit", credit=credit)
+        return self.peer(identity).id
+
+    def in_flight(self, identity: bytes) -> list[str]:
+        return list(self.peer(identity).in_flight)
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def sent(actions: list, type_: str) -> list[Send]:
+    return [a for a in actions if isinstance(a, Send) and a.type == type_]
+
+
+def codes(actions: list) -> list[str]:
+    return [a.fields["code"] for a in sent(actions, "reject")]
+
+
+def ledger_states(core) -> dict[str, int]:
+    core.ledger.flush()
+    core.ledger.sync()
+    db = sqlite3.connect(core.ledger.path)
+    try:
+        return dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
+    finally:
+        db.close()
+
+
+def queued(batch_id: str, samples: list[int], tokens: int, nbytes: int, frames: list | None = None, *,
+           producer: str = "p1", lease: int = 1, epoch: int = 0, now: float = T0) -> Queued:
+    """A batch as the broker holds it (dispatch.Queued) of `tokens` tokens in all."""
+    seq_lens = [tokens - (len(samples) - 1)] + [1] * (len(samples) - 1)
+    return Queued(Batch(batch_id, producer, lease, epoch, list(samples), seq_lens, [1], frames=list(frames or [])),
+                  nbytes, now)
