@@ -271,6 +271,20 @@ class Target:
         raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list (or final norm)")
 
 
+# What transformers up to 5.2x says when a target's output head does not split evenly over
+# the tensor-parallel ranks (later versions split it unevenly).
+UNEVEN_HEAD = "must be divisible by the tensor parallel size"
+
+
+def uneven_head(name: str, config, world: int) -> str:
+    import transformers
+
+    vocab = getattr(config.get_text_config(), "vocab_size", "?")
+    return (f"--tensor-parallel over {world} ranks cannot shard {name}: its output head has {vocab} rows, which "
+            f"transformers {transformers.__version__} splits only in {world} equal parts; run it on a number of "
+            f"ranks that divides {vocab}, or with a newer transformers (5.25 splits it unevenly)")
+
+
 def _check_tp_plan(name: str, trust_remote_code: bool):
     """The target's text config; TargetError for a model whose transformers class has no
     tensor-parallel plan: loading it with tp_plan auto would give every rank the whole model."""
@@ -322,6 +336,8 @@ def load_target(
                                            trust_remote_code=trust_remote_code, **kw)
             break
         except ValueError as e:  # transformers refuses an implementation this model (custom code) lacks
+            if tensor_parallel and UNEVEN_HEAD in str(e):  # no attention implementation changes that
+                raise TargetError(uneven_head(name, config, world)) from e
             if i + 1 == len(options):
                 raise
             log.warning("produce.attn_fallback", attn_impl=attn, to=options[i + 1], error=str(e)[:300])
