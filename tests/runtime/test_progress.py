@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import subprocess
 import sys
 
 import pytest
 
 from dflash.runtime.progress import Progress, progress_mode
+from tests.harness.terminal import on_a_terminal
 
 pytestmark = pytest.mark.unit
 
@@ -41,24 +41,10 @@ def test_a_bar_on_a_terminal_and_log_lines_in_a_pipe():
     prog = [x for x in lines if x["event"] == "progress.update"]
     assert prog and prog[-1]["done"] == 40 and prog[-1]["total"] == 40 and prog[-1]["kept"] == 39
     # A terminal: stderr is a pseudo-terminal, and tqdm draws its bar there.
-    main, sub = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=sub, env=_env())
-    os.close(sub)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    p.wait(60)
-    os.close(main)
-    text = out.decode(errors="replace")
-    assert p.returncode == 0
+    rc, text, stdout = on_a_terminal([sys.executable, "-c", SCRIPT], _env(), 60)
+    assert rc == 0
     assert "things" in text and "40/40" in text and "kept=39" in text
-    assert not any(json.loads(x)["event"] == "progress" for x in p.stdout.read().decode().splitlines() if x.startswith("{"))
+    assert not any(json.loads(x)["event"] == "progress" for x in stdout.splitlines() if x.startswith("{"))
 
 
 def test_log_lines_come_at_most_every_interval():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.runtime.targets import load_config
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
+from tests.harness.terminal import on_a_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -33,23 +33,7 @@ def _env(**kw) -> dict:
 
 
 def _on_a_terminal(argv: list[str], env: dict | None = None, timeout_s: float = 300) -> tuple[int, str, str]:
-    """(exit code, what reached the terminal on stderr, stdout) of `argv` with stderr a pty."""
-    main, sub = pty.openpty()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=sub, env=env or _env())
-    os.close(sub)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:  # the child closed its end
-            break
-        if not chunk:
-            break
-        seen += chunk
-    out = p.stdout.read().decode()
-    p.wait(timeout_s)
-    os.close(main)
-    return p.returncode, seen.decode(errors="replace"), out
+    return on_a_terminal(argv, env or _env(), timeout_s)
 
 
 def _in_a_pipe(argv: list[str], env: dict | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:

@@ -14,7 +14,6 @@ evaluation, and the progress is a bar on a terminal and log lines in a pipe.
 import json
 import math
 import os
-import pty
 import random
 import re
 import subprocess
@@ -35,6 +34,7 @@ from dflash.tools.prompt_families import FAMILIES, FamilySpecError, on_family, p
 from dflash.tools.prompt_writer import PromptError, PromptWriter, Written, judge, turn_end_ids, user_turn
 from dflash.tools.self_prompts import holdout_path, interleave, split_rows
 from tests.harness.tiny import tiny_dir
+from tests.harness.terminal import on_a_terminal
 
 TURN_ENDS = {"qwen3": "<|im_end|>", "llama": "<|eot_id|>", "gemma": "<end_of_turn>"}
 LONG = os.environ.get("DFLASH_LONG") == "1"
@@ -232,22 +232,8 @@ def _prompts(folder, out, *args, tty=False, timeout=600):
     if not tty:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         return r.returncode, r.stdout, r.stderr
-    main, sub = pty.openpty()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sub, env=env)
-    os.close(sub)
-    err = b""
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        err += chunk
-    out_text = p.stdout.read().decode()
-    p.wait(timeout)
-    os.close(main)
-    return p.returncode, out_text, err.decode(errors="replace")
+    rc, err, out_text = on_a_terminal(cmd, env, timeout)
+    return rc, out_text, err
 
 
 PER_FAMILY = 3 if LONG else 1
