@@ -3,8 +3,7 @@ project's modules, and no import between producers/, consumers/ and broker/ (wha
 share lives in protocol/, runtime/ or another shared folder). The graph is read from source
 (tests/harness/imports.py): lazy imports inside functions and TYPE_CHECKING imports count.
 
-Each exception below is named, says why it is allowed for now, and fails the test once it
-is no longer needed, so that it is removed with the code that made it necessary."""
+There is no exception: a cycle or a cross-role import fails, naming the imports that make it."""
 
 from __future__ import annotations
 
