@@ -18,30 +18,37 @@ from pathlib import Path
 import click
 import torch
 
-from dflash.runtime.alloc import reuse_freed_memory
-from dflash.runtime.command_line import as_dict, fail
-from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
-from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.protocol.curve import client_from
+from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.links import ConsumerLink
 from dflash.protocol.messages import RunConfig
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
+from dflash.runtime.alloc import reuse_freed_memory
+from dflash.runtime.command_line import as_dict, fail
+from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.runtime.run import run_dir as run_folder
 from dflash.runtime.stop import GracefulStop
+from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 
-from dflash.protocol.training_signal import SignalMismatch, signal_differences
-
+from .broker_hooks import BrokerHooks, broker_batches, failure, nothing_left_to_train
 from .checkpoint import nothing_to_resume, resolve_checkpoint
 from .dist import Dist, RankLost, collective_failures_named
+from .join import (
+    arranged_dist,
+    await_run_facts,
+    check_run_target,
+    hello_config,
+    offer_dist_addr,
+    resume_point,
+    run_config_of,
+    run_layers,
+)
 from .live_eval import LiveEval
 from .quiet import quiet_library_noise
 from .real_tau import RealTauSet
-from .broker_hooks import BrokerHooks, broker_batches, failure, nothing_left_to_train
-from .join import (arranged_dist, await_run_facts, check_run_target, hello_config, offer_dist_addr, resume_point,
-                   run_config_of, run_layers)
 from .synthetic import synthetic_stream
-from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 from .train import Hooks, TrainConfig, resolve_signal, train
 from .train_config import TrainState
 

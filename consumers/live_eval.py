@@ -26,15 +26,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dflash.protocol.training_signal import Signal
 from dflash.runtime.logs import get_logger
+from dflash.runtime.target_heads import TargetHeads
 
 from .batch import Batch
-from dflash.protocol.training_signal import Signal
 from .loss import empty_stats
 from .real_tau import RealTauSet
 from .record import TrainedRecord
 from .step import batch_loss
-from dflash.runtime.target_heads import TargetHeads
 
 log = get_logger()
 

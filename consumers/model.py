@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.runtime.target_heads import TargetSpec
+
 from . import fused
 from .blocks import BlockLayout
-from dflash.runtime.target_heads import TargetSpec
 
 
 @dataclass(frozen=True)

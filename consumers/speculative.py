@@ -29,10 +29,10 @@ from torch import nn
 from dflash.decoding.core import Core
 from dflash.decoding.greedy import GreedyDecoder
 from dflash.runtime.hf_compat import cache_kwarg
+from dflash.runtime.target_heads import embed_block
 
 from .export import Drafter
 from .model import apply_rope
-from dflash.runtime.target_heads import embed_block
 
 
 @dataclass

@@ -9,12 +9,13 @@ import hashlib
 
 import torch
 
+from dflash.protocol.training_signal import Signal
+from dflash.runtime.target_heads import TargetHeads
+
 from .batch import Batch
 from .blocks import BlockLayout, anchor_seed, build_layout, sample_anchors
-from dflash.protocol.training_signal import Signal
 from .loss import LossStats, block_loss
 from .model import DFlashDraft
-from dflash.runtime.target_heads import TargetHeads
 
 
 def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str) -> BlockLayout:

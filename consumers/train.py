@@ -30,26 +30,24 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
+from dflash.runtime.target_heads import TargetHeads
 
+from . import finite, fused, train_checkpoint
 from .batch import Batch, BatchMismatch
-from . import finite, fused
-from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
 from .mask_token import mask_in_batch
-from .step_metrics import Meter, StepFigures
 from .model import DFlashDraft, DrafterConfig, calibrate_features, published_config
-from .step_oom import OomInjection, StepSplitter
 from .record import TrainedRecord
 from .staging import BatchStager
 from .step import batch_loss
-from dflash.runtime.target_heads import TargetHeads
-from . import train_checkpoint
-from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at,
-                           resolve_signal)
+from .step_metrics import Meter, StepFigures
+from .step_oom import OomInjection, StepSplitter
+from .train_config import Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at, resolve_signal
 
 __all__ = ["Hooks", "TrainConfig", "TrainState", "Trainer", "lr_at", "noise_at",
            "resolve_signal", "train", "START_WAIT_S"]

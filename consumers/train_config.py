@@ -14,14 +14,14 @@ from typing import Callable
 
 import torch
 
+from dflash.protocol.training_signal import Signal
+from dflash.runtime.target_heads import TargetHeads
 from dflash.runtime.targets import default_layer_ids
 
 from .batch import Batch
-from dflash.protocol.training_signal import Signal
 from .loss import default_gamma
-from .record import TrainedRecord
 from .mask_token import mask_choice
-from dflash.runtime.target_heads import TargetHeads
+from .record import TrainedRecord
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,11 @@ from typing import Iterable
 
 import torch
 
+from dflash.decoding.greedy import GreedyDecoder, Job
 from dflash.runtime.logs import get_logger
 from dflash.runtime.threads import name_this_thread
 
 from .data import BadRow, DataSource, Row
-from dflash.decoding.greedy import GreedyDecoder, Job
 from .regenerate import RegenCache, Regenerated, Regenerator, _Conversation
 
 log = get_logger()

@@ -39,13 +39,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.runtime.logs import get_logger
-
-from .data import BadRow, Row
-from dflash.runtime.progress import progress
-
 from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot, rows_for_memory
 from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes
+from dflash.runtime.logs import get_logger
+from dflash.runtime.progress import progress
+
+from .data import BadRow, Row
 from .target import Target
 
 log = get_logger()

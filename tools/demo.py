@@ -16,13 +16,12 @@ from pathlib import Path
 
 import click
 
+from dflash.protocol.sockets import free_port_block
 from dflash.runtime.command_line import command, fail, option
 from dflash.runtime.run import resolve_run, runs_root
 
 from .procs import ProcessGroup, tail_lines
 from .summary import render, summarise
-from dflash.protocol.sockets import free_port_block
-
 
 
 def _sample_data() -> Path:
