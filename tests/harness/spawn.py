@@ -69,6 +69,24 @@ def finish(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> list[int]:
     return codes
 
 
+def killed_part_way(brokers, n_samples: int, *broker_args: str, commits: int = 8):
+    """A run whose broker is SIGKILLed once `commits` samples are committed (a committing
+    consumer and a producer of `n_samples`, both slowed): (its broker, the samples it
+    committed), the start of a resume test."""
+    from tests.harness.ledger import committed
+    from tests.harness.wait import wait_until
+
+    b = brokers("--lease-size", "4", *broker_args)
+    peers = [spawn(COMMITTING, "consumer", b, "--instance", "c", "--train-s", "0.05", "--commit-every", "2"),
+             spawn(COMMITTING, "producer", b, "--instance", "p", "--n-samples", str(n_samples), "--delay-s", "0.05")]
+    wait_until(lambda: (b.ask() or {}).get("samples", {}).get("committed", 0) >= commits, 60,
+               f"{commits} committed samples")
+    b.proc.kill()
+    b.proc.wait(5)
+    finish(peers, 20)
+    return b, set(committed(b.run_dir))
+
+
 def rss_kib(pid: int) -> int:
     """VmRSS of a live process, KiB (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

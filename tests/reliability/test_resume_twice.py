@@ -13,9 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.harness.ledger import committed
-from tests.harness.spawn import COMMITTING, finish, spawn
-from tests.harness.wait import wait_until
+from tests.harness.spawn import COMMITTING, finish, killed_part_way, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +31,8 @@ def _latest(runs) -> str:
 
 def test_a_run_resumed_to_completion_is_not_resumed_again(brokers, tmp_path):
     runs = tmp_path / "runs"
-    a = brokers("--lease-size", "4")
-    peers = [spawn(COMMITTING, "consumer", a, "--instance", "c", "--train-s", "0.05", "--commit-every", "2"),
-             spawn(COMMITTING, "producer", a, "--instance", "p", "--n-samples", str(N), "--delay-s", "0.05")]
-    wait_until(lambda: (a.ask() or {}).get("samples", {}).get("committed", 0) >= 8, 60, "8 committed samples")
-    a.proc.kill()
-    a.proc.wait(5)
-    finish(peers, 20)
-    inherited = len(set(committed(a.run_dir)))
+    a, done = killed_part_way(brokers, N)
+    inherited = len(done)
     assert 0 < inherited < N
 
     b = brokers("--resume", a.run_id)

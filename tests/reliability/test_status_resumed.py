@@ -8,9 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.harness.ledger import committed
-from tests.harness.spawn import COMMITTING, finish, spawn
-from tests.harness.wait import wait_until
+from tests.harness.spawn import killed_part_way
 
 from dflash.tools.status_view import header
 import pytest
@@ -21,14 +19,8 @@ N, EPOCHS = 40, 1
 
 
 def test_a_resumed_runs_progress_counts_the_inherited_samples(brokers):
-    b1 = brokers("--lease-size", "4", "--epochs", str(EPOCHS))
-    peers = [spawn(COMMITTING, "consumer", b1, "--instance", "c", "--train-s", "0.05", "--commit-every", "2"),
-             spawn(COMMITTING, "producer", b1, "--instance", "p", "--n-samples", str(N), "--delay-s", "0.05")]
-    wait_until(lambda: (b1.ask() or {}).get("samples", {}).get("committed", 0) >= 8, 60, "8 committed samples")
-    b1.proc.kill()
-    b1.proc.wait(5)
-    finish(peers, 20)
-    parent = len(set(committed(b1.run_dir)))
+    b1, done = killed_part_way(brokers, N, "--epochs", str(EPOCHS))
+    parent = len(done)
     assert 0 < parent < N
 
     b2 = brokers("--resume", b1.run_id)
