@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from dflash.protocol.messages import Batch
 
 from .facts import Facts
@@ -65,15 +67,11 @@ def tensor_specs(m: Batch) -> dict[str, tuple[int, dict]]:
 def largest_unsigned(frame) -> int:
     """The largest int32 of a non-empty input_ids frame, read as unsigned: one pass (the
     check runs on every batch; a relay of small batches counts microseconds per batch)."""
-    import numpy as np
-
     return int(np.frombuffer(getattr(frame, "buffer", frame), dtype="<u4").max())
 
 
 def token_range(frame) -> tuple[int, int]:
     """(smallest, largest) int32 of a non-empty input_ids frame: only for the message."""
-    import numpy as np
-
     ids = np.frombuffer(getattr(frame, "buffer", frame), dtype="<i4")
     return int(ids.min()), int(ids.max())
 
