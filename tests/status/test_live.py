@@ -62,7 +62,9 @@ def test_lagging_drafter_names_the_drafters_and_every_field_is_there(start_broke
     assert d["code"] == "targets_backed_up" and d["limited_by"] == "drafters", d
     assert d["text"].startswith("drafters limit throughput: targets backed up, queue full")
     assert re.search(r"slowest drafter c\d \(dft6\) at", d["text"]), d["text"]  # IDs follow join order
-    assert st["queue"]["full_frac"] > 0.25
+    # the diagnosis' grounds (diagnosis.py): targets blocked on send a quarter of the window, or the
+    # queue full right now (on a loaded host the share can sit just under a quarter when this is read)
+    assert st["queue"]["full_frac"] >= 0.25 or st["queue"]["reading"] is False, st["queue"]
     # one target feeding two drafters cannot give one up: the suggestion is to add drafters
     assert d["suggestion"].startswith("add drafter GPUs")
 
