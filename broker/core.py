@@ -213,10 +213,9 @@ class BrokerCore:
         c = self._session(identity, m, now, ConsumerSession)
         if c is None:
             return
-        lineage = lineage_of(m.lineage)
-        why = self.commits.superseded(c, "ack", lineage, m.step)
-        if why is not None:
-            return self._superseded(c, "ack", why, now)
+        lineage = self._current_lineage(c, "ack", m, now)
+        if lineage is None:
+            return
         self.commits.acked(c, self.delivery.acked(c, m.batch_ids, m.step, now), lineage, m.step, now)
 
     @entry
@@ -224,10 +223,9 @@ class BrokerCore:
         c = self._session(identity, m, now, ConsumerSession)
         if c is None:
             return
-        lineage = lineage_of(m.lineage)
-        why = self.commits.superseded(c, "commit", lineage, m.step)
-        if why is not None:
-            return self._superseded(c, "commit", why, now)
+        lineage = self._current_lineage(c, "commit", m, now)
+        if lineage is None:
+            return
         self.commits.commit(c, m, lineage)
 
     @entry
@@ -363,11 +361,17 @@ class BrokerCore:
             self._check_job(p, state, reason)
         self.sessions.log_gone(p, silent_s)
 
-    def _superseded(self, c: ConsumerSession, what: str, why: str, now: float) -> None:
-        """An ack or commit from weights a newer lineage left behind: refused, and the
-        consumer's session ends (its batches in flight go back to the queue)."""
+    def _current_lineage(self, c: ConsumerSession, what: str, m: Ack | Commit, now: float) -> str | None:
+        """The lineage an ack or commit speaks for, or None when newer weights left it behind:
+        then it is refused, and the consumer's session ends (its batches in flight go back to
+        the queue)."""
+        lineage = lineage_of(m.lineage)
+        why = self.commits.superseded(c, what, lineage, m.step)
+        if why is None:
+            return lineage
         self.replies.refuse(c.identity, "lineage_superseded", why, None, now)
         self._drop(c, "lost", f"{what} from a superseded lineage", now)
+        return None
 
     def _check_job(self, c: ConsumerSession, state: str, reason: str) -> None:
         """The last consumer is gone before end of stream while samples are trained and not
