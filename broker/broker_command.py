@@ -12,7 +12,7 @@ import sys
 import click
 
 from dflash.protocol.messages import MAX_MESSAGE_BYTES
-from dflash.runtime.command_line import command, config_option, option, runs_dir_option
+from dflash.runtime.command_line import command, config_option, log_level_option, option, runs_dir_option
 
 
 @command("BROKER", max_content_width=100)
@@ -77,8 +77,7 @@ from dflash.runtime.command_line import command, config_option, option, runs_dir
         "in the run folder); WANDB_MODE=offline writes them locally only. Needs the wandb extra.")
 @option("--metrics-port", default=0, type=int,
         help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
-@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
-        help="Lowest level logged.")
+@log_level_option()
 @option("--max-peers", default=256, type=int,
         help="Most live producer+consumer sessions; more hellos are refused ('full'). Bounds what a flood "
              "of hellos can make the broker hold.")

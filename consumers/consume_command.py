@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, default_instance, fail,
-                                    option, runs_dir_option, size_option, target_option)
+                                    log_level_option, option, runs_dir_option, size_option, target_option)
 
 
 def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
@@ -121,7 +121,7 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
         help="Also log rank 0's train.step figures to Weights & Biases PROJECT (same names as --tensorboard; run "
         "<run_id>-consumer, files in the run folder); WANDB_MODE=offline writes them locally only. Needs the wandb "
         "extra.")
-@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@log_level_option()
 @curve_options
 def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""

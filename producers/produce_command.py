@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import click
 
-from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, fail, option,
-                                    runs_dir_option, target_option)
+from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, fail,
+                                    log_level_option, option, runs_dir_option, target_option)
 
 from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
 
@@ -72,7 +72,7 @@ from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
         "the other ranks follow its forward passes (docs/SHARDING.md).")
 @option("--instance", default=None, help="This producer's name, unique among the run's live producers (default <host>-<device>-<pid>, "
         "e.g. node1-cuda0-4711).")
-@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@log_level_option()
 @option("--dry-run", is_flag=True, default=False, help="No broker: one pass over the local dataset, batches "
         "discarded, summary printed.")
 @option("--limit", type=int, default=None, help="With --dry-run: only the first N samples.")

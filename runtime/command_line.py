@@ -170,6 +170,11 @@ def curve_options(f: Callable) -> Callable:
                        "dflash-keygen; the broker must have our .key in its authorized/). Off = plain TCP.")(f)
 
 
+def log_level_option() -> Callable:
+    return option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
+                  help="Lowest level logged.")
+
+
 def runs_dir_option() -> Callable:
     return option(
         "--runs-dir", default="runs", type=click.Path(file_okay=False),
