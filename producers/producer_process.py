@@ -30,7 +30,15 @@ log = get_logger()
 def run(cfg: ProducerConfig) -> None:
     """Produce until the broker has no work left, a signal stops us, or the dry run ends;
     exits non-zero with a one-line reason on failure (2: bad input found at start-up)."""
-    world = _join_world(cfg) if cfg.tensor_parallel else None
+    if not cfg.tensor_parallel:
+        return _run(cfg, None)
+    from . import shard
+
+    world = _join_world(cfg)
+    shard.run_then_exit(lambda: _run(cfg, world))
+
+
+def _run(cfg: ProducerConfig, world) -> None:
     instance = cfg.instance or _default_instance(cfg)
     if world is not None and not world.leader:
         return _follow(cfg, world, f"{instance}-rank{world.rank}")

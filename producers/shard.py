@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -146,3 +150,30 @@ def follow(target) -> int:
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_then_exit(life: Callable[[], None]) -> NoReturn:
+    """Run this rank's whole life, then leave through os._exit with its exit code. Gloo's
+    worker threads drop their hold on the last collective's tensors after it completes,
+    which takes the GIL, and the process group outlives destroy_process_group while the
+    sharded model refers to it: a worker still doing that when the interpreter shuts down
+    is ended by Python mid-release and the process aborts (SIGABRT), so torchrun would
+    call a finished run failed. Logs are closed by `life`; stdio is flushed here."""
+    code = 0
+    try:
+        life()
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001  (printed as the interpreter would, then the same exit path)
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

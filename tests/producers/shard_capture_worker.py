@@ -43,4 +43,4 @@ def one(world, folder: str, batch_file: str, out_file: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    shard.run_then_exit(lambda: main(*sys.argv[1:]))  # as the producer leaves (shard.run_then_exit says why)

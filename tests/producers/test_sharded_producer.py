@@ -106,6 +106,13 @@ def _wait(procs: dict, timeout_s: float) -> dict[str, int]:
     return {name: p.returncode for name, p in procs.items()}
 
 
+def _why(out: str) -> str:
+    """What a failed process printed besides its JSON log lines (a C++ abort's message, a
+    traceback), then the tail: torchrun's own report alone can fill the tail."""
+    plain = [line for line in out.splitlines() if not line.startswith("{")]
+    return "\n".join(plain[:40]) + "\n...\n" + out[-1500:]
+
+
 @pytest.mark.timeout(360)
 def test_a_run_with_a_sharded_producer_trains_to_the_end(tmp_path):
     import dflash.producers.sample_data as sample_data
@@ -139,7 +146,7 @@ def test_a_run_with_a_sharded_producer_trains_to_the_end(tmp_path):
                        "--draft-layers", "1", "--lr", "3e-3", "--save-every", "1000", "--log-position-every", "0"])
     codes = _wait(procs, 330)
     if any(codes.values()):
-        pytest.fail(f"exit codes {codes}: " + json.dumps({n: outs[n].read_text()[-2000:] for n in procs if codes[n]}))
+        pytest.fail(f"exit codes {codes}: " + json.dumps({n: _why(outs[n].read_text()) for n in procs if codes[n]}))
 
     (run_dir,) = [p for p in Path(runs).iterdir() if p.name != "latest"]
     db = sqlite3.connect(run_dir / "ledger.sqlite")
