@@ -27,17 +27,16 @@ OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
+. "$(dirname "$0")/gpu_carry.sh"
 
 case "${1:?usage: gpu_quality.sh install|prepare|start|sweep|wait}" in
 install)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  gpu_install || exit 1
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
-  cp .carry/part-a "$W/part-a" && ls -la "$W"
   python3 -c "import zmq, structlog, gguf, dflash.consumers.train; print('imports ok')"
   ;;
 prepare)
-  [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  gpu_join || exit 1
   self=()
   if [ "${SELF_PROMPTS:-0}" -gt 0 ]; then
     [ -f "$W/self.jsonl" ] || python3 -m dflash.tools.self_prompts --target "$GGUF" --count "$SELF_PROMPTS" \
@@ -52,9 +51,8 @@ prepare)
   ;;
 start)
   shift
-  [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
+  gpu_join || exit 1
   sha256sum "$GGUF"
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
   [ -d .carry/prompts ] && [ ! -d "$W/prompts" ] && cp -r .carry/prompts "$W/prompts"
   [ -f "$W/prompts/train.jsonl" ] || python3 bench/real_prompts.py --tokenizer "$W" --gguf-file "$(basename "$GGUF")" \
       --out "$W/prompts" ${PROMPT_ARGS:-} || exit 1
@@ -74,8 +72,7 @@ start)
   ;;
 sweep)
   shift
-  [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  gpu_join || exit 1
   cache=$(ls .carry/regen/*.xz.part-aa | head -1); name=$(basename "${cache%.xz.part-aa}")
   [ -f "$W/regen/$name" ] || { mkdir -p "$W/regen"; cat "${cache%aa}"* | xz -dc > "$W/regen/$name"; } || exit 1
   setsid nohup python3 bench/recipe_sweep.py --target "$GGUF" --regen "$W/regen/$name" --prompts .carry/prompts \

@@ -13,14 +13,13 @@ OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
+. "$(dirname "$0")/gpu_carry.sh"
 case "${1:?usage: gpu_regen_step.sh install|run}" in
 install)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  cp .carry/part-a "$W/part-a" && ls -la "$W"
+  gpu_install || exit 1
   ;;
 run)
-  [ -f "$GGUF" ] || cat "$W/part-a" .carry/part-b > "$GGUF" || exit 1
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  gpu_join || exit 1
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
   timeout --kill-after=10 "${REGEN_S:-400}" python3 bench/regen_speed.py --gguf "$GGUF" --out "$OUT/regen.json" \
       ${REGEN_ARGS:-} 2> "$W/regen.err" | cut -c1-600
