@@ -90,15 +90,12 @@ def test_unknown_peer_bad_header_and_wrong_role_are_refused(rig):
 
 
 def test_ranks_are_handed_out_and_a_full_group_is_refused(tmp_path):
-    r = Rig(tmp_path, consumers=2, elastic=False)
-    try:
+    with Rig(tmp_path, consumers=2, elastic=False) as r:
         ranks = [sent(r.hello(i, "consumer"), "welcome")[0].fields["run_config"]["rank"] for i in (b"a", b"b")]
         assert ranks == [0, 1]
         assert codes(r.hello(b"c", "consumer")) == ["full"]
         r.control(b"a", "bye", reason="done")  # a lost rank's number goes to the next to join
         assert sent(r.hello(b"d", "consumer"), "welcome")[0].fields["run_config"]["rank"] == 0
-    finally:
-        r.close()
 
 
 def test_pipe_ports_rotate_and_skip_a_port_another_process_holds(rig):
@@ -228,8 +225,7 @@ def test_a_lost_consumers_batches_are_requeued_first_and_its_pipes_closed(rig):
 
 
 def test_a_consumer_that_heartbeats_but_never_acks_is_lost_at_its_ack_deadline(tmp_path):
-    r = Rig(tmp_path, ack_timeout_s=5.0)
-    try:
+    with Rig(tmp_path, ack_timeout_s=5.0) as r:
         r.produce()
         r.consumer()
         r.dispatch()
@@ -242,8 +238,6 @@ def test_a_consumer_that_heartbeats_but_never_acks_is_lost_at_its_ack_deadline(t
         r.tick(t0 + 6)
         assert "c1" not in r.core.sessions.table.by_id and "no ack" in r.core.sessions.table.gone[-1].gone_reason
         assert len(r.core.delivery.queue) == 1 and r.core.ledger.counts["delivered"] == 0
-    finally:
-        r.close()
 
 
 def test_an_ack_after_the_commit_that_holds_it_is_committed_at_once(rig):
@@ -395,8 +389,7 @@ def test_a_first_signal_during_end_of_stream_changes_nothing_a_second_drains(rig
 
 
 def test_the_job_lost_with_uncommitted_work_refuses_consumers(tmp_path):
-    r = Rig(tmp_path, num_samples=16)
-    try:
+    with Rig(tmp_path, num_samples=16) as r:
         r.produce()
         r.consumer()
         r.dispatch()
@@ -409,8 +402,6 @@ def test_the_job_lost_with_uncommitted_work_refuses_consumers(tmp_path):
         assert st["progress"]["eta_s"] is None
         r.tick(r.advance(0.01))
         assert r.core.life.phase is Phase.JOB_LOST  # not the end of the stream: samples are left
-    finally:
-        r.close()
 
 
 def test_a_consumer_leaving_after_a_commit_of_everything_loses_no_job(rig):

@@ -51,8 +51,7 @@ def one_batch_trained_on_a(rig: Rig) -> str:
 
 
 def test_an_ack_after_the_commit_of_its_step_is_committed_at_once_a_later_one_waits(tmp_path):
-    r = Rig(tmp_path, lease_size=4)
-    try:
+    with Rig(tmp_path, lease_size=4) as r:
         r.hello(b"prod", "producer")
         r.hello(b"r0", "consumer")
         r.hello(b"r1", "consumer")
@@ -69,13 +68,10 @@ def test_an_ack_after_the_commit_of_its_step_is_committed_at_once_a_later_one_wa
         r.control(b"r0", "commit", step=2, checkpoint="ckpt/step-2")
         assert set(batch_states(r.core).values()) == {"committed"}
         assert r.core.ledger.last_commit == (2, "ckpt/step-2")
-    finally:
-        r.close()
 
 
 def test_after_a_clean_stop_a_new_consumer_starts_from_the_runs_newest_commit(tmp_path):
-    r = Rig(tmp_path, lease_size=2)
-    try:
+    with Rig(tmp_path, lease_size=2) as r:
         r.hello(b"prod", "producer")
         w = sent(r.hello(b"c", "consumer"), "welcome")[0].fields
         assert "resumed_from" not in w["run_config"]  # nothing committed yet: start fresh
@@ -86,13 +82,10 @@ def test_after_a_clean_stop_a_new_consumer_starts_from_the_runs_newest_commit(tm
         w = sent(r.hello(b"again", "consumer"), "welcome")[0].fields
         assert w["run_config"]["resumed_from"] == {"run": RUN, "step": 1, "checkpoint": "/ckpt/step-1"}
         assert r.core.life.job_lost is None
-    finally:
-        r.close()
 
 
 def test_after_the_job_died_with_work_not_committed_new_consumers_are_refused(tmp_path):
-    r = Rig(tmp_path, lease_size=2, consumers=2, elastic=False)
-    try:
+    with Rig(tmp_path, lease_size=2, consumers=2, elastic=False) as r:
         r.hello(b"prod", "producer")
         r.hello(b"r0", "consumer", dist_addr="127.0.0.1:29500")
         r.hello(b"r1", "consumer")
@@ -113,13 +106,10 @@ def test_after_the_job_died_with_work_not_committed_new_consumers_are_refused(tm
         assert sent(r.hello(b"p2", "producer"), "welcome")  # producers are not refused: the run is not over
         st = r.status()
         assert st["broker"]["state"] == "job_lost" and st["job_lost"]["text"] == reason
-    finally:
-        r.close()
 
 
 def test_a_lineage_that_misses_the_newest_commit_is_refused_and_its_session_ends(tmp_path):
-    r = Rig(tmp_path, lease_size=2)
-    try:
+    with Rig(tmp_path, lease_size=2) as r:
         one_batch_trained_on_a(r)
         r.control(b"c", "commit", step=1, checkpoint="ckpt/A1", lineage="A")
         r.hello(b"fresh", "consumer")
@@ -129,24 +119,18 @@ def test_a_lineage_that_misses_the_newest_commit_is_refused_and_its_session_ends
         r.hello(b"good", "consumer")
         assert codes(r.control(b"good", "lineage", lineage="C", parent="A", step=1, checkpoint="ckpt/A1")) == []
         assert r.core.commits.lineages.head == "C"
-    finally:
-        r.close()
 
 
 def test_a_lineage_announced_again_changes_nothing(tmp_path):
-    r = Rig(tmp_path, lease_size=2)
-    try:
+    with Rig(tmp_path, lease_size=2) as r:
         bid = one_batch_trained_on_a(r)
         pending = r.core.work.pool.pending()
         r.control(b"c", "lineage", lineage="A", step=0)  # a retry: not a restart from nothing
         assert list(r.core.commits.trained) == [bid] and r.core.work.pool.pending() == pending
-    finally:
-        r.close()
 
 
 def test_an_ack_from_weights_left_behind_is_refused_and_what_that_consumer_held_requeued(tmp_path):
-    r = Rig(tmp_path, lease_size=4)
-    try:
+    with Rig(tmp_path, lease_size=4) as r:
         r.hello(b"prod", "producer")
         r.hello(b"old", "consumer")
         r.control(b"old", "lineage", lineage="A", step=0)
@@ -160,5 +144,3 @@ def test_an_ack_from_weights_left_behind_is_refused_and_what_that_consumer_held_
         assert "c1" not in r.core.sessions.table.by_id and r.core.delivery.queue.peek().batch_id == b2
         assert r.status()["gone"][-1]["reason"] == "ack from a superseded lineage"
         assert list(r.core.commits.trained) == [b1]  # B's weights hold step 1 of A
-    finally:
-        r.close()

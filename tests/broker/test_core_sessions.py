@@ -57,15 +57,12 @@ def test_a_hello_config_over_64_kib_is_refused_without_echoing_it(rig):
 
 
 def test_the_session_bound_refuses_hellos_beyond_max_peers(tmp_path):
-    r = Rig(tmp_path, max_peers=2)
-    try:
+    with Rig(tmp_path, max_peers=2) as r:
         r.hello(b"a", "consumer")
         r.hello(b"b", "producer")
         assert codes(r.hello(b"c", "consumer")) == ["full"]
         r.control(b"a", "bye", reason="done")  # a session that left frees its place
         assert sent(r.hello(b"c", "consumer"), "welcome")[0].fields["peer"] == "c2"
-    finally:
-        r.close()
 
 
 def test_a_reconnect_with_another_curve_key_is_another_process(rig):
@@ -85,8 +82,7 @@ def hello_msg(role: str, instance: str, pid: int, **config):
 
 
 def test_the_first_producer_fixes_the_dataset_when_the_broker_was_not_told(tmp_path):
-    r = Rig(tmp_path, num_samples=None)
-    try:
+    with Rig(tmp_path, num_samples=None) as r:
         out = r.hello(b"p0", "producer")
         assert codes(out) == ["config_mismatch"] and "must send config.dataset.n_samples" in \
             sent(out, "reject")[0].fields["reason"]
@@ -99,8 +95,6 @@ def test_the_first_producer_fixes_the_dataset_when_the_broker_was_not_told(tmp_p
         assert codes(r.hello(b"p4", "producer", dataset={"n_samples": 12, "fingerprint": "f2"})) == \
             ["config_mismatch"]
         assert sent(r.hello(b"p5", "producer", dataset={"n_samples": 12}), "welcome")  # no fingerprint: fine
-    finally:
-        r.close()
 
 
 def test_later_producers_must_state_the_runs_target_and_layers(rig):
@@ -140,15 +134,12 @@ def test_without_ranks_a_second_drafter_trainer_is_refused_unless_one_group(rig)
 
 
 def test_rank_0s_rendezvous_goes_to_every_rank_in_its_welcome(tmp_path):
-    r = Rig(tmp_path, consumers=2, elastic=False)
-    try:
+    with Rig(tmp_path, consumers=2, elastic=False) as r:
         w0 = sent(r.hello(b"r0", "consumer", dist_addr="10.0.0.1:29500"), "welcome")[0].fields["run_config"]
         w1 = sent(r.hello(b"r1", "consumer", dist_addr="10.0.0.2:29500"), "welcome")[0].fields["run_config"]
         assert (w0["rank"], w0["world_size"], w0["dist"]) == (0, 2, "tcp://10.0.0.1:29500")
         assert (w1["rank"], w1["dist"]) == (1, "tcp://10.0.0.1:29500")  # rank 0's, not its own
         assert "lighthouse" not in w1
-    finally:
-        r.close()
 
 
 def test_a_consumer_that_finds_too_few_free_ports_binds_none(tmp_path):

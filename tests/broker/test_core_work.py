@@ -44,8 +44,7 @@ def test_a_lost_producers_leases_go_to_another_and_its_late_batch_is_stale(rig):
 
 
 def test_skipped_samples_complete_a_lease_and_missing_ones_come_back_after_the_timeout(tmp_path):
-    r = Rig(tmp_path, lease_size=4)
-    try:
+    with Rig(tmp_path, lease_size=4) as r:
         r.hello(b"t1", "producer")
         g = grant(r, b"t1", 4)
         s = g["samples"]
@@ -63,8 +62,6 @@ def test_skipped_samples_complete_a_lease_and_missing_ones_come_back_after_the_t
         assert g2["lease"] not in r.core.work.pool.open and "p1" in r.core.sessions.table.by_id
         assert grant(r, b"t1", 4)["samples"] == g2["samples"][1:]
         assert ledger_states(r.core) == {"skipped": 2, "produced": 3, "leased": 3}
-    finally:
-        r.close()
 
 
 def test_a_leases_done_clock_holds_while_the_queue_is_full(tmp_path):
@@ -88,8 +85,7 @@ def test_a_leases_done_clock_holds_while_the_queue_is_full(tmp_path):
 def test_two_producers_of_a_small_dataset_both_get_work(tmp_path):
     """Issue 29 item 5: with leases of --lease-size 256 the first producer to ask took all 50
     samples and the other made nothing; a lease is now a share of what is left."""
-    r = Rig(tmp_path, num_samples=50, lease_size=256)
-    try:
+    with Rig(tmp_path, num_samples=50, lease_size=256) as r:
         r.hello(b"t0", "producer")
         r.hello(b"t1", "producer")
         gs = [grant(r, who, 256)["samples"] for who in (b"t0", b"t1", b"t0", b"t1")]
@@ -97,8 +93,6 @@ def test_two_producers_of_a_small_dataset_both_get_work(tmp_path):
         r.control(b"t1", "bye", reason="done")  # its leases go back, first in line for the one left
         assert grant(r, b"t0", 256)["samples"] == gs[1] + gs[3]
         assert len(grant(r, b"t0", 256)["samples"]) == 3  # the rest: one producer's share is all of it
-    finally:
-        r.close()
 
 
 def test_a_producer_with_its_fill_of_open_leases_is_told_to_ask_again(rig):

@@ -134,6 +134,12 @@ class Rig:
     def close(self) -> None:
         self.core.close()
 
+    def __enter__(self) -> "Rig":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def sent(actions: list, type_: str) -> list[Send]:
     return [a for a in actions if isinstance(a, Send) and a.type == type_]

@@ -20,6 +20,8 @@ import sqlite3
 import subprocess
 import sys
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -132,6 +134,21 @@ def stop(b: BrokerProc) -> None:
         b.proc.wait(10)
 
 
+@contextmanager
+def broker_and_peers(tmp_path: Path) -> Iterator[tuple[BrokerProc, list]]:
+    """A broker, and a list for the (process, output) pairs the test starts: every one of
+    them ended on the way out, however the test ends."""
+    b = BrokerProc(tmp_path / "runs", ["--timeout-s", "30"])
+    procs: list = []
+    try:
+        yield b, procs
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        stop(b)
+
+
 def finished(b: BrokerProc) -> dict:
     assert b.proc.wait(60) == 0, b.stderr[-5:]
     info = json.loads((b.run_dir / "run.json").read_text())
@@ -155,9 +172,7 @@ FORMS = ("hidden_width", "token_ids")
 
 @pytest.mark.timeout(600)
 def test_poison_batches_the_broker_can_check_are_refused_naming_their_producer(tmp_path, target, facts, data):
-    b = BrokerProc(tmp_path / "runs", ["--timeout-s", "30"])
-    procs = []
-    try:
+    with broker_and_peers(tmp_path) as (b, procs):
         # Two liars join first, stating the run's facts as a real producer would; one lies in each form
         liars = {form: FakeProducer(b.control, f"liar-{form}", name_connection=True, config={
             "target": str(target), "layer_ids": LAYERS, **facts, "dataset": {"n_samples": N}}) for form in FORMS}
@@ -177,11 +192,6 @@ def test_poison_batches_the_broker_can_check_are_refused_naming_their_producer(t
             liar.close()
 
         info = real_peers_finish(b, target, data, tmp_path, "c1", procs)
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-        stop(b)
     assert info["bad_batches"] == {"rejected": {form: {"batches": 1, "samples": 2} for form in FORMS}}
     assert sorted(bad_rows(b.run_dir)) == [("rejected", form, 2, 0, 0) for form in FORMS]
     assert not info["samples"].get("quarantined")
@@ -189,9 +199,7 @@ def test_poison_batches_the_broker_can_check_are_refused_naming_their_producer(t
 
 @pytest.mark.timeout(900)
 def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(tmp_path, target, facts, data):
-    b = BrokerProc(tmp_path / "runs", ["--timeout-s", "30"])
-    procs = []
-    try:
+    with broker_and_peers(tmp_path) as (b, procs):
         # A client that states no hidden_size or vocab_size: the broker cannot check its batches
         liar = FakeProducer(b.control, "liar", name_connection=True, config={
             "target": str(target), "layer_ids": LAYERS, "dataset": {"n_samples": N}})
@@ -224,11 +232,6 @@ def test_poison_batches_consumers_fail_on_are_quarantined_and_the_run_finishes(t
 
         # The real producer makes the rest, and the poisoned samples again; a fifth consumer trains it all
         info = real_peers_finish(b, target, data, tmp_path, "c5", procs)
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-        stop(b)
     assert info["bad_batches"] == {"quarantined": {
         form: {"batches": 1, "samples": 1, "remade": 1, "set_aside": 0} for form in FORMS}}
     assert sorted(bad_rows(b.run_dir)) == [("quarantined", form, 1, 1, 0) for form in FORMS]
