@@ -69,6 +69,15 @@ def _ranks(log_of: dict[str, Path]) -> dict[str, int] | None:
     return starts if None not in starts.values() else None
 
 
+def _start_group(pipe: Pipeline, n: int, wait_s: float) -> tuple[str, Path, dict[str, Path], dict[str, int]]:
+    """Start the pipeline with its elastic group of `n` consumers (c0-g1, ...) and wait for
+    their ranks: (run ID, the run's log folder, consumer -> its log, consumer -> its rank)."""
+    run = pipe.start_all(None, 1)
+    logs = pipe.runs / run / "logs"
+    log_of = {f"c{i}-g1": logs / f"consumer-c{i}-g1.jsonl" for i in range(n)}
+    return run, logs, log_of, _wait(lambda: _ranks(log_of), wait_s, "the consumers' broker ranks", pipe)
+
+
 def _steps(ev: list[dict]) -> list[int]:
     return [e["step"] for e in ev if e["event"] == "train.step"]
 
@@ -79,11 +88,8 @@ def test_three_consumers_one_killed_survivors_go_on_and_it_rejoins(tmp_path):
     pipe = Pipeline(tmp_path, n_rows=N_ROWS, epochs=EPOCHS, seed=7, consumers=3)
     t0 = time.monotonic()
     try:
-        run = pipe.start_all(None, 1)
-        logs = pipe.runs / run / "logs"
-        names = [f"c{i}-g1" for i in range(3)]
-        log_of = {n: logs / f"consumer-{n}.jsonl" for n in names}
-        rank = _wait(lambda: _ranks(log_of), 120, "the consumers' broker ranks", pipe)
+        run, logs, log_of, rank = _start_group(pipe, 3, 120)
+        names = list(log_of)
         victim = next(n for n in names if rank[n] == VICTIM)
         survivors = [n for n in names if n != victim]
 

@@ -13,7 +13,7 @@ import signal
 import pytest
 from tests.reliability.chaos_audit import audit
 from tests.reliability.chaos_pipeline import Pipeline
-from tests.reliability.test_elastic import _events, _ranks, _steps, _wait
+from tests.reliability.test_elastic import _events, _start_group, _steps, _wait
 
 pytestmark = pytest.mark.integration
 
@@ -26,11 +26,8 @@ SIGNAL_AT_STEP = 4
 def test_ctrl_c_on_one_elastic_consumer_takes_it_out_and_the_other_goes_on(tmp_path):
     pipe = Pipeline(tmp_path, n_rows=N_ROWS, epochs=EPOCHS, seed=3, consumers=2)
     try:
-        run = pipe.start_all(None, 1)
-        logs = pipe.runs / run / "logs"
-        names = [f"c{i}-g1" for i in range(2)]
-        log_of = {n: logs / f"consumer-{n}.jsonl" for n in names}
-        rank = _wait(lambda: _ranks(log_of), 180, "the consumers' broker ranks", pipe)
+        run, logs, log_of, rank = _start_group(pipe, 2, 180)
+        names = list(log_of)
         leaver = next(n for n in names if rank[n] == 0)
         (stayer,) = [n for n in names if n != leaver]
         _wait(lambda: any(s >= SIGNAL_AT_STEP for s in _steps(_events(log_of[leaver]))), 240,
