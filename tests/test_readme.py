@@ -8,7 +8,7 @@ target (`--regenerate`, short answers). The hub ID `Qwen/Qwen3-8B` stays as writ
 Face cache holds the tiny target under that name. Two producers and two consumers run on
 this one host with their default instance names (no `--instance`). Model sizes come
 through each command's environment variables (DFLASH_PRODUCE_*, DFLASH_CONSUME_*, ...).
-`pip install` is what CI runs first, `python -m pytest -q` is this suite, and
+`pip install` is what CI runs first, `python -m pytest -q -n 2` is this suite, and
 `dflash-demo` runs in test_demo.py; `dflash-prompts` runs on its own (fewer prompts).
 
 The scenario is the README's own story: start a run, look at it with dflash-status,
@@ -40,7 +40,7 @@ NOISE = ("Loading weights", "NCCL flight recorder", '"GET /checkpoint')
 EXPECTED = [
     'pip install -e ".[test]"',
     "dflash-demo",
-    "python -m pytest -q",
+    "python -m pytest -q -n 2",
     "dflash-prompts --target Qwen/Qwen3-8B --count 20000 --out prompts.jsonl --gpu 0",
     "dflash-broker --epochs 6 --consumers 2",
     "dflash-produce --broker tcp://broker-host:5555 --device cuda:0 --target Qwen/Qwen3-8B --data prompts.jsonl "
