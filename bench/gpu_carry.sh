@@ -1,5 +1,11 @@
-# Sourced by bench/gpu_quality.sh and bench/gpu_regen_step.sh, for a GPU machine that keeps /tmp only while warm:
-# the steps both take. Needs W (the work folder) and GGUF (the target's path in it).
+# Sourced by bench/gpu_quality.sh and bench/gpu_regen_step.sh, for a GPU machine that keeps
+# /tmp only while warm: what both set up and the steps both take. The caller sets W (its
+# work folder); this sets OUT (results, unless given), GGUF (the real target's path in W)
+# and the environment (the carried wheels in /tmp/site first on the path).
+OUT=${OUT:-$W/out}
+mkdir -p "$W" "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
 
 # The carried wheels into /tmp/site, and .carry/part-a of the GGUF target into $W.
 gpu_install() {

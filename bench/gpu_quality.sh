@@ -23,11 +23,7 @@
 # (train.jsonl, indist.jsonl, heldout.jsonl) replaces the prompts bench/real_prompts.py builds.
 set -uo pipefail
 W=/tmp/dflash-quality
-OUT=${OUT:-$W/out}
-mkdir -p "$W" "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
-. "$(dirname "$0")/gpu_carry.sh"
+. "$(dirname "$0")/gpu_carry.sh"  # OUT, GGUF, the environment
 
 case "${1:?usage: gpu_quality.sh install|prepare|start|sweep|wait}" in
 install)

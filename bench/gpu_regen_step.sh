@@ -9,11 +9,7 @@
 # Results in $OUT: regen.json, step.jsonl, step_profile.txt.
 set -uo pipefail
 W=/tmp/dflash-regen
-OUT=${OUT:-$W/out}
-mkdir -p "$W" "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
-. "$(dirname "$0")/gpu_carry.sh"
+. "$(dirname "$0")/gpu_carry.sh"  # OUT, GGUF, the environment
 case "${1:?usage: gpu_regen_step.sh install|run}" in
 install)
   gpu_install || exit 1

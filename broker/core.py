@@ -210,23 +210,14 @@ class BrokerCore:
 
     @entry
     def on_ack(self, identity: bytes, m: Ack, now: float) -> None:
-        c = self._session(identity, m, now, ConsumerSession)
-        if c is None:
-            return
-        lineage = self._current_lineage(c, "ack", m, now)
-        if lineage is None:
-            return
-        self.commits.acked(c, self.delivery.acked(c, m.batch_ids, m.step, now), lineage, m.step, now)
+        if (found := self._current_consumer(identity, m, now)) is not None:
+            c, lineage = found
+            self.commits.acked(c, self.delivery.acked(c, m.batch_ids, m.step, now), lineage, m.step, now)
 
     @entry
     def on_commit(self, identity: bytes, m: Commit, now: float) -> None:
-        c = self._session(identity, m, now, ConsumerSession)
-        if c is None:
-            return
-        lineage = self._current_lineage(c, "commit", m, now)
-        if lineage is None:
-            return
-        self.commits.commit(c, m, lineage)
+        if (found := self._current_consumer(identity, m, now)) is not None:
+            self.commits.commit(found[0], m, found[1])
 
     @entry
     def on_lineage(self, identity: bytes, m: LineageStart, now: float) -> None:
@@ -361,16 +352,20 @@ class BrokerCore:
             self._check_job(p, state, reason)
         self.sessions.log_gone(p, silent_s)
 
-    def _current_lineage(self, c: ConsumerSession, what: str, m: Ack | Commit, now: float) -> str | None:
-        """The lineage an ack or commit speaks for, or None when newer weights left it behind:
-        then it is refused, and the consumer's session ends (its batches in flight go back to
-        the queue)."""
+    def _current_consumer(self, identity: bytes, m: Ack | Commit, now: float) -> tuple[ConsumerSession, str] | None:
+        """The consumer that sent an ack or commit, and the lineage it speaks for; None when
+        the sender may not send it (refused by _session), or when newer weights left its
+        lineage behind: then it is refused and its session ends (its batches in flight go back
+        to the queue)."""
+        c = self._session(identity, m, now, ConsumerSession)
+        if c is None:
+            return None
         lineage = lineage_of(m.lineage)
-        why = self.commits.superseded(c, what, lineage, m.step)
+        why = self.commits.superseded(c, m.type, lineage, m.step)
         if why is None:
-            return lineage
+            return c, lineage
         self.replies.refuse(c.identity, "lineage_superseded", why, None, now)
-        self._drop(c, "lost", f"{what} from a superseded lineage", now)
+        self._drop(c, "lost", f"{m.type} from a superseded lineage", now)
         return None
 
     def _check_job(self, c: ConsumerSession, state: str, reason: str) -> None:
