@@ -37,10 +37,13 @@ from .train_config import TrainConfig
 log = get_logger()
 
 # Elastic consumers: how long a collective may wait for a peer, and a quorum for enough
-# peers, before this consumer gives up (RankLost). A dead peer's collective fails at once
-# (its connection closes); these bound a peer that hangs, or a host that vanished.
+# peers, before this consumer gives up (RankLost). These bound a peer that hangs, or a host
+# that vanished. The quorum waits longer than a collective: a peer left hanging in a
+# collective still heartbeats, and by torchft's split-brain rule its survivors form no
+# quorum without it until its collective times out and it joins them; a shorter quorum
+# timeout would end those survivors instead (seen when a peer was SIGKILLed mid-step).
 ELASTIC_COLLECTIVE_TIMEOUT_S = 300.0
-ELASTIC_QUORUM_TIMEOUT_S = 60.0
+ELASTIC_QUORUM_TIMEOUT_S = ELASTIC_COLLECTIVE_TIMEOUT_S + 60.0
 # How long torchft keeps trying to reach the lighthouse (or a peer's Manager) before the
 # quorum fails: the lighthouse dies with the broker, and a consumer must then exit (as it
 # does when it finds the broker silent) rather than wait out the quorum timeout.
