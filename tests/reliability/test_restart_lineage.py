@@ -23,7 +23,7 @@ from tests.reliability.chaos_pipeline import Pipeline
 pytestmark = pytest.mark.integration
 
 N_ROWS, EPOCHS = 96, 2
-TIMEOUT_S = 25  # the restarted consumer must say hello within it while the other is frozen (a loaded host starts one slowly)
+TIMEOUT_S = 40  # the restarted consumer must say hello within it while the other is frozen (two suites on 2 cores took > 23 s)
 DEADLINE_S = 300
 
 
