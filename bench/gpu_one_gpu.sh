@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU part of the README's one-GPU path, in three calls of under 10 minutes each on a
+# machine that keeps /tmp only while warm (bench/gpu_carry.sh sets it up):
+#
+#   bash bench/gpu_one_gpu.sh step     # carry .whl, .carry/part-a, .carry/baseline.tar: install;
+#                                      # the drafter step before (the baseline tree) and after
+#   bash bench/gpu_one_gpu.sh start    # carry .carry/part-b: join the target, then
+#                                      # bench/one_gpu_budget.py run (prompts + training under
+#                                      # BUDGET seconds) in the background, waited on START_WAIT_S
+#   bash bench/gpu_one_gpu.sh finish   # wait for the run, then bench/one_gpu_budget.py report
+#                                      # (export, tau held-out and in-distribution, the logs'
+#                                      # figures) and, time left, SWEEP configs on the run's own
+#                                      # regenerated answers (bench/recipe_sweep.py)
+#
+# Results land in $OUT: step_before.json, step_after.json, result.json, sweep.json, logs.tgz.
+# Environment: BUDGET (600), COUNT (prompts, 12000), HOLDOUT (8 per family), EPOCHS (20),
+# PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
+# STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
+# SWEEP_SAMPLES, GPU (0; -1 runs it all on CPU: tests/bench/test_one_gpu_budget.py), TARGET
+# (default: the carried GGUF), BASELINE_TAR, W (work folder).
+set -uo pipefail
+W=${W:-/tmp/dflash-onegpu}
+. "$(dirname "$0")/gpu_carry.sh"  # OUT, GGUF, the environment
+GPU=${GPU:-0}
+TARGET=${TARGET:-$GGUF}
+BASELINE_TAR=${BASELINE_TAR:-.carry/baseline.tar}  # `git archive` of the commit to compare against
+STEP="bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 --vary --steps 30 ${STEP_ARGS:-}"
+
+budget_run() {  # the run, as one_gpu_budget.py's arguments
+  local a=(--target "$TARGET" --work "$W/run" --gpu "$GPU" --budget "${BUDGET:-600}" --count "${COUNT:-12000}"
+           --holdout "${HOLDOUT:-8}" --epochs "${EPOCHS:-20}" --producer-arg "--regen-cache $W/regen ${PRODUCER_ARGS:-}")
+  [ -n "${PROMPT_ARGS:-}" ] && a+=(--prompt-arg "$PROMPT_ARGS")
+  [ -n "${BROKER_ARGS:-}" ] && a+=(--broker-arg "$BROKER_ARGS")
+  [ -n "${CONSUMER_ARGS:-}" ] && a+=(--consumer-arg "$CONSUMER_ARGS")
+  python3 bench/one_gpu_budget.py run "${a[@]}"
+}
+
+case "${1:?usage: gpu_one_gpu.sh step|start|finish}" in
+step)
+  if [ "$GPU" -ge 0 ]; then
+    gpu_install || exit 1
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  else  # CPU: no drafter step to time; each tree must still import its own code
+    STEP="-c 'import dflash.consumers.train as t, json; print(json.dumps({\"train\": t.__file__}))'"
+  fi
+  if [ -f "$BASELINE_TAR" ]; then  # the tree before, built into its own site folder
+    rm -rf "$W/base" "$W/base_site"; mkdir -p "$W/base" && tar xf "$BASELINE_TAR" -C "$W/base" || exit 1
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$W/base_site" "$W/base" || exit 1
+    (cd "$W/base" && PYTHONPATH="$W/base_site:$PYTHONPATH" eval python3 "$STEP") | tee "$OUT/step_before.json"
+  fi
+  eval python3 "$STEP" | tee "$OUT/step_after.json"
+  ;;
+start)
+  [ "$GPU" -lt 0 ] || gpu_join || exit 1
+  [ "$GPU" -lt 0 ] || sha256sum "$GGUF"
+  rm -rf "$W/run"
+  setsid nohup bash -c "$(declare -f budget_run); budget_run" > "$W/run.log" 2>&1 < /dev/null &
+  pid=$!; echo "$pid" > "$W/run.pid"; echo "started $pid"; t0=$SECONDS
+  while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${START_WAIT_S:-560}" ]; do sleep 5; done
+  tail -c 1500 "$W/run.log"
+  ;;
+finish)
+  t0=$SECONDS
+  while [ -f "$W/run.pid" ] && kill -0 "$(cat "$W/run.pid")" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-300}" ]; do
+    sleep 5
+  done
+  [ -f "$W/run/run.json" ] || { echo "the run left no run.json:"; tail -c 3000 "$W/run.log"; exit 1; }
+  python3 bench/one_gpu_budget.py report --target "$TARGET" --work "$W/run" --gpu "$GPU" \
+      ${REPORT_ARGS:-} > "$OUT/result.json" 2> "$W/report.err" || { tail -c 3000 "$W/report.err"; exit 1; }
+  (cd "$W/run" && tar czf "$OUT/logs.tgz" broker.out producer.out consumer.out prompts.out eval-*.json run.json)
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({k: r.get(k) for k in ('checks','heldout','indist')})[:3000])" "$OUT/result.json"
+  if [ -n "${SWEEP:-}" ]; then  # the same answers, other recipes: held-out tau decides (bench/recipe_sweep.py)
+    mkdir -p "$W/sweep_prompts"
+    cp "$W/run/prompts.jsonl" "$W/sweep_prompts/train.jsonl"; cp "$W/run/indist.jsonl" "$W/sweep_prompts/indist.jsonl"
+    cp "$W/run/prompts.holdout.jsonl" "$W/sweep_prompts/heldout.jsonl"
+    cache=$(ls -S "$W"/regen/*.sqlite | head -1)
+    cfg=(); for c in $SWEEP; do cfg+=(--config "$c"); done
+    dev=cuda; [ "$GPU" -lt 0 ] && dev=cpu
+    python3 bench/recipe_sweep.py --target "$TARGET" --regen "$cache" --prompts "$W/sweep_prompts" \
+        --samples "${SWEEP_SAMPLES:-20000}" --device "$dev" ${SWEEP_ARGS:-} "${cfg[@]}" --out "$OUT/sweep.json" \
+        2>&1 | grep -v '"level": "info"' | tail -30
+  fi
+  ;;
+esac
