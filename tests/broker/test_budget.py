@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from dflash.broker.budget import Budget, parse_duration, reserve_for
 from dflash.broker.phase import Phase
+from dflash.tools.status_view import header
 from tests.harness.core_rig import T0, Rig, sent
 
 pytestmark = pytest.mark.unit
@@ -127,6 +128,7 @@ def test_the_plan_follows_the_rate_and_the_run_ends_at_it_before_the_deadline(tm
         # warm-up: one lead (a lease per producer) ahead of what is done, and the dataset's plan told
         pace.turn(1.0, leases=3, train=False)
         assert leased(rig) == 4 and pool.limit == 4 and budget.planned is None
+        assert "plan: warm-up" in next(x for x in header(rig.status()) if x.startswith("budget"))
         beat = [a for a in rig.tick(rig.advance(1.0)) if getattr(a, "type", None) == "heartbeat"]
         assert beat and beat[0].fields["planned_samples"] == 8 * 1000
         while budget.planned is None:  # 4 samples/s
@@ -184,6 +186,8 @@ def test_a_stall_plans_nothing_past_what_is_leased_and_the_eta_is_unknown(tmp_pa
         while rig.core.budget.planned is None:
             pace.turn(1.0)
         assert rig.status()["progress"]["eta_s"] is not None
+        budget_line = next(x for x in header(rig.status()) if x.startswith("budget"))
+        assert "plan " in budget_line and "trained in " in budget_line and "left (reserve 50.0s)" in budget_line
         for _ in range(100):  # the consumer trains nothing for 100 s (the rate's window is 60)
             pace.turn(1.0, train=False)
         stalled = plans(log_records)[-1]
@@ -192,6 +196,9 @@ def test_a_stall_plans_nothing_past_what_is_leased_and_the_eta_is_unknown(tmp_pa
         progress = rig.status()["progress"]
         assert progress["samples_per_s"] == 0 and progress["eta_s"] is None and progress["eta_at"] is None
         assert progress["budget"]["reason"] == "stalled" and progress["budget"]["planned_samples"] == held
+        budget_line = next(x for x in header(rig.status()) if x.startswith("budget"))  # dflash-status
+        assert "(stalled," in budget_line and "trained by: never at the current pace" in budget_line
+        assert "ETA -" in header(rig.status())[1]
         assert not rig.core.done  # what is leased waits to be trained; nothing ends the run meanwhile
         # training resumes: the next plans grow again
         for _ in range(40):
