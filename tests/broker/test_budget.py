@@ -216,3 +216,24 @@ def test_the_pace_is_over_a_minute_so_a_burst_after_a_stall_is_not_a_fast_pace()
     assert b.rate(160.0) == 0.0
     b.observe(161.0, 240 + 256)  # everything held is acked at once
     assert b.rate(161.0) <= 256 / 60
+
+
+# ---------------------------------------------------------------- the option
+
+
+def test_the_option_takes_each_form_and_a_bad_one_is_a_click_error_naming_it(monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash.broker.broker_command import main
+
+    monkeypatch.delenv("DFLASH_BROKER_TIME_BUDGET", raising=False)
+    for text, seconds in (("600", 600.0), ("10m", 600.0), ("1h30m", 5400.0)):
+        assert main.make_context("dflash-broker", ["--time-budget", text]).params["time_budget"] == seconds
+    assert main.make_context("dflash-broker", []).params["time_budget"] is None
+    for bad in ("10x", "0", "-1m"):
+        r = CliRunner().invoke(main, ["--time-budget", bad])
+        assert r.exit_code == 2 and "Invalid value for '--time-budget'" in r.output, r.output
+        assert "600s, 10m, 1h30m" in r.output or "positive" in r.output
+    monkeypatch.setenv("DFLASH_BROKER_TIME_BUDGET", "soon")
+    r = CliRunner().invoke(main, [])
+    assert r.exit_code == 2 and "'--time-budget'" in r.output and "DFLASH_BROKER_TIME_BUDGET" in r.output
