@@ -126,6 +126,10 @@ class Budget:
         return max(0, self.count - self.marks[0][1]) / (now - self.marks[0][0])
 
     def due(self, now: float) -> bool:
+        """A re-plan is due; in the warm-up also once the reserve begins (training started too
+        late for a pace to be measured: the plan is then what is leased)."""
+        if self.last is None and now >= self.deadline - self.reserve_s:
+            return True
         return self.next_at is not None and now >= self.next_at
 
     def plan(self, now: float, *, done: int, leased: int, total: int, rate: float, reason: str | None = None) -> PlanFigures:

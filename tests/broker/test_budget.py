@@ -62,6 +62,13 @@ def test_the_plan_is_what_the_rate_trains_before_the_reserve_within_leased_and_t
     assert (fig.planned_samples, fig.reason) == (1000, "dataset") and b.final(1000)
 
 
+def test_a_warm_up_that_reaches_the_reserve_plans_what_is_leased():
+    b = Budget(100.0, started=0.0)
+    assert not b.due(94.9) and b.due(95.0)  # nothing trained yet, and the reserve begins
+    fig = b.plan(95.0, done=0, leased=16, total=10**6, rate=b.rate(95.0))
+    assert (fig.planned_samples, fig.reason) == (16, "deadline") and b.lease_limit(done=0, lead=8) == 16
+
+
 def test_a_stall_plans_nothing_more_and_has_no_eta():
     b = Budget(1000.0, started=0.0)
     b.observe(1.0, 4)
