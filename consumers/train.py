@@ -304,10 +304,12 @@ class Trainer:
         # An elastic rank signalled alone leaves; the group stops only when the broker says so,
         # or when every rank was signalled (the last one checkpoints and commits as any stop).
         leaving = want_stop and dist.elastic and hooks.leave is not None and hooks.leave()
-        # The broker's plan as every rank will use it: the mean of what each rank's heartbeat
-        # said, so that a re-plan that reached the ranks at different steps moves none of them
-        # alone (each rank steps its optimizer with the lr the plan gives)
-        plan = hooks.plan() if hooks.plan is not None else None
+        # The broker's plan as every rank will use it: the mean of what the heartbeats of the
+        # ranks with a batch said, so that a re-plan that reached the ranks at different steps
+        # moves none of them alone (each rank steps its optimizer with the lr the plan gives).
+        # Asked only with a batch in hand: the dataset's size is known by then, and the first
+        # ask waits for the heartbeat that carries it (broker_hooks.plan)
+        plan = hooks.plan() if hooks.plan is not None and batch is not None else None
         have, stops, ended, bads, n_starting, n_leaving, plans, planned = dist.all_sum(
             [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving,
              plan or 0, plan is not None])
