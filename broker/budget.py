@@ -16,8 +16,8 @@ for the end: the final checkpoint, its commit, the export.
 
 Until training has gone on for one re-plan period there is no pace to plan from
 (warm-up): consumers are told the dataset's plan, and the pool leases at most `lead`
-samples ahead of what is done, so producers cannot fill the queue with more than the
-budget may train. A stall (no sample trained in the rate's window) plans nothing more:
+samples ahead of what is done (the leases the producers may hold open at once), so
+producers cannot fill the queue with more than the budget may train. A stall (no sample trained in the rate's window) plans nothing more:
 what is leased is trained when training resumes, and the status ETA is unknown.
 
 Pure arithmetic: every call takes `now` from its caller (the core's injected clock).
@@ -111,7 +111,8 @@ class Budget:
             if trained <= 0:
                 return
             self.first_trained_at, self.next_at = now, now + self.every_s
-            self.marks.append((now, 0))
+            # the first acks' samples are not in the pace: how long they took is not known
+            self.marks.append((now, trained))
         if now - self.marks[-1][0] >= 1.0:
             self.marks.append((now, trained))
         while len(self.marks) > 1 and self.marks[1][0] <= now - RATE_WINDOW_S:

@@ -37,7 +37,7 @@ from .dispatch import Queued
 from .facts import Facts, RunFacts
 from .inbound import BadBatch, Batch, Unreadable, connection_fields
 from .intake import Intake
-from .leases import LeasePool
+from .leases import MAX_OPEN_LEASES, LeasePool
 from .ledger import Ledger
 from .lineage import MAX_LINEAGE
 from .liveness import Every, WallClock
@@ -411,7 +411,8 @@ class BrokerCore:
             log.info("broker.plan", budget_s=budget.budget_s, elapsed_s=fig.elapsed_s, left_s=fig.left_s,
                      reserve_s=budget.reserve_s, rate=fig.rate, planned_samples=fig.planned_samples, done=fig.done,
                      leased=fig.leased, samples_total=total, reason=fig.reason)
-        lead = self.cfg.lease_size * max(1, len(self.sessions.table.producers()))
+        # the warm-up's lead: the leases the producers may hold open at once (leases.py)
+        lead = self.cfg.lease_size * MAX_OPEN_LEASES * max(1, len(self.sessions.table.producers()))
         pool.limit = max(0, budget.lease_limit(done, lead) - inherited)
 
     # ------------------------------------------------------------ the end of the run

@@ -11,6 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from dflash.broker.budget import Budget, parse_duration, reserve_for
+from dflash.broker.leases import MAX_OPEN_LEASES
 from dflash.broker.phase import Phase
 from dflash.tools.status_view import header
 from tests.harness.core_rig import T0, Rig, sent
@@ -132,9 +133,9 @@ def test_the_plan_follows_the_rate_and_the_run_ends_at_it_before_the_deadline(tm
         budget, pool = rig.core.budget, rig.core.work.pool
         assert (budget.every_s, budget.reserve_s) == (10.0, 5.0)
         pace = Pace(rig)
-        # warm-up: one lead (a lease per producer) ahead of what is done, and the dataset's plan told
-        pace.turn(1.0, leases=3, train=False)
-        assert leased(rig) == 4 and pool.limit == 4 and budget.planned is None
+        # warm-up: a lead (the leases a producer may hold open) ahead of what is done, and the dataset's plan told
+        pace.turn(1.0, leases=6, train=False)
+        assert leased(rig) == 4 * MAX_OPEN_LEASES == pool.limit and budget.planned is None
         assert "plan: warm-up" in next(x for x in header(rig.status()) if x.startswith("budget"))
         beat = [a for a in rig.tick(rig.advance(1.0)) if getattr(a, "type", None) == "heartbeat"]
         assert beat and beat[0].fields["planned_samples"] == 8 * 1000
