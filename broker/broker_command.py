@@ -15,6 +15,20 @@ from dflash.protocol.messages import MAX_MESSAGE_BYTES
 from dflash.runtime.command_line import command, config_option, log_level_option, option, runs_dir_option
 
 
+class Duration(click.ParamType):
+    """600, 600s, 10m, 1h30m -> seconds (budget.parse_duration); click names the option on error."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        from .budget import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
 @command("BROKER", max_content_width=100)
 @config_option()
 @option("--bind", default="*", help="Interface to bind every socket on ('*' = all, 127.0.0.1 = this host only).")
@@ -28,6 +42,11 @@ from dflash.runtime.command_line import command, config_option, log_level_option
 @runs_dir_option()
 @option("--instance", default="main", help="This broker's name: its log is runs/<run_id>/logs/broker-<instance>.jsonl.")
 @option("--epochs", default=1, type=int, help="Passes over the dataset; each epoch has its own shuffled order.")
+@option("--time-budget", default=None, type=Duration(), metavar="DURATION",
+        help="End the run within this time from the broker's start (600, 600s, 10m, 1h30m): the broker plans the "
+             "samples trained from the measured rate, so the consumers' lr anneals to --min-lr as the last planned "
+             "sample is trained and everything trained is committed before the deadline (docs/TRAINING.md, "
+             "\"A recipe for a time budget\"). Never more than --epochs over the dataset. Default: no budget.")
 @option("--seed", default=0, type=int, help="Seed of the per-epoch sample order (same seed -> same order).")
 @option("--queue-bytes", default="4GiB",
         help="Most batch bytes the shared queue holds; when full the broker stops reading producers (backpressure).")

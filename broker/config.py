@@ -106,6 +106,7 @@ class BrokerConfig:
     io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
     data_streams: int = 0  # TCP connections per peer for its batches; 0 = auto (stream_count)
     quarantine_after: int = 2  # consumers that fail on one batch before it is quarantined (quarantine.py)
+    time_budget: float | None = None  # seconds from the broker's start the run must end within (budget.py)
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -131,6 +132,8 @@ class BrokerConfig:
             raise ValueError("--consumers must be >= 0")
         if self.max_peers < 1:
             raise ValueError("--max-peers must be >= 1")
+        if self.time_budget is not None and not 0 < self.time_budget < float("inf"):
+            raise ValueError(f"--time-budget {self.time_budget}: must be a positive duration")
         if self.quarantine_after < 1:
             raise ValueError("--quarantine-after must be >= 1")
         if self.metrics_port and (not 0 < self.metrics_port < 65536

@@ -29,6 +29,7 @@ from dflash.runtime.logs import get_logger
 
 from . import resume, runinfo
 from .actions import Action, Outbox
+from .budget import Budget
 from .commits import Commits, lineage_of
 from .config import BrokerConfig
 from .delivery import Delivery, Relay
@@ -36,7 +37,7 @@ from .dispatch import Queued
 from .facts import Facts, RunFacts
 from .inbound import BadBatch, Batch, Unreadable, connection_fields
 from .intake import Intake
-from .leases import LeasePool
+from .leases import MAX_OPEN_LEASES, LeasePool
 from .ledger import Ledger
 from .lineage import MAX_LINEAGE
 from .liveness import Every, WallClock
@@ -110,6 +111,9 @@ class BrokerCore:
         self.last_tick = now
         self.beat, self.progress = Every(cfg.heartbeat_s, now), Every(cfg.progress_s, now)
         self.publish_status = bool(cfg.metrics_port)  # the --metrics-port endpoint wants the map
+        # --time-budget: the plan of samples to train by the deadline (budget.py)
+        self.budget = Budget(cfg.time_budget, now) if cfg.time_budget else None
+        self.status.budget = self.budget
 
     # ------------------------------------------------------------ what the server reads
 
@@ -324,8 +328,10 @@ class BrokerCore:
         for c, why in self.sessions.overdue_acks(now):
             self._drop(c, "lost", why, now)
         self.work.incomplete(now)
+        if life.phase is not Phase.DRAINING:
+            self._budget_plan(now)
         if self.beat.due(now):
-            beat = Heartbeat(self.status.heartbeat_stats())
+            beat = Heartbeat(self.status.heartbeat_stats(), planned_samples=self.status.planned_samples())
             for p in self.sessions.table.live():
                 self.out.send(p.identity, beat)
             if self.publish_status:
@@ -382,6 +388,32 @@ class BrokerCore:
             last = self.ledger.last_commit
             log.warning("broker.job_lost", peer=c.id, state=state, reason=reason, trained=trained,
                         last_commit=list(last) if last else None, hint=f"restart with dflash-broker --resume {self.run_id}")
+
+    # ------------------------------------------------------------ the time budget
+
+    def _budget_plan(self, now: float) -> None:
+        """--time-budget (budget.py): re-plan when due, or when everything planned is trained
+        before the deadline (so the run is not ended by a plan the pace has outgrown); the
+        lease pool leases nothing past the plan."""
+        budget, pool = self.budget, self.work.pool
+        if budget is None or not pool.known or self.life.phase not in (Phase.RUNNING, Phase.JOB_LOST):
+            return
+        c = self.ledger.counts
+        inherited = c.get("inherited", 0)
+        budget.observe(now, self.commits.rate_samples.total)  # samples acked so far
+        done = c["trained"] + c["committed"] + c["skipped"] + c["quarantined"] + inherited
+        drained = (budget.last is not None and pool.finished() and pool.capped and not self.delivery.queue
+                   and not any(x.in_flight for x in self.sessions.table.consumers()))
+        if budget.due(now) or drained:
+            total = pool.n_samples * self.cfg.epochs
+            fig = budget.plan(now, done=done, leased=inherited + pool.taken, total=total,
+                              rate=budget.rate(now), reason="drained" if drained else None)
+            log.info("broker.plan", budget_s=budget.budget_s, elapsed_s=fig.elapsed_s, left_s=fig.left_s,
+                     reserve_s=budget.reserve_s, rate=fig.rate, planned_samples=fig.planned_samples, done=fig.done,
+                     leased=fig.leased, samples_total=total, reason=fig.reason)
+        # the warm-up's lead: the leases the producers may hold open at once (leases.py)
+        lead = self.cfg.lease_size * MAX_OPEN_LEASES * max(1, len(self.sessions.table.producers()))
+        pool.limit = max(0, budget.lease_limit(done, lead) - inherited)
 
     # ------------------------------------------------------------ the end of the run
 

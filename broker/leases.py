@@ -53,6 +53,10 @@ class LeasePool:
         self._order: list[int] = []
         self._cursor = 0
         self._returned: deque[tuple[int, int]] = deque()  # (epoch, sample), leased first
+        # Samples taken from the epochs' orders (not counting ones given back and leased again)
+        # and the most that may be (--time-budget's plan, budget.py); None: the whole dataset
+        self.taken = 0
+        self.limit: int | None = None
         self.open: dict[int, Lease] = {}
         self._next_id = 1
         if n_samples is not None:
@@ -87,7 +91,19 @@ class LeasePool:
         if self.n_samples is None:
             return 0
         later = sum(self._left(e) for e in range(self.epoch + 1, self.epochs))
-        return len(self._returned) + (len(self._order) - self._cursor) + later
+        return len(self._returned) + self._fresh(len(self._order) - self._cursor + later)
+
+    def _fresh(self, left: int) -> int:
+        """Of `left` samples not yet taken from the orders, those the limit allows."""
+        return left if self.limit is None else max(0, min(left, self.limit - self.taken))
+
+    @property
+    def capped(self) -> bool:
+        """Samples are left to lease that only the limit keeps back (so it may yet grow)."""
+        if self.limit is None or self.n_samples is None:
+            return False
+        later = sum(self._left(e) for e in range(self.epoch + 1, self.epochs))
+        return len(self._order) - self._cursor + later > self._fresh(len(self._order) - self._cursor + later)
 
     def finished(self) -> bool:
         """Every sample of every epoch arrived or was skipped."""
@@ -125,11 +141,13 @@ class LeasePool:
                 out.append(self._returned.popleft()[1])
             return epoch, out
         # `while`: on a resume, whole epochs may have been committed already.
-        while self._cursor >= len(self._order) and self.epoch + 1 < self.epochs:
+        # (Not past the limit: an epoch is started by the lease that takes its first sample.)
+        while self._cursor >= len(self._order) and self.epoch + 1 < self.epochs and self._fresh(1):
             self.epoch += 1
             self._order, self._cursor = self._order_of(self.epoch), 0
-        out = self._order[self._cursor:self._cursor + want]
+        out = self._order[self._cursor:self._cursor + self._fresh(want)]
         self._cursor += len(out)
+        self.taken += len(out)
         return self.epoch, out
 
     def arrived(self, lease_id: int, producer: str, epoch: int, samples: list[int]) -> Lease:

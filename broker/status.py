@@ -53,6 +53,7 @@ class StatusMap:
         self.steady = Steady(HOLD_TICKS * cfg.progress_s)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.metric_sink = None  # --tensorboard / --wandb (runtime/sinks.py)
+        self.budget = None  # --time-budget's plan (budget.py), set by the core
 
     def samples(self) -> dict:
         c = self.ledger.counts
@@ -70,11 +71,21 @@ class StatusMap:
             "epoch": pool.epoch, "epochs": self.cfg.epochs, "n_samples": n,
         }
 
+    def planned_samples(self) -> int | None:
+        """What the run plans to train, in samples.done's count (the heartbeat's
+        `planned_samples`): --time-budget's plan once made, else epochs x samples."""
+        total = self.samples()["total"]
+        planned = self.budget.planned if self.budget is not None else None
+        return total if planned is None or total is None else min(total, planned)
+
     def progress(self, now: float) -> dict:
-        """Where the run stands and when it should end, from the pace of the last minute."""
+        """Where the run stands and when it should end, from the pace of the last minute;
+        with --time-budget, against its plan (`budget`). The ETA is null while nothing is
+        trained per second (a stall), never a finite guess."""
         s = self.samples()
         sps = self.commits.rate_samples.rate(now)
-        left = None if s["total"] is None else max(0, s["total"] - s["done"])
+        target = self.planned_samples()
+        left = None if target is None else max(0, target - s["done"])
         eta = round(left / sps) if left is not None and sps > 0 else None
         if self.life.job_lost is not None:  # nothing more is trained in this run: no end to foresee
             eta = None
@@ -84,6 +95,8 @@ class StatusMap:
             "fraction": round(s["done"] / s["total"], 4) if s["total"] else None, "done": s["done"],
             "total": s["total"], "samples_per_s": round(sps, 2), "eta_s": eta,
             "eta_at": _iso(self.wall.at(now) + eta) if eta is not None else None,
+            "planned": target,
+            "budget": self.budget.as_dict(now) if self.budget is not None else None,
         }
 
     def _peer_state(self, p: Session) -> str:

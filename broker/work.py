@@ -34,7 +34,8 @@ class Work:
         if lease is None:
             # Elastic consumers may restart the training from a checkpoint, sending samples
             # already made back to the pool (commits.py): producers stay until end of stream.
-            end = ending or (pool.finished() and not elastic)
+            # (Nor while only --time-budget's plan keeps samples back: a re-plan may grow it.)
+            end = ending or (pool.finished() and not pool.capped and not elastic)
             return Grant(0, pool.epoch, [], end, retry_ms=RETRY_MS)
         if pool.epoch != epoch_before or lease.id == 1:
             self.ledger.epoch_started(pool.epoch, self.cfg.seed, pool.n_samples)

@@ -134,22 +134,28 @@ class BrokerHooks:
         return self.link.broker_stats
 
     def plan(self) -> int | None:
-        """The samples this run plans to train: the broker's samples_total (epochs x
-        samples) less those skipped (bad rows: never trained), from its heartbeat.
+        """The samples this run plans to train: the broker's planned_samples (--time-budget's
+        plan, else epochs x samples) less those skipped (bad rows: never trained), from its
+        heartbeat.
 
         A batch exists only once a producer fixed the dataset size, and the broker's next
         heartbeat carries it: the first call (the first step) waits for that heartbeat
         (a few heartbeat intervals at most) rather than start the run without a plan."""
-        stats = self.link.broker_stats
-        if stats.get("samples_total") is None and not self.plan_waited:
+        link = self.link
+        if self._planned(link) is None and not self.plan_waited:
             self.plan_waited = True
-            beat = self.link.welcome.heartbeat_s
-            deadline = time.monotonic() + PLAN_WAIT_BEATS * beat
-            while stats.get("samples_total") is None and time.monotonic() < deadline:
+            deadline = time.monotonic() + PLAN_WAIT_BEATS * link.welcome.heartbeat_s
+            while self._planned(link) is None and time.monotonic() < deadline:
                 time.sleep(0.02)
-                stats = self.link.broker_stats
-        total = stats.get("samples_total")
+        total, stats = self._planned(link), link.broker_stats
         return None if total is None else max(0, int(total) - int(stats.get("samples_skipped") or 0))
+
+    @staticmethod
+    def _planned(link) -> int | None:
+        """The heartbeat's planned_samples (--time-budget's plan, else epochs x samples); a
+        broker that does not send it: its samples_total."""
+        plan = getattr(link, "broker_plan", None)
+        return plan if plan is not None else link.broker_stats.get("samples_total")
 
     def heartbeat(self) -> dict:
         """Heartbeat stats (PROTOCOL.md 4.2). Runs on the link's I/O thread: a C-level

@@ -47,7 +47,8 @@ from .staging import BatchStager
 from .step import batch_loss
 from .step_metrics import Meter, StepFigures
 from .step_oom import OomInjection, StepSplitter
-from .train_config import Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at, resolve_signal
+from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at, progress,
+                           resolve_signal)
 
 __all__ = ["Hooks", "TrainConfig", "TrainState", "Trainer", "lr_at", "noise_at",
            "resolve_signal", "train", "START_WAIT_S"]
@@ -218,6 +219,8 @@ class Trainer:
         self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
         # The schedule's plan: a resumed run continues its checkpoint's (train_config.choose_plan)
         self.start_samples, self.saved_plan, self.last_plan = self.state.samples, self.state.planned_samples, None
+        self.broker_plan: int | None = None  # the broker's plan as the ranks agreed it (agree)
+        self.last_lr, self.last_progress = None, None  # of the newest step: train.end says if it annealed
         # The next batch is converted and copied to the device while this one trains.
         stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
         self.source: Iterator = stager if stager is not None else iter(batches)
@@ -301,8 +304,16 @@ class Trainer:
         # An elastic rank signalled alone leaves; the group stops only when the broker says so,
         # or when every rank was signalled (the last one checkpoints and commits as any stop).
         leaving = want_stop and dist.elastic and hooks.leave is not None and hooks.leave()
-        have, stops, ended, bads, n_starting, n_leaving = dist.all_sum(
-            [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving])
+        # The broker's plan as every rank will use it: the mean of what the heartbeats of the
+        # ranks with a batch said, so that a re-plan that reached the ranks at different steps
+        # moves none of them alone (each rank steps its optimizer with the lr the plan gives).
+        # Asked only with a batch in hand: the dataset's size is known by then, and the first
+        # ask waits for the heartbeat that carries it (broker_hooks.plan)
+        plan = hooks.plan() if hooks.plan is not None and batch is not None else None
+        have, stops, ended, bads, n_starting, n_leaving, plans, planned = dist.all_sum(
+            [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving,
+             plan or 0, plan is not None])
+        self.broker_plan = round(plans / planned) if planned > 0 else None
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
             self.held = _dropped(batch, state, dist, "quorum")
             return _SKIP
@@ -363,6 +374,7 @@ class Trainer:
         # All-reduce: every figure in one collective, then the step's samples and the gradients
         total = mine.summed(dist)
         lr = lr_at(step, cfg, state.samples + int(total.samples), plan)  # its own samples included
+        self.last_lr, self.last_progress = lr, progress(plan, step, state.samples + int(total.samples))
         pairs = None
         if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
             pairs = gather_samples(dist, batch, int(total.samples))
@@ -413,8 +425,12 @@ class Trainer:
         """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""
         state, hooks = self.state, self.hooks
         stream = None if hooks.stream_samples is None else self.start_samples + hooks.stream_samples
-        plan = choose_plan(self.cfg, broker=hooks.plan() if hooks.plan is not None else None,
-                           checkpoint=self.saved_plan, stream=stream)
+        plan = choose_plan(self.cfg, broker=self.broker_plan, checkpoint=self.saved_plan, stream=stream)
+        last = self.last_plan
+        if last is not None and (plan.by, plan.length, plan.source) == (last.by, last.length, last.source):
+            plan = last  # unchanged: it keeps where it started from
+        elif last is not None and plan.by == last.by == "samples" and plan.source == last.source == "broker":
+            plan = last.moved_to(plan, state.samples)  # the broker re-planned (--time-budget)
         if plan != self.last_plan:
             fields = dict(step=step, samples=state.samples, **plan.as_dict(), lr=self.cfg.lr, min_lr=self.cfg.min_lr,
                           warmup=self.cfg.warmup, rank=self.dist.rank)
@@ -482,7 +498,16 @@ class Trainer:
         state = self.state
         if self.ckpt_root is not None and state.step > state.saved_step and state.end_reason != "left":
             self._commit(self._save())
-        log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank)
+        p, lr = self.last_progress, self.last_lr
+        log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank,
+                 samples=state.samples, lr=lr, progress=None if p is None else round(p, 6))
+        if p is not None and p < 1.0 and state.end_reason in ("stop", "bad_batch"):
+            # Stopped before its plan was trained (a signal, the broker's shutdown, a bad batch):
+            # the weights keep a lr that never annealed, and the log says so
+            log.warning("train.unannealed", reason=state.end_reason, step=state.step, samples=state.samples,
+                        planned_samples=state.planned_samples, progress=round(p, 6), lr=lr, min_lr=self.cfg.min_lr,
+                        rank=self.dist.rank, hint="these weights were saved before the lr schedule reached "
+                        "--min-lr: resume the run (dflash-broker --resume RUN) to train the rest of its plan")
         state.model = self.model
         return state
 

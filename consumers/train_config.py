@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -155,9 +155,20 @@ class Plan:
     by: str  # samples | steps | constant
     length: int | None  # samples or steps; None for constant
     source: str  # --total-steps | --total-samples | broker | checkpoint | stream | none
+    # A plan that moved (the broker re-planned, --time-budget) goes on from where the old one
+    # was: progress `start_p` at `start` samples, reaching 1 at `length` (see `progress`)
+    start: int = 0
+    start_p: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"by": self.by, "length": self.length, "source": self.source}
+        return {"by": self.by, "length": self.length, "source": self.source, "from_samples": self.start,
+                "from_progress": round(self.start_p, 6)}
+
+    def moved_to(self, new: "Plan", samples: int) -> "Plan":
+        """`new`, the same kind of plan with another length, continuing this one at `samples`
+        trained: the progress there is kept and what is left of it is spread over the samples
+        left, so the lr stays continuous, and keeps falling once annealing began."""
+        return replace(new, start=samples, start_p=progress(self, 0, samples) or 0.0)
 
 
 def choose_plan(cfg: TrainConfig, *, broker: int | None = None, checkpoint: int | None = None,
@@ -179,6 +190,11 @@ def progress(plan: Plan, step: int, samples: int) -> float | None:
     `samples` trained over the plan's length."""
     if plan.by == "constant" or not plan.length:
         return None
+    if plan.by == "samples" and plan.start:
+        if plan.length <= plan.start:
+            return 1.0
+        done = max(0, samples - plan.start) / (plan.length - plan.start)
+        return min(1.0, plan.start_p + done * (1.0 - plan.start_p))
     return min(1.0, max(0, step if plan.by == "steps" else samples) / plan.length)
 
 

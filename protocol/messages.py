@@ -271,6 +271,9 @@ class Heartbeat(Message):
 
     type: ClassVar[str] = "heartbeat"
     stats: dict
+    # broker -> peer: the samples the run plans to train, in samples.done's count (the lr
+    # schedule's length: --time-budget's plan, else epochs x samples); nil until known
+    planned_samples: int | None = optional(parse=typed(int))
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,7 @@ class PeerLink(ABC):
         self.curve = curve  # CurveZMQ client keys (protocol/curve.py), or None for plain TCP
         self.welcome: Welcome | None = None  # the broker's, once start() returned
         self.broker_stats: dict = {}
+        self.broker_plan: int | None = None  # the heartbeat's planned_samples (the lr schedule's length)
         self.stopped = threading.Event()
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
@@ -335,7 +336,9 @@ class PeerLink(ABC):
 
     def _on_control(self, msg: codec.Message) -> None:
         if msg.type == "heartbeat":
-            self.broker_stats = from_broker(Heartbeat, msg.header).stats
+            beat = from_broker(Heartbeat, msg.header)
+            self.broker_plan = beat.planned_samples  # set before the stats: a reader of both sees it
+            self.broker_stats = beat.stats
         elif msg.type == "stop":
             stop = from_broker(Stop, msg.header)
             log.info("link.stop", reason=stop.reason)

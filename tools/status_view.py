@@ -91,6 +91,10 @@ def header(st: dict) -> list[str]:
              f"pid {br.get('pid')}"]
     total = p.get("total")
     pct = f" ({100 * p['fraction']:.1f}%)" if isinstance(p.get("fraction"), (int, float)) else ""
+    planned = p.get("planned")
+    if isinstance(p.get("budget"), dict) and isinstance(planned, int) and planned != total:  # --time-budget
+        pct += f", planned {planned}" + (f" ({100 * p['done'] / planned:.1f}%)" if planned and
+                                         isinstance(p.get("done"), int) else "")
     eta = (f"ETA {dur(p['eta_s'])} ({clock(p.get('eta_at'), '%Y-%m-%d %H:%MZ')}) at {p.get('samples_per_s')} "
            "samples/s" if p.get("eta_s") is not None else "ETA -")
     epochs_done = _num(p.get("epochs_done"), ".2f")
@@ -99,6 +103,8 @@ def header(st: dict) -> list[str]:
                  f"{p.get('epochs', '?')} ({epochs_done} epochs done)  samples trained {p.get('trained', 0)} "
                  f"committed {p.get('committed', 0)}{inherited(p.get('inherited'))} of {total if total is not None else '?'}{pct}  skipped "
                  f"{s.get('skipped', 0)}  {eta}")
+    if isinstance(p.get("budget"), dict):
+        lines.append(budget_line(p["budget"], p))
     lines.append(f"queue    {q.get('batches', 0)} batches  {size(q.get('bytes'))} of {size(q.get('capacity_bytes'))}"
                  f"  oldest {dur(q.get('oldest_age_s'))}  in flight {q.get('in_flight_batches', 0)}"
                  f" ({size(q.get('in_flight_bytes'))})" + ("" if q.get("reading", True) else "  FULL: targets blocked"))
@@ -115,6 +121,22 @@ def header(st: dict) -> list[str]:
         if isinstance(d.get("pending"), dict):  # hysteresis: a new diagnosis not yet steady
             lines.append(f"         (changing? {d['pending'].get('code')} for {dur(d['pending'].get('for_s'))})")
     return lines
+
+
+def budget_line(b: dict, p: dict) -> str:
+    """--time-budget: the time left, the plan and when it is trained at the current pace
+    (no time at all while nothing is trained: a stall has no ETA)."""
+    left = b.get("left_s")
+    time_left = f"{dur(left)} left" if isinstance(left, (int, float)) and left >= 0 else f"deadline passed {dur(-left)} ago" \
+        if isinstance(left, (int, float)) else "?"
+    head = f"budget   {dur(b.get('budget_s'))}: {dur(b.get('elapsed_s'))} used, {time_left} (reserve {dur(b.get('reserve_s'))})"
+    if b.get("state") != "planned":
+        return f"{head}  plan: warm-up (the first plan {dur(b.get('every_s'))} after the first sample trained)"
+    plan = f"  plan {b.get('planned_samples')} samples ({b.get('reason')}, at {b.get('rate')} samples/s)"
+    eta = p.get("eta_s")
+    if eta is None:
+        return f"{head}{plan}  trained by: never at the current pace (nothing trained in the last minute)"
+    return f"{head}{plan}  trained in {dur(eta)}"
 
 
 def producer_rows(peers: list[dict]) -> list[str]:

@@ -294,3 +294,26 @@ def test_a_consumer_started_before_any_producer_trains_on_the_runs_layers(tmp_pa
     assert steps and c.events("train.batch_mismatch") == []
     (done,) = c.events("consume.done")
     assert done["reason"] == "end_of_stream" and done["samples"] == 6
+
+
+def test_a_run_stopped_before_its_plan_says_its_lr_never_annealed(target_dir, tmp_path):
+    """A shutdown mid-plan (SIGTERM to the broker, as at a --time-budget run stopped early or
+    any run): the consumer checkpoints, commits and says, in `train.end` and a
+    `train.unannealed` warning, that its last lr is above --min-lr."""
+    b = BrokerProc(tmp_path / "runs", ["--num-samples", "6", "--epochs", "50"])
+    try:
+        c = Consumer(b, target_dir, tmp_path / "c.out", "--instance", "c", "--min-lr", "1e-5", "--lr", "1e-3")
+        cfg = {"target": "fake", "layer_ids": [1, 2], "hidden_size": 64, "dataset": {"n_samples": 6, "fingerprint": "fp"}}
+        producer = FakeProducer(b.control, "fake-p", n_samples=6, per_batch=1, width=128, config=cfg)
+        threading.Thread(target=producer.run_to_end, daemon=True).start()
+        _wait_for_event(c, "train.step")
+        assert b.stop() == 0  # SIGTERM: consumers checkpoint, commit and leave
+        code, out = c.wait(60)
+    finally:
+        b.stop()
+    assert code == 0, out[-1500:]
+    (end,) = c.events("train.end")
+    (warned,) = c.events("train.unannealed")
+    assert end["reason"] == warned["reason"] == "stop" and 0 < end["progress"] < 1 and end["lr"] > 1e-5
+    assert warned["planned_samples"] == 300 and warned["samples"] == end["samples"] >= 1
+    assert warned["min_lr"] == 1e-5 and "--resume" in warned["hint"]

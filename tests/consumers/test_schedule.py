@@ -75,3 +75,29 @@ def test_plan_precedence_and_the_step_override():
     assert lr_at(5, TrainConfig(lr=1.0), samples=5) == 1.0  # nothing planned: constant
     steps = TrainConfig(lr=1.0, total_steps=100, total_samples=10)  # --total-steps overrides
     assert choose_plan(steps).by == "steps" and lr_at(2, steps) == pytest.approx(0.5)
+
+
+def test_a_plan_that_moves_keeps_the_lr_continuous_falling_and_ends_at_the_minimum():
+    """--time-budget re-plans (broker/budget.py): the schedule goes on from where it was
+    (Plan.moved_to), with no jump in the lr, never rising again once annealing began, and
+    the last sample of the newest plan trained at min-lr."""
+    cfg = TrainConfig(lr=PEAK, min_lr=MIN, warmup=0.04)
+    plan = Plan("samples", 1000, "broker")
+    moves = {30: 2000, 400: 900, 700: 760, 750: 1200}  # samples trained -> the broker's new plan
+    lrs, samples = [], 0
+    while samples < plan.length:
+        if samples in moves:
+            moved = plan.moved_to(Plan("samples", moves[samples], "broker"), samples)
+            # the step after the move starts where the old plan was
+            before = lr_at(1, cfg, samples, plan)
+            assert lr_at(1, cfg, samples, moved) == pytest.approx(before, rel=1e-12)
+            plan = moved
+        samples += 1
+        lrs.append(lr_at(samples, cfg, samples, plan))
+    assert samples == 1200 and lrs[-1] == pytest.approx(MIN)
+    steps = [b - a for a, b in zip(lrs, lrs[1:])]
+    peak = lrs.index(max(lrs))
+    assert all(d > 0 for d in steps[:peak]) and all(d <= 1e-15 for d in steps[peak:])
+    assert max(abs(d) for d in steps) < PEAK / 20  # no jump anywhere (a warmup step is PEAK / 40 or less)
+    # a plan moved to no more than what is trained is over: min-lr
+    assert lr_at(1, cfg, 500, Plan("samples", 1000, "broker").moved_to(Plan("samples", 480, "broker"), 500)) == MIN
