@@ -42,12 +42,23 @@ class PagedKV:
         self.owner = torch.full((pages + 1,), -1, dtype=torch.long, device=device)
         self.block_of = torch.zeros(pages + 1, dtype=torch.long, device=device)
         self._page_ar = torch.arange(page, device=device)
+        self._index: dict = {}
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self._write: torch.Tensor | None = None  # physical slots the forward's tokens go to (flat)
         self._read: torch.Tensor | None = None  # step with sdpa: [B, slots] physical slots in logical order
         self._step = False
         self.in_place = False  # step: hand attention the pool itself (flex), not gathered rows
+
+    def index_buffer(self, kind, rows: int) -> torch.Tensor:
+        """A block mask's K/V block list for `rows` rows: as many columns as the pool has
+        pages (the compiled kernel asserts it), of which a step writes the first `width` (a
+        row lists no more); one buffer per layer kind, kept, so a step writes no more."""
+        buf = self._index.get(kind)
+        if buf is None or buf.shape[0] != rows:
+            buf = self._index[kind] = torch.zeros(rows, 1, 1, self.pages + 1, dtype=torch.int32,
+                                                  device=self.table.device)
+        return buf
 
     def physical(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Physical slots of logical `slots` of `rows` (same shapes, broadcast)."""
@@ -125,7 +136,8 @@ def paged_block_masks(core, cache: PagedKV, qslot: torch.Tensor, off: torch.Tens
         last = torch.div(qslot[:, -1], ps, rounding_mode="floor")
         count = (last - first + 1).clamp_min(1).to(torch.int32)[:, None, None]
         logical = (first[:, None] + ar[None]).clamp_max(cache.width - 1)
-        index = cache.table[:R].gather(1, logical).to(torch.int32)[:, None, None]  # [R, 1, 1, width]
+        index = cache.index_buffer(w, R)  # [R, 1, 1, pages + 1]: flex wants a column per K/V block
+        index[:, 0, 0, : cache.width] = cache.table[:R].gather(1, logical).to(torch.int32)
         out[w] = block_mask(count, index, (128, ps), _paged_visible(cache, qslot, off, w, q),
                             (g * q, (cache.pages + 1) * ps))
     return out

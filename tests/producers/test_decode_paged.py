@@ -102,3 +102,34 @@ def test_pages_that_cannot_hold_one_job_are_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="do not hold one job"):
         GreedyDecoder(model, rows=4, max_prompt=60, max_new_tokens=NEW, stop_ids=[], kv_block=PAGE, pages=8)
+
+
+def test_fewer_pages_decode_fewer_rows_at_once():
+    """The rows decoding beside the long job follow the pages, with rows to spare."""
+    model = tiny_model("llama")
+    lengths = [6, 60, 3, 5, 4, 7, 2, 6, 5, 3, 4, 6, 5, 7, 3]
+    prompts = _prompts(model.config.vocab_size, lengths)
+    want = [_reference(model, p, NEW) for p in prompts]
+    most = {}
+    for pages in (12, 24):
+        dec = GreedyDecoder(model, rows=len(prompts), max_prompt=max(lengths), max_new_tokens=NEW, stop_ids=[],
+                            sync_every=2, refill_min=1, kv_block=PAGE, pages=pages)
+        got, most[pages] = _run(dec, prompts, long_key=1)
+        assert got == want
+    assert 1 < most[12] < most[24] < len(prompts), most
+
+
+def test_the_compiled_flex_kernel_reads_the_pages_exactly(monkeypatch):
+    """The flex path as it runs on a GPU (compiled: the kernel reads only the listed pages),
+    here on the CPU's compiled kernel, full and sliding layers, rows over several pages."""
+    import dflash.decoding.attention as decode
+
+    monkeypatch.setattr(decode, "FLEX_COMPILE", True)
+    model = tiny_model("qwen2_sliding")
+    lengths = [3, 13, 2 * WINDOW + 5, 7, 1, 30]
+    prompts = _prompts(model.config.vocab_size, lengths)
+    want = [_reference(model, p, NEW) for p in prompts]
+    dec = GreedyDecoder(model, rows=3, max_prompt=max(lengths), max_new_tokens=NEW, stop_ids=[], sync_every=4,
+                        refill_min=1, kernel="flex", kv_block=16, pages=8)
+    assert dec.core.kernel == "flex"
+    assert dec.generate(prompts) == want
