@@ -276,12 +276,14 @@ class GreedyDecoder:
     def _grow(self, busy: dict[int, Job], free: list[int], jobs: deque) -> None:
         """Give each row the pages its next `sync_every` tokens need. If the free pages do not
         hold them, the newest rows give theirs back and their jobs go first in `jobs`."""
-        wants = {r: min(self._at[r] + self.sync_every, self._need[r]) for r in busy}
+        ps, held = self.core.cache.page, self.book.held
+        wants = {r: w for r in busy  # only rows whose next tokens cross into a page they lack
+                 for w in (min(self._at[r] + self.sync_every, self._need[r]),) if w > len(held[r]) * ps}
         short = sum(self.book.missing(r, s) for r, s in wants.items()) - len(self.book.free)
         back: list[int] = []
         while short > 0 and len(busy) > 1:
             r = max(busy, key=self._seq.__getitem__)
-            short -= self.book.missing(r, wants.pop(r)) + len(self.book.held.get(r, ()))
+            short -= self.book.missing(r, wants.pop(r, 0)) + len(held[r])
             back.append(r)
             jobs.appendleft(busy.pop(r))
             free.append(r)
