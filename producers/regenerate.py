@@ -129,7 +129,8 @@ class _Conversation:
 
 AUTO_ROWS_CAP = 2048  # rows past this add little: a decode step is then bound by reading the KV cache
 AUTO_KV_FRACTION = 0.4  # the plan: this share of the GPU's memory holds regeneration's KV pages
-FREE_CAP = 0.9  # ... but never more than this share of what is free when a decoder is built
+FREE_CAP = 0.5  # ... but never more than this share of what is free when a decoder is built (the capture
+# of hidden states, and a drafter already on the GPU, keep the rest)
 PAGE_SLOTS = 128  # a page: flex's K/V block on a GPU (decoding/paged.py)
 CPU_PAGE_SLOTS = 16
 CPU_ROWS = 16
@@ -255,27 +256,34 @@ class Regenerator:
         """A decoder's prompt room for `jobs`: the longest prompt, rounded up to 64 so that a
         slightly longer one later does not rebuild the decoder, plus one more turn's answer
         only where a conversation has a turn after this one (with sdpa every step attends
-        each row's whole page table, so room no job needs makes every step slower). On a
-        GPU with flex, at least GPU_PROMPT_ROOM: there a row's unused room costs nothing."""
+        each row's whole page table, so room no job needs makes every step slower; with
+        flex `_decoder` gives more)."""
         longest = max(len(j.prompt) for j in jobs)
         more = any(len(conv_of(j).generated) + 1 < len(conv_of(j).turns) for j in jobs)
-        room = -(-(longest + (self.max_new_tokens if more else 0)) // 64) * 64
-        if self.target.device.type == "cuda" and step_kernel(self.target.model, self.target.device) == "flex":
-            room = max(room, GPU_PROMPT_ROOM)
-        return room
+        return -(-(longest + (self.max_new_tokens if more else 0)) // 64) * 64
 
     def _decoder(self, n_jobs: int, max_prompt: int) -> GreedyDecoder:
         """A decoder for `n_jobs` prompts of up to `max_prompt` tokens on a paged KV cache
         planned by `kv_plan` (the plan leaves the capture of hidden states, and a drafter
-        sharing the GPU, the rest)."""
-        plan = kv_plan(self.target.model, self.target.device, self.rows_asked, n_jobs, max_prompt,
-                       self.max_new_tokens)
-        log.info("produce.regen_rows", jobs=n_jobs, graphed_prefill=self.graphed_prefill, **plan)
-        with self.target.lock:  # building it runs the model under another attention (see _run)
-            return GreedyDecoder(self.target.model, rows=plan["rows"], max_prompt=max_prompt,
-                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
-                                 prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None,
-                                 kv_block=plan["page_size"], pages=plan["pages"])
+        sharing the GPU, the rest). On a GPU with flex its prompt room is at least
+        GPU_PROMPT_ROOM (a row's unused room costs nothing there); if flex fails there, the
+        decoder is built again with `max_prompt` (sdpa gathers each row's whole room)."""
+        model, device = self.target.model, self.target.device
+        room = max_prompt
+        if device.type == "cuda" and step_kernel(model, device) == "flex":
+            room = max(room, GPU_PROMPT_ROOM)
+        while True:
+            plan = kv_plan(model, device, self.rows_asked, n_jobs, room, self.max_new_tokens)
+            log.info("produce.regen_rows", jobs=n_jobs, graphed_prefill=self.graphed_prefill, **plan)
+            with self.target.lock:  # building it runs the model under another attention (see _run)
+                dec = GreedyDecoder(model, rows=plan["rows"], max_prompt=room, max_new_tokens=self.max_new_tokens,
+                                    stop_ids=self.stop_ids,
+                                    prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None,
+                                    kv_block=plan["page_size"], pages=plan["pages"])
+            if dec.core.kernel == "flex" or room == max_prompt:
+                return dec
+            del dec
+            room = max_prompt
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
         # Decoding runs with the core's own attention (decoding/attention.py), whatever packed capture

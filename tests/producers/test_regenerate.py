@@ -266,7 +266,7 @@ def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
     from dflash.decoding.greedy import Job
     from dflash.producers.regenerate import Regenerator
 
-    regen = SimpleNamespace(max_new_tokens=256, target=SimpleNamespace(device=CPU, model=None))
+    regen = SimpleNamespace(max_new_tokens=256)
     slots = Regenerator.prompt_slots.__get__(regen)
     single = SimpleNamespace(generated=[], turns=[1])
     two_turns = SimpleNamespace(generated=[], turns=[1, 3])
@@ -302,3 +302,28 @@ def test_rows_sized_by_memory_unless_given(tiny, tokenizer, tmp_path):
     assert said[0]["pages"] >= -(-(said[0]["max_prompt"] + NEW) // CPU_PAGE_SLOTS)
     with pytest.raises(ValueError, match="0 .sized by memory. or more"):
         Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=-1)
+
+
+def test_a_gpu_plan_takes_its_share_of_the_gpu_not_what_is_free(tiny, monkeypatch):
+    """On a GPU the pages come from the plan (AUTO_KV_FRACTION of the GPU's memory), cut to
+    half the free memory only where that is less; never fewer than one longest job needs.
+    No GPU here: the memory query answers as a GPU's would (kv_plan reads nothing else)."""
+    from dflash.decoding.core import kv_bytes_per_slot
+    from dflash.producers.regenerate import AUTO_KV_FRACTION, AUTO_ROWS_CAP, PAGE_SLOTS, kv_plan
+
+    model = load_target(str(tiny), None, device=CPU, full=True).model
+    per_page = kv_bytes_per_slot(model, model.dtype) * PAGE_SLOTS
+    total = 1000 * per_page
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(0.95 * total), total))
+    plan = kv_plan(model, gpu, 0, 10_000, 256, 128)
+    assert plan["kv_fraction"] == AUTO_KV_FRACTION and plan["kv_plan_bytes"] == int(total * AUTO_KV_FRACTION)
+    assert plan["pages"] == int(total * AUTO_KV_FRACTION) // per_page - 1 and not plan["capped_by_free"]
+    assert plan["kv_bytes"] <= plan["kv_plan_bytes"] and plan["rows"] == min(AUTO_ROWS_CAP, plan["pages"])
+    # a drafter already holds most of the GPU: half of what is free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 4, total))
+    plan = kv_plan(model, gpu, 64, 10_000, 256, 128)
+    assert plan["capped_by_free"] and plan["kv_bytes"] <= total // 8 and plan["rows"] == 64
+    # too little for one longest job: that job's pages all the same
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (per_page, total))
+    assert kv_plan(model, gpu, 0, 10, 4096, 1024)["pages"] == -(-(4096 + 1024) // PAGE_SLOTS)
