@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot  # noqa: E402
 from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes  # noqa: E402
 from dflash.decoding.ties import TIE_TOLERANCE, divergence, is_tie_flip  # noqa: E402
-from dflash.producers.regenerate import decoder_rows  # noqa: E402
+from dflash.producers.regenerate import kv_plan  # noqa: E402
 from dflash.tools.families import build, shape_config  # noqa: E402
 
 OUT: list[dict] = []
@@ -65,9 +65,10 @@ def templated_prompts(gguf: str, n: int, seed: int = 0) -> tuple[list[list[int]]
     return out, tok
 
 
-def default_rows(model, n_jobs: int, slots: int) -> int:
-    """The rows a producer's decoder gets for these jobs (producers/regenerate.py decoder_rows)."""
-    return decoder_rows(model, ds.DEV, 0, n_jobs, slots)[0]
+def default_rows(model, n_jobs: int, max_prompt: int, new: int) -> int:
+    """The most rows a producer's decoder gets for these jobs (producers/regenerate.py kv_plan;
+    this bench runs them on the fixed layout, as measured before paging)."""
+    return kv_plan(model, ds.DEV, 0, n_jobs, max_prompt, new)["rows"]
 
 
 def roofline(model, ceil: dict, jobs: list[Job], lens: dict, steps: int) -> dict:
@@ -224,7 +225,7 @@ def main() -> None:
             V = model.config.vocab_size
             jobs = [Job(i, [t % V for t in p], max_new=rng.choice(answer_lens) if answer_lens else rng.randint(32, args.new))
                     for i, p in enumerate(prompts[:n])]
-        rows = default_rows(model, len(jobs), -(-max(len(j.prompt) for j in jobs) // 64) * 64 + args.new)
+        rows = default_rows(model, len(jobs), -(-max(len(j.prompt) for j in jobs) // 64) * 64, args.new)
         emit({"target": name, "params": sum(p.numel() for p in model.parameters()), "default_rows": rows,
               "kv_bytes_per_slot": kv_bytes_per_slot(model, model.dtype), "elapsed_s": round(time.monotonic() - t_start)})
         common = dict(new=args.new, stops=stops, ceil=ceil)

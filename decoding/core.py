@@ -31,6 +31,7 @@ from dflash.runtime.hf_compat import cache_kwarg
 
 from .attention import (DECODE, FULL, SLIDING, attending, block_mask, decode_attention, fold_heads, layer_windows,
                         step_kernel, text_config, visible)
+from .paged import PagedKV, paged_block_masks
 
 
 # ---------------------------------------------------------------- the cache
@@ -112,12 +113,6 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * 2 * kv * hd * torch.empty(0, dtype=dtype).element_size()
 
 
-def rows_for_memory(model: nn.Module, dtype: torch.dtype, budget_bytes: int, slots: int, cap: int) -> int:
-    """How many rows of `slots` slots a KV cache of `budget_bytes` holds, 1..cap."""
-    per_row = kv_bytes_per_slot(model, dtype) * max(1, slots)
-    return max(1, min(cap, budget_bytes // per_row))
-
-
 def graphed_prefill_default(model: nn.Module, device: torch.device) -> bool:
     """Whether prefills run as PackedPrefill's graphed packs by default: on a GPU, for targets
     small enough that an eager prefill's time is mostly the host running transformers'
@@ -138,15 +133,25 @@ class Core:
     """A target's forward over a StaticKV, with the core's masks; graphs on CUDA.
 
     `rows` x `slots` is the cache; `layer_ids` (optional) are the layers whose outputs
-    (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter."""
+    (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter.
+
+    `pages` > 0: a paged cache instead (decoding/paged.py): a pool of `pages` pages of
+    `kv_block` slots, each row addressing up to `slots` (rounded up to whole pages) through
+    its page table, which the caller fills (`Pages`). A left-padded `fresh` then stores each
+    prompt from slot 0 (its padding is not kept): the row's `off` after it is 0."""
 
     def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None, kernel: str = "auto",
-                 kv_block: int = 128):
+                 kv_block: int = 128, pages: int = 0):
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
+        self.paged = pages > 0
+        if self.paged:
+            slots = -(-slots // kv_block) * kv_block
+            self.cache: StaticKV | PagedKV = PagedKV(rows, slots // kv_block, kv_block, pages, self.device)
+        else:
+            self.cache = StaticKV(rows, slots)
         self.rows, self.slots = rows, slots
-        self.cache = StaticKV(rows, slots)
         self.windows = layer_windows(model)
         self.kinds = sorted({w for w in self.windows}, key=lambda w: (w is not None, w or 0))
         if len([w for w in self.kinds if w is not None]) > 1:
@@ -195,6 +200,10 @@ class Core:
         Tensors only (no host sync): capturable in the step's CUDA graph."""
         R, q = qslot.shape
         g = self.heads // self.kv_heads if fold_heads(self.heads, self.kv_heads) else 1  # flex's query length: g * q
+        if self.paged:
+            out = paged_block_masks(self, self.cache, qslot, off, g, block_mask, self.kinds)
+            out = {FULL if w is None else SLIDING: m for w, m in out.items()}
+            return next(iter(out.values())) if len(out) == 1 else out
         out = {}
         for w in self.kinds:
             lo = off if w is None else torch.maximum(off, qslot[:, 0] - (w - 1))
@@ -226,7 +235,10 @@ class Core:
             raise ValueError(f"a prompt of {W} tokens does not fit the cache's {self.slots} slots")
         qslot = torch.arange(W, device=self.device)[None].expand(R, W)
         mask = self._masks(qslot, off, torch.full_like(off, W), W)
-        self.cache.begin_fresh(rows)
+        if self.paged:
+            self.cache.begin_fresh(rows, off, W)
+        else:
+            self.cache.begin_fresh(rows)
         return self._run(ids, (qslot - off[:, None]).clamp_min(0), mask, layer_ids, 1 if last_only else 0)
 
     def fresh_packed(self, rows: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
@@ -267,10 +279,13 @@ class Core:
         qslot = (start[:, None] + torch.arange(q, device=self.device)[None]).clamp_max(self.slots - 1)
         # flex only where the model runs the core's attention (a transformers that refused its
         # name runs plain sdpa, which takes tensor masks)
-        if self.kernel == "flex" and getattr(self.model.config, "_attn_implementation", None) == DECODE:
+        flex = self.kernel == "flex" and getattr(self.model.config, "_attn_implementation", None) == DECODE
+        if flex:
             mask = self._block_masks(qslot, off)
         else:
             mask = self._masks(qslot, off, qslot[:, -1] + 1, self.slots)
+        if self.paged:  # flex reads the pages in place; sdpa each row's pages gathered
+            self.cache.in_place = flex
         self.cache.begin_step(qslot)
         return self._run(ids, qslot - off[:, None], mask, layer_ids, 1 if last_only else 0)
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .core import Core
+from .paged import Pages
 
 
 def pack_sizes(limit: int) -> list[int]:
@@ -98,19 +99,39 @@ class GreedyDecoder:
 
     Each output is the greedy continuation up to and including the first stop token, or
     `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives. `pick` (logits
-    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`."""
+    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`.
+
+    `pages` > 0: the KV cache is a pool of that many pages of `kv_block` slots
+    (decoding/paged.py) and a row holds only the pages its own prompt and answer so far
+    fill: a job starts when the free pages hold its prompt and its next `sync_every`
+    tokens (plus a little room for the live rows to grow), and rows get pages as they grow
+    (`_grow`). So how many rows decode at once is set by the pages, not by the longest
+    prompt; `rows` is then only the most (the decode step's batch). If the pages run out,
+    the newest rows give theirs back and their jobs start again later (greedy: the same
+    answer). `pages` must hold one job of `max_prompt` + `max_new_tokens` slots."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
                  prefill_tokens: int = 2048, prefill_sizes: Iterable[int] | None = None,
                  pick: Callable[[torch.Tensor], torch.Tensor] | None = None, kernel: str = "auto",
-                 kv_block: int = 128):
+                 kv_block: int = 128, pages: int = 0):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
         # A live row writes at most slot max_prompt + max_new_tokens - 2: the slots after it
         # are never attended, and PackedPrefill's pad tokens write to the last.
-        self.core = Core(model, rows, max_prompt + max_new_tokens + 1, graphs=graphs, kernel=kernel, kv_block=kv_block)
+        self.core = Core(model, rows, max_prompt + max_new_tokens + (0 if pages else 1), graphs=graphs, kernel=kernel,
+                         kv_block=kv_block, pages=pages)
+        self.book = Pages(self.core.cache) if pages else None
+        if self.book is not None and pages < self.core.cache.width:
+            raise ValueError(f"{pages} KV pages of {kv_block} slots do not hold one job of {max_prompt} prompt "
+                             f"+ {max_new_tokens} new tokens ({self.core.cache.width} pages)")
+        self._need: dict[int, int] = {}  # paged: row -> slots its job fills at most
+        self._at: dict[int, int] = {}  # paged: row -> its next slot, as the host counts
+        self._seq: dict[int, int] = {}  # paged: row -> when its job started (the newest gives pages back)
+        self._started = 0
+        self.preempted = 0  # paged: jobs that gave their pages back and start again
+        self.live = 0  # rows decoding in the last round
         self.rows, self.sync_every = rows, max(1, sync_every)
         self.refill_min = max(1, rows // 16) if refill_min is None else max(1, refill_min)
         dev = self.core.device
@@ -182,22 +203,34 @@ class GreedyDecoder:
         busy: dict[int, Job] = {}
         free = list(range(self.rows))
         while jobs or busy:
+            if self.book is not None and busy:
+                self._grow(busy, free, jobs)
             if jobs and free and (len(free) >= self.refill_min or not busy or len(jobs) <= len(free)):
                 take = []
+                pages = 0  # paged: pages the jobs taken so far start with
                 while jobs and len(take) < len(free):
                     j = jobs.popleft()
                     if not j.prompt:
                         raise ValueError(f"job {j.key!r}: empty prompt")
                     if len(j.prompt) > self.max_prompt:
                         leftover.append(j)
-                    else:
-                        take.append(j)
+                        continue
+                    if self.book is not None:
+                        need = self._admit(j, len(busy) + len(take), pages)
+                        if need is None:
+                            jobs.appendleft(j)
+                            break
+                        pages += need
+                    take.append(j)
                 take = [(free.pop(0), j) for j in take]
                 if take:
+                    if self.book is not None:
+                        self._start_rows(take)
                     self._fill(take)
                     busy.update(take)
             if not busy:
                 continue
+            self.live = len(busy)
             for _ in range(self.sync_every):
                 self._step()
             self.steps += self.sync_every
@@ -207,11 +240,60 @@ class GreedyDecoder:
                 idx = torch.tensor(finished, device=self.core.device)
                 lens = self.n[idx].tolist()
                 outs = self.out[idx].tolist()
+                if self.book is not None:
+                    self.book.release(finished)
                 for r, n, o in zip(finished, lens, outs):
                     job = busy.pop(r)
                     free.append(r)
                     on_done(job, o[:n])
+            for r in busy if self.book is not None else ():
+                self._at[r] += self.sync_every
             yield len(busy)
+
+    # ------------------------------------------------------------ paged rows
+
+    def _limit(self, job: Job) -> int:
+        return min(job.max_new or self.max_new, self.max_new)
+
+    def _admit(self, job: Job, live: int, pending: int) -> int | None:
+        """Pages `job` starts with (its prompt and its first round's tokens), or None when the
+        free pages, less `pending` (taken this refill) and a round's growth of `live` rows,
+        do not hold them."""
+        p = len(job.prompt)
+        need = self.book.pages_for(min(p + self.sync_every, p + self._limit(job) - 1))
+        room = -(-live * self.sync_every // self.core.cache.page) if live else 0
+        return need if pending + need + room <= len(self.book.free) else None
+
+    def _start_rows(self, take: list[tuple[int, Job]]) -> None:
+        for r, j in take:
+            p = len(j.prompt)
+            self._need[r] = p + self._limit(j) - 1
+            self._at[r] = p
+            self._seq[r] = self._started
+            self._started += 1
+        self.book.grow({r: min(self._at[r] + self.sync_every, self._need[r]) for r, _ in take})
+
+    def _grow(self, busy: dict[int, Job], free: list[int], jobs: deque) -> None:
+        """Give each row the pages its next `sync_every` tokens need. If the free pages do not
+        hold them, the newest rows give theirs back and their jobs go first in `jobs`."""
+        ps, held = self.core.cache.page, self.book.held
+        wants = {r: w for r in busy  # only rows whose next tokens cross into a page they lack
+                 for w in (min(self._at[r] + self.sync_every, self._need[r]),) if w > len(held[r]) * ps}
+        short = sum(self.book.missing(r, s) for r, s in wants.items()) - len(self.book.free)
+        back: list[int] = []
+        while short > 0 and len(busy) > 1:
+            r = max(busy, key=self._seq.__getitem__)
+            short -= self.book.missing(r, wants.pop(r, 0)) + len(held[r])
+            back.append(r)
+            jobs.appendleft(busy.pop(r))
+            free.append(r)
+        if short > 0:
+            raise RuntimeError(f"paged KV: {self.book.total} pages do not hold one row's next tokens")
+        if back:
+            self.book.release(back)
+            self.done[torch.tensor(back, device=self.core.device)] = True
+            self.preempted += len(back)
+        self.book.grow(wants)
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
         """Prefill the prompts of `take` into their rows and set the rows' state, in as few
@@ -263,7 +345,10 @@ class GreedyDecoder:
             off = W - lens
             logits, _ = self.core.fresh(rows, ids, off)
             first = self.pick(logits[:, -1])
-            lens = torch.full_like(lens, W)
+            if self.core.paged:  # the paged cache keeps no padding: each prompt from slot 0
+                off = torch.zeros_like(off)
+            else:
+                lens = torch.full_like(lens, W)
         self._begin(part, rows, first, lens, off)
         self.packed_prefills += packed
 

@@ -48,9 +48,9 @@ from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
         "generation before capture, trained as the exact token IDs generated (loss on those only); cached on disk "
         "per dataset, target and settings.")
 @option("--max-new-tokens", type=int, default=1024, help="Generation length limit per turn with --regenerate.")
-@option("--regen-batch-size", type=int, default=0, help="Rows decoded side by side with --regenerate (continuous "
-        "batching). 0: as many as a KV cache in 40% of the free GPU memory holds, at most 2048 (16 on a CPU); "
-        "any number: that many, capped by the GPU memory the KV cache may take.")
+@option("--regen-batch-size", type=int, default=0, help="The most rows decoded side by side with --regenerate "
+        "(continuous batching) on a paged KV cache of 40% of the GPU's memory; how many decode at once is set by "
+        "the pages their own prompts and answers fill. 0: at most 2048 (16 on a CPU); any number: at most that many.")
 @option("--regen-cache", default=DEFAULT_REGEN_CACHE, help="Folder of the regeneration cache (SQLite files).")
 @option("--regen-ahead", type=int, default=8192, help="With --regenerate: rows of the run's order a regeneration "
         "thread may make ahead of the furthest leased row (rows already cached do not count), decoding "

@@ -29,7 +29,7 @@ class ProducerConfig:
     skip_bad_rows: bool = False
     regenerate: bool = False
     max_new_tokens: int = 1024
-    regen_batch_size: int = 0  # 0: rows sized by the KV memory (producers/regenerate.py decoder_rows)
+    regen_batch_size: int = 0  # the most rows at once; 0: 2048 on a GPU (producers/regenerate.py kv_plan)
     regen_cache: str = DEFAULT_REGEN_CACHE
     regen_ahead: int = 8192  # several times a decoder's rows, so the look-ahead keeps them all decoding
     chat_template_kwargs: str = "{}"

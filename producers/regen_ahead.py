@@ -128,6 +128,7 @@ class RegenAhead:
         self._foreign: dict[int, tuple[Row, str]] = {}  # leased rows another producer is making
         self._made: dict[int, int] = {}  # sample -> new tokens, made here and not handed out yet
         self._jobs: deque[Job] = deque()
+        self._dec: GreedyDecoder | None = None  # the decoder now running (its figures for the progress line)
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.rows_done = self.new_tokens = self.ahead_rows = 0
@@ -214,6 +215,7 @@ class RegenAhead:
     def _drive(self, dec: GreedyDecoder) -> None:
         """Decode until the jobs and the decoder are empty (or too-long prompts wait for a
         larger decoder), `slice_s` at a time under the target's lock."""
+        self._dec = dec
         leftover: list[Job] = []
         rounds = dec.rounds(self._jobs, self._turn_done, leftover)
         while not self._stop.is_set():
@@ -356,7 +358,11 @@ class RegenAhead:
         self._last_progress = now
         with self._cond:
             waiting = len(self._want) - len(self._ready)
+        dec, book = self._dec, self._dec.book if self._dec is not None else None
         log.info("produce.regen_progress", rows=self.rows_done, ahead_rows=self.ahead_rows,
                  new_tokens=self.new_tokens, tokens_per_s=round(self.new_tokens / max(1e-9, now - self._t0), 1),
                  running=len(self._running), waiting=waiting, foreign=len(self._foreign),
-                 horizon=min(self._horizon, len(self._order)), cursor=self._cursor)
+                 horizon=min(self._horizon, len(self._order)), cursor=self._cursor,
+                 live_rows=dec.live if dec else 0, decoder_rows=dec.rows if dec else 0,
+                 pages_total=book.total if book else 0, pages_used=book.used if book else 0,
+                 preempted=dec.preempted if dec else 0)

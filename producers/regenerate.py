@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot, rows_for_memory
+from dflash.decoding.attention import step_kernel
+from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot
 from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes
 from dflash.runtime.logs import get_logger
 from dflash.runtime.progress import progress
@@ -127,33 +128,46 @@ class _Conversation:
 
 
 AUTO_ROWS_CAP = 2048  # rows past this add little: a decode step is then bound by reading the KV cache
-AUTO_KV_FRACTION = 0.4  # of the GPU's free memory, for the KV cache of the rows sized by memory
+AUTO_KV_FRACTION = 0.4  # the plan: this share of the GPU's memory holds regeneration's KV pages
+FREE_CAP = 0.5  # ... but never more than this share of what is free when a decoder is built (the capture
+# of hidden states, and a drafter already on the GPU, keep the rest)
+PAGE_SLOTS = 128  # a page: flex's K/V block on a GPU (decoding/paged.py)
+CPU_PAGE_SLOTS = 16
 CPU_ROWS = 16
-EXPLICIT_KV_FRACTION = 0.5  # a given --regen-batch-size is capped where its cache would pass this
+# On a GPU with flex, a row's page-table width costs nothing per step (only its pages are
+# read), so a decoder takes prompts up to this long at least and is rarely rebuilt.
+GPU_PROMPT_ROOM = 4096
 
 
-def decoder_rows(model, device: torch.device, batch_size: int, n_jobs: int, slots: int) -> tuple[int, dict]:
-    """Rows of a decoder for `n_jobs` jobs of at most `slots` slots each (prompt room plus
-    answer): `batch_size` 0 sizes them by memory (as many as a KV cache in AUTO_KV_FRACTION
-    of the free GPU memory holds, at most AUTO_ROWS_CAP; CPU_ROWS on a CPU), else
-    `batch_size` capped by EXPLICIT_KV_FRACTION of it. Returns (rows, how they were sized)."""
-    info: dict = {"source": "memory" if batch_size == 0 else "--regen-batch-size", "slots": slots}
+def kv_plan(model, device: torch.device, batch_size: int, n_jobs: int, max_prompt: int, max_new: int) -> dict:
+    """A decoder's paged KV cache (decoding/paged.py) for `n_jobs` jobs of prompts up to
+    `max_prompt` and answers up to `max_new` tokens: `pages` of `page_size` slots from the
+    plan (AUTO_KV_FRACTION of the GPU's memory, capped at FREE_CAP of what is free now;
+    never fewer than one longest job needs), and `rows`, the most that decode at once
+    (`batch_size`, or AUTO_ROWS_CAP; no more than jobs or pages). How many rows actually
+    decode is then set by the pages each row's own prompt and answer fill. On a CPU:
+    CPU_ROWS rows, and pages for all of them at full length (memory is not the limit)."""
+    cap = batch_size or (AUTO_ROWS_CAP if device.type == "cuda" else CPU_ROWS)
+    page = PAGE_SLOTS if device.type == "cuda" else CPU_PAGE_SLOTS
+    width = -(-(max_prompt + max_new) // page)
+    plan: dict = {"source": "memory" if batch_size == 0 else "--regen-batch-size", "max_prompt": max_prompt,
+                  "page_size": page}
     if device.type != "cuda":
-        return min(n_jobs, batch_size or CPU_ROWS), info
-    free, _ = torch.cuda.mem_get_info(device)
-    info.update(free_bytes=free, kv_bytes_per_row=kv_bytes_per_slot(model, model.dtype) * slots)
-    if batch_size == 0:
-        rows = rows_for_memory(model, model.dtype, int(free * AUTO_KV_FRACTION), slots, AUTO_ROWS_CAP)
-        return min(n_jobs, rows), info
-    fit = rows_for_memory(model, model.dtype, int(free * EXPLICIT_KV_FRACTION), slots, batch_size)
-    if fit < min(n_jobs, batch_size):
-        info["capped_from"] = batch_size
-    return min(n_jobs, fit), info
+        rows = max(1, min(n_jobs, cap))
+        return {**plan, "rows": rows, "pages": rows * width}
+    free, total = torch.cuda.mem_get_info(device)
+    per_page = kv_bytes_per_slot(model, model.dtype) * page
+    want = int(total * AUTO_KV_FRACTION)
+    budget = min(want, int(free * FREE_CAP))
+    pages = max(width, budget // per_page - 1)  # one more is the scratch page
+    return {**plan, "rows": max(1, min(n_jobs, cap, pages)), "pages": pages, "kv_fraction": AUTO_KV_FRACTION,
+            "kv_plan_bytes": want, "kv_bytes": (pages + 1) * per_page, "free_bytes": free, "total_bytes": total,
+            "capped_by_free": budget < want}
 
 
 class Regenerator:
     """Regenerates the assistant turns of chat rows with `target` (a full model). `batch_size`
-    0: each decoder's rows sized by memory (decoder_rows)."""
+    0: each decoder's rows set by its KV pages (kv_plan), else at most that many."""
 
     def __init__(self, target: Target, tokenizer, cache: RegenCache, *, max_new_tokens: int = 1024,
                  batch_size: int = 0, template_kwargs: dict | None = None):
@@ -241,26 +255,35 @@ class Regenerator:
     def prompt_slots(self, jobs, conv_of) -> int:
         """A decoder's prompt room for `jobs`: the longest prompt, rounded up to 64 so that a
         slightly longer one later does not rebuild the decoder, plus one more turn's answer
-        only where a conversation has a turn after this one (every step attends every slot,
-        so room no job needs makes every step slower)."""
+        only where a conversation has a turn after this one (with sdpa every step attends
+        each row's whole page table, so room no job needs makes every step slower; with
+        flex `_decoder` gives more)."""
         longest = max(len(j.prompt) for j in jobs)
         more = any(len(conv_of(j).generated) + 1 < len(conv_of(j).turns) for j in jobs)
         return -(-(longest + (self.max_new_tokens if more else 0)) // 64) * 64
 
     def _decoder(self, n_jobs: int, max_prompt: int) -> GreedyDecoder:
-        """A decoder for `n_jobs` prompts of up to `max_prompt` tokens, its rows sized by
-        `decoder_rows` (the KV cache leaves the capture of hidden states its room)."""
-        rows, info = decoder_rows(self.target.model, self.target.device, self.rows_asked, n_jobs,
-                                  max_prompt + self.max_new_tokens)
-        if "capped_from" in info:
-            log.warning("produce.regen_rows_capped", rows=info["capped_from"], fit=rows, max_prompt=max_prompt,
-                        reason="kv_cache_memory")
-        log.info("produce.regen_rows", rows=rows, jobs=n_jobs, max_prompt=max_prompt,
-                 graphed_prefill=self.graphed_prefill, **{k: v for k, v in info.items() if k != "capped_from"})
-        with self.target.lock:  # building it runs the model under another attention (see _run)
-            return GreedyDecoder(self.target.model, rows=rows, max_prompt=max_prompt,
-                                 max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
-                                 prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None)
+        """A decoder for `n_jobs` prompts of up to `max_prompt` tokens on a paged KV cache
+        planned by `kv_plan` (the plan leaves the capture of hidden states, and a drafter
+        sharing the GPU, the rest). On a GPU with flex its prompt room is at least
+        GPU_PROMPT_ROOM (a row's unused room costs nothing there); if flex fails there, the
+        decoder is built again with `max_prompt` (sdpa gathers each row's whole room)."""
+        model, device = self.target.model, self.target.device
+        room = max_prompt
+        if device.type == "cuda" and step_kernel(model, device) == "flex":
+            room = max(room, GPU_PROMPT_ROOM)
+        while True:
+            plan = kv_plan(model, device, self.rows_asked, n_jobs, room, self.max_new_tokens)
+            log.info("produce.regen_rows", jobs=n_jobs, graphed_prefill=self.graphed_prefill, **plan)
+            with self.target.lock:  # building it runs the model under another attention (see _run)
+                dec = GreedyDecoder(model, rows=plan["rows"], max_prompt=room, max_new_tokens=self.max_new_tokens,
+                                    stop_ids=self.stop_ids,
+                                    prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None,
+                                    kv_block=plan["page_size"], pages=plan["pages"])
+            if dec.core.kernel == "flex" or room == max_prompt:
+                return dec
+            del dec
+            room = max_prompt
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
         # Decoding runs with the core's own attention (decoding/attention.py), whatever packed capture

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from tests.harness.tiny import tiny_dir
 from tests.producers.helpers import chat, write_jsonl
@@ -57,7 +58,10 @@ def _one_by_one(target, tokenizer, data, folder) -> dict[int, tuple[list[int], l
     return out
 
 
-def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, tokenizer, tmp_path):
+def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, tokenizer, tmp_path, monkeypatch):
+    import dflash.producers.regen_ahead as ahead
+
+    monkeypatch.setattr(ahead, "PROGRESS_S", 0.0)  # a progress line after every slice
     target = load_target(str(tiny), None, device=CPU, full=True)
     path = write_jsonl(tmp_path / "d.jsonl", _rows(12) + [{"text": "plain text row"}])
     data = open_dataset(path)
@@ -66,7 +70,13 @@ def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, toke
     regen = _regenerator(target, tokenizer, tmp_path / "cache")
     prod = Producer(target, data, ChatEncoder(tokenizer, 4096), source, sent.append,
                     token_budget=200, max_batch_size=3, regenerator=regen, regen_ahead=64)
-    summary = prod.run()
+    with capture_logs() as logs:
+        summary = prod.run()
+    # the decoder's paged KV figures: rows decoding at once, pages used of its pool
+    said = [e for e in logs if e["event"] == "produce.regen_progress"]
+    assert said and all(0 <= e["pages_used"] <= e["pages_total"] and e["live_rows"] <= e["decoder_rows"]
+                        for e in said)
+    assert max(e["live_rows"] for e in said) > 1 and max(e["pages_used"] for e in said) > 0
 
     by_epoch: dict[int, list[int]] = {0: [], 1: []}
     got: dict[int, tuple[list[int], list[int]]] = {}

@@ -258,9 +258,9 @@ def test_a_prompt_without_an_answer_is_answered_by_the_target_and_refused_withou
 
 
 def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
-    """Every decode step attends every slot of the cache, so a decoder is sized for the
-    longest prompt (rounded up to 64) plus one answer only when a conversation has a turn
-    after the one being decoded."""
+    """With sdpa every decode step attends each row's whole page table, so a decoder is
+    sized for the longest prompt (rounded up to 64) plus one answer only when a
+    conversation has a turn after the one being decoded."""
     from types import SimpleNamespace
 
     from dflash.decoding.greedy import Job
@@ -278,11 +278,10 @@ def test_decoder_prompt_room_holds_a_next_turn_only_where_one_comes():
 
 
 def test_rows_sized_by_memory_unless_given(tiny, tokenizer, tmp_path):
-    """--regen-batch-size 0 sizes each decoder's rows (on a CPU: CPU_ROWS, fewer for fewer
-    jobs) and logs how; a given size is kept; the arithmetic of rows for a KV budget; a
-    negative size is refused."""
-    from dflash.decoding.core import kv_bytes_per_slot, rows_for_memory
-    from dflash.producers.regenerate import CPU_ROWS, decoder_rows
+    """--regen-batch-size 0 plans each decoder's paged KV cache (on a CPU: CPU_ROWS rows,
+    fewer for fewer jobs, and pages for all of them at full length) and logs the plan; a
+    given size is kept; a negative size is refused."""
+    from dflash.producers.regenerate import CPU_PAGE_SLOTS, CPU_ROWS, kv_plan
 
     tiny = load_target(str(tiny), None, device=CPU, full=True)
     cache = RegenCache(tmp_path, "k")
@@ -290,16 +289,41 @@ def test_rows_sized_by_memory_unless_given(tiny, tokenizer, tmp_path):
     given = Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=7)
     assert auto.batch_size == CPU_ROWS and given.batch_size == 7
     assert not auto.graphed_prefill  # graphed packs only on a GPU
-    assert decoder_rows(tiny.model, CPU, 0, 100, 64) == (CPU_ROWS, {"source": "memory", "slots": 64})
-    assert decoder_rows(tiny.model, CPU, 0, 3, 64)[0] == 3
-    assert decoder_rows(tiny.model, CPU, 7, 100, 64) == (7, {"source": "--regen-batch-size", "slots": 64})
+    width = -(-(64 + 30) // CPU_PAGE_SLOTS)
+    assert kv_plan(tiny.model, CPU, 0, 100, 64, 30) == {"source": "memory", "max_prompt": 64, "page_size": CPU_PAGE_SLOTS,
+                                                         "rows": CPU_ROWS, "pages": CPU_ROWS * width}
+    assert kv_plan(tiny.model, CPU, 0, 3, 64, 30)["rows"] == 3
+    plan = kv_plan(tiny.model, CPU, 7, 100, 64, 30)
+    assert plan["rows"] == 7 and plan["source"] == "--regen-batch-size" and plan["pages"] == 7 * width
     with capture_logs() as logs:
         auto.apply([Row(0, "d:0", messages=CHAT)])
     said = [e for e in logs if e["event"] == "produce.regen_rows"]
     assert said and said[0]["rows"] == 1 and said[0]["source"] == "memory" and said[0]["jobs"] == 1
-    per_slot = kv_bytes_per_slot(tiny.model, tiny.model.dtype)
-    assert rows_for_memory(tiny.model, tiny.model.dtype, per_slot * 100 * 37 + 5, 100, 1024) == 37
-    assert rows_for_memory(tiny.model, tiny.model.dtype, per_slot * 100 * 37, 100, 20) == 20
-    assert rows_for_memory(tiny.model, tiny.model.dtype, 1, 100, 20) == 1
+    assert said[0]["pages"] >= -(-(said[0]["max_prompt"] + NEW) // CPU_PAGE_SLOTS)
     with pytest.raises(ValueError, match="0 .sized by memory. or more"):
         Regenerator(tiny, tokenizer, cache, max_new_tokens=NEW, batch_size=-1)
+
+
+def test_a_gpu_plan_takes_its_share_of_the_gpu_not_what_is_free(tiny, monkeypatch):
+    """On a GPU the pages come from the plan (AUTO_KV_FRACTION of the GPU's memory), cut to
+    half the free memory only where that is less; never fewer than one longest job needs.
+    No GPU here: the memory query answers as a GPU's would (kv_plan reads nothing else)."""
+    from dflash.decoding.core import kv_bytes_per_slot
+    from dflash.producers.regenerate import AUTO_KV_FRACTION, AUTO_ROWS_CAP, PAGE_SLOTS, kv_plan
+
+    model = load_target(str(tiny), None, device=CPU, full=True).model
+    per_page = kv_bytes_per_slot(model, model.dtype) * PAGE_SLOTS
+    total = 1000 * per_page
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(0.95 * total), total))
+    plan = kv_plan(model, gpu, 0, 10_000, 256, 128)
+    assert plan["kv_fraction"] == AUTO_KV_FRACTION and plan["kv_plan_bytes"] == int(total * AUTO_KV_FRACTION)
+    assert plan["pages"] == int(total * AUTO_KV_FRACTION) // per_page - 1 and not plan["capped_by_free"]
+    assert plan["kv_bytes"] <= plan["kv_plan_bytes"] and plan["rows"] == min(AUTO_ROWS_CAP, plan["pages"])
+    # a drafter already holds most of the GPU: half of what is free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 4, total))
+    plan = kv_plan(model, gpu, 64, 10_000, 256, 128)
+    assert plan["capped_by_free"] and plan["kv_bytes"] <= total // 8 and plan["rows"] == 64
+    # too little for one longest job: that job's pages all the same
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (per_page, total))
+    assert kv_plan(model, gpu, 0, 10, 4096, 1024)["pages"] == -(-(4096 + 1024) // PAGE_SLOTS)
