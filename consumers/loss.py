@@ -5,6 +5,10 @@ plain chunked loop does not help on its own: autograd would keep every chunk's l
 the backward pass. `ChunkedCE` therefore computes the gradient with respect to the
 drafter's output chunk by chunk during the forward pass (the LM head is frozen, so that
 is the only gradient needed) and keeps just that [Q, D] tensor for backward.
+
+Two weightings of the positions (--loss): "ce", the DFlash paper's fixed decay over block
+positions, and "dpace", D-PACE's weights from the drafter's own confidence (docs/TRAINING.md),
+which `ChunkedCE` applies once every chunk is done.
 """
 
 from __future__ import annotations
