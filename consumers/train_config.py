@@ -36,7 +36,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
     distill_weight: float = 0.0  # a: loss = (1 - a) CE + a KL(target || drafter); needs final_hidden batches
     loss: str = "ce"  # ce: positions weighted exp(-(k-1)/gamma) | dpace: weights from the drafter's confidence
-    dpace_alpha: float | None = None  # D-PACE's smoothing in (0, 1]; None: 0.5 (the papers' and SpecForge's)
+    dpace_alpha: float | None = None  # D-PACE's smoothing in (0, 1]; None: 0.5 (the paper's default)
     # optimisation
     lr: float = 6e-4
     min_lr: float = 0.0
