@@ -12,7 +12,8 @@ Each drafter is then measured three ways: simulated acceptance on held-back rege
 samples (consumers/live_eval.py), and real speculative decoding (dflash-eval's code,
 consumers/real_tau.py) of DIR/indist.jsonl and DIR/heldout.jsonl prompts.
 
-A config is comma-separated key=value pairs over TrainConfig fields, plus `budget` and
+A config is comma-separated key=value pairs over TrainConfig fields (`loss=dpace,dpace_alpha=0.5`
+against `loss=ce` compares the losses of docs/TRAINING.md on the same batches), plus `budget` and
 `seqs` (the producer's --token-budget and --max-batch-size for that config's packing,
 default the producer's defaults), `epochs`, and `samples` (train on only the first that
 many of the --samples, whole batches: tau against distinct samples at equal passes).

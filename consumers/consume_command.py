@@ -43,13 +43,20 @@ def _layers(_ctx, _param, value: str | None) -> tuple[int, ...] | None:
 @option("--anchors", default=512, type=click.IntRange(1), help="At most this many anchors per sequence.")
 @option("--anchor-every", default=1, type=click.IntRange(1),
         help="One anchor per this many trainable positions of a sequence (1: every one, up to --anchors).")
-@option("--gamma", default=None, type=float, help="Loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
+@option("--gamma", default=None, type=float, help="--loss ce decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8, else 1+3B/8.")
 @option("--mask-token-id", default=None, type=int,
         help="Vocabulary row used as MASK; default: chosen for the target (its mask token, else the first row past "
         "the tokenizer, else a reserved or unused special token: docs/TRAINING.md), never pad/eos/bos/unk.")
 @option("--distill-weight", default=0.0, type=click.FloatRange(0, 1),
         help="Knowledge distillation: loss = (1 - a) x CE(labels) + a x KL(target || drafter), the target's "
         "next-token distribution from its final hidden state (producers need --final-hidden); 0: hard labels only.")
+@option("--loss", default="ce", type=click.Choice(["ce", "dpace"]),
+        help="ce: cross-entropy with block position k weighted exp(-(k-1)/gamma) (the DFlash paper); dpace: "
+        "D-PACE (arXiv 2605.18810), weights from the drafter's own confidence in each label, the credit each "
+        "position has in the expected accepted length (docs/TRAINING.md).")
+@option("--dpace-alpha", default=None, type=click.FloatRange(0, 1, min_open=True),
+        help="D-PACE's smoothing a in (0, 1]: each confidence q counts as (1 - a) q + a; default 0.5. "
+        "Only with --loss dpace.")
 @option("--lr", default=6e-4, type=float, help="Peak AdamW learning rate.")
 @option("--min-lr", default=0.0, type=float, help="Learning rate at the end of the cosine schedule.")
 @option("--warmup", default=0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of the planned samples (or of --total-steps).")

@@ -67,7 +67,8 @@ def model_card(cfg: dict, state: dict, *, name: str, target: str | None = None, 
         ("mask token ID", dc.get("mask_token_id")),
         ("anchors per sequence", sig.get("anchors", UNKNOWN)),
         ("one anchor per trainable positions", sig.get("anchor_every", 1)),
-        ("loss decay gamma", sig.get("gamma", UNKNOWN)),
+        ("loss", f"D-PACE, alpha {sig.get('dpace_alpha')}" if sig.get("loss") == "dpace"
+                 else f"decayed cross-entropy, gamma {sig.get('gamma', UNKNOWN)}"),
         ("target fingerprint", f"config {_get(sig, 'target', 'config_sha256', default=UNKNOWN)}, "
                                f"heads {_get(sig, 'target', 'heads_sha256', default=UNKNOWN)}"),
     ]

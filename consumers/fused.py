@@ -35,21 +35,22 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_grad: bool):
-    """One chunk of the weighted CE from its raw logits [c, V]: (sum of w * CE, argmax
-    predictions, d loss / d logits or None), softmax sums in at least fp32."""
+def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool):
+    """One chunk of the CE from its raw logits [c, V]: (each row's CE [c], argmax
+    predictions, d (sum of w * CE) / d logits or None), softmax sums in at least fp32.
+    w None: unit weights (--loss dpace weights the rows once every chunk is done)."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     logits = logits.to(acc)
     lse = torch.logsumexp(logits, dim=-1)  # [c]
     picked = logits.gather(1, y[:, None])[:, 0]  # [c]
-    loss = ((lse - picked) * w).sum()
+    rows = lse - picked
     preds = logits.argmax(dim=-1)
     if not need_grad:
-        return loss, preds, None
+        return rows, preds, None
     # d CE / d logits = softmax - onehot, scaled by the row's weight.
     g = torch.exp(logits.sub_(lse[:, None]))  # in place: softmax [c, V]
     g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
-    return loss, preds, g.mul_(w[:, None])
+    return rows, preds, g if w is None else g.mul_(w[:, None])
 
 
 _EAGER: dict[str, Callable] = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "ce_chunk": ce_chunk}

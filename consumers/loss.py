@@ -5,6 +5,10 @@ plain chunked loop does not help on its own: autograd would keep every chunk's l
 the backward pass. `ChunkedCE` therefore computes the gradient with respect to the
 drafter's output chunk by chunk during the forward pass (the LM head is frozen, so that
 is the only gradient needed) and keeps just that [Q, D] tensor for backward.
+
+Two weightings of the positions (--loss): "ce", the DFlash paper's fixed decay over block
+positions, and "dpace", D-PACE's weights from the drafter's own confidence (docs/TRAINING.md),
+which `ChunkedCE` applies once every chunk is done.
 """
 
 from __future__ import annotations
@@ -28,33 +32,60 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-(k - 1).clamp(min=0) / gamma)
 
 
+def dpace_weights(q: torch.Tensor, valid: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
+    """D-PACE's per-position weights (docs/TRAINING.md "D-PACE"), [Q] from q [Q], the
+    drafter's probability of each position's label, and valid [Q]: per block of B rows,
+    w_j = sum over valid m >= j of prod over valid i <= m of ((1 - alpha) q_i + alpha);
+    0 where not valid. A position without loss is a factor 1 in the products (it neither
+    ends nor shrinks the accepted prefix) and adds no term to the sums."""
+    keep = valid.view(-1, block_size)
+    s = torch.where(keep, (1.0 - alpha) * q.view(-1, block_size) + alpha, torch.ones_like(keep, dtype=q.dtype))
+    c = torch.cumprod(s, dim=1) * keep  # the smoothed chance that the prefix up to m is accepted
+    return (c.flip(1).cumsum(1).flip(1) * keep).view(-1)  # suffix sums: the credit position j gets
+
+
 class ChunkedCE(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T, y_i), and argmax predictions, in row chunks; with target
     hidden states t (--distill-weight a > 0) the loss of `distill_chunk` instead.
 
     h [Q, D] (grad), W [V, D] frozen, y long [Q], w float [Q] (0 = no loss), t [Q, D] or None:
     the target's final hidden states that predict each row's label, turned into its
-    distribution through the same frozen LM head W, chunk by chunk."""
+    distribution through the same frozen LM head W, chunk by chunk.
+
+    w None and `reweight` given (--loss dpace): the weights depend on every row's CE, so the
+    rows' losses and unit-weight gradients are kept ([Q] and the [Q, D] gradient, nothing
+    vocabulary-sized) and weighted once the last chunk is done: w = reweight(hard CE [Q]),
+    taken as constants (no gradient flows through them). The gradient w.r.t. h is linear in
+    each row's weight, so this is the same one LM-head pass as fixed weights."""
 
     @staticmethod
-    def forward(ctx, h, W, y, w, chunk: int, t=None, alpha: float = 0.0):
+    def forward(ctx, h, W, y, w, chunk: int, t=None, alpha: float = 0.0, reweight=None):
+        if (w is None) == (reweight is None):
+            raise ValueError("ChunkedCE takes either fixed weights w or a reweight function, not both")
         need_grad = ctx.needs_input_grad[0]
         grad_h = torch.zeros_like(h) if need_grad else None
         acc = torch.promote_types(h.dtype, torch.float32)  # at least fp32 for softmax sums
-        loss = torch.zeros((), dtype=acc, device=h.device)
+        row_loss = torch.empty(h.shape[0], dtype=acc, device=h.device)
+        hard = row_loss if t is None else torch.empty_like(row_loss)  # each row's CE on its label
         preds = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         chunk_fn = fused.get("ce_chunk")
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
             logits = h[s:e].to(W.dtype) @ W.T  # [c, V]: the only vocab-sized tensor (two with t)
+            ws = None if w is None else w[s:e]
             if t is None:
-                part, preds[s:e], g = chunk_fn(logits, y[s:e], w[s:e], need_grad)
+                row_loss[s:e], preds[s:e], g = chunk_fn(logits, y[s:e], ws, need_grad)
             else:
-                part, preds[s:e], g = distill_chunk(logits, t[s:e].to(W.dtype) @ W.T, y[s:e], w[s:e], alpha,
-                                                    need_grad)
-            loss += part
+                row_loss[s:e], hard[s:e], preds[s:e], g = distill_chunk(logits, t[s:e].to(W.dtype) @ W.T, y[s:e],
+                                                                        ws, alpha, need_grad)
             if need_grad:
                 grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)  # [c, D]
+        if reweight is not None:
+            with torch.no_grad():
+                w = reweight(hard.detach()).to(acc)
+            if need_grad:
+                grad_h.mul_(w[:, None].to(grad_h.dtype))
+        loss = (w.to(acc) * row_loss).sum()
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(preds)
         return loss, preds
@@ -62,14 +93,15 @@ class ChunkedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_preds):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None
 
 
-def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, alpha: float,
-                  need_grad: bool):
-    """One chunk of sum_i w_i * ((1 - a) CE(z_i, y_i) + a KL(p_target,i || p_draft,i)), its
-    argmax predictions and d loss / d logits. Since both terms' gradients are softmax(z)
-    minus a target, the gradient is softmax(z) - ((1 - a) onehot(y) + a p_target)."""
+def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
+                  alpha: float, need_grad: bool):
+    """One chunk of (1 - a) CE(z_i, y_i) + a KL(p_target,i || p_draft,i): each row's value
+    [c], each row's CE on its label [c], argmax predictions, and d (sum of w_i * value_i) /
+    d logits (w None: unit weights). Since both terms' gradients are softmax(z) minus a
+    target, the gradient is softmax(z) - ((1 - a) onehot(y) + a p_target)."""
     acc = torch.promote_types(logits.dtype, torch.float32)  # at least fp32 for softmax sums
     z = logits.to(acc)
     logp = torch.log_softmax(z, dim=-1)  # [c, V]
@@ -77,13 +109,15 @@ def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Te
     q = logq.exp()
     hard = -logp.gather(1, y[:, None])[:, 0]
     kl = (q * (logq - logp)).sum(dim=-1)
-    part = (w.to(acc) * ((1.0 - alpha) * hard + alpha * kl)).sum()
+    rows = (1.0 - alpha) * hard + alpha * kl
     g = None
     if need_grad:
         soft = alpha * q
         soft[torch.arange(y.shape[0], device=y.device), y] += 1.0 - alpha
-        g = w.to(acc)[:, None] * (logp.exp() - soft)
-    return part, z.argmax(dim=-1), g
+        g = logp.exp() - soft
+        if w is not None:
+            g = w.to(acc)[:, None] * g
+    return rows, hard, z.argmax(dim=-1), g
 
 
 @dataclass
@@ -91,7 +125,7 @@ class LossStats:
     """Sums (not means) so that ranks and steps can be added before dividing."""
 
     loss_sum: float = 0.0  # sum of weighted CE
-    weight: float = 0.0  # sum of loss weights: the denominator of the weighted mean
+    weight: float = 0.0  # the denominator of the mean: the weights' sum (ce), blocks with loss (dpace)
     valid: int = 0  # positions with loss
     correct: int = 0  # of those, argmax == label
     streak: float = 0.0  # sum over blocks of the correct-prefix length
@@ -112,6 +146,9 @@ class LossStats:
         return self
 
 
+LOSSES = ("ce", "dpace")  # --loss: the decayed CE of the DFlash paper, or D-PACE (docs/TRAINING.md)
+
+
 def block_loss(
     h: torch.Tensor,
     lm_head: torch.Tensor,
@@ -122,21 +159,39 @@ def block_loss(
     chunk: int = 2048,
     soft: torch.Tensor | None = None,
     distill: float = 0.0,
+    loss: str = "ce",
+    dpace_alpha: float = 0.5,
 ) -> tuple[torch.Tensor, LossStats]:
     """(weighted CE summed over positions with loss, stats). h [Q, D], labels/valid [Q];
     with `distill` a > 0, (1 - a) CE + a KL(target || drafter), the target's distribution
     from `soft` [Q, D] (its final hidden state before each label) through lm_head.
 
-    The caller divides by the global weight sum (over all ranks): that makes the loss a
-    weighted mean over valid positions, and data parallel training exact (train.py)."""
+    loss "ce": the weights are exp(-(k-1)/gamma) at block position k and the stats' weight
+    is their sum. loss "dpace": the weights are D-PACE's (`dpace_weights`, from the
+    drafter's own probability of each label, taken as constants) and the stats' weight is
+    the number of blocks with loss, so that the loss is a mean over blocks (the weights are
+    credit in accepted tokens; a mean over their sum would cancel it: docs/TRAINING.md).
+
+    The caller divides by the global weight (over all ranks): that makes the loss a
+    weighted mean, and data parallel training exact (train.py)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} is none of {', '.join(LOSSES)}")
     B = block_size
-    w = position_weights(B, gamma, h.device).repeat(h.shape[0] // B) * valid  # [Q]
     # Only positions with loss go through the LM head: the anchors (1 in B) and labels
     # outside the response would cost vocab-sized work for a weight of 0.
     rows = valid.nonzero()[:, 0]
     t = soft.index_select(0, rows) if distill > 0 else None
-    loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk, t,
-                                       float(distill))
+    if loss == "ce":
+        w = position_weights(B, gamma, h.device).repeat(h.shape[0] // B) * valid  # [Q]
+        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk, t,
+                                           float(distill))
+    else:
+        def reweight(ce_rows: torch.Tensor) -> torch.Tensor:
+            q = torch.ones(h.shape[0], dtype=ce_rows.dtype, device=h.device).index_copy_(0, rows, torch.exp(-ce_rows))
+            return dpace_weights(q, valid, B, dpace_alpha).index_select(0, rows)
+
+        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], None, chunk, t,
+                                           float(distill), reweight)
     preds = torch.full_like(labels, -1).index_copy_(0, rows, scored)
     with torch.no_grad():
         ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]
@@ -147,7 +202,8 @@ def block_loss(
         has_loss = vb.any(dim=1)
         # Every figure in one read-back (each read waits for the GPU to drain); float64
         # holds the counts exactly.
-        sums = torch.stack([loss_sum.detach().double(), w.sum().double(), vb.sum().double(), ok.sum().double(),
+        denominator = w.sum() if loss == "ce" else has_loss.sum()
+        sums = torch.stack([loss_sum.detach().double(), denominator.double(), vb.sum().double(), ok.sum().double(),
                             (streak * has_loss).sum().double(), has_loss.sum().double()])
         figs = torch.cat([sums, ok.sum(dim=0).double(), vb.sum(dim=0).double()]).tolist()
         n = B - 1

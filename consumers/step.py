@@ -110,4 +110,4 @@ def batch_loss(
     if signal.distill > 0:  # the target's final state at the token before each label predicts it
         soft = batch.final_hidden.to(device=device, dtype=heads.embed.dtype)[(layout.q_index - 1).clamp(min=0)]
     return block_loss(h, heads.lm_head, labels, valid, signal.block_size, signal.gamma, loss_chunk, soft,
-                      signal.distill)
+                      signal.distill, signal.loss, signal.dpace_alpha or 0.5)

@@ -19,7 +19,7 @@ from dflash.runtime.target_heads import TargetHeads
 from dflash.runtime.targets import default_layer_ids
 
 from .batch import Batch
-from .loss import default_gamma
+from .loss import LOSSES, default_gamma
 from .mask_token import mask_choice
 from .record import TrainedRecord
 
@@ -35,6 +35,8 @@ class TrainConfig:
     gamma: float | None = None  # None: default_gamma(block_size)
     mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
     distill_weight: float = 0.0  # a: loss = (1 - a) CE + a KL(target || drafter); needs final_hidden batches
+    loss: str = "ce"  # ce: positions weighted exp(-(k-1)/gamma) | dpace: weights from the drafter's confidence
+    dpace_alpha: float | None = None  # D-PACE's smoothing in (0, 1]; None: 0.5 (the paper's default)
     # optimisation
     lr: float = 6e-4
     min_lr: float = 0.0
@@ -140,11 +142,24 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
     mask = mask_choice(heads, cfg.mask_token_id)  # logged once per target (train.mask_token)
     if cfg.block_size < 2 or cfg.anchors < 1 or cfg.anchor_every < 1 or cfg.draft_layers < 1:
         raise ValueError("block size must be >= 2, anchors, anchor spacing and draft layers >= 1")
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"--loss {cfg.loss!r} is none of {', '.join(LOSSES)}")
+    alpha = None
+    if cfg.loss == "dpace":
+        # D-PACE has no fixed decay: a --gamma would be recorded in the signal and silently unused
+        if cfg.gamma is not None:
+            raise ValueError("--gamma sets the decay of --loss ce; --loss dpace has no fixed decay")
+        alpha = 0.5 if cfg.dpace_alpha is None else float(cfg.dpace_alpha)
+        if not 0.0 < alpha <= 1.0:  # 0: the products vanish with the first unsure position
+            raise ValueError(f"--dpace-alpha {alpha} must lie in (0, 1]")
+    elif cfg.dpace_alpha is not None:
+        raise ValueError("--dpace-alpha is D-PACE's smoothing: give --loss dpace too")
     gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(cfg.block_size)
     if not 0.0 <= cfg.distill_weight <= 1.0:
         raise ValueError(f"--distill-weight {cfg.distill_weight} must lie in 0..1")
     return Signal(cfg.anchors, cfg.block_size, layers, gamma, cfg.draft_layers, mask.token_id, heads.identity,
-                  mask_choice=mask.as_dict(), distill=float(cfg.distill_weight), anchor_every=cfg.anchor_every)
+                  mask_choice=mask.as_dict(), distill=float(cfg.distill_weight), anchor_every=cfg.anchor_every,
+                  loss=cfg.loss, dpace_alpha=alpha)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,10 @@ class Signal:
     distill: float = 0.0
     # --anchor-every: one anchor per this many trainable positions (1: every one, as before it existed)
     anchor_every: int = 1
+    # --loss: "ce", the position-decayed cross-entropy (gamma), or "dpace" (docs/TRAINING.md "D-PACE")
+    loss: str = "ce"
+    # --dpace-alpha: D-PACE's confidence smoothing; None with loss "ce", which has none
+    dpace_alpha: float | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -66,6 +66,21 @@ def test_local_run_writes_its_folder_then_resume_latest_continues_or_refuses(tar
     assert [e["step"] for e in events if e["event"] == "train.step"] == [7, 8]  # no old steps in the new file
 
 
+def test_loss_dpace_trains_is_recorded_and_a_resume_with_ce_is_refused(target_dir, tmp_path):
+    runs = tmp_path / "runs"
+    r = CliRunner().invoke(main, _args(target_dir, runs, "--synthetic-batches", "2", "--loss", "dpace",
+                                       "--dpace-alpha", "0.3"))
+    assert r.exit_code == 0, r.output
+    (run,) = [p for p in runs.iterdir() if p.name != "latest"]
+    state = json.loads((run / "checkpoints" / "step-2" / "state.json").read_text())
+    assert (state["signal"]["loss"], state["signal"]["dpace_alpha"]) == ("dpace", 0.3)
+    r = CliRunner().invoke(main, _args(target_dir, runs, "--synthetic-batches", "2", "--resume", "latest"))
+    assert r.exit_code == 2 and "loss: 'dpace' -> 'ce'" in r.output and "--force" in r.output
+    r = CliRunner().invoke(main, _args(target_dir, runs, "--synthetic-batches", "1", "--loss", "dpace",
+                                       "--gamma", "3"))
+    assert r.exit_code == 2 and "--gamma" in r.output and "--loss dpace" in r.output, r.output
+
+
 def test_bad_input_exits_with_one_line(target_dir, tmp_path):
     args = _args(target_dir, tmp_path, "--synthetic-batches", "1")
     args[args.index("--mask-token-id") + 1] = "9999"

@@ -63,7 +63,8 @@ def test_checkpoint_folder_holds_everything_and_keeps_the_last_n(heads, tmp_path
     assert state["step"] == 12 and state["tokens"] > 0
     assert state["signal"] == {"anchors": 6, "block_size": 4, "target_layers": LAYERS, "gamma": 2.5,
                                "draft_layers": 2, "mask_token_id": MASK_ID, "target": heads.identity,
-                               "distill": 0.0, "anchor_every": 1, "mask_choice": {"token_id": MASK_ID, "token": None, "rule": "explicit",
+                               "distill": 0.0, "anchor_every": 1, "loss": "ce", "dpace_alpha": None,
+                               "mask_choice": {"token_id": MASK_ID, "token": None, "rule": "explicit",
                                                "reason": "--mask-token-id", "warnings": []}}
     cfg = json.loads((ck / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4

@@ -1,0 +1,76 @@
+"""bench/recipe_sweep.py takes TrainConfig fields as config keys, the loss among them, and a
+whole sweep of ce against dpace runs on CPU on a tiny target (its smoke mode, --device cpu)."""
+
+import importlib.util
+import json
+import sqlite3
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tests.harness.tiny import MASK_ID
+from dflash.consumers.train import TrainConfig, resolve_signal
+
+pytestmark = pytest.mark.unit
+
+SWEEP = Path(__file__).resolve().parents[1] / "bench" / "recipe_sweep.py"
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("recipe_sweep", SWEEP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_loss_is_a_config_key(heads):
+    sweep = _sweep()
+    c = sweep.parse_config("loss=dpace,dpace_alpha=0.3,lr=2e-3,budget=4096")
+    assert c == {"loss": "dpace", "dpace_alpha": 0.3, "lr": 2e-3, "budget": 4096}
+    kw = {k: v for k, v in c.items() if k not in sweep._PACKING}
+    signal = resolve_signal(TrainConfig(target_layers=(1, 2), mask_token_id=MASK_ID, **kw), heads)
+    assert (signal.loss, signal.dpace_alpha) == ("dpace", 0.3)
+    with pytest.raises(click.BadParameter, match="'los' is not a TrainConfig field"):
+        sweep.parse_config("los=dpace")
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_of_ce_against_dpace_runs_on_cpu(tmp_path):
+    from dflash.producers.chat import ChatEncoder
+    from dflash.producers.data import Row
+    from dflash.producers.sample_data import generate_chats
+    from dflash.runtime.targets import load_tokenizer
+    from dflash.tools.tiny import tiny_target
+
+    folder = tiny_target(family="qwen3", layers=4)
+    enc = ChatEncoder(load_tokenizer(folder), max_length=128)
+    chats = generate_chats(40)
+    rows = [enc.encode(Row(i, "chats", messages=c["messages"])) for i, c in enumerate(chats)]
+    db = sqlite3.connect(tmp_path / "regen.sqlite")  # the producer's regeneration cache (producers/regenerate.py)
+    db.execute("CREATE TABLE regen_ids (sample INTEGER PRIMARY KEY, input_ids BLOB NOT NULL, loss_mask BLOB NOT NULL, "
+               "messages TEXT)")
+    db.executemany("INSERT INTO regen_ids VALUES (?, ?, ?, ?)",
+                   [(r.sample, np.asarray(r.input_ids, dtype=np.int32).tobytes(), bytes(r.loss_mask), "[]")
+                    for r in rows])
+    db.commit()
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for name, cs in (("indist", chats[:2]), ("heldout", chats[2:4])):
+        (prompts / f"{name}.jsonl").write_text("".join(json.dumps({"messages": c["messages"][:1]}) + "\n"
+                                                       for c in cs))
+    out = tmp_path / "out" / "sweep.json"
+    common = "draft_layers=1,block_size=4,anchors=16"
+    r = CliRunner().invoke(_sweep().main, [
+        "--target", str(folder), "--regen", str(tmp_path / "regen.sqlite"), "--prompts", str(prompts),
+        "--samples", "32", "--val", "8", "--eval-prompts", "2", "--max-new-tokens", "8", "--device", "cpu",
+        "--config", f"loss=ce,{common}", "--config", f"loss=dpace,dpace_alpha=0.3,{common}", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    results = json.loads(out.read_text())["results"]
+    assert [x["config"].split(",")[0] for x in results] == ["loss=ce", "loss=dpace"]
+    assert all(x["steps"] > 0 and x["sim"]["tau"] >= 1.0 for x in results)
+    signals = [json.loads(next((out.parent / f"sweep-ckpt-{i}").glob("step-*/state.json")).read_text())["signal"]
+               for i in range(2)]
+    assert [(s["loss"], s["dpace_alpha"]) for s in signals] == [("ce", None), ("dpace", 0.3)]
