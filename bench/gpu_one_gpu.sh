@@ -16,7 +16,7 @@
 # Environment: BUDGET (600), COUNT (prompts, 12000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
 # STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
-# SWEEP_SAMPLES, GPU (0; -1 runs it all on CPU: tests/bench/test_one_gpu_budget.py), TARGET
+# SWEEP_SAMPLES, PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/bench/test_one_gpu_budget.py), TARGET
 # (default: the carried GGUF), BASELINE_TAR, W (work folder).
 set -uo pipefail
 W=${W:-/tmp/dflash-onegpu}
@@ -30,6 +30,7 @@ budget_run() {  # the run, as one_gpu_budget.py's arguments
   local a=(--target "$TARGET" --work "$W/run" --gpu "$GPU" --budget "${BUDGET:-600}" --count "${COUNT:-12000}"
            --holdout "${HOLDOUT:-8}" --epochs "${EPOCHS:-20}" --producer-arg "--regen-cache $W/regen ${PRODUCER_ARGS:-}")
   [ -n "${PROMPT_ARGS:-}" ] && a+=(--prompt-arg "$PROMPT_ARGS")
+  [ -n "${PROMPTS_FROM:-}" ] && a+=(--prompts-from "$PROMPTS_FROM")
   [ -n "${BROKER_ARGS:-}" ] && a+=(--broker-arg "$BROKER_ARGS")
   [ -n "${CONSUMER_ARGS:-}" ] && a+=(--consumer-arg "$CONSUMER_ARGS")
   python3 bench/one_gpu_budget.py run "${a[@]}"
@@ -67,7 +68,7 @@ finish)
   [ -f "$W/run/run.json" ] || { echo "the run left no run.json:"; tail -c 3000 "$W/run.log"; exit 1; }
   python3 bench/one_gpu_budget.py report --target "$TARGET" --work "$W/run" --gpu "$GPU" \
       ${REPORT_ARGS:-} > "$OUT/result.json" 2> "$W/report.err" || { tail -c 3000 "$W/report.err"; exit 1; }
-  (cd "$W/run" && tar czf "$OUT/logs.tgz" broker.out producer.out consumer.out prompts.out eval-*.json run.json)
+  (cd "$W/run" && tar czf "$OUT/logs.tgz" $(ls broker.out producer.out consumer.out prompts.out eval-*.json run.json 2>/dev/null))
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({k: r.get(k) for k in ('checks','heldout','indist')})[:3000])" "$OUT/result.json"
   if [ -n "${SWEEP:-}" ]; then  # the same answers, other recipes: held-out tau decides (bench/recipe_sweep.py)
     mkdir -p "$W/sweep_prompts"

@@ -105,8 +105,11 @@ def main() -> None:
 @click.option("--broker-arg", "broker_args", multiple=True, help="Extra dflash-broker flags (repeatable).")
 @click.option("--producer-arg", "producer_args", multiple=True, help="Extra dflash-produce flags (repeatable).")
 @click.option("--consumer-arg", "consumer_args", multiple=True, help="Extra dflash-consume flags (repeatable).")
+@click.option("--prompts-from", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Take these prompts (and FILE's .holdout sibling) instead of writing them: a CPU smoke run.")
 @click.option("--work", required=True, type=click.Path(file_okay=False))
-def run(target, budget_s, count, holdout, epochs, gpu, prompt_args, broker_args, producer_args, consumer_args, work):
+def run(target, budget_s, count, holdout, epochs, gpu, prompt_args, broker_args, producer_args, consumer_args,
+        prompts_from, work):
     """Write the prompts and train under the budget; writes WORK/run.json."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -116,7 +119,13 @@ def run(target, budget_s, count, holdout, epochs, gpu, prompt_args, broker_args,
             "args": {"prompts": _split(prompt_args), "broker": _split(broker_args),
                      "producer": _split(producer_args), "consumer": _split(consumer_args)},
             "started": time.time()}
-    info.update(write_prompts(work, target, count, holdout, gpu, info["args"]["prompts"], env))
+    if prompts_from:
+        src = Path(prompts_from)
+        for name, f in (("prompts.jsonl", src), ("prompts.holdout.jsonl", src.with_suffix(".holdout.jsonl"))):
+            (work / name).write_bytes(f.read_bytes())
+        info.update(prompts_s=0.0, prompts=len((work / "prompts.jsonl").read_text().splitlines()), prompts_from=str(src))
+    else:
+        info.update(write_prompts(work, target, count, holdout, gpu, info["args"]["prompts"], env))
     left = budget_s - (time.monotonic() - t0)
     if left < 30:
         raise click.ClickException(f"writing {count} prompts took {info['prompts_s']} s of a {budget_s} s budget: "
@@ -156,6 +165,7 @@ def read_logs(work: Path, info: dict) -> dict:
     first = _t(steps[0]) if steps else info.get("started", 0.0)
     late = [s for s in steps if _t(s) - first >= 60]
     last = steps[-1] if steps else {}
+    end = (_rank0(work / "consumer.out", "train.end") or [{}])[-1]
     regen = _lines(work / "producer.out", "produce.regen_progress")
     rows = _lines(work / "producer.out", "produce.regen_rows")
     endings: Counter = Counter()
@@ -164,8 +174,10 @@ def read_logs(work: Path, info: dict) -> dict:
     plans = _lines(work / "broker.out", "broker.plan")
     ends = _lines(work / "broker.out", "broker.end_of_stream")
     return {
-        "steps": len(steps), "samples": last.get("samples"), "loss_last": last.get("loss"), "acc_last": last.get("acc"),
-        "lr_last": last.get("lr"), "lr_max": max((s.get("lr") or 0 for s in steps), default=None),
+        "steps": len(steps), "samples": end.get("samples"), "loss_last": last.get("loss"), "acc_last": last.get("acc"),
+        "lr_last": end.get("lr", last.get("lr")), "lr_max": max((s.get("lr") or 0 for s in steps), default=None),
+        "end": {k: end.get(k) for k in ("reason", "step", "samples", "lr", "progress")},
+        "unannealed": _rank0(work / "consumer.out", "train.unannealed"),
         "first_step_after_s": round(first - info.get("started", first), 1),
         "wait_frac_all": _wait_frac(steps), "wait_frac_after_first_minute": _wait_frac(late),
         "windows": windows(steps, first),
@@ -219,7 +231,8 @@ def checks(r: dict) -> dict:
     lr_last, lr_max = logs.get("lr_last"), logs.get("lr_max")
     return {
         "within_budget": r["run"].get("total_s", 1e9) <= r["run"]["budget_s"] + 60,
-        "annealed": None if lr_last is None or not lr_max else lr_last <= 0.01 * lr_max,
+        "annealed": None if lr_last is None or not lr_max else (lr_last <= 0.01 * lr_max and not logs["unannealed"]
+                                                                and (logs["end"].get("progress") or 0) >= 0.999),
         "heldout_tau": at_least(h.get("tau"), BARS["heldout_tau"]),
         "heldout_speedup": at_least(h.get("speedup"), BARS["heldout_speedup"]),
         "indist_tau": at_least(i.get("tau"), BARS["indist_tau"]),

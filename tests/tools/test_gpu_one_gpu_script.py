@@ -1,0 +1,114 @@
+"""bench/gpu_one_gpu.sh, the scripted GPU session of the README's one-GPU path, run end to end
+on CPU with the real small target, so that the three calls a GPU window is spent on cannot rot:
+`step` builds the baseline tree apart and imports each tree's own code; `start` writes prompts
+with the target and trains under a time budget; `finish` exports, measures tau on held-out and
+training prompts, and reads the logs into one report. The figures are CPU's and meaningless;
+what is checked is that every stage ran and the report says what the issue asks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dflash.tools import real_target
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_one_gpu.sh"
+# Short form: the bundled chats' first requests stand for the prompts (dflash-prompts has its own
+# tests, and writing even a few takes minutes on CPU); DFLASH_LONG=1 has the target write them.
+LONG = os.environ.get("DFLASH_LONG") == "1"
+BUDGET = 420 if LONG else 75
+pytestmark = pytest.mark.timeout(BUDGET + 900)  # the run, then export and two evaluations on CPU
+
+
+def bundled_prompts(folder: Path) -> Path:
+    """prompts.jsonl and prompts.holdout.jsonl as dflash-prompts writes them, from the bundled chats."""
+    import dflash.producers.sample_data as pkg
+
+    rows = (Path(pkg.__file__).parent / "chats.jsonl").read_text().splitlines()
+    asks = [{"id": f"self-{i}", "messages": [next(m for m in json.loads(r)["messages"] if m["role"] == "user")]}
+            for i, r in enumerate(rows[:40])]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in asks[:36]))
+    (folder / "prompts.holdout.jsonl").write_text("".join(json.dumps(a) + "\n" for a in asks[36:]))
+    return folder / "prompts.jsonl"
+
+
+def _run(part: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    r = subprocess.run(["bash", str(SCRIPT), part], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{part} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    work = tmp_path_factory.mktemp("onegpu")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1", W=str(work / "w"),
+        OUT=str(work / "out"), TARGET=str(real_target.hf_folder()), BUDGET=str(BUDGET), COUNT="7", HOLDOUT="1",
+        EPOCHS="50", OMP_NUM_THREADS="1", START_WAIT_S="600",
+        PROMPT_ARGS="--max-new-tokens 48 --answer-tokens 32 --batch-size 16 --exclude riddle",
+        PRODUCER_ARGS="--max-new-tokens 24", CONSUMER_ARGS="--draft-layers 1 --save-every 4",
+        REPORT_ARGS="--indist 3 --max-new-tokens 16",
+    )
+    if not LONG:
+        env["PROMPTS_FROM"] = str(bundled_prompts(work))
+    start = _run("start", env, BUDGET + 400)
+    finish = _run("finish", env, 900)
+    return work, start, finish
+
+
+@pytest.mark.real_target
+@pytest.mark.integration
+def test_the_budget_run_ends_by_itself_within_its_budget_and_annealed(session):
+    work, _, _ = session
+    result = json.loads((work / "out" / "result.json").read_text())
+    run = result["run"]
+    assert run["exit_codes"] == {"broker": 0, "producer": 0, "consumer": 0}, run
+    assert not run["timed_out"]
+    assert run["train_budget_s"] <= BUDGET and (run["prompts_s"] > 0 or not LONG)
+    assert result["checks"]["within_budget"], (run["total_s"], BUDGET)
+    logs = result["logs"]
+    assert logs["steps"] > 0 and logs["plans"], logs
+    assert result["checks"]["annealed"], (logs["lr_last"], logs["lr_max"])
+    states = result["ledger"]["samples_by_state"]
+    assert states.get("committed", 0) == logs["samples"], (states, logs["samples"])  # every sample trained, committed
+    assert "trained" not in states
+
+
+@pytest.mark.real_target
+@pytest.mark.integration
+def test_the_report_measures_held_out_and_training_prompts_and_the_regeneration(session):
+    work, _, finish = session
+    result = json.loads((work / "out" / "result.json").read_text())
+    for part in ("heldout", "indist"):
+        ev = result[part]
+        assert ev["exit_code"] == 0, ev
+        assert ev["tau"] >= 1.0 and ev["prompts"] >= 1, ev
+    assert result["logs"]["regen_rows"], "the producer logged no regeneration rows"
+    assert set(result["checks"]) >= {"heldout_tau", "heldout_speedup", "indist_tau", "wait_after_first_minute"}
+    with tarfile.open(work / "out" / "logs.tgz") as t:
+        assert {"broker.out", "producer.out", "consumer.out", "run.json"} <= set(t.getnames())
+    assert '"checks"' in finish.stdout
+
+
+@pytest.mark.real_target
+@pytest.mark.integration
+def test_the_step_call_builds_the_baseline_apart_from_this_tree(tmp_path):
+    # the baseline tree: this checkout's own files as `git archive` packs them
+    tar = tmp_path / "baseline.tar"
+    tar.write_bytes(subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1",
+               W=str(tmp_path / "w"), OUT=str(tmp_path / "out"), BASELINE_TAR=str(tar))
+    _run("step", env, 300)
+    before = json.loads((tmp_path / "out" / "step_before.json").read_text())
+    after = json.loads((tmp_path / "out" / "step_after.json").read_text())
+    assert before["train"].startswith(str(tmp_path / "w" / "base_site")), before
+    assert after["train"].startswith(str(ROOT)), after
