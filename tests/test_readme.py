@@ -41,6 +41,15 @@ EXPECTED = [
     'pip install -e ".[test]"',
     "dflash-demo",
     "python -m pytest -q -n 2",
+    # One GPU, ten minutes
+    "dflash-prompts --target HuggingFaceTB/SmolLM2-135M-Instruct --count 12000 --holdout 8 --out prompts.jsonl --gpu 0",
+    "dflash-broker --time-budget 8m --epochs 20 &",
+    "dflash-produce --gpu 0 --target HuggingFaceTB/SmolLM2-135M-Instruct --data prompts.jsonl --regenerate &",
+    "dflash-consume --gpu 0 --target HuggingFaceTB/SmolLM2-135M-Instruct",
+    "dflash-export latest drafter --target HuggingFaceTB/SmolLM2-135M-Instruct",
+    "dflash-eval --target HuggingFaceTB/SmolLM2-135M-Instruct --drafter drafter --prompts prompts.holdout.jsonl "
+    "--device cuda:0 --dtype bfloat16",
+    # Real use
     "dflash-prompts --target Qwen/Qwen3-8B --count 20000 --out prompts.jsonl --gpu 0",
     "dflash-broker --epochs 6 --consumers 2",
     "dflash-produce --broker tcp://broker-host:5555 --device cuda:0 --target Qwen/Qwen3-8B --data prompts.jsonl "
@@ -54,6 +63,9 @@ EXPECTED = [
     "dflash-plot --out training.png",
     "dflash-broker --resume runs/latest --consumers 2",
 ]
+
+
+ONE_GPU = 3  # where the "One GPU, ten minutes" block starts in EXPECTED
 
 
 def readme_commands() -> list[str]:
@@ -73,6 +85,7 @@ class Local:
         self.tmp, self.port = tmp, free_port_block(12)
         self.procs: list[subprocess.Popen] = []
         put_in_hub_cache(tmp / "hf-cache", "Qwen/Qwen3-8B", tiny_target())
+        put_in_hub_cache(tmp / "hf-cache", "HuggingFaceTB/SmolLM2-135M-Instruct", tiny_target(family="llama"))
         import dflash.producers.sample_data as pkg
 
         rows = (Path(pkg.__file__).parent / "chats.jsonl").read_text().splitlines()[:N_ROWS]
@@ -87,7 +100,8 @@ class Local:
 
     def argv(self, cmd: str) -> list[str]:
         cmd = cmd.replace("tcp://broker-host:5555", f"tcp://127.0.0.1:{self.port}")
-        cmd = re.sub(r"--device cuda:\d+", "--device cpu", cmd)
+        cmd = re.sub(r"--device cuda:\d+", "--device cpu", cmd).removesuffix(" &")  # the caller backgrounds it
+        cmd = cmd.replace("--gpu 0", "--device cpu").replace("--dtype bfloat16", "--dtype float32")
         args = cmd.split()
         if args[0] == "dflash-broker":
             p = self.port
@@ -159,7 +173,7 @@ def loc(tmp_path):
 def test_readme_prompts_command_writes_data_the_producer_reads(tmp_path, loc):
     from dflash.producers.data import open_dataset
 
-    cmd = readme_commands()[3]
+    cmd = readme_commands()[ONE_GPU + 6]
     # the tiny random target seldom ends a turn: fewer prompts from more candidates; CPU
     cmd = cmd.replace("--count 20000", "--count 4 --max-tries 2000 --max-new-tokens 64").replace(" --gpu 0", "")
     r = loc.run(cmd)
@@ -173,8 +187,9 @@ def test_readme_prompts_command_writes_data_the_producer_reads(tmp_path, loc):
 @pytest.mark.timeout(900)  # five processes start torch on two shared cores
 def test_readme_story_runs_as_written(tmp_path, loc):
     cmds = dict(enumerate(readme_commands()))
-    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd = (cmds[i] for i in (4, 9, 10, 11, 12))
-    produce_cmds, consume_cmds = [cmds[5], cmds[6]], [cmds[7], cmds[8]]  # the "Real use" block: 2 and 2, one host
+    r = ONE_GPU + 6  # the "Real use" block
+    broker_cmd, status_cmd, logs_cmd, plot_cmd, resume_cmd = (cmds[r + i] for i in (1, 6, 7, 8, 9))
+    produce_cmds, consume_cmds = [cmds[r + 2], cmds[r + 3]], [cmds[r + 4], cmds[r + 5]]  # 2 and 2, one host
     procs = loc.procs
     procs.append(loc.start(broker_cmd))
     first = loc.wait_for_new_run(None)
@@ -236,3 +251,42 @@ def test_readme_story_runs_as_written(tmp_path, loc):
     plot = loc.run(plot_cmd)
     assert plot.returncode == 0, plot.stdout + plot.stderr
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(600)
+def test_readme_one_gpu_path_runs_as_written(tmp_path, loc):
+    """The "One GPU, ten minutes" block as written, on CPU: a one-minute budget instead of eight,
+    the bundled chats' first requests for the prompts the target would write."""
+    prompts_cmd, broker_cmd, produce_cmd, consume_cmd, export_cmd, eval_cmd = readme_commands()[ONE_GPU:ONE_GPU + 6]
+    assert "--holdout 8" in prompts_cmd and "--time-budget 8m" in broker_cmd  # the run the README describes
+    rows = (tmp_path / "prompts.jsonl").read_text().splitlines()
+    (tmp_path / "prompts.jsonl").write_text("".join(x + "\n" for x in rows[:-4]))
+    (tmp_path / "prompts.holdout.jsonl").write_text("".join(x + "\n" for x in rows[-4:]))
+    loc.env.update(DFLASH_BROKER=f"tcp://127.0.0.1:{loc.port}", DFLASH_EVAL_MAX_NEW_TOKENS="24")
+    budget_s = 60
+    procs = loc.procs
+    t0 = time.monotonic()
+    procs.append(loc.start(broker_cmd.replace("--time-budget 8m", f"--time-budget {budget_s}s")))
+    run = loc.wait_for_new_run(None)
+    procs += [loc.start(produce_cmd), loc.start(consume_cmd)]
+    for p in procs:
+        p.wait(timeout=budget_s + 240)
+    took = time.monotonic() - t0
+    for p in procs:
+        assert p.returncode == 0, (p.out_path.read_text() + p.err_path.read_text())[-3000:]
+    # it ended by itself, on time (the broker's reserve covers the last checkpoint and commit)
+    assert took < budget_s + 30, took
+    consumer = [json.loads(x) for f in (run / "logs").glob("consumer-*.jsonl") for x in f.read_text().splitlines()
+                if _is_json(x)]
+    end = [e for e in consumer if e["event"] == "train.end"][-1]
+    assert end["progress"] == pytest.approx(1.0) and end["lr"] == pytest.approx(0.0), end  # annealed to --min-lr 0
+    assert not [e for e in consumer if e["event"] == "train.unannealed"]
+    committed = _committed(run)
+    assert len(committed) == len(set(committed)) == end["samples"] > 0  # everything trained, committed once
+
+    exp = loc.run(export_cmd)
+    assert exp.returncode == 0, exp.stdout + exp.stderr
+    assert (tmp_path / "drafter" / "config.json").exists()
+    ev = loc.run(eval_cmd)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    assert "tau" in ev.stdout and "speedup" in ev.stdout, ev.stdout
