@@ -261,8 +261,8 @@ def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
     """The element rule: context of the own sequence before the own anchor | the own block."""
     T, Q, B = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size
     parts = layout._flex_parts
-    if parts is not None:  # copied with the layout's indices
-        kv_seq, q_seq = parts["kv_seq"], parts["q_seq"]
+    if parts is not None:  # copied with the layout's indices; own storage, as the compiled kernel always saw them
+        kv_seq, q_seq = parts["kv_seq"].clone(), parts["q_seq"].clone()
     else:
         kv_seq = _sequence_of(layout.seq_lens).to(device)  # [T]
         q_seq = _sequence_of([s.q_len for s in layout.spans]).to(device)  # [Q]

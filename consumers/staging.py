@@ -196,7 +196,11 @@ class BatchStager:
         batch = self._to_batch(item)
         batch.with_host_facts(*host)
         if self._prepare is not None:
-            self._prepare(batch)
+            if self._stream is not None:  # pinned host memory for the training device
+                with torch.cuda.device(self.device):
+                    self._prepare(batch)
+            else:
+                self._prepare(batch)
         return batch
 
     def _to_batch(self, item: Any) -> Batch:

@@ -392,8 +392,7 @@ class Trainer:
             g["lr"] = lr
         norm = None
         if total.weight > 0:  # the weight is known on the host (step.py plans it): no read-back
-            for p in self.params:
-                p.grad.div_(total.weight)
+            torch._foreach_div_([p.grad for p in self.params], total.weight)  # one kernel launch, not one a tensor
             norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         # The step's one read-back: the loss figures left on the device, with the norm
         grad_norm = total.read(norm)

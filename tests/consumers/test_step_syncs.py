@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 # Ops a steady-state step dispatches in the training thread (sdpa on the CPU, the optimizer
 # step left out): the counted figure with some headroom, below the figure before the step
 # was planned ahead (docs/BENCHMARKS.md has both).
-MAX_OPS_PER_STEP = 1250
+MAX_OPS_PER_STEP = 1200
 
 
 def test_a_steady_state_step_reads_back_once(tmp_path):
@@ -35,7 +35,7 @@ def test_a_steady_state_step_reads_back_once(tmp_path):
 def test_the_trajectory_is_the_same_planned_ahead_or_in_the_step(tmp_path):
     staged = count_training(tmp_path / "a", steps=2, warm=2)
     inline = count_training(tmp_path / "b", steps=2, warm=2, stage_batches=False)
-    assert staged["losses"] == inline["losses"]
+    assert staged["losses"] == inline["losses"] and staged["weights_sha256"] == inline["weights_sha256"]
     # Without the stager the plan is made in the step: its host work shows in the count (the
     # anchors' nonzero, the loss mask's copy, the known figures' read), as it would on a GPU.
     assert staged["syncs_per_step"] == 1 and inline["syncs"]["nonzero"] > 0 and inline["syncs"]["cpu"] > 0

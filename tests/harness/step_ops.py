@@ -13,6 +13,7 @@ its step counters on the device, on the CPU the foreach one, which reads them ba
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import Counter
@@ -151,6 +152,9 @@ def count_training(folder: Path, *, attn: str = "sdpa", warm: int = 2, steps: in
     finally:
         mode.unpatch_host_reads()
     losses = [e["loss"] for e in logs if e["event"] == "train.step"]
+    digest = hashlib.sha256()
+    for t in trainer.model.state_dict().values():  # the trained weights, bit for bit
+        digest.update(t.detach().contiguous().numpy().tobytes())
     return {"attn": attn, "steps": steps, "ops_per_step": sum(mode.ops.values()) / steps,
             "syncs_per_step": sum(mode.syncs.values()) / steps, "syncs": dict(mode.syncs),
-            "top_ops": dict(mode.ops.most_common(12)), "losses": losses}
+            "top_ops": dict(mode.ops.most_common(12)), "losses": losses, "weights_sha256": digest.hexdigest()[:16]}
