@@ -1,12 +1,14 @@
 """Drafter-only step throughput and memory on one GPU, without producers or a real target.
 
     python bench/drafter_step.py --gpu 0 --seqs 4 --seq-len 3072 --steps 12
+    python bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 --vary [--profile 4]
 
 Builds a target folder shaped like Qwen3-8B (config.json plus random embed_tokens and
 lm_head, nothing else: that is all a consumer reads), then trains on the synthetic
 stream through the same loop as dflash-consume and prints one JSON summary line: step
-time, tokens/s, peak memory, first and last loss. Also checks that the flex and SDPA
-attention paths agree in bf16 on a small batch.
+time, tokens/s, samples/s, peak memory, first and last loss (with --profile, kernels and
+host synchronisations per step too: time the steps without it, the profiler slows them).
+Also checks that the flex and SDPA attention paths agree in bf16 on a small batch.
 """
 
 from __future__ import annotations
@@ -204,7 +206,8 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     flops_per_step = sum(step_flops(dcfg, heads.spec.vocab_size, s) for s in shapes) / max(1, len(shapes))
     anchors_per_step = sum(s.queries for s in shapes) / block_size / max(1, len(shapes))
     print(json.dumps({
-        "attn": attn, "backend": next(e["attn"] for e in logs if e["event"] == "train.start"), "fuse": fuse, "block_mask": "torch" if torch_block_mask else "tiles", "vary": vary,
+        "attn": attn, "backend": next(e["attn"] for e in logs if e["event"] == "train.start"), "fuse": fuse,
+        "block_mask": "torch" if torch_block_mask else "tiles", "vary": vary,
         "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
         "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
         "first_step_s": round(ends[0] - t0, 2), "step_s": round(step_s, 3),

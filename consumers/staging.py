@@ -194,7 +194,8 @@ class BatchStager:
         # The host copies of input_ids and loss_mask: the step plans from them, never from the GPU.
         host = _host_copies(item)
         batch = self._to_batch(item)
-        batch.with_host_facts(*host)
+        if host is not None:
+            batch.with_host_facts(*host)
         if self._prepare is not None:
             if self._stream is not None:  # pinned host memory for the training device
                 with torch.cuda.device(self.device):
@@ -231,15 +232,15 @@ class BatchStager:
         return batch
 
 
-def _host_copies(item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _host_copies(item: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """CPU (input_ids, loss_mask) of a Batch or a batch message (copies of the frames,
-    which go once the batch is converted)."""
+    which go once the batch is converted); None for anything else (its conversion raises)."""
     if isinstance(item, Batch):
         return item.input_ids.cpu(), item.loss_mask.cpu()
-    if not isinstance(item, messages.Batch):  # Batch.from_message raises the clear error
-        return Batch.from_message(item).input_ids, torch.zeros(0)
-    t = item.tensors
-    return t["input_ids"].clone(), t["loss_mask"].clone()
+    if isinstance(item, messages.Batch):
+        t = item.tensors
+        return t["input_ids"].clone(), t["loss_mask"].clone()
+    return None
 
 
 def _with_index(device: torch.device) -> torch.device:

@@ -33,7 +33,8 @@ class StepPlan:
 
 
 def plan_key(signal: Signal, seed: int, device: torch.device, backend: str) -> tuple:
-    return (seed, signal.block_size, signal.anchors, signal.anchor_every, signal.mask_token_id, device.type, backend)
+    return (seed, signal.block_size, signal.anchors, signal.anchor_every, signal.gamma, signal.mask_token_id,
+            device.type, backend)
 
 
 def plan_step(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str,
