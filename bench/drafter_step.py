@@ -1,12 +1,14 @@
 """Drafter-only step throughput and memory on one GPU, without producers or a real target.
 
     python bench/drafter_step.py --gpu 0 --seqs 4 --seq-len 3072 --steps 12
+    python bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 --vary [--profile 4]
 
 Builds a target folder shaped like Qwen3-8B (config.json plus random embed_tokens and
 lm_head, nothing else: that is all a consumer reads), then trains on the synthetic
 stream through the same loop as dflash-consume and prints one JSON summary line: step
-time, tokens/s, peak memory, first and last loss. Also checks that the flex and SDPA
-attention paths agree in bf16 on a small batch.
+time, tokens/s, samples/s, peak memory, first and last loss (with --profile, kernels and
+host synchronisations per step too: time the steps without it, the profiler slows them).
+Also checks that the flex and SDPA attention paths agree in bf16 on a small batch.
 """
 
 from __future__ import annotations
@@ -94,16 +96,25 @@ def use_torch_block_mask() -> None:
     blocks._flex_block_mask = element_wise
 
 
-def _profile_table(prof, n_steps: int, wall_s: float) -> None:
-    """Per step: GPU busy time against wall time, and the top kernels and host ops."""
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _profile_table(prof, n_steps: int, wall_s: float) -> dict:
+    """Per step: GPU busy time against wall time, kernels and host synchronisations (the
+    training thread's and the stager's; the bench's own sync at the window's end is one),
+    and the top kernels and host ops."""
     ev = prof.key_averages()
     kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / n_steps
-    print(json.dumps({"profile_steps": n_steps, "wall_ms_per_step": round(1e3 * wall_s / n_steps, 2),
-                      "gpu_busy_ms_per_step": round(busy, 2),
-                      "kernels_per_step": round(sum(e.count for e in kernels) / n_steps)}), flush=True)
+    syncs = {e.key: e.count for e in ev if e.key in _SYNC_CALLS}
+    figures = {"profile_steps": n_steps, "wall_ms_per_step": round(1e3 * wall_s / n_steps, 2),
+               "gpu_busy_ms_per_step": round(busy, 2),
+               "kernels_per_step": round(sum(e.count for e in kernels) / n_steps),
+               "syncs_per_step": round(sum(syncs.values()) / n_steps, 2), "sync_calls": syncs}
+    print(json.dumps(figures), flush=True)
     print(ev.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
     print(ev.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    return figures
 
 
 @click.command()
@@ -113,13 +124,15 @@ def _profile_table(prof, n_steps: int, wall_s: float) -> None:
 @click.option("--steps", default=12, type=int, help="Steps to run (the first ones include compilation).")
 @click.option("--anchors", default=512, type=int, help="Anchors per sequence.")
 @click.option("--block-size", default=16, type=int, help="Block size.")
-@click.option("--attn", default="sdpa", type=click.Choice(["flex", "sdpa"]), help="Attention kernel.")
+@click.option("--attn", default="auto", type=click.Choice(["auto", "flex", "sdpa"]),
+              help="Attention kernel (auto: as dflash-consume, flex where it compiles).")
 @click.option("--loss-chunk", default=2048, type=int, help="Block positions per logits chunk.")
 @click.option("--vary", is_flag=True, help="Vary sequence lengths from batch to batch, as real packing does.")
 @click.option("--shape", default="qwen3-8b", type=click.Choice(sorted(SHAPES)), help="Shape of the fake target.")
 @click.option("--vocab", default=None, type=int, help="Vocabulary of the fake target (default: the shape's).")
-@click.option("--profile", "profile_steps", default=0, type=int,
-              help="Profile this many steps after the first half (torch.profiler): top kernels and host ops.")
+@click.option("--profile", "--profile-steps", "profile_steps", default=0, type=int,
+              help="Profile this many steps after the first half (torch.profiler): kernels and host syncs a step "
+                   "(also in the summary line), top kernels and host ops.")
 @click.option("--skip-check", is_flag=True, help="Skip the flex-vs-SDPA agreement check.")
 @click.option("--draft-layers", default=5, type=int, help="Draft decoder layers.")
 @click.option("--fuse", default="auto", type=click.Choice(["auto", "on", "off"]), help="As dflash-consume --fuse.")
@@ -161,23 +174,31 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     ends: list[float] = []
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                               torch.profiler.ProfilerActivity.CUDA]) if profile_steps else None
+    half = steps // 2  # the first steps compile kernels: timed from the end of step half + 1
+    profiled: dict = {}
 
     def after_step(step, model):
-        torch.cuda.synchronize(device)
+        # Waits for the GPU only where a time is taken (the first step, the timed window's
+        # ends): a wait every step would keep the host from queueing the next step early.
+        timed = step in (1, half + 1, steps) or (prof is not None and step in (half, half + profile_steps))
+        if timed:
+            torch.cuda.synchronize(device)
         ends.append(time.monotonic())
         _stage(f"step_{step}", start)
-        if prof is not None and step == steps // 2:
+        if prof is not None and step == half:
             prof.start()
-        if prof is not None and step == steps // 2 + profile_steps:
+        if prof is not None and step == half + profile_steps:
             prof.stop()
-            _profile_table(prof, profile_steps, ends[-1] - ends[-1 - profile_steps])
+            profiled.update(_profile_table(prof, profile_steps, ends[-1] - ends[-1 - profile_steps]))
 
     t0 = time.monotonic()
     with capture_logs() as logs:
         train(replace(cfg), heads, batches, hooks=Hooks(after_step=after_step))
+    torch.cuda.synchronize(device)
     wall = time.monotonic() - t0
     lines = [e for e in logs if e["event"] == "train.step"]
-    half = len(ends) // 2  # the first steps compile kernels
+    if len(ends) != steps:
+        raise SystemExit(f"{len(ends)} steps ran, not {steps}: see the log above")
     step_s = (ends[-1] - ends[half]) / max(1, len(ends) - 1 - half)
     dcfg = DrafterConfig.from_target(heads.spec, cfg.draft_layers, len(layers))
     timed = batches[half + 1 : len(ends)]
@@ -185,7 +206,8 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
     flops_per_step = sum(step_flops(dcfg, heads.spec.vocab_size, s) for s in shapes) / max(1, len(shapes))
     anchors_per_step = sum(s.queries for s in shapes) / block_size / max(1, len(shapes))
     print(json.dumps({
-        "attn": attn, "fuse": fuse, "block_mask": "torch" if torch_block_mask else "tiles", "vary": vary,
+        "attn": attn, "backend": next(e["attn"] for e in logs if e["event"] == "train.start"), "fuse": fuse,
+        "block_mask": "torch" if torch_block_mask else "tiles", "vary": vary,
         "seqs": seqs, "seq_len": seq_len, "anchors": anchors, "block_size": block_size,
         "queries_per_batch": seqs * anchors * block_size, "steps": len(lines), "wall_s": round(wall, 1),
         "first_step_s": round(ends[0] - t0, 2), "step_s": round(step_s, 3),
@@ -196,6 +218,9 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
         "achieved_tflops": round(flops_per_step / step_s / 1e12, 1), "ceiling_tflops": round(ceiling, 1),
         "mfu": round(flops_per_step / step_s / 1e12 / ceiling, 3),
         "anchors_per_s": round(anchors_per_step / step_s),
+        "samples_per_s": round(sum(len(b.samples) for b in timed) / max(1, len(timed)) / step_s, 1),
+        "gpu": torch.cuda.get_device_name(device),
+        **{k: profiled[k] for k in ("kernels_per_step", "syncs_per_step", "gpu_busy_ms_per_step") if k in profiled},
     }))
 
 

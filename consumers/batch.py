@@ -42,6 +42,13 @@ class Batch:
     # [T, H]: the target's last hidden state after its final norm (the LM head's input),
     # sent when producers run with --final-hidden; the soft labels of --distill-weight
     final_hidden: torch.Tensor | None = None
+    # Host-side facts, made off the training thread by the stager (staging.py) so that the
+    # step reads nothing back from the GPU: CPU copies of input_ids and loss_mask, the
+    # token-ID range, and the step's plan (step.py `StepPlan`, for this whole batch only).
+    host_input_ids: torch.Tensor | None = None
+    host_loss_mask: torch.Tensor | None = None
+    id_range: tuple[int, int] | None = None
+    plan: object = None
 
     @property
     def tokens(self) -> int:
@@ -92,9 +99,22 @@ class Batch:
         def pick(t: torch.Tensor) -> torch.Tensor:  # the index on the tensor's device (a staged batch: the GPU)
             return t[rows.to(t.device)]
 
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
         return Batch(self.batch_id, [self.samples[i] for i in keep], [self.seq_lens[i] for i in keep],
                      self.layer_ids, self.epoch, pick(self.input_ids), pick(self.loss_mask), pick(self.hidden),
-                     None if self.final_hidden is None else pick(self.final_hidden))
+                     None if self.final_hidden is None else pick(self.final_hidden),
+                     host_input_ids=host(self.host_input_ids), host_loss_mask=host(self.host_loss_mask))
+
+    def with_host_facts(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> "Batch":
+        """Set the host-side facts from CPU `input_ids` and `loss_mask` (this batch's, or the
+        message's it was made from); returns self."""
+        self.host_input_ids, self.host_loss_mask = input_ids, loss_mask
+        if input_ids.numel():
+            lo, hi = torch.aminmax(input_ids)
+            self.id_range = (int(lo), int(hi))
+        return self
 
     def check(self, layer_ids: list[int], hidden_size: int, vocab_size: int | None = None) -> None:
         """Raise BatchMismatch unless this batch carries `layer_ids` of width hidden_size
@@ -113,7 +133,7 @@ class Batch:
         if vocab_size is not None and self.tokens:
             # The wire allows any int32: an ID past the vocabulary would crash the embedding
             # lookup (IndexError) or, on a GPU, fault the device, far from its cause.
-            lo, hi = (int(x) for x in torch.aminmax(self.input_ids))
+            lo, hi = self.id_range or (int(x) for x in torch.aminmax(self.input_ids))
             if lo < 0 or hi >= vocab_size:
                 raise BatchMismatch(f"batch {self.batch_id} (producer {self.batch_id.rsplit('-', 1)[0]}) holds token "
                                     f"IDs {lo}..{hi}, outside this target's vocabulary 0..{vocab_size - 1}: its "

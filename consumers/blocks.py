@@ -69,6 +69,13 @@ class BlockLayout:
     spans: list[SeqSpan]
     backend: str = "sdpa"
     _block_mask: object = field(default=None, repr=False)
+    # Set when the plan knew the loss mask: long [n] the block positions with loss, and the
+    # loss figures that follow from them (loss.known_figures), so the loss finds its rows
+    # and the step its weight without a device read-back.
+    rows: torch.Tensor | None = None
+    known: object = field(default=None, repr=False)
+    # flex: each key's and query's sequence and the tile bounds, copied with the indices
+    _flex_parts: dict | None = field(default=None, repr=False)
 
     @property
     def num_queries(self) -> int:
@@ -84,10 +91,8 @@ class BlockLayout:
 
     def block_input_ids(self, input_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
         """[anchor, MASK x (B-1)] per block, long [Q]."""
-        ids = torch.full_like(self.q_index, mask_token_id)
-        first = self.offsets() == 0
-        ids[first] = input_ids[self.q_index[first]].long()
-        return ids
+        # A select, not a boolean-mask assignment: that reads the mask back to size its result.
+        return torch.where(self.offsets() == 0, input_ids[self.q_index].long(), mask_token_id)
 
     def labels(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(labels long [Q], valid bool [Q]). Block position k predicts token anchor + k;
@@ -111,10 +116,49 @@ class BlockLayout:
         return self._block_mask
 
 
-def build_layout(
-    seq_lens: list[int], anchors: list[torch.Tensor], block_size: int, device: torch.device, backend: str = "sdpa"
-) -> BlockLayout:
-    """The layout of a packed batch given each sequence's anchors."""
+@dataclass
+class LayoutPlan:
+    """The host half of a `BlockLayout`: everything derived from the anchors (and the loss
+    mask), as CPU tensors, pinned when bound for a GPU. Made on the staging thread
+    (staging.py) while the previous step trains; `to_device` then costs one asynchronous
+    copy and no read-back."""
+
+    block_size: int
+    seq_lens: list[int]
+    anchors: list[torch.Tensor]
+    backend: str
+    spans: list[SeqSpan]  # SDPA masks still on the host
+    flat: torch.Tensor  # long: the index vectors below, back to back
+    sizes: dict[str, int]  # name -> length in `flat`, in order
+    valid: torch.Tensor | None = None  # bool [Q], given the loss mask
+    key: tuple = ()  # what the plan was made for (the caller's check that it still fits)
+
+    def to_device(self, device: torch.device) -> BlockLayout:
+        flat = self.flat
+        if device.type == "cuda":
+            flat = flat.to(device, non_blocking=True)  # pinned: no wait on the host
+        elif flat.device != device:
+            flat = flat.to(device)
+        parts = dict(zip(self.sizes, flat.split(list(self.sizes.values()))))
+        spans = self.spans
+        if device.type != "cpu":
+            spans = [SeqSpan(s.ctx_start, s.ctx_len, s.q_start, s.q_len,
+                             None if s.mask is None else s.mask.to(device, non_blocking=True)) for s in spans]
+        flex = None
+        if "bounds" in parts:
+            bounds = parts["bounds"]
+            flex = {"bounds": bounds.view(6, bounds.numel() // 6), "kv_seq": parts["kv_seq"], "q_seq": parts["q_seq"]}
+        return BlockLayout(self.block_size, list(self.seq_lens), self.anchors, parts["ctx_pos"], parts["q_pos"],
+                           parts["q_index"], spans, self.backend, rows=parts.get("rows"),
+                           _flex_parts=flex)
+
+
+def plan_layout(
+    seq_lens: list[int], anchors: list[torch.Tensor], block_size: int, device: torch.device, backend: str = "sdpa",
+    loss_mask: torch.Tensor | None = None,
+) -> LayoutPlan:
+    """The host half of the layout of a packed batch given each sequence's anchors (and,
+    given the batch's host `loss_mask` [T], the rows with loss). Reads nothing from a device."""
     B = block_size
     ar = torch.arange(B)
     ctx_pos, q_pos, q_index, spans = [], [], [], []
@@ -126,22 +170,38 @@ def build_layout(
         q_index.append(pos + ctx_start)
         span = SeqSpan(ctx_start, L, q_start, pos.numel())
         if backend == "sdpa" and span.q_len:
-            span.mask = _seq_mask(a, L, B).to(device)
+            span.mask = _seq_mask(a, L, B)
+            if device.type == "cuda":
+                span.mask = span.mask.pin_memory()
         spans.append(span)
         ctx_start += L
         q_start += pos.numel()
-    return BlockLayout(B, list(seq_lens), anchors, *_to_device([ctx_pos, q_pos, q_index], device), spans, backend)
+    cat = [torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long) for xs in (ctx_pos, q_pos, q_index)]
+    named = {"ctx_pos": cat[0], "q_pos": cat[1], "q_index": cat[2]}
+    valid = None
+    if loss_mask is not None:
+        lm = loss_mask.to("cpu")
+        Q = cat[2].numel()
+        valid = (torch.arange(Q) % B > 0) & lm[cat[2]].bool()
+        named["rows"] = valid.nonzero()[:, 0]
+    if backend == "flex":
+        T = ctx_start
+        named["bounds"] = _flex_bounds(list(seq_lens), anchors, spans, T, q_start, B).flatten()
+        named["kv_seq"] = _sequence_of(list(seq_lens))
+        named["q_seq"] = _sequence_of([s.q_len for s in spans])
+    sizes = {k: v.numel() for k, v in named.items()}
+    flat = torch.cat(list(named.values()))
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return LayoutPlan(B, list(seq_lens), anchors, backend, spans, flat, sizes, valid)
 
 
-def _to_device(parts: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
-    """Each list of host tensors concatenated (long) on `device`, in one copy from pinned
-    memory on a GPU: a copy from pageable memory blocks the host while the GPU could work."""
-    flat = [torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long) for xs in parts]
-    if device.type != "cuda":
-        return [x.to(device) for x in flat]
-    sizes = [x.numel() for x in flat]
-    both = torch.cat(flat).pin_memory().to(device, non_blocking=True)
-    return list(both.split(sizes))
+def build_layout(
+    seq_lens: list[int], anchors: list[torch.Tensor], block_size: int, device: torch.device, backend: str = "sdpa",
+    loss_mask: torch.Tensor | None = None,
+) -> BlockLayout:
+    """The layout of a packed batch given each sequence's anchors."""
+    return plan_layout(seq_lens, anchors, block_size, device, backend, loss_mask).to_device(device)
 
 
 def _seq_mask(anchors: torch.Tensor, L: int, B: int) -> torch.Tensor:
@@ -200,8 +260,12 @@ def _sequence_of(lens: list[int]) -> torch.Tensor:
 def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
     """The element rule: context of the own sequence before the own anchor | the own block."""
     T, Q, B = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size
-    kv_seq = _sequence_of(layout.seq_lens).to(device)  # [T]
-    q_seq = _sequence_of([s.q_len for s in layout.spans]).to(device)  # [Q]
+    parts = layout._flex_parts
+    if parts is not None:  # copied with the layout's indices; own storage, as the compiled kernel always saw them
+        kv_seq, q_seq = parts["kv_seq"].clone(), parts["q_seq"].clone()
+    else:
+        kv_seq = _sequence_of(layout.seq_lens).to(device)  # [T]
+        q_seq = _sequence_of([s.q_len for s in layout.spans]).to(device)  # [Q]
     q_anchor = (layout.q_pos - layout.offsets()).to(device)  # [Q]
     q_block = torch.arange(Q, device=device) // B  # [Q], global block index
     kv_pos = layout.ctx_pos
@@ -215,6 +279,27 @@ def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
         return see_ctx | see_blk
 
     return mask_mod
+
+
+def _flex_bounds(seq_lens: list[int], anchors: list[torch.Tensor], spans: list[SeqSpan], T: int, Q: int,
+                 B: int) -> torch.Tensor:
+    """long [6, n_q], from the host-side anchors only: per query tile, keys [c_lo, c_hi) hold
+    all the context it may see, [k_lo, k_hi) its own blocks, keys below f_hi are seen by all
+    its queries where `one` (the tile lies in one sequence)."""
+    N = FLEX_BLOCK
+    n_q = -(-Q // N)
+    if n_q == 0:
+        return torch.zeros(6, 0, dtype=torch.long)
+    q_seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([s.q_len for s in spans]))
+    ctx_start = torch.tensor([s.ctx_start for s in spans], dtype=torch.long)
+    # Each query's anchor as a key index: non-decreasing in q (sorted anchors, packed in order)
+    abs_anchor = torch.cat([a.long() + s.ctx_start for a, s in zip(anchors, spans)] or
+                           [torch.zeros(0, dtype=torch.long)]).repeat_interleave(B)  # [Q]
+    first = torch.arange(n_q) * N  # [n_q] the tile's first and last query
+    last = torch.clamp(first + N, max=Q) - 1
+    one_seq = (q_seq[first] == q_seq[last]) & (last - first + 1 == N)
+    return torch.stack([ctx_start[q_seq[first]], abs_anchor[last], T + first // B * B, T + (last // B + 1) * B,
+                        abs_anchor[first], one_seq.long()])
 
 
 def _flex_block_mask(layout: BlockLayout, device: torch.device):
@@ -231,24 +316,18 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
     KV = T + Q
     if Q == 0:  # no query tile to describe
         return create_block_mask(_mask_mod(layout, device), None, None, 0, KV, device=device)
-    n_q, n_kv = -(-Q // N), -(-KV // N)
-    # From the host-side anchors only: no device tensor is read back (no synchronisation)
-    q_seq = torch.repeat_interleave(torch.arange(len(layout.spans)), torch.tensor([s.q_len for s in layout.spans]))
-    ctx_start = torch.tensor([s.ctx_start for s in layout.spans], dtype=torch.long)
-    # Each query's anchor as a key index: non-decreasing in q (sorted anchors, packed in order)
-    abs_anchor = torch.cat([a.long() + s.ctx_start for a, s in zip(layout.anchors, layout.spans)] or
-                           [torch.zeros(0, dtype=torch.long)]).repeat_interleave(B)  # [Q]
-    first = torch.arange(n_q) * N  # [n_q] the tile's first and last query
-    last = torch.clamp(first + N, max=Q) - 1
-    one_seq = (q_seq[first] == q_seq[last]) & (last - first + 1 == N)
-    # Per query tile: keys [c_lo, c_hi) hold all the context it may see, [k_lo, k_hi) its own
-    # blocks, and keys below f_hi are seen by all its queries where one_seq. These [n_q]
-    # vectors go over in one copy; the [n_q, n_kv] tile matrices are built where they are used.
-    bounds = torch.stack([ctx_start[q_seq[first]], abs_anchor[last], T + first // B * B, T + (last // B + 1) * B,
-                          abs_anchor[first], one_seq.long()])  # [6, n_q]
-    if device.type == "cuda":
-        bounds = bounds.pin_memory()
-    c_lo, c_hi, k_lo, k_hi, f_hi, one = bounds.to(device, non_blocking=True)[:, :, None]
+    n_kv = -(-KV // N)
+    # The [n_q] bounds come from the host-side anchors only (no device tensor is read back):
+    # with the layout's indices when it was planned, else in one copy here. The [n_q, n_kv]
+    # tile matrices are built where they are used.
+    if layout._flex_parts is not None:
+        bounds = layout._flex_parts["bounds"]
+    else:
+        bounds = _flex_bounds(layout.seq_lens, layout.anchors, layout.spans, T, Q, B)
+        if device.type == "cuda":
+            bounds = bounds.pin_memory()
+        bounds = bounds.to(device, non_blocking=True)
+    c_lo, c_hi, k_lo, k_hi, f_hi, one = bounds[:, :, None]
     lo = torch.arange(n_kv, device=device)[None, :] * N  # [1, n_kv] each key tile's bounds
     hi = torch.clamp(lo + N, max=KV)
     reach = ((lo < c_hi) & (hi > c_lo) & (lo < T)) | ((hi > k_lo) & (lo < k_hi))

@@ -150,6 +150,8 @@ class Dist:
 
     def all_sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks of a short list of numbers (float64)."""
+        if not self.enabled:  # nothing to sum: no tensor (on a GPU, a copy there and a read back)
+            return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.enabled:
             dist.all_reduce(t)

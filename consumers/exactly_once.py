@@ -44,6 +44,8 @@ def drop_held(batch: Batch, state: TrainState) -> Batch | None:
 def gather_samples(dist: Dist, batch: Batch | None, n_all: int) -> list[tuple[int, int]]:
     """Every rank's (epoch, sample) pairs of this step (one all_gather of at most `n_all`
     pairs per rank, n_all being the step's summed sample count)."""
+    if not dist.enabled:  # only ours: no collective, no tensor
+        return [(int(batch.epoch), int(s)) for s in batch.samples] if batch is not None else []
     mine = torch.tensor([[batch.epoch, s] for s in batch.samples] if batch is not None else [],
                         dtype=torch.int64).reshape(-1, 2)
     return list(map(tuple, dist.gather_rows(mine, n_all).tolist()))

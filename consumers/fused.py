@@ -4,7 +4,8 @@ RMSNorm (in fp32), RoPE, SwiGLU and the loss's per-chunk softmax arithmetic are 
 bound: run one PyTorch op at a time, each reads and writes whole [Q, D] or [chunk, vocab]
 tensors several times. `enable(True)` (dflash-consume `--fuse`) swaps in torch.compile'd
 versions of the very same functions (dynamic shapes: Q changes every batch), which read
-their inputs once. Off by default: compiling needs a working inductor toolchain and costs
+their inputs once; the loss chunk's is its arithmetic written out of place, the form
+inductor fuses into one pass that writes the gradient in the LM head's dtype. Off by default: compiling needs a working inductor toolchain and costs
 start-up time. Results agree with the eager versions to rounding (tests/consumers).
 """
 
@@ -35,10 +36,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool):
+def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool,
+             grad_dtype: torch.dtype | None = None):
     """One chunk of the CE from its raw logits [c, V]: (each row's CE [c], argmax
-    predictions, d (sum of w * CE) / d logits or None), softmax sums in at least fp32.
-    w None: unit weights (--loss dpace weights the rows once every chunk is done)."""
+    predictions, d (sum of w * CE) / d logits in `grad_dtype` (default: the softmax's) or
+    None), softmax sums in at least fp32. w None: unit weights (--loss dpace weights the
+    rows once every chunk is done)."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     logits = logits.to(acc)
     lse = torch.logsumexp(logits, dim=-1)  # [c]
@@ -50,10 +53,35 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need
     # d CE / d logits = softmax - onehot, scaled by the row's weight.
     g = torch.exp(logits.sub_(lse[:, None]))  # in place: softmax [c, V]
     g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
-    return rows, preds, g if w is None else g.mul_(w[:, None])
+    if w is not None:
+        g = g.mul_(w[:, None])
+    return rows, preds, g if grad_dtype is None else g.to(grad_dtype)
+
+
+def ce_chunk_out_of_place(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool,
+                          grad_dtype: torch.dtype | None = None):
+    """`ce_chunk`'s arithmetic written out of place, the form torch.compile fuses: one pass
+    over the logits for the sums, one that writes the gradient straight in `grad_dtype`.
+    Compiled, the in-place form costs extra full passes over an fp32 [c, V] tensor (the
+    one-hot scatter, the weighting, the cast); eager, this form would hold several."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    z = logits.to(acc)
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    picked = z.gather(1, y[:, None])[:, 0]  # [c]
+    rows = lse - picked
+    preds = z.argmax(dim=-1)
+    if not need_grad:
+        return rows, preds, None
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == y[:, None]  # [c, V], never stored compiled
+    g = torch.exp(z - lse[:, None]) - onehot.to(acc)
+    if w is not None:
+        g = g * w[:, None]
+    return rows, preds, g if grad_dtype is None else g.to(grad_dtype)
 
 
 _EAGER: dict[str, Callable] = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "ce_chunk": ce_chunk}
+# What enable(True) compiles, where it is not the eager function itself
+_TO_COMPILE: dict[str, Callable] = {"ce_chunk": ce_chunk_out_of_place}
 _active: dict[str, Callable] = dict(_EAGER)
 
 
@@ -64,7 +92,7 @@ def enable(on: bool) -> None:
         return
     for name, fn in _EAGER.items():
         if _active[name] is fn:
-            _active[name] = torch.compile(fn, dynamic=True)
+            _active[name] = torch.compile(_TO_COMPILE.get(name, fn), dynamic=True)
 
 
 def enabled() -> bool:

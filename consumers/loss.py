@@ -13,7 +13,7 @@ which `ChunkedCE` applies once every chunk is done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,12 +74,12 @@ class ChunkedCE(torch.autograd.Function):
             logits = h[s:e].to(W.dtype) @ W.T  # [c, V]: the only vocab-sized tensor (two with t)
             ws = None if w is None else w[s:e]
             if t is None:
-                row_loss[s:e], preds[s:e], g = chunk_fn(logits, y[s:e], ws, need_grad)
+                row_loss[s:e], preds[s:e], g = chunk_fn(logits, y[s:e], ws, need_grad, W.dtype)
             else:
                 row_loss[s:e], hard[s:e], preds[s:e], g = distill_chunk(logits, t[s:e].to(W.dtype) @ W.T, y[s:e],
                                                                         ws, alpha, need_grad)
             if need_grad:
-                grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)  # [c, D]
+                grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)  # [c, D] (ce_chunk's g is in W's dtype: no copy)
         if reweight is not None:
             with torch.no_grad():
                 w = reweight(hard.detach()).to(acc)
@@ -122,7 +122,11 @@ def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Te
 
 @dataclass
 class LossStats:
-    """Sums (not means) so that ranks and steps can be added before dividing."""
+    """Sums (not means) so that ranks and steps can be added before dividing.
+
+    `pending`, when set, holds more of the same sums on the device, not read yet (a read
+    waits for the GPU): float64 [loss_sum, weight, valid, correct, streak, blocks,
+    *pos_correct, *pos_valid], added to the fields by `read`."""
 
     loss_sum: float = 0.0  # sum of weighted CE
     weight: float = 0.0  # the denominator of the mean: the weights' sum (ce), blocks with loss (dpace)
@@ -132,6 +136,7 @@ class LossStats:
     blocks: int = 0
     pos_correct: list | None = None  # per block position 1..B-1
     pos_valid: list | None = None
+    pending: torch.Tensor | None = None
 
     def add(self, other: "LossStats") -> "LossStats":
         """Add `other`'s sums into these (parts of one batch, batches of one evaluation)."""
@@ -143,7 +148,43 @@ class LossStats:
         self.blocks += other.blocks
         self.pos_correct = [a + b for a, b in zip(self.pos_correct, other.pos_correct)]
         self.pos_valid = [a + b for a, b in zip(self.pos_valid, other.pos_valid)]
+        if other.pending is not None:
+            self.pending = other.pending if self.pending is None else self.pending + other.pending
         return self
+
+    def read(self, *extra: torch.Tensor) -> list[float]:
+        """Fold `pending` into the fields, in one read-back together with the scalar tensors
+        `extra` (e.g. a gradient norm); returns the values of `extra`."""
+        if self.pending is None and not extra:
+            return []
+        parts = [] if self.pending is None else [self.pending]
+        figs = torch.cat(parts + [e.detach().double().reshape(1) for e in extra]).tolist()
+        if self.pending is None:
+            return figs
+        n = len(self.pos_correct)
+        self.loss_sum += figs[0]
+        self.weight += figs[1]
+        self.valid += int(figs[2])
+        self.correct += int(figs[3])
+        self.streak += figs[4]
+        self.blocks += int(figs[5])
+        self.pos_correct = [a + int(x) for a, x in zip(self.pos_correct, figs[6:6 + n])]
+        self.pos_valid = [a + int(x) for a, x in zip(self.pos_valid, figs[6 + n:6 + 2 * n])]
+        self.pending = None
+        return figs[6 + 2 * n:]
+
+
+def known_figures(valid: torch.Tensor, block_size: int, gamma: float) -> LossStats:
+    """The figures of a batch that follow from where the loss is (host `valid` bool [Q])
+    without the model: weight, valid positions, blocks with loss, valid per position. The
+    same arithmetic as `block_loss` does on the device, so the sums agree."""
+    B = block_size
+    w = position_weights(B, gamma).repeat(valid.shape[0] // B) * valid
+    vb = valid.view(-1, B)[:, 1:]
+    figs = torch.cat([torch.stack([w.sum().double(), vb.sum().double(), vb.any(dim=1).sum().double()]),
+                      vb.sum(dim=0).double()]).tolist()
+    return LossStats(weight=figs[0], valid=int(figs[1]), blocks=int(figs[2]), pos_correct=[0] * (B - 1),
+                     pos_valid=[int(x) for x in figs[3:]])
 
 
 LOSSES = ("ce", "dpace")  # --loss: the decayed CE of the DFlash paper, or D-PACE (docs/TRAINING.md)
@@ -161,6 +202,10 @@ def block_loss(
     distill: float = 0.0,
     loss: str = "ce",
     dpace_alpha: float = 0.5,
+    *,
+    rows: torch.Tensor | None = None,
+    known: LossStats | None = None,
+    defer: bool = False,
 ) -> tuple[torch.Tensor, LossStats]:
     """(weighted CE summed over positions with loss, stats). h [Q, D], labels/valid [Q];
     with `distill` a > 0, (1 - a) CE + a KL(target || drafter), the target's distribution
@@ -172,6 +217,10 @@ def block_loss(
     the number of blocks with loss, so that the loss is a mean over blocks (the weights are
     credit in accepted tokens; a mean over their sum would cancel it: docs/TRAINING.md).
 
+    `rows` (long, the indices where `valid`) and `known` (`known_figures` of `valid`), when
+    the caller has them from the host, spare the device read-backs that finding them costs;
+    `defer` leaves the stats' device sums unread (`LossStats.read`).
+
     The caller divides by the global weight (over all ranks): that makes the loss a
     weighted mean, and data parallel training exact (train.py)."""
     if loss not in LOSSES:
@@ -179,20 +228,22 @@ def block_loss(
     B = block_size
     # Only positions with loss go through the LM head: the anchors (1 in B) and labels
     # outside the response would cost vocab-sized work for a weight of 0.
-    rows = valid.nonzero()[:, 0]
+    if rows is None:
+        rows = valid.nonzero()[:, 0]
     t = soft.index_select(0, rows) if distill > 0 else None
     if loss == "ce":
         w = position_weights(B, gamma, h.device).repeat(h.shape[0] // B) * valid  # [Q]
-        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], w[rows], chunk, t,
-                                           float(distill))
+        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels.index_select(0, rows),
+                                           w.index_select(0, rows), chunk, t, float(distill))
     else:
         def reweight(ce_rows: torch.Tensor) -> torch.Tensor:
             q = torch.ones(h.shape[0], dtype=ce_rows.dtype, device=h.device).index_copy_(0, rows, torch.exp(-ce_rows))
             return dpace_weights(q, valid, B, dpace_alpha).index_select(0, rows)
 
-        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels[rows], None, chunk, t,
-                                           float(distill), reweight)
+        loss_sum, scored = ChunkedCE.apply(h.index_select(0, rows), lm_head, labels.index_select(0, rows), None,
+                                           chunk, t, float(distill), reweight)
     preds = torch.full_like(labels, -1).index_copy_(0, rows, scored)
+    n = B - 1
     with torch.no_grad():
         ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]
         vb = valid.view(-1, B)[:, 1:]
@@ -200,26 +251,26 @@ def block_loss(
         # draft stops being accepted at the first mismatch.
         streak = ok.int().cumprod(dim=1).sum(dim=1)  # [n_blocks]
         has_loss = vb.any(dim=1)
-        # Every figure in one read-back (each read waits for the GPU to drain); float64
-        # holds the counts exactly.
-        denominator = w.sum() if loss == "ce" else has_loss.sum()
-        sums = torch.stack([loss_sum.detach().double(), denominator.double(), vb.sum().double(), ok.sum().double(),
-                            (streak * has_loss).sum().double(), has_loss.sum().double()])
-        figs = torch.cat([sums, ok.sum(dim=0).double(), vb.sum(dim=0).double()]).tolist()
-        n = B - 1
-        stats = LossStats(
-            loss_sum=figs[0],
-            weight=figs[1],
-            valid=int(figs[2]),
-            correct=int(figs[3]),
-            streak=figs[4],
-            blocks=int(figs[5]),
-            pos_correct=[int(x) for x in figs[6:6 + n]],
-            pos_valid=[int(x) for x in figs[6 + n:6 + 2 * n]],
-        )
+        # Every figure in one vector, read back at once (each read waits for the GPU to
+        # drain); float64 holds the counts exactly. Figures the host knows are zeros here.
+        if known is None:
+            stats = LossStats(pos_correct=[0] * n, pos_valid=[0] * n)
+            denominator = w.sum() if loss == "ce" else has_loss.sum()
+            sums = torch.stack([loss_sum.detach().double(), denominator.double(), vb.sum().double(), ok.sum().double(),
+                                (streak * has_loss).sum().double(), has_loss.sum().double()])
+            per_pos = [ok.sum(dim=0).double(), vb.sum(dim=0).double()]
+        else:  # the weight of "dpace" is the blocks with loss, known too
+            stats = replace(known, pos_correct=list(known.pos_correct), pos_valid=list(known.pos_valid),
+                            weight=known.weight if loss == "ce" else float(known.blocks))
+            zero = torch.zeros((), dtype=torch.float64, device=h.device)
+            sums = torch.stack([loss_sum.detach().double(), zero, zero, ok.sum().double(),
+                                (streak * has_loss).sum().double(), zero])
+            per_pos = [ok.sum(dim=0).double(), torch.zeros(n, dtype=torch.float64, device=h.device)]
+        stats.pending = torch.cat([sums, *per_pos])
+    if not defer or known is None:  # deferred only where the weight is known: the step divides by it
+        stats.read()
     return loss_sum, stats
 
 
 def empty_stats(block_size: int) -> LossStats:
     return LossStats(pos_correct=[0] * (block_size - 1), pos_valid=[0] * (block_size - 1))
-

@@ -15,6 +15,11 @@ and hands out, in the source's order, `Batch`es that are ready to train:
 - on other devices, exactly `Batch.from_message` (a CPU clone), just on the thread; a
   `Batch` passes as it is.
 
+Either way the batch gets its host-side facts there (CPU copies of input_ids and
+loss_mask, the token-ID range) and, given `prepare`, the step's host-side work (train.py:
+anchors, the layout's indices, the loss's known figures): the training thread then reads
+nothing back from the GPU to start a step.
+
 None passes through as None at its position; the source's end is the end; an exception
 of the source or of the conversion is raised in the consuming thread at its position.
 
@@ -36,10 +41,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
+from dflash.protocol import messages
 from dflash.protocol.fp8 import FP8_DECODE_ROWS  # noqa: F401  (bench/gpu_checks.py reads it here)
 from dflash.runtime.logs import get_logger
 from dflash.runtime.threads import name_this_thread
@@ -72,8 +78,10 @@ class BatchStager:
     step draws from at the same time (the broker link and the synthetic stream do not).
     Call `close()` (or use it as a context manager) when done with it."""
 
-    def __init__(self, source: Iterable, device: torch.device, hidden_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, source: Iterable, device: torch.device, hidden_dtype: torch.dtype = torch.bfloat16,
+                 prepare: Callable[[Batch], None] | None = None):
         self._source = iter(source)
+        self._prepare = prepare  # host-side work for the step, on this thread (train.py: the step's plan)
         self.device, self.hidden_dtype = _with_index(torch.device(device)), hidden_dtype
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._cond = threading.Condition()
@@ -183,6 +191,20 @@ class BatchStager:
     def _convert(self, item: Any) -> Batch | None:
         if item is None:
             return None
+        # The host copies of input_ids and loss_mask: the step plans from them, never from the GPU.
+        host = _host_copies(item)
+        batch = self._to_batch(item)
+        if host is not None:
+            batch.with_host_facts(*host)
+        if self._prepare is not None:
+            if self._stream is not None:  # pinned host memory for the training device
+                with torch.cuda.device(self.device):
+                    self._prepare(batch)
+            else:
+                self._prepare(batch)
+        return batch
+
+    def _to_batch(self, item: Any) -> Batch:
         if self._stream is None:
             return item if isinstance(item, Batch) else Batch.from_message(item, self.hidden_dtype)
         try:
@@ -208,6 +230,17 @@ class BatchStager:
                 batch = Batch.from_message(item, self.hidden_dtype, self.device)
         self._stream.synchronize()
         return batch
+
+
+def _host_copies(item: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """CPU (input_ids, loss_mask) of a Batch or a batch message (copies of the frames,
+    which go once the batch is converted); None for anything else (its conversion raises)."""
+    if isinstance(item, Batch):
+        return item.input_ids.cpu(), item.loss_mask.cpu()
+    if isinstance(item, messages.Batch):
+        t = item.tensors
+        return t["input_ids"].clone(), t["loss_mask"].clone()
+    return None
 
 
 def _with_index(device: torch.device) -> torch.device:

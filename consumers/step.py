@@ -6,6 +6,7 @@ Kept apart from the loop (train.py) so the tests and the loop run the very same 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -13,21 +14,58 @@ from dflash.protocol.training_signal import Signal
 from dflash.runtime.target_heads import TargetHeads
 
 from .batch import Batch
-from .blocks import BlockLayout, anchor_seed, build_layout, sample_anchors
-from .loss import LossStats, block_loss
+from .blocks import BlockLayout, LayoutPlan, anchor_seed, plan_layout, sample_anchors
+from .loss import LossStats, block_loss, known_figures
+from .mask_token import mask_in_batch
 from .model import DFlashDraft
 
 
-def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str) -> BlockLayout:
-    """Draw each sequence's anchors (seeded by run seed, epoch and sample ID) and lay out the blocks."""
+@dataclass
+class StepPlan:
+    """What a step needs from its batch on the host, made before the step (on the staging
+    thread, staging.py): the layout's host half and the MASK-token count. `key` says what
+    it was made for; a plan made for something else is not used."""
+
+    layout: LayoutPlan
+    known: LossStats | None  # loss.known_figures of the layout's valid positions
+    mask_hits: int | None  # tokens that are the MASK token (None: not counted)
+    key: tuple
+
+
+def plan_key(signal: Signal, seed: int, device: torch.device, backend: str) -> tuple:
+    return (seed, signal.block_size, signal.anchors, signal.anchor_every, signal.gamma, signal.mask_token_id,
+            device.type, backend)
+
+
+def plan_step(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str,
+              count_mask: bool = False) -> StepPlan:
+    """Draw each sequence's anchors (seeded by run seed, epoch and sample ID) and lay out the
+    blocks, on the host: from the batch's host copies where it has them. `count_mask`: count
+    the MASK tokens too (train.py warns about them)."""
     anchors, start = [], 0
-    mask = batch.loss_mask.bool().cpu()
+    mask = (batch.host_loss_mask if batch.host_loss_mask is not None else batch.loss_mask).bool().cpu()
     for sample, L in zip(batch.samples, batch.seq_lens):
         s = anchor_seed(seed, batch.epoch, sample)
         anchors.append(sample_anchors(mask[start : start + L], signal.block_size, signal.anchors, s,
                                       signal.anchor_every))
         start += L
-    return build_layout(batch.seq_lens, anchors, signal.block_size, device, backend)
+    hits = None
+    if count_mask:
+        hits = mask_in_batch(batch.host_input_ids if batch.host_input_ids is not None else batch.input_ids,
+                             signal.mask_token_id)
+    layout = plan_layout(batch.seq_lens, anchors, signal.block_size, device, backend, loss_mask=mask)
+    known = known_figures(layout.valid, signal.block_size, signal.gamma) if layout.valid is not None else None
+    return StepPlan(layout, known, hits, plan_key(signal, seed, device, backend))
+
+
+def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str) -> BlockLayout:
+    """The batch's layout on `device`: from its plan (made ahead, `plan_step`), else planned now."""
+    plan = batch.plan
+    if not isinstance(plan, StepPlan) or plan.key != plan_key(signal, seed, device, backend):
+        plan = plan_step(batch, signal, seed, device, backend)
+    layout = plan.layout.to_device(device)
+    layout.known = plan.known
+    return layout
 
 
 def noise_seed(seed: int, epoch: int, sample_id: int, step: int) -> int:
@@ -93,9 +131,11 @@ def batch_loss(
     noise: float = 0.0,
     loss_chunk: int = 2048,
     step: int = 0,
+    defer: bool = False,
 ) -> tuple[torch.Tensor | None, LossStats]:
     """(sum of weighted CE over the batch's block positions, stats). None for the loss
     when the batch has no anchor (all prompts, or sequences shorter than a block).
+    `defer`: the stats' device figures are left unread (`LossStats.read`, loss.py).
 
     Every term is per sequence (anchors and noise seeded per sample, attention within a
     sequence, a loss summed over positions): the sums of the batch's parts are the
@@ -110,4 +150,5 @@ def batch_loss(
     if signal.distill > 0:  # the target's final state at the token before each label predicts it
         soft = batch.final_hidden.to(device=device, dtype=heads.embed.dtype)[(layout.q_index - 1).clamp(min=0)]
     return block_loss(h, heads.lm_head, labels, valid, signal.block_size, signal.gamma, loss_chunk, soft,
-                      signal.distill, signal.loss, signal.dpace_alpha or 0.5)
+                      signal.distill, signal.loss, signal.dpace_alpha or 0.5, rows=layout.rows, known=layout.known,
+                      defer=defer)

@@ -11,6 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from dflash.runtime.logs import get_logger
 
 from .batch import Batch
@@ -22,7 +24,8 @@ log = get_logger()
 @dataclass
 class StepFigures:
     """One step's sums: this rank's, or every rank's after `summed` (one all-reduce of one
-    flat float64 vector, `as_list`, for every figure a step logs)."""
+    flat float64 vector, `as_list`, for every figure a step logs). The loss figures may
+    still be partly on the device (`pending`, as in loss.LossStats) until `read`."""
 
     loss_sum: float = 0.0  # sum of weighted CE
     weight: float = 0.0  # sum of loss weights: the step's gradients are divided by it
@@ -35,19 +38,35 @@ class StepFigures:
     batches: float = 0.0
     pos_correct: list[float] = field(default_factory=list)  # per block position 1..B-1
     pos_valid: list[float] = field(default_factory=list)
+    pending: torch.Tensor | None = None
 
     @classmethod
     def of(cls, batch: Batch | None, s: LossStats) -> "StepFigures":
         """This rank's figures of a step that trained `batch` (None: an empty step)."""
         sizes = (batch.tokens, len(batch.samples), 1) if batch is not None else (0, 0, 0)
         return cls(s.loss_sum, s.weight, s.valid, s.correct, s.streak, s.blocks, *sizes,
-                   list(s.pos_correct), list(s.pos_valid))
+                   list(s.pos_correct), list(s.pos_valid), s.pending)
 
     def as_list(self) -> list[float]:
         return [*(getattr(self, k) for k in _SCALARS), *self.pos_correct, *self.pos_valid]
 
+    def read(self, norm: torch.Tensor | None = None) -> float:
+        """Fold the device figures in (one read-back, with the gradient norm `norm` if
+        given); returns the norm as a float (0.0 without one)."""
+        stats = LossStats(self.loss_sum, self.weight, self.valid, self.correct, self.streak, self.blocks,
+                          list(self.pos_correct), list(self.pos_valid), self.pending)
+        extra = stats.read(*([] if norm is None else [norm]))
+        self.loss_sum, self.weight, self.valid, self.correct, self.streak, self.blocks = (
+            stats.loss_sum, stats.weight, stats.valid, stats.correct, stats.streak, stats.blocks)
+        self.pos_correct, self.pos_valid, self.pending = stats.pos_correct, stats.pos_valid, None
+        return extra[0] if extra else 0.0
+
     def summed(self, dist) -> "StepFigures":
-        """Every rank's sums (a collective: every rank calls it)."""
+        """Every rank's sums (a collective: every rank calls it). A group of one rank has
+        nothing to sum: the figures come back as they are, the device ones unread."""
+        if not dist.enabled:
+            return self
+        self.read()
         values = dist.all_sum(self.as_list())
         n, k = len(_SCALARS), len(self.pos_correct)
         return StepFigures(*values[:n], pos_correct=values[n : n + k], pos_valid=values[n + k :])

@@ -68,6 +68,8 @@ def micro_batches(batch: Batch, k: int) -> list[Batch]:
     lens = batch.seq_lens
     n, total = len(lens), sum(lens)
     k = max(1, min(k, n))
+    if k == 1:  # the batch itself, with what was made for it ahead (its step plan)
+        return [batch]
     cum = [0]
     for L in lens:
         cum.append(cum[-1] + L)
@@ -90,7 +92,9 @@ def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
     rows = slice(cum[first], cum[end])  # a slice: views on the batch's device (staged: the GPU)
     return Batch(batch.batch_id, batch.samples[first:end], batch.seq_lens[first:end], batch.layer_ids,
                  batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows],
-                 None if batch.final_hidden is None else batch.final_hidden[rows])
+                 None if batch.final_hidden is None else batch.final_hidden[rows],
+                 host_input_ids=None if batch.host_input_ids is None else batch.host_input_ids[rows],
+                 host_loss_mask=None if batch.host_loss_mask is None else batch.host_loss_mask[rows])
 
 
 @dataclass

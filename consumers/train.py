@@ -44,7 +44,7 @@ from .mask_token import mask_in_batch
 from .model import DFlashDraft, DrafterConfig, calibrate_features, published_config
 from .record import TrainedRecord
 from .staging import BatchStager
-from .step import batch_loss
+from .step import StepPlan, batch_loss, plan_step
 from .step_metrics import Meter, StepFigures
 from .step_oom import OomInjection, StepSplitter
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at, progress,
@@ -222,7 +222,8 @@ class Trainer:
         self.broker_plan: int | None = None  # the broker's plan as the ranks agreed it (agree)
         self.last_lr, self.last_progress = None, None  # of the newest step: train.end says if it annealed
         # The next batch is converted and copied to the device while this one trains.
-        stager = BatchStager(batches, self.device, self.heads.embed.dtype) if cfg.stage_batches else None
+        stager = BatchStager(batches, self.device, self.heads.embed.dtype, prepare=self._plan_ahead) \
+            if cfg.stage_batches else None
         self.source: Iterator = stager if stager is not None else iter(batches)
         self.exhausted, self.started = False, time.monotonic()
         self.waited_s, self.reported_at = 0.0, self.started  # waiting for batches since the last step line
@@ -257,6 +258,16 @@ class Trainer:
                 break
             if agreed == _STEP:
                 self.step(batch)
+
+    def _plan_ahead(self, batch: Batch) -> None:
+        """On the stager's thread: the step's host-side work for `batch` (step.py `plan_step`),
+        done while the previous step trains. A batch that does not fit gets no plan: the
+        training thread checks it and meets the error where it always does (fetch)."""
+        try:
+            batch.check(list(self.signal.target_layers), self.heads.spec.hidden_size, self.heads.spec.vocab_size)
+        except BatchMismatch:
+            return
+        batch.plan = plan_step(batch, self.signal, self.cfg.seed, self.device, self.backend, count_mask=True)
 
     def _at_max_steps(self) -> bool:
         if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
@@ -371,7 +382,8 @@ class Trainer:
         stats = _no_loss(self.signal.block_size) if batch is None else \
             self.splitter.run(batch, self._forward_backward(step, noise), step)
         mine = StepFigures.of(batch, stats)
-        # All-reduce: every figure in one collective, then the step's samples and the gradients
+        # All-reduce: every figure in one collective (one rank: none, the figures stay on the
+        # device until the read below), then the step's samples and the gradients
         total = mine.summed(dist)
         lr = lr_at(step, cfg, state.samples + int(total.samples), plan)  # its own samples included
         self.last_lr, self.last_progress = lr, progress(plan, step, state.samples + int(total.samples))
@@ -387,14 +399,17 @@ class Trainer:
         record_samples(state, dist, pairs, step)
         # Clip and the optimizer step on the averaged gradients (every rank sees the same
         # weight: all step or all skip); a non-finite loss or norm stops the run (finite.py)
-        batch_id, grad_norm = batch.batch_id if batch is not None else None, 0.0
-        finite.check_step(step, total.loss_sum, None, batch_id, dist.rank)
+        batch_id = batch.batch_id if batch is not None else None
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        if total.weight > 0:
-            for p in self.params:
-                p.grad.div_(total.weight)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        norm = None
+        if total.weight > 0:  # the weight is known on the host (step.py plans it): no read-back
+            torch._foreach_div_([p.grad for p in self.params], total.weight)  # one kernel launch, not one a tensor
+            norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        # The step's one read-back: the loss figures left on the device, with the norm
+        grad_norm = total.read(norm)
+        finite.check_step(step, total.loss_sum, None, batch_id, dist.rank)
+        if norm is not None:
             finite.check_step(step, total.loss_sum, grad_norm, batch_id, dist.rank)
             self.optimizer.step()
         state.step, state.tokens, state.samples = step, state.tokens + int(total.tokens), \
@@ -445,13 +460,14 @@ class Trainer:
 
     def _forward_backward(self, step: int, noise: float) -> Callable[[Batch], LossStats]:
         """Forward and backward of one (micro-)batch of `step`: d(sum of weighted CE) is
-        added to every `.grad`; the step divides by the global weight once every part is in."""
+        added to every `.grad`; the step divides by the global weight once every part is in.
+        The loss figures stay on the device (read once, with the gradient norm: `step`)."""
         model, heads, signal, cfg, device = self.model, self.heads, self.signal, self.cfg, self.device
 
         def run(part: Batch) -> LossStats:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 loss_sum, stats = batch_loss(model, heads, part, signal, seed=cfg.seed, backend=self.backend,
-                                             noise=noise, loss_chunk=cfg.loss_chunk, step=step)
+                                             noise=noise, loss_chunk=cfg.loss_chunk, step=step, defer=True)
             if loss_sum is not None:
                 loss_sum.backward()
             return stats
@@ -580,7 +596,9 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
 def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
     """Warn (once: returns True) when a batch contains the MASK token: the drafter cannot
     tell that context token from a position to draft (mask_token.py)."""
-    hits = mask_in_batch(batch.input_ids, signal.mask_token_id)
+    plan = batch.plan
+    hits = plan.mask_hits if isinstance(plan, StepPlan) and plan.mask_hits is not None else \
+        mask_in_batch(batch.input_ids, signal.mask_token_id)
     if hits:
         log.warning("train.mask_in_data", step=step, rank=rank, batch_id=batch.batch_id,
                     mask_token_id=signal.mask_token_id, tokens=hits, rule=(signal.mask_choice or {}).get("rule"),
