@@ -300,10 +300,11 @@ class RegenAhead:
 
     def _turn_done(self, job: Job, out: list[int]) -> None:
         c = job.key
+        c.new_tokens += len(out)  # generated, a loop's cut tail included (decode time spent)
+        out = self.regen.end_turn(c, out)
         c.generated.append(out)
         c.ids += out
         c.mask += [1] * len(out)
-        c.new_tokens += len(out)
         if c.done:
             self._finished(c)
             return
@@ -359,4 +360,4 @@ class RegenAhead:
         log.info("produce.regen_progress", rows=self.rows_done, ahead_rows=self.ahead_rows,
                  new_tokens=self.new_tokens, tokens_per_s=round(self.new_tokens / max(1e-9, now - self._t0), 1),
                  running=len(self._running), waiting=waiting, foreign=len(self._foreign),
-                 horizon=min(self._horizon, len(self._order)), cursor=self._cursor)
+                 horizon=min(self._horizon, len(self._order)), cursor=self._cursor, endings=dict(self.regen.endings))
