@@ -145,8 +145,9 @@ def test_regeneration_records_endings_logs_counts_and_caches_them(setup, tmp_pat
     assert [r.endings for r in again.apply(rows)] == [r.endings for r in got] and again.generated == 0
 
 
-@pytest.mark.parametrize("drop", [("repetition",), ("cap",), ("cap", "repetition")])
-def test_the_producer_skips_and_reports_rows_whose_ending_is_dropped(setup, tmp_path, drop):
+@pytest.mark.parametrize("drop,ahead", [(("repetition",), 0), (("cap",), 0), (("cap", "repetition"), 0),
+                                        (("cap", "repetition"), 64)])
+def test_the_producer_skips_and_reports_rows_whose_ending_is_dropped(setup, tmp_path, drop, ahead):
     _, tok, target = setup
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": _prompt(i)} for i in range(10)]
                        + [{"text": "a plain text row"}])
@@ -157,7 +158,7 @@ def test_the_producer_skips_and_reports_rows_whose_ending_is_dropped(setup, tmp_
     source = LocalWorkSource(len(data), lease_size=4)
     sent = []
     prod = Producer(target, data, ChatEncoder(tok, 4096), source, sent.append, token_budget=2048,
-                    max_batch_size=4, regenerator=regen)
+                    max_batch_size=4, regenerator=regen, regen_ahead=ahead)
     with capture_logs() as logs:
         summary = prod.run()
     dropped = {s for s, e in endings.items() if set(e) & set(drop)}
@@ -169,6 +170,11 @@ def test_the_producer_skips_and_reports_rows_whose_ending_is_dropped(setup, tmp_
     assert trained == sorted(set(range(11)) - dropped)  # every sample trained or reported, once
     assert summary["answers_dropped"] == len(dropped) == summary["skipped"]
     assert len([e for e in logs if e["event"] == "produce.answer_dropped"]) == len(dropped)
+    counted = Counter()  # each lease's produce.regen counts its rows' endings (made ahead or not)
+    for e in logs:
+        if e["event"] == "produce.regen":
+            counted.update(e["endings"])
+    assert counted == Counter(x for e in endings.values() for x in e)
 
 
 def test_bad_drop_options_are_refused():
