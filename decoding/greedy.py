@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .core import Core
+from .endings import EndingRule, looping_rows
 from .paged import Pages
 
 
@@ -99,7 +100,9 @@ class GreedyDecoder:
 
     Each output is the greedy continuation up to and including the first stop token, or
     `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives. `pick` (logits
-    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`.
+    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`. `ending`
+    (decoding/endings.py): a row whose tail loops by that rule stops at the next sync point,
+    its output as generated so far (the caller cuts the loop: endings.classify).
 
     `pages` > 0: the KV cache is a pool of that many pages of `kv_block` slots
     (decoding/paged.py) and a row holds only the pages its own prompt and answer so far
@@ -114,7 +117,7 @@ class GreedyDecoder:
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
                  prefill_tokens: int = 2048, prefill_sizes: Iterable[int] | None = None,
                  pick: Callable[[torch.Tensor], torch.Tensor] | None = None, kernel: str = "auto",
-                 kv_block: int = 128, pages: int = 0):
+                 kv_block: int = 128, pages: int = 0, ending: EndingRule | None = None):
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
@@ -149,6 +152,7 @@ class GreedyDecoder:
         self.prefills = 0  # prefill forwards run
         self.packed_prefills = 0  # of which packed (Core.fresh_packed, PackedPrefill)
         self.pick = pick or _argmax
+        self.ending = ending
         # `prefill_sizes` (e.g. pack_sizes(4096)): prompts packed into those sizes, graphed on a
         # GPU (PackedPrefill); else exact shapes, packed or left padded by their cost (_fill).
         # Off by default until a GPU measurement says it is faster (docs/REGENERATION.md).
@@ -234,6 +238,8 @@ class GreedyDecoder:
             for _ in range(self.sync_every):
                 self._step()
             self.steps += self.sync_every
+            if self.ending is not None:  # on the device, before the sync: looping rows finish now
+                self.done |= looping_rows(self.out, self.n, self.ending)
             done = self.done.tolist()  # the one synchronisation per `sync_every` steps
             finished = [r for r in busy if done[r]]
             if finished:

@@ -19,7 +19,7 @@ from .producer_config import ProducerConfig
 from .data import DataSource, open_dataset
 from .packing import PackingError, check_packing
 from .producer import BatchSink, Producer, WorkSource
-from .regenerate import RegenCache, Regenerator, cache_key
+from .regenerate import LOOP_RULE, RegenCache, Regenerator, cache_key
 from .target import Target, attn_candidates, load_target, resolve_device
 
 log = get_logger()
@@ -63,11 +63,13 @@ def load_components(cfg: ProducerConfig) -> Components:
                  attn_impl=target.info.attn_impl, per_sequence=target.per_sequence)
     regenerator = None
     if cfg.regenerate:
-        key = cache_key(dataset.fingerprint, target, tokenizer, cfg.max_new_tokens, cfg.template_kwargs())
+        loops = LOOP_RULE if cfg.regen_loops else None
+        key = cache_key(dataset.fingerprint, target, tokenizer, cfg.max_new_tokens, cfg.template_kwargs(), loops)
         cache = RegenCache(Path(cfg.regen_cache), key)
         log.info("produce.regen_cache", path=str(cache.path), key=key, rows_cached=len(cache))
         regenerator = Regenerator(target, tokenizer, cache, max_new_tokens=cfg.max_new_tokens,
-                                  batch_size=cfg.regen_batch_size, template_kwargs=cfg.template_kwargs())
+                                  batch_size=cfg.regen_batch_size, template_kwargs=cfg.template_kwargs(),
+                                  loops=loops, drop=cfg.drop())
     return Components(target, tokenizer, dataset, encoder, regenerator, target_identity(cfg.target))
 
 

@@ -61,6 +61,7 @@ class Row:
     text: str | None = None
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
+    endings: tuple[str, ...] | None = None  # regenerated: how each answer ended (decoding/endings.py)
 
 
 class DataSource(Protocol):

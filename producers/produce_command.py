@@ -56,6 +56,12 @@ from .producer_config import DEFAULT_REGEN_CACHE, ProducerConfig
         "thread may make ahead of the furthest leased row (rows already cached do not count), decoding "
         "continuously while ready rows are captured (producers/regen_ahead.py); 0: regenerate each lease's rows "
         "when it comes, all before its first batch.")
+@option("--regen-loops/--no-regen-loops", default=True, help="With --regenerate: an answer whose last tokens "
+        "repeat one block (period up to 64 tokens, at least 64 tokens and 3 copies) stops there and is cut after "
+        "the block's first copy (decoding/endings.py), instead of looping to --max-new-tokens.")
+@option("--regen-drop", default="none", help="With --regenerate: answer endings whose rows are not trained "
+        "but skipped and reported to the broker (counted per reason): a comma-separated list of repetition (a loop "
+        "was cut), cap (--max-new-tokens reached, unfinished), or none.")
 @option("--chat-template-kwargs", default="{}", help="JSON object passed to the chat template, "
         "e.g. '{\"enable_thinking\": false}'.")
 @option("--hidden-encoding", default="raw", type=click.Choice(["raw", "fp8_e4m3_rowscale"]),

@@ -30,7 +30,7 @@ from .capture_oom import OomSplitter
 from .packing import PackedBatch, pack
 from .prefetch import Item, Lease, Prefetcher
 from .regen_ahead import RegenAhead
-from .regenerate import Regenerator
+from .regenerate import Regenerator, count_endings
 from .target import Target
 
 log = get_logger()
@@ -102,7 +102,8 @@ class Producer:
         self.splitter = OomSplitter(forward or self._forward, target.device)
         self.prefetcher = Prefetcher(source.next_lease, self.prepare, depth=prefetch)
         # A plain dict with every key up front: the heartbeat reads it from the I/O thread.
-        self.counts = dict.fromkeys(("batches", "tokens", "samples", "leases", "skipped", "bad_rows"), 0)
+        self.counts = dict.fromkeys(("batches", "tokens", "samples", "leases", "skipped", "bad_rows",
+                                     "answers_dropped"), 0)
         self._window: deque[tuple[float, int, int]] = deque(maxlen=64)  # (t, tokens, batches)
         self._t0 = time.monotonic()
         self.state = "starting"
@@ -133,6 +134,13 @@ class Producer:
 
     def _encode(self, row: Row, skipped: list[tuple[int, str]]):
         """The row's Encoded, or None (reported in `skipped`)."""
+        why = self.regenerator.drop_reason(row) if self.regenerator is not None and row.endings else None
+        if why is not None:  # --regen-drop: an answer ended in a way not trained; skipped and reported
+            self.counts["answers_dropped"] += 1
+            log.info("produce.answer_dropped", sample=row.sample, source=row.source, endings=list(row.endings),
+                     reason=why.split(":", 1)[0], answers_dropped=self.counts["answers_dropped"])
+            skipped.append((row.sample, why))
+            return None
         try:
             enc = self.encoder.encode(row)
         except BadRow as e:
@@ -157,8 +165,10 @@ class Producer:
         acc = [e for e in (self._encode(r, skipped) for r in rows if r.messages is None) if e is not None]
         waiting = set(chats) - set(have)
         ready = have
+        regs = []
         while True:
             for s, reg in ready.items():
+                regs.append(reg)
                 enc = self._encode(reg.row(chats[s]), skipped)
                 if enc is not None:
                     acc.append(enc)
@@ -175,7 +185,7 @@ class Producer:
             waiting -= set(ready)
         made, new_tokens = self.ahead.made_here(chats)
         log.info("produce.regen", rows=len(chats), cached=len(chats) - made, generated=made, new_tokens=new_tokens,
-                 gen_s=round(time.monotonic() - t0, 3), ready=cached)
+                 gen_s=round(time.monotonic() - t0, 3), ready=cached, endings=count_endings(regs))
         yield from pack(acc, self.token_budget, self.max_batch_size, lease=lease.lease, epoch=lease.epoch)
 
     def _bad_row(self, e: BadRow) -> tuple[int, str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from dflash.runtime.command_line import DEFAULT_BROKER
 
 DEFAULT_REGEN_CACHE = str(Path.home() / ".cache" / "dflash" / "regen")
+DROPPABLE = ("repetition", "cap")  # answer endings --regen-drop may name (decoding/endings.py REASONS)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class ProducerConfig:
     regen_batch_size: int = 0  # the most rows at once; 0: 2048 on a GPU (producers/regenerate.py kv_plan)
     regen_cache: str = DEFAULT_REGEN_CACHE
     regen_ahead: int = 8192  # several times a decoder's rows, so the look-ahead keeps them all decoding
+    regen_loops: bool = True  # a looping answer stops early and is cut (decoding/endings.py)
+    regen_drop: str = "none"  # answer endings whose rows are skipped and reported, not trained
     chat_template_kwargs: str = "{}"
     hidden_encoding: str = "raw"
     final_hidden: bool = False  # also send the final-norm output (the consumer's --distill-weight needs it)
@@ -55,6 +58,17 @@ class ProducerConfig:
         if not isinstance(kw, dict):
             raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
         return kw
+
+    def drop(self) -> tuple[str, ...]:
+        """`regen_drop` parsed: the ending reasons not trained. Raises ValueError."""
+        reasons = tuple(sorted({v.strip() for v in self.regen_drop.split(",") if v.strip()} - {"none"}))
+        bad = [r for r in reasons if r not in DROPPABLE]
+        if bad:
+            raise ValueError(f"--regen-drop {self.regen_drop!r}: {', '.join(bad)} is not an answer ending to drop "
+                             f"(a comma-separated list of {', '.join(DROPPABLE)}, or none)")
+        if "repetition" in reasons and not self.regen_loops:
+            raise ValueError("--regen-drop repetition needs --regen-loops (without it no answer ends by repetition)")
+        return reasons
 
     def check(self) -> None:
         """Cross-option sanity. Raises ValueError with a one-line reason."""
@@ -80,3 +94,4 @@ class ProducerConfig:
             raise ValueError("--tensor-parallel takes no --gpu: each rank runs on cuda:LOCAL_RANK (choose the GPUs "
                              "with CUDA_VISIBLE_DEVICES), or give --device cpu")
         self.template_kwargs()
+        self.drop()

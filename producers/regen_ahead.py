@@ -302,10 +302,11 @@ class RegenAhead:
 
     def _turn_done(self, job: Job, out: list[int]) -> None:
         c = job.key
+        c.new_tokens += len(out)  # generated, a loop's cut tail included (decode time spent)
+        out = self.regen.end_turn(c, out)
         c.generated.append(out)
         c.ids += out
         c.mask += [1] * len(out)
-        c.new_tokens += len(out)
         if c.done:
             self._finished(c)
             return
@@ -365,4 +366,4 @@ class RegenAhead:
                  horizon=min(self._horizon, len(self._order)), cursor=self._cursor,
                  live_rows=dec.live if dec else 0, decoder_rows=dec.rows if dec else 0,
                  pages_total=book.total if book else 0, pages_used=book.used if book else 0,
-                 preempted=dec.preempted if dec else 0)
+                 preempted=dec.preempted if dec else 0, endings=dict(self.regen.endings))

@@ -41,6 +41,7 @@ import torch
 
 from dflash.decoding.attention import step_kernel
 from dflash.decoding.core import graphed_prefill_default, kv_bytes_per_slot
+from dflash.decoding.endings import CAP, REASONS, REPETITION, EndingRule, classify
 from dflash.decoding.greedy import GreedyDecoder, Job, pack_sizes
 from dflash.runtime.logs import get_logger
 from dflash.runtime.progress import progress
@@ -51,35 +52,47 @@ from .target import Target
 log = get_logger()
 
 
-FORMAT = "ids-v1"  # what a cache file holds; part of the key, so text-era caches are never read
+FORMAT = "ids-v2"  # what a cache file holds (v2: each turn's ending); part of the key, so older caches are never read
+LOOP_RULE = EndingRule()  # the default loop detector (docs/REGENERATION.md "How answers end")
+DROP_DEFAULT: tuple[str, ...] = ()  # ending reasons whose rows are not trained by default (--regen-drop)
+DROP_REASONS = {
+    REPETITION: "answer_repetition: a regenerated answer looped and was cut (--regen-drop)",
+    CAP: "answer_cap: a regenerated answer hit --max-new-tokens unfinished (--regen-drop)",
+}
 _PROBE = "\u2063dflash-turn-{}\u2063"  # invisible separators: never in real text
 
 
-def cache_key(fingerprint: str, target: Target, tokenizer, max_new_tokens: int, template_kwargs: dict) -> str:
-    """What makes a regeneration reusable: data, weights' identity, dtype, settings, template."""
+def cache_key(fingerprint: str, target: Target, tokenizer, max_new_tokens: int, template_kwargs: dict,
+              loops: EndingRule | None = LOOP_RULE) -> str:
+    """What makes a regeneration reusable: data, weights' identity, dtype, settings, template,
+    and the loop rule (it decides where answers stop; which endings are trained does not)."""
     blob = json.dumps({
         "data": fingerprint, "target": target.info.name, "dtype": target.info.dtype,
         "config": target.config.to_json_string(use_diff=False),
         "max_new_tokens": max_new_tokens, "template": getattr(tokenizer, "chat_template", None),
-        "template_kwargs": template_kwargs, "format": FORMAT,
+        "template_kwargs": template_kwargs, "format": FORMAT, "loops": loops.describe() if loops else None,
     }, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 @dataclass
 class Regenerated:
-    """One regenerated conversation: the exact IDs to train on, and the turns decoded (for reading)."""
+    """One regenerated conversation: the exact IDs to train on, the turns decoded (for
+    reading), and how each regenerated turn ended (decoding/endings.py REASONS)."""
 
     input_ids: list[int]
     loss_mask: list[int]
     messages: list[dict]
+    endings: list[str] = field(default_factory=list)
 
     def row(self, r: Row) -> Row:
-        return Row(r.sample, r.source, messages=self.messages, input_ids=self.input_ids, loss_mask=self.loss_mask)
+        return Row(r.sample, r.source, messages=self.messages, input_ids=self.input_ids, loss_mask=self.loss_mask,
+                   endings=tuple(self.endings))
 
 
 class RegenCache:
-    """sample ID -> Regenerated, in `<dir>/<key>.sqlite` (IDs as int32 bytes, mask as uint8)."""
+    """sample ID -> Regenerated, in `<dir>/<key>.sqlite` (IDs as int32 bytes, mask as uint8,
+    endings comma-separated)."""
 
     def __init__(self, directory: str | os.PathLike, key: str):
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -88,21 +101,21 @@ class RegenCache:
         self._db = sqlite3.connect(self.path, timeout=60, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS regen_ids (sample INTEGER PRIMARY KEY, input_ids BLOB NOT NULL, "
-                         "loss_mask BLOB NOT NULL, messages TEXT NOT NULL)")
+                         "loss_mask BLOB NOT NULL, messages TEXT NOT NULL, endings TEXT NOT NULL)")
 
     def get(self, samples: list[int]) -> dict[int, Regenerated]:
         with self._lock:
             q = ",".join("?" * len(samples))
-            rows = self._db.execute(f"SELECT sample, input_ids, loss_mask, messages FROM regen_ids "
+            rows = self._db.execute(f"SELECT sample, input_ids, loss_mask, messages, endings FROM regen_ids "
                                     f"WHERE sample IN ({q})", samples).fetchall()
-        return {s: Regenerated(np.frombuffer(ids, dtype=np.int32).tolist(), list(mask), json.loads(m))
-                for s, ids, mask, m in rows}
+        return {s: Regenerated(np.frombuffer(ids, dtype=np.int32).tolist(), list(mask), json.loads(m),
+                               e.split(",") if e else []) for s, ids, mask, m, e in rows}
 
     def put(self, items: dict[int, Regenerated]) -> None:
         rows = [(s, np.asarray(r.input_ids, dtype=np.int32).tobytes(), bytes(r.loss_mask),
-                 json.dumps(r.messages, ensure_ascii=False)) for s, r in items.items()]
+                 json.dumps(r.messages, ensure_ascii=False), ",".join(r.endings)) for s, r in items.items()]
         with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO regen_ids VALUES (?, ?, ?, ?)", rows)
+            self._db.executemany("INSERT OR REPLACE INTO regen_ids VALUES (?, ?, ?, ?, ?)", rows)
 
     def __len__(self) -> int:
         with self._lock:
@@ -118,7 +131,8 @@ class _Conversation:
     turns: list[int]  # indices of the assistant messages
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
-    generated: list[list[int]] = field(default_factory=list)  # each turn's IDs, as generated
+    generated: list[list[int]] = field(default_factory=list)  # each turn's IDs, as generated (a loop cut)
+    endings: list[str] = field(default_factory=list)  # how each turn ended (decoding/endings.py REASONS)
     first: bool = False  # regen_ahead.py: a lease waits for it (its turns go before look-ahead rows)
     new_tokens: int = 0
 
@@ -167,10 +181,14 @@ def kv_plan(model, device: torch.device, batch_size: int, n_jobs: int, max_promp
 
 class Regenerator:
     """Regenerates the assistant turns of chat rows with `target` (a full model). `batch_size`
-    0: each decoder's rows set by its KV pages (kv_plan), else at most that many."""
+    0: each decoder's rows set by its KV pages (kv_plan), else at most that many. `loops`: the
+    rule by which a looping answer stops early and is cut after its first copy (None: answers
+    run to a stop token or `max_new_tokens`); `drop`: the ending reasons whose rows the
+    producer reports skipped instead of training (`drop_reason`)."""
 
     def __init__(self, target: Target, tokenizer, cache: RegenCache, *, max_new_tokens: int = 1024,
-                 batch_size: int = 0, template_kwargs: dict | None = None):
+                 batch_size: int = 0, template_kwargs: dict | None = None, loops: EndingRule | None = LOOP_RULE,
+                 drop: tuple[str, ...] = DROP_DEFAULT):
         if target.model is None:
             raise ValueError("regeneration needs the full model: load the target with full=True")
         if batch_size < 0:
@@ -186,6 +204,25 @@ class Regenerator:
         self.generated = 0
         self.new_tokens = 0  # tokens generated by this regenerator (figures for benchmarks)
         self.cache_hits = 0
+        self.loops, self.drop = loops, tuple(drop)
+        bad = [r for r in self.drop if r not in DROP_REASONS]
+        if bad:
+            raise ValueError(f"drop {bad}: only {', '.join(DROP_REASONS)} can be dropped")
+        self.endings = dict.fromkeys(REASONS, 0)  # answers generated here, by how they ended
+
+    def end_turn(self, c: _Conversation, out: list[int]) -> list[int]:
+        """Record how `c`'s turn `out` ended; returns the IDs to keep (a loop cut after its first copy)."""
+        reason, keep = classify(out, self.stop_ids, self.loops)
+        c.endings.append(reason)
+        self.endings[reason] += 1
+        return out[:keep]
+
+    def drop_reason(self, row: Row) -> str | None:
+        """Why the producer must skip `row` (a regenerated turn ended in a dropped way), or None."""
+        for reason in (REPETITION, CAP):
+            if reason in self.drop and reason in (row.endings or ()):
+                return DROP_REASONS[reason]
+        return None
 
     def apply(self, rows: list[Row]) -> list[Row]:
         """`rows` with regenerated assistant turns as exact IDs (cached or new); text rows unchanged.
@@ -205,7 +242,8 @@ class Regenerator:
         self.generated += len(todo)
         self.new_tokens += new_tokens
         log.info("produce.regen", rows=len(chats), cached=len(chats) - len(todo), generated=len(todo),
-                 new_tokens=new_tokens, gen_s=round(time.monotonic() - t0, 3))
+                 new_tokens=new_tokens, gen_s=round(time.monotonic() - t0, 3), endings=count_endings(
+                     done[r.sample] for r in chats))
         return [done[r.sample].row(r) if r.messages is not None else r for r in rows]
 
     def check(self, row: Row) -> None:
@@ -232,10 +270,11 @@ class Regenerator:
         def turn_done(job: Job, out: list[int]) -> None:
             nonlocal total
             c = convs[job.key]
+            total += len(out)  # generated, a loop's cut tail included (decode time spent)
+            out = self.end_turn(c, out)
             c.generated.append(out)
             c.ids += out
             c.mask += [1] * len(out)
-            total += len(out)
             if not c.done:  # its next turn waits for a free row like any other
                 self._append(c, self._render(c, len(c.generated)), loss=0)
                 jobs.append(Job(job.key, list(c.ids)))
@@ -279,7 +318,7 @@ class Regenerator:
                 dec = GreedyDecoder(model, rows=plan["rows"], max_prompt=room, max_new_tokens=self.max_new_tokens,
                                     stop_ids=self.stop_ids,
                                     prefill_sizes=pack_sizes(4096) if self.graphed_prefill else None,
-                                    kv_block=plan["page_size"], pages=plan["pages"])
+                                    kv_block=plan["page_size"], pages=plan["pages"], ending=self.loops)
             if dec.core.kernel == "flex" or room == max_prompt:
                 return dec
             del dec
@@ -336,7 +375,16 @@ class Regenerator:
         messages = [dict(m) for m in c.row.messages]
         for i, out in zip(c.turns, c.generated):
             messages[i]["content"] = self.tok.decode(out, skip_special_tokens=True).strip()
-        return Regenerated(c.ids, c.mask, messages)
+        return Regenerated(c.ids, c.mask, messages, list(c.endings))
+
+
+def count_endings(regs) -> dict[str, int]:
+    """Answers of the regenerated conversations `regs`, by how they ended."""
+    out = dict.fromkeys(REASONS, 0)
+    for r in regs:
+        for e in r.endings:
+            out[e] += 1
+    return out
 
 def stop_ids(model, tokenizer) -> set[int]:
     """Where a turn ends: the generation config's eos IDs (chat models end a turn on e.g.
