@@ -126,8 +126,7 @@ def run(cfg: ConsumerConfig) -> None:
             click.echo(f"left the elastic group at step {state.step}; the other consumers go on and commit these "
                        "weights (theirs too); stop the broker to stop the whole job", err=True)
         else:
-            click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}",
-                       err=True)
+            click.echo(f"done: {state.step} steps ({state.end_reason}), {_checkpoint_words(state, dist)}", err=True)
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
@@ -145,6 +144,16 @@ def run(cfg: ConsumerConfig) -> None:
         if dist is not None:
             dist.close()
         close_logging()
+
+
+def _checkpoint_words(state, dist: Dist | None) -> str:
+    """What the done line says of checkpoints: only rank 0 writes them (another rank's
+    last_checkpoint is None, which read as a failure)."""
+    if state.last_checkpoint is not None:
+        return f"last checkpoint {state.last_checkpoint}"
+    if dist is not None and dist.rank != 0:
+        return f"rank {dist.rank}: checkpoints are written by rank 0"
+    return "no checkpoint written"
 
 
 def _own_group(cfg: ConsumerConfig) -> tuple[int, int]:
