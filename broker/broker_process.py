@@ -17,6 +17,7 @@ import zmq
 
 from dflash.runtime.alloc import reuse_freed_memory
 from dflash.runtime.command_line import as_dict
+from dflash.runtime.fdlimit import raise_open_files
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.runtime.run import give_back_latest, hostname, latest_run, make_run_dir, new_run_id, point_latest
 from dflash.runtime.stop import GracefulStop
@@ -38,6 +39,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     run_id = new_run_id()
     run_dir = make_run_dir(run_id, cfg.runs_dir)
     bind_run(run_id, cfg.runs_dir)
+    raise_open_files("broker")  # before any socket: a descriptor per connection (runtime/fdlimit.py)
     host = hostname()
     lineage = {"parent_run": parent.run_id, "resumed_from": parent.summary()} if parent else {}
     try:

@@ -26,6 +26,7 @@ from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from dflash.runtime.alloc import reuse_freed_memory
 from dflash.runtime.command_line import as_dict, fail
+from dflash.runtime.fdlimit import raise_open_files
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.runtime.run import run_dir as run_folder
@@ -88,6 +89,7 @@ def run(cfg: ConsumerConfig) -> None:
     the broker is unreachable, refuses us or is lost (1)."""
     reuse_freed_memory()  # before ZeroMQ starts its I/O threads: each received batch reuses freed memory
     setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
+    raise_open_files("consumer")
     quiet_library_noise()
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":

@@ -107,6 +107,10 @@ def test_rank_1_says_who_writes_checkpoints_not_none(tmp_path):
     done = [next(x for x in err.splitlines() if x.startswith("done:")) for _, err in outs]
     assert "None" not in done[1] and "rank 1: checkpoints are written by rank 0" in done[1], done
     assert "last checkpoint" in done[0] and "step-2" in done[0], done
+    for out, _ in outs:  # each consumer raised its open-file limit at start (issue 36, finding 6)
+        (ev,) = [x for x in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))
+                 if x["event"] == "process.open_files"]
+        assert ev["role"] == "consumer" and ev["soft"] == ev["hard"], ev
 
 
 def _prompts(out, *args, tty=False):
