@@ -90,7 +90,7 @@ def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
     rows = slice(cum[first], cum[end])  # a slice: views on the batch's device (staged: the GPU)
     return Batch(batch.batch_id, batch.samples[first:end], batch.seq_lens[first:end], batch.layer_ids,
                  batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows],
-                 None if batch.final_hidden is None else batch.final_hidden[rows])
+                 None if batch.final_hidden is None else batch.final_hidden[rows], batch.producer)
 
 
 @dataclass
