@@ -372,9 +372,10 @@ def from_broker(cls: type[Message], header: dict):
 
 
 # How long a peer's start-up dial waits for a broker that refuses or drops its connection:
-# long enough for a broker started beside it (a compose file's depends_on does not wait for
-# the port), short enough that a wrong port is said before anything loads.
-DIAL_TIMEOUT_S = 10.0
+# a broker started beside it (a compose file's depends_on does not wait for the port, tests
+# start both at once) may take many seconds to import and bind on a loaded host; a wrong
+# port is still said before anything loads, and a host that does not resolve at once.
+DIAL_TIMEOUT_S = 30.0
 
 
 class BadBrokerAddress(DFlashError, ValueError):
