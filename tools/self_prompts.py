@@ -77,7 +77,8 @@ def family_counts(tallies: dict[str, FamilyTally], train: list[Written], held: l
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", required=True, callback=target_callback(need_tokenizer=True), help="The target: a Hugging Face folder or name, or a .gguf file.")
+@click.option("--target", required=True, callback=target_callback(need_tokenizer=True),
+              help="The target: a Hugging Face folder or name, or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSONL file to write (chat rows).")
 @click.option("--count", required=True, type=click.IntRange(1), help="Training prompts to write, over all families.")
 @click.option("--families", default="all", show_default=True,
