@@ -17,8 +17,9 @@ import zmq
 
 from dflash.runtime.alloc import reuse_freed_memory
 from dflash.runtime.command_line import as_dict
+from dflash.runtime.fdlimit import raise_open_files
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
-from dflash.runtime.run import give_back_latest, hostname, latest_run, make_run_dir, new_run_id, point_latest
+from dflash.runtime.run import StorageError, give_back_latest, hostname, latest_run, make_run_dir, new_run_id, point_latest
 from dflash.runtime.stop import GracefulStop
 
 from . import resume, runinfo, security
@@ -28,6 +29,8 @@ from .server import Broker
 
 # A run that reached end of stream without training anything: not a success (issue 19).
 EXIT_NOTHING_TO_TRAIN = 3
+STORAGE_HINT = ("free space under --runs-dir, then `dflash-broker --resume` (what the ledger committed before the "
+                "refused write stands; the rest is made again)")
 
 
 def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
@@ -38,6 +41,7 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     run_id = new_run_id()
     run_dir = make_run_dir(run_id, cfg.runs_dir)
     bind_run(run_id, cfg.runs_dir)
+    raise_open_files("broker")  # before any socket: a descriptor per connection (runtime/fdlimit.py)
     host = hostname()
     lineage = {"parent_run": parent.run_id, "resumed_from": parent.summary()} if parent else {}
     try:
@@ -77,18 +81,32 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
     outcome, error = "crashed", None
     try:
         outcome = broker.serve()
+    except StorageError as e:  # a full disk: said where it can be, no traceback
+        outcome, error = "storage_failed", str(e)
+        log.error("broker.storage_failed", error=error, hint=STORAGE_HINT)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         log.exception("broker.crashed", error=error)
     finally:
         summary = broker.core.summary()
-        broker.close()
+        try:
+            broker.close()
+        except StorageError as e:  # the ledger's last flush, refused
+            if error is None:
+                outcome, error = "storage_failed", str(e)
+                log.error("broker.storage_failed", error=error, hint=STORAGE_HINT)
         if sink is not None:
             sink.close()
         why = broker.outcome_why
         code = 1 if error is not None else EXIT_NOTHING_TO_TRAIN if outcome == "nothing_to_train" else 0
-        runinfo.finish(run_dir, outcome, time.time(), samples=summary["samples"], bad_batches=summary["bad_batches"],
-                       error=error, signal=broker.signal, **({"reason": why} if why else {}))
+        try:
+            runinfo.finish(run_dir, outcome, time.time(), samples=summary["samples"],
+                           bad_batches=summary["bad_batches"], error=error, signal=broker.signal,
+                           **({"reason": why} if why else {}))
+        except OSError as e:  # even in place: run.json keeps "running" and status says no end recorded
+            log.error("broker.storage_failed", error=f"cannot write {run_dir / 'run.json'}: {e.strerror or e}",
+                      hint=STORAGE_HINT)
+            error = error or f"cannot write {run_dir / 'run.json'}: {e.strerror or e}"
         if parent is None and summary["peer_messages"] == 0:
             # A fresh run no peer even tried to join holds nothing; `latest` goes back to the run
             # before it (RELIABILITY.md 10). A resumed one keeps it: it is where its chain goes on.
@@ -97,4 +115,6 @@ def run(cfg: BrokerConfig, parent: resume.Parent | None = None) -> int:
         close_logging()
     if outcome == "nothing_to_train":
         click.echo(f"error: nothing to train in run {run_id}: {why}", err=True)
+    elif outcome == "storage_failed":
+        click.echo(f"error: broker stopped run {run_id}: {error}; {STORAGE_HINT}", err=True)
     return code

@@ -52,23 +52,29 @@ class Steady:
     """The diagnosis with hysteresis: `update(d, now)` returns the one to report. A new code
     is reported once it has been diagnosed for `hold_s` without a break (a change to or
     from a code outside HELD, and the first diagnosis, at once); until then the previous report stands, with `pending`
-    {code, for_s} saying what is coming. While the code stays, its text is the newest."""
+    {code, for_s} saying what is coming. While the code stays, its text is the newest. The
+    hold runs from when the reported code stopped being diagnosed, whichever codes came
+    since, so a report outlives its situation by at most `hold_s`."""
 
     def __init__(self, hold_s: float = HOLD_S):
         self.hold_s = hold_s
         self.reported: dict | None = None
-        self.candidate: tuple[str, float] | None = None  # (code, first seen)
+        # when the reported code was last not diagnosed after being so: the hold runs from
+        # there, whatever came instead. Timed per new code, two codes taking turns (a queue
+        # emptied, drafters now starved, now balanced) reset it at each turn, and a report of
+        # "queue full (59 batches)" stood for minutes over an empty queue.
+        self.absent_since: float | None = None
 
     def update(self, d: dict, now: float) -> dict:
         if (self.reported is None or d["code"] == self.reported["code"] or d["code"] not in HELD
                 or self.reported["code"] not in HELD):
-            self.reported, self.candidate = d, None
+            self.reported, self.absent_since = d, None
             return d
-        if self.candidate is None or self.candidate[0] != d["code"]:
-            self.candidate = (d["code"], now)
-        held = now - self.candidate[1]
+        if self.absent_since is None:
+            self.absent_since = now
+        held = now - self.absent_since
         if held >= self.hold_s:
-            self.reported, self.candidate = d, None
+            self.reported, self.absent_since = d, None
             return d
         return {**self.reported, "pending": {"code": d["code"], "for_s": round(held, 1)}}
 
@@ -235,6 +241,30 @@ def _idle_with_work(p: dict, q: dict) -> bool:
 
 
 def _balance(st: dict) -> dict:
+    d = _balance_of(st)
+    shared = _shared_gpus(st)
+    if shared and d["code"] != "starting":
+        # Targets and drafters on one GPU take turns on it: each side's rate is its share of
+        # that GPU, and its waits are the other's turns, so "add drafter GPUs" or "move a GPU"
+        # misreads them. What applies is a GPU of its own for one side.
+        where = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+        d = {**d, "suggestion": (f"targets and drafters share GPU {where}: they take turns on it, so their rates "
+                                 "and waits are shares of one GPU, not what either side could do; give one side "
+                                 "a GPU of its own (e.g. the consumer on another GPU) to run both at once")}
+    return d
+
+
+def _shared_gpus(st: dict) -> list[str]:
+    """'host:gpu' of every GPU that a live producer and a live consumer both name (their
+    hello's host and gpu)."""
+    def gpus(role: str) -> set[tuple[str, int]]:
+        return {(str(p.get("host")), p["gpu"]) for p in _live(st, role)
+                if isinstance(p.get("gpu"), int) and not isinstance(p.get("gpu"), bool)}
+
+    return [f"{h}:{g}" for h, g in sorted(gpus("producer") & gpus("consumer"))]
+
+
+def _balance_of(st: dict) -> dict:
     prod, cons = _live(st, "producer"), _live(st, "consumer")
     q, r = st.get("queue") or {}, st.get("rates") or {}
     if not r.get("batches_in"):
@@ -255,7 +285,9 @@ def _balance(st: dict) -> dict:
                 f"{waiting} of {len(cons)} drafters waiting now ({wait:.0%} of the last 10 s); "
                 f"targets make {_tok(supply)}")
         return result("drafters_starved", text, _suggest(len(prod), p_cap, len(cons), c_cap, "targets", _gpus(st)), "targets")
-    if full >= WAITS or q.get("reading") is False:
+    # "queue full" only of a queue that holds batches now: full_frac is the last 10 s, and a
+    # queue the drafters emptied since is not backing targets up
+    if q.get("reading") is False or (full >= WAITS and q.get("batches")):
         text = (f"drafters limit throughput: targets backed up, queue full ({q.get('batches', 0)} batches, "
                 f"oldest {_dur(q.get('oldest_age_s'))}), targets blocked on send {full:.0%} of the last 10 s, "
                 f"drafters busy training {_tok(trained)}{_straggler(cons)}")

@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
+from dflash.runtime.run import StorageError
 from dflash.runtime.threads import name_this_thread
 
 SCHEMA_VERSION = 3  # 2: `inherited` (resume); 3: `bad_batches`, sample state `quarantined`
@@ -137,6 +138,7 @@ class Ledger:
         # (step, checkpoint) of this run's newest commit: a later ack of a step <= it is
         # committed on arrival (committed_late)
         self.last_commit: tuple[int, str] | None = None
+        self.broken: str | None = None  # why a write failed (StorageError): nothing more is written
 
     # ------------------------------------------------------------ run facts
 
@@ -369,8 +371,10 @@ class Ledger:
         """Hand every queued transition to the writer thread: one transaction, in order.
         Returns at once; an error of an earlier write is raised here."""
         self._last_flush = self._clock()
+        if self.broken is not None:
+            raise StorageError(self.broken)
         while self._writes and self._writes[0].done():
-            self._writes.popleft().result()  # raises what the write raised (disk full, ...)
+            self._result(self._writes.popleft())  # raises what the write raised (disk full, ...)
         if not (self._ops or self._batches or self._states):
             return
         ops, self._ops = self._ops, []
@@ -387,12 +391,23 @@ class Ledger:
         """flush(), then wait until everything queued is written."""
         self.flush()
         while self._writes:
-            self._writes.popleft().result()
+            self._result(self._writes.popleft())
 
     def _now(self, fn, *args):
         """fn(*args) on the writer thread, after every queued transition; its result."""
         self.sync()
-        return self._writer.submit(fn, *args).result()
+        return self._result(self._writer.submit(fn, *args))
+
+    def _result(self, fut: Future):
+        """A write's result; a write the disk refused (full, quota, I/O error) raises
+        StorageError: the ledger cannot go on, and the broker stops saying so."""
+        if self.broken is not None:
+            raise StorageError(self.broken)
+        try:
+            return fut.result()
+        except (sqlite3.OperationalError, OSError) as e:
+            self.broken = f"cannot write the ledger {self.path}: {e}"
+            raise StorageError(self.broken) from e
 
     def _write(self, ops: list[tuple[str, tuple]]) -> None:
         t0 = time.perf_counter()
@@ -409,7 +424,8 @@ class Ledger:
 
     def close(self) -> None:
         try:
-            self._now(self.db.execute, "PRAGMA wal_checkpoint(TRUNCATE)")
+            if self.broken is None:  # a refused write is not retried: what SQLite committed stays
+                self._now(self.db.execute, "PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             self._writer.submit(self.db.close).result()
             self._writer.shutdown()

@@ -45,10 +45,11 @@ def meaning(error: str, curve: bool) -> str:
     if error == "cryptographic":
         return ("a client whose broker key (its DIR/broker.key) is not this broker's, or whose keys are damaged: "
                 "give it this broker's broker.key")
-    if error == "no_detail":  # the client saw the mismatch first and hung up
+    if error == "no_detail":  # the client saw the mismatch first and hung up (a peer sending its hello does)
         return (f"the client closed the connection during the handshake: most likely its security does not match "
-                f"this broker's, which runs {'with' if curve else 'without'} --curve-keys (CurveZMQ on one side "
-                "only, or another broker's key), or it is not a ZeroMQ client")
+                f"this broker's, which runs {'with' if curve else 'without'} --curve-keys (a producer or consumer "
+                f"{'without' if curve else 'with'} --curve-keys, or another broker's key), or it is not a ZeroMQ "
+                "client")
     return "a client that does not speak ZMTP 3 as this broker does (another program on this port?)"
 
 

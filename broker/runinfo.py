@@ -29,11 +29,11 @@ def start(run_dir: Path, run_id: str, config: dict, endpoints: dict, instance: s
 
 
 def update(run_dir: Path, **fields) -> None:
-    """Merge `fields` into run.json (top level)."""
+    """Merge `fields` into run.json (top level); on a full disk in place (its end must be said)."""
     path = run_dir / "run.json"
     info = json.loads(path.read_text())
     info.update(fields)
-    write_json_atomic(path, info)
+    write_json_atomic(path, info, in_place_if_full=True)
 
 
 def finish(run_dir: Path, outcome: str, wall: float, **fields) -> None:

@@ -23,7 +23,8 @@ from dflash.protocol.messages import (CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Ac
                                      Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk)
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 from dflash.runtime.gcpause import freeze_setup
-from dflash.runtime.logs import get_logger
+from dflash.runtime.logs import get_logger, run_file_error
+from dflash.runtime.run import StorageError
 
 from . import lighthouse, monitor, security
 from .actions import ClosePipes, Publish, Send
@@ -155,6 +156,8 @@ class Broker:
             if self.signal is not None:
                 core.on_signal(self.signal, self.signals)
             self.tick(time.monotonic())
+            if (why := run_file_error()) is not None:  # its log is the run's record: not gone on without
+                raise StorageError(why)
         core.report(time.monotonic())  # no suppressed count goes unsaid
         self.handshakes.report(time.monotonic(), force=True)
         self.send_gate.report(time.monotonic(), force=True)
@@ -181,6 +184,8 @@ class Broker:
                 return
             try:
                 handle(frames)
+            except StorageError:  # the disk refused a write: no message can be handled right
+                raise
             except Exception:  # a bug on one message must not end the run
                 log.exception("broker.internal_error", socket="control" if sock is self.control else "data_in")
             if not readable(sock):  # cheaper than the zmq.Again a last recv would raise

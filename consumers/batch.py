@@ -49,6 +49,9 @@ class Batch:
     host_loss_mask: torch.Tensor | None = None
     id_range: tuple[int, int] | None = None
     plan: object = None
+    # the producer its header names (None: made locally): the one an error blames, not a
+    # guess from the batch ID, whose form is the producer's own choice
+    producer: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -78,7 +81,7 @@ class Batch:
         return cls(batch_id=msg.batch_id, samples=[int(s) for s in msg.samples],
                    seq_lens=[int(n) for n in msg.seq_lens], layer_ids=[int(i) for i in msg.layer_ids],
                    epoch=msg.epoch, input_ids=own(t["input_ids"]), loss_mask=own(t["loss_mask"]), hidden=hidden,
-                   final_hidden=final)
+                   final_hidden=final, producer=msg.producer)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.input_ids, self.loss_mask, self.hidden
@@ -105,7 +108,8 @@ class Batch:
         return Batch(self.batch_id, [self.samples[i] for i in keep], [self.seq_lens[i] for i in keep],
                      self.layer_ids, self.epoch, pick(self.input_ids), pick(self.loss_mask), pick(self.hidden),
                      None if self.final_hidden is None else pick(self.final_hidden),
-                     host_input_ids=host(self.host_input_ids), host_loss_mask=host(self.host_loss_mask))
+                     host_input_ids=host(self.host_input_ids), host_loss_mask=host(self.host_loss_mask),
+                     producer=self.producer)
 
     def with_host_facts(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> "Batch":
         """Set the host-side facts from CPU `input_ids` and `loss_mask` (this batch's, or the
@@ -135,7 +139,8 @@ class Batch:
             # lookup (IndexError) or, on a GPU, fault the device, far from its cause.
             lo, hi = self.id_range or (int(x) for x in torch.aminmax(self.input_ids))
             if lo < 0 or hi >= vocab_size:
-                raise BatchMismatch(f"batch {self.batch_id} (producer {self.batch_id.rsplit('-', 1)[0]}) holds token "
+                made_by = f" (producer {self.producer})" if self.producer else ""
+                raise BatchMismatch(f"batch {self.batch_id}{made_by} holds token "
                                     f"IDs {lo}..{hi}, outside this target's vocabulary 0..{vocab_size - 1}: its "
                                     "producer tokenises for another target, or the batch is corrupt",
                                     batch_id=self.batch_id, fault="token_ids")

@@ -134,6 +134,10 @@ def main(**o) -> None:
     """Train a DFlash drafter on target hidden states (one data-parallel rank)."""
     if o["eval_prompts"] and not o["eval_every"]:  # refused before torch and the target load
         fail("--eval-prompts is used by the live evaluation: give --eval-every N too")
+    if not o["synthetic_batches"]:
+        from dflash.protocol.peer import dial_or_exit
+
+        dial_or_exit(o["broker"], o["curve_keys"], o["curve_name"])  # a wrong --broker said before the target loads
     from .consumer_process import ConsumerConfig, run
     from .train_config import TrainConfig
 

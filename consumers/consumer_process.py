@@ -26,6 +26,7 @@ from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from dflash.runtime.alloc import reuse_freed_memory
 from dflash.runtime.command_line import as_dict, fail
+from dflash.runtime.fdlimit import raise_open_files
 from dflash.runtime.logs import bind_run, close_logging, get_logger, setup_logging
 from dflash.runtime.run import hostname, make_run_dir, new_run_id, point_latest, write_run_json
 from dflash.runtime.run import run_dir as run_folder
@@ -88,6 +89,7 @@ def run(cfg: ConsumerConfig) -> None:
     the broker is unreachable, refuses us or is lost (1)."""
     reuse_freed_memory()  # before ZeroMQ starts its I/O threads: each received batch reuses freed memory
     setup_logging("consumer", cfg.instance, gpu=cfg.gpu, level=cfg.log_level)
+    raise_open_files("consumer")
     quiet_library_noise()
     device = torch.device("cpu") if cfg.gpu is None else torch.device("cuda", cfg.gpu)
     if device.type == "cuda":
@@ -126,8 +128,7 @@ def run(cfg: ConsumerConfig) -> None:
             click.echo(f"left the elastic group at step {state.step}; the other consumers go on and commit these "
                        "weights (theirs too); stop the broker to stop the whole job", err=True)
         else:
-            click.echo(f"done: {state.step} steps ({state.end_reason}), last checkpoint {state.last_checkpoint}",
-                       err=True)
+            click.echo(f"done: {state.step} steps ({state.end_reason}), {_checkpoint_words(state, dist)}", err=True)
     except (DFlashError, TargetLoadError, ValueError, FileNotFoundError) as e:
         # PROTOCOL.md 4.2: a silent broker is logged as `*.broker_lost`
         log.error("consume.broker_lost" if isinstance(e, BrokerLost) else "consume.failed", error=str(e),
@@ -145,6 +146,16 @@ def run(cfg: ConsumerConfig) -> None:
         if dist is not None:
             dist.close()
         close_logging()
+
+
+def _checkpoint_words(state, dist: Dist | None) -> str:
+    """What the done line says of checkpoints: only rank 0 writes them (another rank's
+    last_checkpoint is None, which read as a failure)."""
+    if state.last_checkpoint is not None:
+        return f"last checkpoint {state.last_checkpoint}"
+    if dist is not None and dist.rank != 0:
+        return f"rank {dist.rank}: checkpoints are written by rank 0"
+    return "no checkpoint written"
 
 
 def _own_group(cfg: ConsumerConfig) -> tuple[int, int]:

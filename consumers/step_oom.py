@@ -94,7 +94,8 @@ def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
                  batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows],
                  None if batch.final_hidden is None else batch.final_hidden[rows],
                  host_input_ids=None if batch.host_input_ids is None else batch.host_input_ids[rows],
-                 host_loss_mask=None if batch.host_loss_mask is None else batch.host_loss_mask[rows])
+                 host_loss_mask=None if batch.host_loss_mask is None else batch.host_loss_mask[rows],
+                 producer=batch.producer)
 
 
 @dataclass

@@ -73,5 +73,5 @@ def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"
         encoding = ENCODING
     else:
         tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    sent = messages.Batch(b.batch_id, "p1", 0, b.epoch, b.samples, b.seq_lens, b.layer_ids, encoding, tensors=tensors)
+    sent = messages.Batch(b.batch_id, b.producer or "p1", 0, b.epoch, b.samples, b.seq_lens, b.layer_ids, encoding, tensors=tensors)
     return codec.decode_batch([bytes(f) for f in codec.encode(sent.to_header(run), sent.tensors)], run=run)

@@ -7,6 +7,8 @@ process and what it imports need it), so that `--help` answers at once.
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from dflash.runtime.command_line import (broker_option, command, config_option, curve_options, fail,
@@ -90,6 +92,10 @@ def main(**kw) -> None:
         cfg.check()
     except ValueError as e:
         fail(str(e))
+    if not cfg.dry_run and (not cfg.tensor_parallel or os.environ.get("RANK", "0") == "0"):
+        from dflash.protocol.peer import dial_or_exit
+
+        dial_or_exit(cfg.broker, cfg.curve_keys, cfg.curve_name)  # a wrong --broker said before the target loads
     from .producer_process import run
 
     run(cfg)

@@ -15,6 +15,7 @@ import click
 from dflash.protocol.curve import client_from
 from dflash.runtime.command_line import as_dict, default_instance, fail
 from dflash.protocol.errors import DFlashError
+from dflash.runtime.fdlimit import raise_open_files
 from dflash.runtime.logs import close_logging, get_logger, setup_logging
 from dflash.protocol.peer import BrokerLost, exit_broker_lost, exit_when_stuck
 from dflash.runtime.stop import GracefulStop
@@ -44,6 +45,7 @@ def _run(cfg: ProducerConfig, world) -> None:
         return _follow(cfg, world, f"{instance}-rank{world.rank}")
     setup_logging("producer", instance, gpu=cfg.gpu, level=cfg.log_level)
     log.info("produce.start", config=as_dict(cfg))
+    raise_open_files("producer")
     if world is not None:
         log.info("produce.sharded", world_size=world.size, backend=world.backend, tp_plan="auto")
     components = None

@@ -372,3 +372,87 @@ def from_broker(cls: type[Message], header: dict):
         return cls.from_header(header)
     except ProtocolError as e:
         raise ProtocolError(e.reason, peer="broker") from None
+
+
+# How long a peer's start-up dial waits for a broker that refuses or drops its connection:
+# a broker started beside it (a compose file's depends_on does not wait for the port, tests
+# start both at once) may take many seconds to import and bind on a loaded host; a wrong
+# port is still said before anything loads, and a host that does not resolve at once.
+DIAL_TIMEOUT_S = 30.0
+
+
+class BadBrokerAddress(DFlashError, ValueError):
+    """--broker names no host that resolves, or is malformed: bad input, said before anything loads."""
+
+
+def dial_broker(endpoint: str, curve: CurveClient | None = None, timeout_s: float = DIAL_TIMEOUT_S) -> None:
+    """Check that a ZeroMQ endpoint answers at `endpoint` before the caller loads its model:
+    a wrong --broker was said only after the load and the handshake's 30 s. A ZeroMQ socket,
+    not a bare TCP connect, so the broker sees a completed handshake rather than a client
+    hanging up in it (which it logs as a security mismatch). A failed handshake (Curve keys
+    that do not match) counts as an answer: the link's handshake says what it means.
+
+    Raises BadBrokerAddress (malformed, or a host that does not resolve) or BrokerUnreachable."""
+    from .sockets import split_endpoint
+
+    try:
+        host, port = split_endpoint(endpoint)
+    except ValueError as e:
+        raise BadBrokerAddress(str(e)) from None
+    try:
+        _socket.getaddrinfo(host.strip("[]"), port, type=_socket.SOCK_STREAM)
+    except (_socket.gaierror, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, _socket.gaierror) else str(e)
+        raise BadBrokerAddress(f"broker {endpoint}: host {host!r} is not known ({reason}); check --broker "
+                               "(DFLASH_BROKER)") from None
+    answered = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.DEALER)
+    mon = sock.get_monitor_socket(answered | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+    connected = refused = False
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(f"tcp://{host}:{port}")
+        deadline = time.monotonic() + timeout_s
+        from zmq.utils.monitor import recv_monitor_message
+
+        while (left := deadline - time.monotonic()) > 0:
+            if not mon.poll(int(left * 1000) + 1):
+                break
+            event = recv_monitor_message(mon)["event"]
+            if event & answered:
+                return
+            connected |= event == zmq.EVENT_CONNECTED
+            refused |= event == zmq.EVENT_CONNECT_RETRIED
+    finally:
+        sock.disable_monitor()
+        mon.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
+    if connected:
+        why = "a connection opened but no ZeroMQ handshake came back: is it a dflash-broker's --port?"
+    elif refused:
+        why = "connection refused or dropped: is the broker started, and is this its --port?"
+    else:
+        why = "no connection (a firewall, or a host that is down?)"
+    raise BrokerUnreachable(f"broker {endpoint} did not answer within {timeout_s:g}s ({why}); check --broker "
+                            "(DFLASH_BROKER)")
+
+
+def dial_or_exit(broker: str, curve_keys: str | None, curve_name: str | None) -> None:
+    """A peer command's start-up check of --broker, before torch and the target load: exit 2
+    for an address that cannot be right (malformed, a host that does not resolve, unreadable
+    Curve keys), 1 for a broker that does not answer."""
+    from dflash.runtime.command_line import fail
+
+    from .curve import client_from
+
+    try:
+        dial_broker(broker, client_from(curve_keys, curve_name))
+    except BrokerUnreachable as e:
+        fail(str(e), code=1)
+    except DFlashError as e:  # BadBrokerAddress, CurveKeyError
+        fail(str(e))

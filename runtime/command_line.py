@@ -182,7 +182,7 @@ def runs_dir_option() -> Callable:
     )
 
 
-def _target_arg(need_tokenizer: bool) -> Callable:
+def target_callback(need_tokenizer: bool) -> Callable:
     """click callback of every --target: a local model folder or .gguf file, or a hub ID in
     the local Hugging Face cache (given on as its snapshot folder), checked before anything
     loads (runtime/target_arg.py says what transformers would have said instead)."""
@@ -207,7 +207,7 @@ def _target_arg(need_tokenizer: bool) -> Callable:
 
 def target_option(help: str, required: bool = True, need_tokenizer: bool = True) -> Callable:
     """--target as every command takes it (one way to name a target: runtime/targets.py)."""
-    return option("--target", required=required, default=None, callback=_target_arg(need_tokenizer),
+    return option("--target", required=required, default=None, callback=target_callback(need_tokenizer),
                   help=help + " A hub ID (org/name) must be in the local Hugging Face cache.")
 
 
@@ -220,3 +220,4 @@ def fail(message: str, code: int = 2) -> None:
     """Exit with a one-line reason (DESIGN: bad input -> non-zero exit + one line)."""
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+

@@ -39,6 +39,7 @@ class _RunFile:
         self.run_id: str | None = None
         self.pending: deque[dict] = deque(maxlen=_PENDING_MAX)
         self.closed = False  # the run is over: later lines are not the next run's
+        self.error: str | None = None  # why the file could not be written (then lines go to stdout only)
 
     def write(self, ev: dict) -> None:
         with self.lock:
@@ -46,8 +47,19 @@ class _RunFile:
                 if not self.closed:
                     self.pending.append(ev)
             else:
-                self.file.write(_dumps(ev) + "\n")
-                self.file.flush()
+                try:
+                    self.file.write(_dumps(ev) + "\n")
+                    self.file.flush()
+                except OSError as e:  # a full disk: the line still goes to stdout; the owner asks error()
+                    self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        self.error = f"cannot write {self.path}: {e.strerror or e}"
+        try:
+            self.file.close()
+        except OSError:
+            pass  # what the buffer held is lost with the disk's room
+        self.file, self.closed = None, True
 
     def bind(self, run_id: str, path: Path) -> None:
         with self.lock:
@@ -56,7 +68,7 @@ class _RunFile:
             # "a": a peer restarted within the same run continues its own file; a new run
             # always has a new folder, so two runs never share a file.
             self.file = open(path, "a", buffering=1)
-            self.path, self.run_id, self.closed = path, run_id, False
+            self.path, self.run_id, self.closed, self.error = path, run_id, False, None
             for ev in self.pending:
                 ev["run_id"] = run_id
                 self.file.write(_dumps(ev) + "\n")
@@ -65,7 +77,10 @@ class _RunFile:
     def close(self) -> None:
         with self.lock:
             if self.file is not None:
-                self.file.close()
+                try:
+                    self.file.close()
+                except OSError as e:
+                    self.error = self.error or f"cannot write {self.path}: {e.strerror or e}"
                 self.file = None
             self.pending.clear()
             self.closed = True
@@ -146,6 +161,12 @@ def bind_run(run_id: str, runs_dir=None) -> Path:
     path = d / "logs" / f"{_static['role']}-{_static['instance']}.jsonl"
     _run_file.bind(run_id, path)
     return path
+
+
+def run_file_error() -> str | None:
+    """Why this process's run log file could not be written (a full disk), or None: its
+    lines go on to stdout only, and the caller decides whether the run can go on."""
+    return _run_file.error
 
 
 def close_logging() -> None:

@@ -9,7 +9,8 @@ otherwise (a pipe, a file, CI), so nobody waits on a silent command and logs sta
         reader = GGUFReader(path)
 
 tqdm (a dependency of transformers, so always installed) draws the bar on stderr when
-stderr is a TTY; `DFLASH_PROGRESS=bar|log|off` forces one way.
+stderr is a TTY; `DFLASH_PROGRESS=bar|log|off` forces one way, and
+`DFLASH_PROGRESS_EVERY_S` sets how often log lines come (default LOG_EVERY_S).
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ from .logs import get_logger
 log = get_logger()
 
 LOG_EVERY_S = 30.0  # a log line at most this often (and one at the end)
+REDRAW_S = 0.1  # a bar redrawn for a noted figure at most this often (a GPU notes thousands a second)
+
+
+def log_every_s() -> float:
+    """DFLASH_PROGRESS_EVERY_S, else LOG_EVERY_S."""
+    raw = os.environ.get("DFLASH_PROGRESS_EVERY_S", "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else LOG_EVERY_S
+    except ValueError:
+        return LOG_EVERY_S
 
 
 class Progress:
@@ -35,11 +46,12 @@ class Progress:
         self.what, self.total, self.unit, self.mode = what, total, unit, mode
         self.done = 0
         self.figures: dict = {}
-        self._clock, self._every = clock, LOG_EVERY_S if every_s is None else every_s
+        self._clock, self._every = clock, log_every_s() if every_s is None else every_s
         # end_line=False: a task shorter than one interval ends without a line (a part of a
         # step whose caller logs its own end, e.g. transformers' bars inside a target's load)
         self._end_line, self._logged = end_line, False
-        self._t0 = self._last = clock()
+        self._t0 = self._last = self._drawn = clock()
+        self._said: tuple | None = None  # (done, figures) of the last log line: the end line is not its repeat
         self._bar = None
         if mode == "bar":
             from tqdm import tqdm
@@ -68,15 +80,24 @@ class Progress:
         elif self.mode == "log" and self._clock() - self._last >= self._every:
             self._log()
 
-    def note(self, **figures) -> None:
-        """Figures to show beside the bar (and in each log line), e.g. kept=, rejected=."""
+    def note(self, redraw: bool = False, **figures) -> None:
+        """Figures to show beside the bar (and in each log line), e.g. kept=, rejected=.
+        redraw: the figures are the work moving while the count stands still (candidates
+        decoded before one is kept): the bar is redrawn with them, or a log line logged
+        when one is due."""
         self.figures.update(figures)
         if self._bar is not None:
-            self._bar.set_postfix(figures, refresh=False)
+            self._bar.set_postfix(self.figures, refresh=False)
+            if redraw and self._clock() - self._drawn >= REDRAW_S:
+                self._drawn = self._clock()
+                self._bar.refresh()
+        elif redraw:
+            self.tick()
 
     def _log(self) -> None:
         now = self._clock()
         self._last, self._logged = now, True
+        self._said = (self.done, dict(self.figures))
         elapsed = max(now - self._t0, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if self.total and rate > 0 else None
@@ -88,8 +109,8 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.mode == "log" and (self._end_line or self._logged):
-            self._log()
+        elif self.mode == "log" and (self._end_line or self._logged) and self._said != (self.done, self.figures):
+            self._log()  # the end's figures, unless the last line already said them
 
     def __enter__(self) -> "Progress":
         return self

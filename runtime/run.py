@@ -7,6 +7,7 @@ runs (docs/DESIGN.md, incident 5: a new run's log read as an old run's failure).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -142,13 +143,32 @@ def newest_descendant(run_dir: Path) -> dict | None:
     return last
 
 
-def write_json_atomic(path: Path, obj) -> None:
+class StorageError(RuntimeError):
+    """A run folder's file could not be written (a full disk, a quota, an I/O error): the
+    process that owns the run stops with this as its reason instead of a traceback."""
+
+
+def write_json_atomic(path: Path, obj, *, in_place_if_full: bool = False) -> None:
+    """`obj` as JSON at `path`, through a temp file and a rename. in_place_if_full: on a
+    full disk (no room for the temp file), rewrite `path` in place: truncating it frees
+    its blocks for the new text, so a run's last word (its outcome) still gets written."""
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not (in_place_if_full and e.errno in (errno.ENOSPC, errno.EDQUOT) and path.exists()):
+            raise
+        with open(path, "r+") as f:
+            f.truncate(0)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def iso_utc(t: float) -> str:

@@ -22,7 +22,9 @@ def _offline() -> bool:
 
 def looks_like_hub_id(value: str) -> bool:
     """`org/name` that is not a path on disk (hub IDs have exactly one slash)."""
-    return not Path(value).expanduser().exists() and not value.startswith((".", "/", "~")) and value.count("/") == 1
+    # models/x.gguf is a file's path, not a repository named x.gguf
+    return (not Path(value).expanduser().exists() and not value.startswith((".", "/", "~")) and value.count("/") == 1
+            and not value.lower().endswith(".gguf"))
 
 
 def resolve_hub_id(value: str) -> str:
@@ -70,9 +72,11 @@ def target_problem(value: str, *, hub_ok: bool, need_tokenizer: bool) -> str | N
         return None
     path = Path(value).expanduser()
     if not path.exists():
+        if path.suffix.lower() == ".gguf":
+            return f"{value}: no such file (a .gguf checkpoint)"
         return f"{value}: no such folder (a local model folder" + (", or a hub ID 'org/name')" if hub_ok else ")")
     if path.is_file():
-        if path.suffix == ".gguf":
+        if path.suffix.lower() == ".gguf":
             return None  # a GGUF checkpoint: config and tokenizer come from the file
         return f"{value} is a file, not a model folder"
     if any(path.glob("*.gguf")):

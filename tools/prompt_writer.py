@@ -176,6 +176,7 @@ class PromptWriter:
         self.rng = random.Random(seed)
         self.seed = seed
         self._decoders: dict[str, tuple] = {}  # kind -> (decoder, its longest prompt, its rows)
+        self._on_decoded: Callable[[str], None] | None = None
 
     # ------------------------------------------------ decoding
 
@@ -198,7 +199,12 @@ class PromptWriter:
                                 stop_ids=self.eos if greedy else self.ends,
                                 pick=None if greedy else Sampler(self.temperature, self.top_k))
             self._decoders[kind] = (dec, room, width)
-        dec.run(deque(Job(k, p) for k, p in jobs), lambda job, out: done(job.key, out))
+        def finished(job, out: list[int]) -> None:
+            done(job.key, out)
+            if self._on_decoded is not None:
+                self._on_decoded(kind)
+
+        dec.run(deque(Job(k, p) for k, p in jobs), finished)
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -216,10 +222,14 @@ class PromptWriter:
     # ------------------------------------------------ rounds
 
     def write(self, wants: dict[str, int], *, max_tries: int | None = None,
-              on_kept: Callable[[str, dict[str, FamilyTally]], None] | None = None) -> dict[str, FamilyTally]:
+              on_kept: Callable[[str, dict[str, FamilyTally]], None] | None = None,
+              on_decoded: Callable[[str], None] | None = None) -> dict[str, FamilyTally]:
         """At least `wants[family]` rows of each family, in as few candidates as it takes, at
         most `max_tries` (default 4 x the rows wanted). Raises PromptError when a family falls
-        short. `on_kept(family, tallies)` is called for every row kept (progress)."""
+        short. `on_kept(family, tallies)` is called for every row kept, `on_decoded(kind)` for
+        every sequence decoded (kind: ask, answer or follow): progress moves with the work,
+        which for a follow-up is three decodes before a row can be kept."""
+        self._on_decoded = on_decoded
         import torch
 
         unknown = sorted(set(wants) - set(FAMILIES))

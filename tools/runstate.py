@@ -7,7 +7,7 @@ Verdicts:
   LIVE          the broker answers status with this run ID
   FINISHED      run.json outcome `completed` (or a brokerless consumer run logged `train.end`)
   STOPPED       run.json outcome `interrupted` (SIGINT/SIGTERM; resumable)
-  DIED          outcome `crashed`/`failed`, or no end recorded and nothing alive
+  DIED          outcome `crashed`/`failed`/`storage_failed`, or no end recorded and nothing alive
   NOTHING_TRAINED  outcome `nothing_to_train`: end of stream without one sample trained (the
                 reason says why: an empty dataset, every sample skipped)
   UNRESPONSIVE  no end recorded, the broker does not answer, its pid on this host exists
@@ -30,7 +30,7 @@ from .runlogs import log_files
 TAIL_BYTES = 4 << 20  # the end of each log file read for the last step and last sign of life
 ERROR_NEEDLE = b'"level": "error"'
 ENDED = {"completed": "FINISHED", "interrupted": "STOPPED", "crashed": "DIED", "failed": "DIED",
-         "nothing_to_train": "NOTHING_TRAINED"}
+         "nothing_to_train": "NOTHING_TRAINED", "storage_failed": "DIED"}
 
 
 def _age_s(iso: str | None) -> float | None:
@@ -215,7 +215,9 @@ def _verdict(info: dict, logs: dict, br: dict) -> dict:
         why = {"completed": _completed(info),
                "interrupted": f"stopped by {info.get('signal')}",
                "crashed": f"the broker crashed: {info.get('error')}", "failed": f"failed to start: {info.get('error')}",
-               "nothing_to_train": f"end of stream with nothing trained: {info.get('reason')}"}
+               "nothing_to_train": f"end of stream with nothing trained: {info.get('reason')}",
+               "storage_failed": f"the broker stopped: the disk refused a write ({info.get('error')}); free space "
+                                 "under the runs folder, then dflash-broker --resume"}
         return {"verdict": ENDED[outcome], "at": info.get("ended_at"), "why": why[outcome]}
     if br:  # a broker run with no end recorded
         if br.get("host") == hostname() and pid_alive(br.get("pid")):

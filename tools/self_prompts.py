@@ -29,6 +29,8 @@ from pathlib import Path
 
 import click
 
+from dflash.runtime.command_line import target_callback
+
 from .prompt_families import FAMILIES, FamilySpecError, parse_families, split_count
 from .prompt_writer import STEERS, FamilyTally, PromptError, PromptWriter, Written
 
@@ -75,7 +77,8 @@ def family_counts(tallies: dict[str, FamilyTally], train: list[Written], held: l
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target", required=True, help="The target: a Hugging Face folder or name, or a .gguf file.")
+@click.option("--target", required=True, callback=target_callback(need_tokenizer=True),
+              help="The target: a Hugging Face folder or name, or a .gguf file.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSONL file to write (chat rows).")
 @click.option("--count", required=True, type=click.IntRange(1), help="Training prompts to write, over all families.")
 @click.option("--families", default="all", show_default=True,
@@ -144,11 +147,17 @@ def main(target, out, count, families, holdout, holdout_out, steer, max_new_toke
                 bar.update()
             bar.note(rejected=sum(sum(t.dropped.values()) for t in tallies.values()))
 
+        decoded = {"requests": 0, "answers": 0}
+
+        def moved(kind: str) -> None:  # the bar moves while candidates and answers decode, not only on a kept row
+            decoded["answers" if kind == "answer" else "requests"] += 1
+            bar.note(redraw=True, **decoded)
+
         try:
             writer = PromptWriter(model, tok, steer=steer, max_new_tokens=max_new_tokens, answer_tokens=answer_tokens,
                                   temperature=temperature, top_k=top_k, rows=rows, exclude=list(exclude),
                                   near_dup=near_dup, seed=seed)
-            written = writer.write(goal, max_tries=max_tries, on_kept=kept)
+            written = writer.write(goal, max_tries=max_tries, on_kept=kept, on_decoded=moved)
         except PromptError as e:
             raise click.ClickException(f"{target}: {e}") from None
     tallies = {n: written.get(n, FamilyTally()) for n in wants}

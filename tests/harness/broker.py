@@ -38,7 +38,7 @@ def ask_status(endpoint: str, timeout_s: float = 2.0) -> dict | None:
 class BrokerProc:
     """A broker subprocess; `lines` collects its stdout (JSON log lines)."""
 
-    def __init__(self, runs_dir: Path, args: list[str], n_out: int = 8, env: dict | None = None):
+    def __init__(self, runs_dir: Path, args: list[str], n_out: int = 8, env: dict | None = None, preexec_fn=None):
         self.runs_dir = runs_dir
         self.port = free_port_block(2 + n_out)
         self.control = f"tcp://127.0.0.1:{self.port}"
@@ -46,7 +46,7 @@ class BrokerProc:
                "--data-in-port", str(self.port + 1), "--data-out-ports", f"{self.port + 2}-{self.port + 1 + n_out}",
                "--runs-dir", str(runs_dir), "--heartbeat-s", "0.2", "--timeout-s", "1.5", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
         self.lines: list[str] = []
         self.stderr: list[str] = []
         threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
@@ -129,7 +129,7 @@ def broker_procs(runs_dir: Path, make=BrokerProc) -> Iterator:
 
 @pytest.fixture
 def start_broker(tmp_path):
-    """`start_broker(*args, n_out=8, env=None)` starts a broker on free loopback ports under
+    """`start_broker(*args, n_out=8, env=None, preexec_fn=None)` starts a broker on free loopback ports under
     tmp_path/runs."""
     with broker_procs(tmp_path / "runs") as start:
         yield start
