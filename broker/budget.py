@@ -96,6 +96,8 @@ class Budget:
         self.next_at: float | None = None  # the next re-plan (None: warm-up, no sample trained yet)
         self.last: PlanFigures | None = None  # None: warm-up
         self.count = 0  # samples trained so far, as last observed
+        self.high = 0.0  # the schedule progress told so far (progress never falls)
+        self.count_at_plan = 0  # `count` when the last plan was made
         # (time, samples trained so far) about once a second: the rate is over RATE_WINDOW_S
         # or more, so a burst of acks after a stall does not read as a fast pace
         self.marks: deque[tuple[float, int]] = deque()
@@ -148,7 +150,32 @@ class Budget:
         self.last = PlanFigures(planned, done, leased, round(rate, 3), round(now - self.started, 3), round(left, 3),
                                 reason)
         self.next_at = now + self.every_s
+        self.count_at_plan = self.count
         return self.last
+
+    def _share(self, t: float) -> float:
+        """The share of the training window gone at `t`: from the first sample trained to the
+        deadline less the reserve."""
+        window = self.deadline - self.reserve_s - self.first_trained_at
+        return 1.0 if window <= 0 else min(1.0, max(0.0, (t - self.first_trained_at) / window))
+
+    def progress(self, now: float) -> float:
+        """The consumers' schedule progress, 0..1 and never falling: the share of the
+        training window gone (0 before the first sample trained); once the last plan is made
+        (no re-plan is due before the window ends) at least that plan's share trained, so its
+        last sample is trained at progress 1 even if it comes early. Not samples over the
+        plan all along: a plan made from an early, slower pace is trained long before the
+        deadline, which left the rest of a run at min-lr."""
+        if self.first_trained_at is None:
+            return 0.0
+        p = self._share(now)
+        last = self.last
+        if last is not None and last.planned_samples > last.done and last.left_s - self.reserve_s <= self.every_s:
+            p0 = self._share(self.started + last.elapsed_s)
+            trained = self.count - self.count_at_plan  # since the plan was made, in the plan's samples
+            p = max(p, p0 + trained / (last.planned_samples - last.done) * (1.0 - p0))
+        self.high = max(self.high, min(1.0, p))
+        return self.high
 
     def lease_limit(self, done: int, lead: int) -> int | None:
         """The most samples (in samples.done's count) that may be leased now: the plan, or

@@ -331,7 +331,8 @@ class BrokerCore:
         if life.phase is not Phase.DRAINING:
             self._budget_plan(now)
         if self.beat.due(now):
-            beat = Heartbeat(self.status.heartbeat_stats(), planned_samples=self.status.planned_samples())
+            beat = Heartbeat(self.status.heartbeat_stats(), planned_samples=self.status.planned_samples(),
+                             budget_progress=None if self.budget is None else round(self.budget.progress(now), 6))
             for p in self.sessions.table.live():
                 self.out.send(p.identity, beat)
             if self.publish_status:

@@ -86,7 +86,8 @@ class BrokerHooks:
         self.last_commit: tuple[int, str, bool] | None = None  # step, path, sent after stop
         self.lineage: str | None = None  # of the weights: named in every ack and commit (record.py)
         self.hooks = Hooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, queue=self.queue,
-                           progress=self.progress, plan=self.plan, stop=stop, stats=self.stats,
+                           progress=self.progress, plan=self.plan, budget_progress=self.budget_progress,
+                           stop=stop, stats=self.stats,
                            on_lineage=self.on_lineage, resume_point=self.resume_point)
         self.plan_waited = False
 
@@ -149,6 +150,11 @@ class BrokerHooks:
                 time.sleep(0.02)
         total, stats = self._planned(link), link.broker_stats
         return None if total is None else max(0, int(total) - int(stats.get("samples_skipped") or 0))
+
+    def budget_progress(self) -> float | None:
+        """--time-budget: the share of the run's training time gone, from the broker's last
+        heartbeat (None without a budget)."""
+        return getattr(self.link, "broker_progress", None)
 
     @staticmethod
     def _planned(link) -> int | None:

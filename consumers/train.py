@@ -220,6 +220,7 @@ class Trainer:
         # The schedule's plan: a resumed run continues its checkpoint's (train_config.choose_plan)
         self.start_samples, self.saved_plan, self.last_plan = self.state.samples, self.state.planned_samples, None
         self.broker_plan: int | None = None  # the broker's plan as the ranks agreed it (agree)
+        self.broker_progress: float | None = None  # --time-budget: its clock's progress, agreed the same way
         self.last_lr, self.last_progress = None, None  # of the newest step: train.end says if it annealed
         # The next batch is converted and copied to the device while this one trains.
         stager = BatchStager(batches, self.device, self.heads.embed.dtype, prepare=self._plan_ahead) \
@@ -321,10 +322,13 @@ class Trainer:
         # Asked only with a batch in hand: the dataset's size is known by then, and the first
         # ask waits for the heartbeat that carries it (broker_hooks.plan)
         plan = hooks.plan() if hooks.plan is not None and batch is not None else None
-        have, stops, ended, bads, n_starting, n_leaving, plans, planned = dist.all_sum(
+        # --time-budget: the lr follows the broker's clock, the same way (the mean of the ranks')
+        when = hooks.budget_progress() if hooks.budget_progress is not None and batch is not None else None
+        have, stops, ended, bads, n_starting, n_leaving, plans, planned, whens, timed = dist.all_sum(
             [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving,
-             plan or 0, plan is not None])
+             plan or 0, plan is not None, when or 0.0, when is not None])
         self.broker_plan = round(plans / planned) if planned > 0 else None
+        self.broker_progress = whens / timed if timed > 0 else None
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
             self.held = _dropped(batch, state, dist, "quorum")
             return _SKIP
@@ -440,8 +444,12 @@ class Trainer:
         """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""
         state, hooks = self.state, self.hooks
         stream = None if hooks.stream_samples is None else self.start_samples + hooks.stream_samples
-        plan = choose_plan(self.cfg, broker=self.broker_plan, checkpoint=self.saved_plan, stream=stream)
+        plan = choose_plan(self.cfg, broker=self.broker_plan, checkpoint=self.saved_plan, stream=stream,
+                           time=self.broker_progress)
         last = self.last_plan
+        if last is not None and plan.by == last.by == "time":  # moves with the broker's clock: logged once
+            self.last_plan, state.planned_samples = plan, None
+            return plan
         if last is not None and (plan.by, plan.length, plan.source) == (last.by, last.length, last.source):
             plan = last  # unchanged: it keeps where it started from
         elif last is not None and plan.by == last.by == "samples" and plan.source == last.source == "broker":

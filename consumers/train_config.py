@@ -86,6 +86,9 @@ class Hooks:
     # The samples the run plans to train (the broker's epochs x samples, less skipped),
     # or None while unknown: the lr and noise schedules' length (docs/TRAINING.md)
     plan: Callable[[], int | None] | None = None
+    # --time-budget: the share of the run's training time gone (the broker's heartbeat), or
+    # None: the lr and noise schedules' progress instead of samples over a plan
+    budget_progress: Callable[[], float | None] | None = None
     # Samples a local stream holds (synthetic): the plan, counted from where this process
     # starts, when neither --total-samples, the broker nor a resumed checkpoint gives one
     stream_samples: int | None = None
@@ -167,7 +170,7 @@ class Plan:
     """How long the lr and noise schedules are: `by` samples trained (the default),
     optimizer steps (--total-steps), or `constant` (nothing planned)."""
 
-    by: str  # samples | steps | constant
+    by: str  # samples | steps | time (--time-budget: progress is the broker's, start_p) | constant
     length: int | None  # samples or steps; None for constant
     source: str  # --total-steps | --total-samples | broker | checkpoint | stream | none
     # A plan that moved (the broker re-planned, --time-budget) goes on from where the old one
@@ -187,12 +190,15 @@ class Plan:
 
 
 def choose_plan(cfg: TrainConfig, *, broker: int | None = None, checkpoint: int | None = None,
-                stream: int | None = None) -> Plan:
-    """The first that is known: --total-steps, --total-samples, the broker's planned
-    samples, the resumed checkpoint's plan (a resume continues its curve), the local
-    stream's size; else a constant lr (logged as a warning by the loop)."""
+                stream: int | None = None, time: float | None = None) -> Plan:
+    """The first that is known: --total-steps, --total-samples, the broker's time budget
+    (`time`: the share of its training time gone), the broker's planned samples, the
+    resumed checkpoint's plan (a resume continues its curve), the local stream's size; else
+    a constant lr (logged as a warning by the loop)."""
     if cfg.total_steps:
         return Plan("steps", cfg.total_steps, "--total-steps")
+    if not cfg.total_samples and time is not None:
+        return Plan("time", None, "--time-budget", start_p=min(1.0, max(0.0, float(time))))
     for length, source in ((cfg.total_samples, "--total-samples"), (broker, "broker"),
                            (checkpoint, "checkpoint"), (stream, "stream")):
         if length:
@@ -202,7 +208,9 @@ def choose_plan(cfg: TrainConfig, *, broker: int | None = None, checkpoint: int 
 
 def progress(plan: Plan, step: int, samples: int) -> float | None:
     """Where a run is on its plan, 0..1 (None: constant): `step` optimizer steps or
-    `samples` trained over the plan's length."""
+    `samples` trained over the plan's length; a time plan's is the broker's."""
+    if plan.by == "time":
+        return plan.start_p
     if plan.by == "constant" or not plan.length:
         return None
     if plan.by == "samples" and plan.start:

@@ -274,6 +274,10 @@ class Heartbeat(Message):
     # broker -> peer: the samples the run plans to train, in samples.done's count (the lr
     # schedule's length: --time-budget's plan, else epochs x samples); nil until known
     planned_samples: int | None = optional(parse=typed(int))
+    # broker -> peer, --time-budget only: the share of the run's training time gone, by the
+    # broker's clock (0 at the first trained sample, 1 at the deadline less the reserve): the
+    # lr schedule's progress, so that it anneals at the deadline whatever the pace did
+    budget_progress: float | None = optional(parse=typed(float, int))
 
 
 @dataclass(frozen=True)

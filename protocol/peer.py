@@ -131,6 +131,7 @@ class PeerLink(ABC):
         self.welcome: Welcome | None = None  # the broker's, once start() returned
         self.broker_stats: dict = {}
         self.broker_plan: int | None = None  # the heartbeat's planned_samples (the lr schedule's length)
+        self.broker_progress: float | None = None  # its budget_progress (--time-budget: the lr schedule's)
         self.stopped = threading.Event()
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
@@ -338,6 +339,7 @@ class PeerLink(ABC):
         if msg.type == "heartbeat":
             beat = from_broker(Heartbeat, msg.header)
             self.broker_plan = beat.planned_samples  # set before the stats: a reader of both sees it
+            self.broker_progress = beat.budget_progress
             self.broker_stats = beat.stats
         elif msg.type == "stop":
             stop = from_broker(Stop, msg.header)

@@ -117,15 +117,21 @@ def test_the_last_step_is_annealed_to_min_lr(run):
     consumer = _events(run / "logs" / "consumer-c0.jsonl")
     steps = [e for e in consumer if e["event"] == "train.step"]
     end = next(e for e in consumer if e["event"] == "train.end")
-    assert end["reason"] == "end_of_stream" and end["progress"] == 1.0
-    assert end["lr"] == pytest.approx(MIN_LR) and steps[-1]["lr"] == pytest.approx(MIN_LR)
+    # The schedule follows the broker's clock (budget_progress): its progress on the last step
+    # is the last plan's share trained before that step's own batch, so within a batch of 1.
+    assert end["reason"] == "end_of_stream" and end["progress"] >= 0.95, end
+    lr_max = max(e["lr"] for e in steps)
+    assert end["lr"] <= MIN_LR + 0.01 * (lr_max - MIN_LR) and steps[-1]["lr"] == end["lr"]
     assert not [e for e in consumer if e["event"] == "train.unannealed"]
-    # the schedule moved with the plan and its lr never jumped: falling from the peak on
+    # its lr never jumped: falling from the peak on
     lrs = [e["lr"] for e in steps]
     peak = lrs.index(max(lrs))
     assert all(b <= a * (1 + 1e-9) for a, b in zip(lrs[peak:], lrs[peak + 1:]))
     schedules = [e for e in consumer if e["event"] == "train.schedule"]
-    assert len(schedules) >= 2 and schedules[-1]["source"] == "broker"
+    assert schedules[-1]["by"] == "time" and schedules[-1]["source"] == "--time-budget"
+    # and it was not over long before the end (the first plans were made from a slower pace)
+    late = [e for e in steps if e["lr"] > MIN_LR + 0.05 * (lr_max - MIN_LR)]
+    assert late and _ts(late[-1]) - _ts(steps[0]) > 0.6 * (_ts(steps[-1]) - _ts(steps[0]))
 
 
 def test_every_sample_trained_is_committed_exactly_once(run):

@@ -245,3 +245,34 @@ def test_the_option_takes_each_form_and_a_bad_one_is_a_click_error_naming_it(mon
     monkeypatch.setenv("DFLASH_BROKER_TIME_BUDGET", "soon")
     r = CliRunner().invoke(main, [])
     assert r.exit_code == 2 and "'--time-budget'" in r.output and "DFLASH_BROKER_TIME_BUDGET" in r.output
+
+
+# ---------------------------------------------------------------- the schedule's progress
+
+
+def test_the_schedule_follows_the_clock_not_an_early_plan_that_training_outruns():
+    # The H100 run of 2026-12-06: the first plan, made while the first steps still compiled,
+    # was trained long before the deadline. The schedule's progress follows the training
+    # window's time instead, so the lr is not at min-lr for most of the run.
+    b = Budget(400.0, started=0.0, reserve_s=20.0, every_s=30.0)
+    assert b.progress(5.0) == 0.0  # nothing trained yet
+    b.observe(20.0, 10)  # first sample trained at 20 s: the window is 20 .. 380 s
+    b.plan(50.0, done=300, leased=400, total=10**6, rate=10.0)  # slow start: 300 + 10 x 330
+    b.observe(110.0, 3600)  # the plan (3,600) is trained after 90 s of 360: far from the end
+    assert b.progress(110.0) == pytest.approx(90 / 360)
+    assert b.progress(200.0) == pytest.approx(180 / 360)
+    assert b.progress(380.0) == 1.0 and b.progress(390.0) == 1.0
+
+
+def test_the_last_plan_ends_at_progress_one_on_its_last_sample_and_progress_never_falls():
+    b = Budget(400.0, started=0.0, reserve_s=20.0, every_s=30.0)
+    b.observe(20.0, 10)
+    b.observe(360.0, 3000)
+    fig = b.plan(360.0, done=3000, leased=3000, total=10**6, rate=10.0)  # the last plan: 20 s of room
+    assert fig.planned_samples == 3200
+    p0 = b.progress(360.0)
+    assert p0 == pytest.approx(340 / 360)
+    b.observe(365.0, 3200)  # trained early, 15 s before the window's end
+    assert b.progress(365.0) == 1.0
+    b.plan(365.0, done=3200, leased=3200, total=10**6, rate=40.0)  # re-planned: more to train
+    assert b.progress(366.0) == 1.0  # never falls (the lr never rises again)
