@@ -24,7 +24,8 @@ import functools
 from pathlib import Path
 
 from dflash.protocol.messages import (CONTROL_MAX_BYTES, Ack, Bye, Commit, Credit, DatasetFacts, Done, Failed,
-                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk, StatusReply, Stop)
+                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release, StatusAsk, StatusReply,
+                                     Stop)
 from dflash.runtime.logs import get_logger
 
 from . import resume, runinfo
@@ -192,10 +193,21 @@ class BrokerCore:
     @entry
     def on_lease(self, identity: bytes, m: LeaseAsk, now: float) -> None:
         p = self._session(identity, m, now, ProducerSession)
+        if p is None:
+            return
+        grant = self.work.grant(p, m, len(self.sessions.table.producers()), ending=self.life.end is not None,
+                                elastic=self.sessions.lighthouse is not None)
+        self.out.send(p.identity, grant)
+        if not grant.samples and not grant.end:  # nothing for it: part of another's lease may be
+            split = self.work.split_for(p, {q.id: q for q in self.sessions.table.producers()}, now)
+            if split is not None:
+                self.out.send(split[0].identity, split[1])
+
+    @entry
+    def on_release(self, identity: bytes, m: Release, now: float) -> None:
+        p = self._session(identity, m, now, ProducerSession)
         if p is not None:
-            self.out.send(p.identity, self.work.grant(p, m, len(self.sessions.table.producers()),
-                                                      ending=self.life.end is not None,
-                                                      elastic=self.sessions.lighthouse is not None))
+            self.work.released(p, m)
 
     @entry
     def on_done(self, identity: bytes, m: Done, now: float) -> None:
