@@ -48,7 +48,11 @@ def checkpoint_problem(path: str, step: int, lineage: str) -> str | None:
     first MiB: a peer names this path."""
     p = Path(path)
     for name in ("manifest.json", "state.json"):
-        if not (p / name).is_file():
+        try:
+            found = (p / name).is_file()
+        except (OSError, ValueError):  # a name too long, say
+            found = False
+        if not found:
             return f"{path} is not a finished checkpoint (no {name})"
     try:
         with open(p / "state.json", "rb") as f:
@@ -62,6 +66,14 @@ def checkpoint_problem(path: str, step: int, lineage: str) -> str | None:
     if lineage and saved_lineage is not None and saved_lineage != lineage:
         return f"{path} holds lineage {saved_lineage!r}, not {lineage!r}"
     return None
+
+
+def _on_disk(path: str) -> bool:
+    """Whether `path` is absolute and exists on this host (a peer chose it: never raises)."""
+    try:
+        return Path(path).is_absolute() and Path(path).exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _record_lineage(path: Path) -> str | None:
@@ -138,7 +150,7 @@ class Commits:
         if m.step > c.lineage_steps[lineage]:
             return "ahead_of_acks", (f"commit of step {m.step} from {c.id}, which acked lineage {name} up to step "
                                      f"{c.lineage_steps[lineage]} only: a checkpoint holds no step not yet trained")
-        if not Path(m.checkpoint).is_absolute() or not Path(m.checkpoint).exists():
+        if not _on_disk(m.checkpoint):
             if self.shared_disk:
                 return "no_checkpoint", (f"commit of step {m.step} names {m.checkpoint!r}, which does not exist on the "
                                          "broker's filesystem (where this run's checkpoints were found before)")

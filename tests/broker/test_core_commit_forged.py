@@ -123,6 +123,9 @@ def test_a_commit_must_name_a_checkpoint_of_its_step_and_lineage_once_the_broker
         assert codes(out) == ["commit_refused"] and r.core.ledger.last_commit == (2, good)
         assert [e["why"] for e in logs.events("broker.commit_refused")][-1] == "no_checkpoint"
         assert "does not exist on the broker's filesystem" in sent(out, "reject")[0].fields["reason"]
+        r.advance(1.0)
+        out = r.control(b"c", "commit", step=3, checkpoint="/" + "a" * 5000, lineage="A")  # too long to stat
+        assert codes(out) == ["commit_refused"] and r.core.ledger.last_commit == (2, good)
 
 
 def test_where_the_checkpoints_are_not_readable_a_commit_is_checked_by_its_session_and_step(tmp_path):
