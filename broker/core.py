@@ -196,7 +196,7 @@ class BrokerCore:
         if p is None:
             return
         grant = self.work.grant(p, m, len(self.sessions.table.producers()), ending=self.life.end is not None,
-                                elastic=self.sessions.lighthouse is not None, settled=not self.delivery.batch_ids)
+                                elastic=self.sessions.lighthouse is not None)
         self.out.send(p.identity, grant)
         if not grant.samples and not grant.end:  # nothing for it: part of another's lease may be
             split = self.work.split_for(p, {q.id: q for q in self.sessions.table.producers()}, now)

@@ -23,13 +23,10 @@ class Work:
     def __init__(self, cfg: BrokerConfig, pool: LeasePool, ledger: Ledger):
         self.cfg, self.pool, self.ledger = cfg, pool, ledger
 
-    def grant(self, p: ProducerSession, m: LeaseAsk, producers: int, ending: bool, elastic: bool,
-              settled: bool = True) -> Grant:
+    def grant(self, p: ProducerSession, m: LeaseAsk, producers: int, ending: bool, elastic: bool) -> Grant:
         """The answer to `p`'s lease ask: a share of what is left (`producers` live), or an
         empty grant (`end` once there is nothing more to make: the run is `ending`, or every
-        sample is made, every batch is `settled` (none queued or in flight: one consumers
-        fail on is quarantined and its samples made again, and a producer must be there to
-        make them) and no `elastic` consumer may send samples back to the pool)."""
+        sample is made and no `elastic` consumer may send samples back to the pool)."""
         pool = self.pool
         epoch_before = pool.epoch
         size = min(m.want, self.cfg.lease_size, pool.share(producers))
@@ -37,7 +34,7 @@ class Work:
         if lease is None:
             # Elastic consumers may restart the training from a checkpoint, sending samples
             # already made back to the pool (commits.py): producers stay until end of stream.
-            end = ending or (pool.finished() and settled and not elastic)
+            end = ending or (pool.finished() and not elastic)
             return Grant(0, pool.epoch, [], end, retry_ms=RETRY_MS)
         if pool.epoch != epoch_before or lease.id == 1:
             self.ledger.epoch_started(pool.epoch, self.cfg.seed, pool.n_samples)
