@@ -3,9 +3,21 @@ committed), commits of exactly what a checkpoint's weights hold, acks that come 
 commit that holds them, and lineages: a consumer that starts new weights sends what they do
 not hold back to be made again, and weights left behind are refused (lineage.py says which
 batches a lineage's weights hold).
+
+Who may commit (PROTOCOL.md 4.5 "Who may send commit"): a commit moves what it names to
+`committed` for good, so `refusal` checks it first: it must come from a consumer session
+that speaks for its lineage (started it with `lineage`, or acked naming it), for a step that
+session has acked (or started the lineage at), and name a finished checkpoint of that step
+and lineage where the broker can read the path (`checkpoint_problem`). The broker learns that
+it shares the consumers' filesystem from the first commit whose checkpoint it finds there
+(or the resumed commit's); from then on a path it cannot find is refused too.
 """
 
 from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
 
 from dflash.protocol.messages import Commit, LineageStart
 from dflash.runtime.logs import get_logger
@@ -25,9 +37,65 @@ def lineage_of(lin) -> str:
     return lin[:MAX_LINEAGE] if isinstance(lin, str) else DEFAULT
 
 
+MAX_LINEAGES_PER_SESSION = 16  # lineages one session's acks may name and be remembered for
+MAX_CHECKPOINT_FILE = 1 << 20  # bytes of state.json / a safetensors header the broker reads
+
+
+def checkpoint_problem(path: str, step: int, lineage: str) -> str | None:
+    """Why `path` on this host is not a finished checkpoint of `step` in `lineage`
+    (consumers/checkpoint.py: manifest.json written last, state.json's step,
+    trained.safetensors' lineage), or None. Only regular files are read, and only their
+    first MiB: a peer names this path."""
+    p = Path(path)
+    for name in ("manifest.json", "state.json"):
+        try:
+            found = (p / name).is_file()
+        except (OSError, ValueError):  # a name too long, say
+            found = False
+        if not found:
+            return f"{path} is not a finished checkpoint (no {name})"
+    try:
+        with open(p / "state.json", "rb") as f:
+            state = json.loads(f.read(MAX_CHECKPOINT_FILE))
+    except (OSError, ValueError) as e:
+        return f"{path}/state.json cannot be read ({type(e).__name__})"
+    saved = state.get("step") if isinstance(state, dict) else None
+    if saved != step:
+        return f"{path} is the checkpoint of step {saved}, not {step}"
+    saved_lineage = _record_lineage(p / "trained.safetensors")
+    if lineage and saved_lineage is not None and saved_lineage != lineage:
+        return f"{path} holds lineage {saved_lineage!r}, not {lineage!r}"
+    return None
+
+
+def _on_disk(path: str) -> bool:
+    """Whether `path` is absolute and exists on this host (a peer chose it: never raises)."""
+    try:
+        return Path(path).is_absolute() and Path(path).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _record_lineage(path: Path) -> str | None:
+    """The lineage in a trained.safetensors header (record.py), None if absent or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > MAX_CHECKPOINT_FILE:
+                return None
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+    except (OSError, ValueError, struct.error, AttributeError):
+        return None
+    lin = meta.get("lineage") if isinstance(meta, dict) else None
+    return lin if isinstance(lin, str) else None
+
+
 class Commits:
-    def __init__(self, run_id: str, ledger: Ledger, work: Work):
+    def __init__(self, run_id: str, ledger: Ledger, work: Work, shared_disk: bool = False):
         self.run_id, self.ledger, self.work = run_id, ledger, work
+        # True once a commit's checkpoint was found on this host: the consumers' checkpoints
+        # are on a filesystem the broker reads, so a commit naming a path it lacks is refused
+        self.shared_disk = shared_disk
         self.lineages = Lineages()  # whose weights hold what
         self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
         self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
@@ -46,7 +114,11 @@ class Commits:
 
     def acked(self, c: ConsumerSession, batches: list[Queued], lineage: str, step: int, now: float) -> None:
         """`c` trained `batches` at `step` of `lineage`'s weights; those a commit already holds
-        (another rank's ack after rank 0's commit) are committed at once."""
+        (another rank's ack after rank 0's commit) are committed at once. The step is what
+        `c` may commit up to (`refusal`): an ack of batches it was sent makes it a consumer of
+        `lineage`; then an ack with none (a rank that had no batch that step) moves it on too."""
+        if batches or lineage in c.lineage_steps:
+            _speaks_for(c, lineage, step)
         for q in batches:
             self.ledger.trained(q, c.id, step)
             self.trained[q.batch_id] = TrainedBatch(q, lineage, step, c.id)
@@ -67,6 +139,36 @@ class Commits:
             self.trained.pop(q.batch_id, None)
         log.info("broker.ack_committed", peer=c.id, step=step, commit_step=last[0], checkpoint=last[1],
                  batch_ids=[q.batch_id for q in batches[:16]], samples=n, committed=self.ledger.counts["committed"])
+
+    def refusal(self, c: ConsumerSession, m: Commit, lineage: str) -> tuple[str, str] | None:
+        """(why, reason) when `c` may not commit `m` (module docstring), else None. `why` is
+        one of not_lineage_consumer, ahead_of_acks, no_checkpoint, not_a_checkpoint."""
+        name = repr(lineage) if lineage else "\"\" (none named)"
+        if lineage not in c.lineage_steps:
+            return "not_lineage_consumer", (f"commit of lineage {name} from {c.id}, which neither started that lineage "
+                                            "nor acked a step of it: only a consumer training those weights commits")
+        if m.step > c.lineage_steps[lineage]:
+            return "ahead_of_acks", (f"commit of step {m.step} from {c.id}, which acked lineage {name} up to step "
+                                     f"{c.lineage_steps[lineage]} only: a checkpoint holds no step not yet trained")
+        if not _on_disk(m.checkpoint):
+            if self.shared_disk:
+                return "no_checkpoint", (f"commit of step {m.step} names {m.checkpoint!r}, which does not exist on the "
+                                         "broker's filesystem (where this run's checkpoints were found before)")
+            return None  # on another filesystem: the broker cannot read it (PROTOCOL.md 4.5)
+        problem = checkpoint_problem(m.checkpoint, m.step, lineage)
+        if problem is not None:
+            return "not_a_checkpoint", f"commit of step {m.step}: {problem}"
+        if not self.shared_disk:
+            log.info("broker.checkpoints_readable", peer=c.id, checkpoint=m.checkpoint, step=m.step)
+            self.shared_disk = True
+        return None
+
+    def started_by(self, c: ConsumerSession, m: LineageStart) -> None:
+        """`c` announced lineage `m.lineage` (new, or again: each rank of a group does): it
+        may commit it from the step the lineage started at (as recorded, whatever `m` says)."""
+        lineage = m.lineage[:MAX_LINEAGE]
+        if self.lineages.known(lineage):
+            _speaks_for(c, lineage, self.lineages.parent[lineage][1])
 
     def commit(self, c: ConsumerSession, m: Commit, lineage: str) -> None:
         """Commit exactly the trained batches the checkpoint's weights hold (lineage.py)."""
@@ -128,6 +230,14 @@ class Commits:
             return None
         return {"run": self.run_id, "step": last[0], "checkpoint": last[1],
                 "lineage": self.lineages.last_commit_lineage}
+
+
+def _speaks_for(c: ConsumerSession, lineage: str, step: int) -> None:
+    """Remember that `c` trains `lineage` up to `step` (the newest few lineages only)."""
+    steps = c.lineage_steps
+    if lineage not in steps and len(steps) >= MAX_LINEAGES_PER_SESSION:
+        del steps[next(iter(steps))]
+    steps[lineage] = max(step, steps.get(lineage, step))
 
 
 def _parent(m: LineageStart) -> str | None:

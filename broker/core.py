@@ -24,7 +24,8 @@ import functools
 from pathlib import Path
 
 from dflash.protocol.messages import (CONTROL_MAX_BYTES, Ack, Bye, Commit, Credit, DatasetFacts, Done, Failed,
-                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk, StatusReply, Stop)
+                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release, StatusAsk, StatusReply,
+                                     Stop)
 from dflash.runtime.logs import get_logger
 
 from . import resume, runinfo
@@ -44,7 +45,7 @@ from .liveness import Every, WallClock
 from .peers import ConsumerSession, ProducerSession, Session
 from .phase import JobLost, Lifecycle, Phase, RunEnd
 from .quarantine import Poison
-from .replies import Replies
+from .replies import Replies, clip
 from .resume import Parent
 from .sessions import PipeBinder, Sessions
 from .status import StatusMap
@@ -100,7 +101,11 @@ class BrokerCore:
         self.poison = Poison(cfg.quarantine_after)  # batches refused or quarantined (quarantine.py)
         self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, now)
         self.intake = Intake(cfg, self.facts, self.work, self.delivery, ledger, self.poison, self.replies, self.out)
-        self.commits = Commits(run_id, ledger, self.work)
+        resumed = (parent.resumed_from or {}).get("checkpoint") if parent is not None else None
+        # a resumed run whose newest commit is on this host's disk: its checkpoints are readable here
+        self.commits = Commits(run_id, ledger, self.work,
+                               shared_disk=isinstance(resumed, str) and Path(resumed).is_absolute()
+                               and Path(resumed).is_dir())
         self.sessions = Sessions(cfg, run_id, self.endpoints["data_in"], advertise=advertise, streams=streams,
                                  producer_streams=producer_streams, bind_pipe=bind_pipe,
                                  pipe_threads=pipe_threads or [0], facts=self.facts, ledger=ledger, life=self.life,
@@ -192,10 +197,21 @@ class BrokerCore:
     @entry
     def on_lease(self, identity: bytes, m: LeaseAsk, now: float) -> None:
         p = self._session(identity, m, now, ProducerSession)
+        if p is None:
+            return
+        grant = self.work.grant(p, m, len(self.sessions.table.producers()), ending=self.life.end is not None,
+                                elastic=self.sessions.lighthouse is not None)
+        self.out.send(p.identity, grant)
+        if not grant.samples and not grant.end:  # nothing for it: part of another's lease may be
+            split = self.work.split_for(p, {q.id: q for q in self.sessions.table.producers()}, now)
+            if split is not None:
+                self.out.send(split[0].identity, split[1])
+
+    @entry
+    def on_release(self, identity: bytes, m: Release, now: float) -> None:
+        p = self._session(identity, m, now, ProducerSession)
         if p is not None:
-            self.out.send(p.identity, self.work.grant(p, m, len(self.sessions.table.producers()),
-                                                      ending=self.life.end is not None,
-                                                      elastic=self.sessions.lighthouse is not None))
+            self.work.released(p, m)
 
     @entry
     def on_done(self, identity: bytes, m: Done, now: float) -> None:
@@ -220,8 +236,19 @@ class BrokerCore:
 
     @entry
     def on_commit(self, identity: bytes, m: Commit, now: float) -> None:
-        if (found := self._current_consumer(identity, m, now)) is not None:
-            self.commits.commit(found[0], m, found[1])
+        if (found := self._current_consumer(identity, m, now)) is None:
+            return
+        c, lineage = found
+        refused = self.commits.refusal(c, m, lineage)
+        if refused is None:
+            return self.commits.commit(c, m, lineage)
+        why, reason = refused
+        ok, suppressed = self.replies.allow(f"commit:{c.id}", now)
+        if ok:
+            log.warning("broker.commit_refused", peer=c.id, why=why, step=m.step, lineage=clip(lineage) or None,
+                        checkpoint=clip(m.checkpoint), acked_step=c.lineage_steps.get(lineage), peer_host=c.host,
+                        suppressed=suppressed)
+        self.replies.refuse(c.identity, "commit_refused", reason, m.raw, now)
 
     @entry
     def on_lineage(self, identity: bytes, m: LineageStart, now: float) -> None:
@@ -233,6 +260,7 @@ class BrokerCore:
             self.replies.refuse(c.identity, "stale_checkpoint", why, m.raw, now)
             return self._drop(c, "lost", "started from a checkpoint older than the newest commit", now)
         rewound = self.commits.start(c, m)
+        self.commits.started_by(c, m)
         if rewound is not None and self.life.job_lost is not None and not self.commits.trained:
             # what only the dead weights held is being made again
             log.info("broker.job_resumed", peer=c.id, lineage=m.lineage[:MAX_LINEAGE], step=m.step,

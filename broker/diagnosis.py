@@ -32,7 +32,7 @@ SIDE = {"producer": "targets", "consumer": "drafters"}
 
 def diagnose(st: dict) -> dict:
     """{code, text, suggestion, limited_by} for a status map. Never raises on missing keys."""
-    for check in (_stopping, _job_lost, _failed, _lost, _missing, _oom, _idle, _balance):
+    for check in (_stopping, _job_lost, _remake_waits, _failed, _lost, _missing, _oom, _idle, _balance):
         d = check(st)
         if d is not None:
             return d
@@ -105,6 +105,19 @@ def _job_lost(st: dict) -> dict | None:
     return result("job_lost", f"the training job is lost: {lost.get('text') or lost.get('reason')}",
                   f"new consumers are refused; stop the broker (SIGTERM: it drains and exits 0), then "
                   f"dflash-broker --resume {run} and start the producers and consumers again", "drafters")
+
+
+def _remake_waits(st: dict) -> dict | None:
+    """Samples of quarantined batches wait to be made again and no target is connected:
+    the run cannot finish until one is started, whatever else went wrong before."""
+    s, bad = st.get("samples") or {}, (st.get("bad_batches") or {}).get("quarantined") or {}
+    remade = sum(_num(row.get("remade"), 0) for row in bad.values() if isinstance(row, dict))
+    pending = int(_num(s.get("pending"), 0))
+    if _live(st, "producer") or not remade or pending <= 0:
+        return None
+    ctl = ((st.get("broker") or {}).get("endpoints") or {}).get("control", "<broker>")
+    return result("remake_waits", f"start a producer: {pending} samples wait to be remade (their batch was "
+                  "quarantined) and no target is connected", f"start dflash-produce --broker {ctl}", "targets")
 
 
 def _failed(st: dict) -> dict | None:

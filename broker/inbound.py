@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from dflash.protocol import messages
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import (INSTANCE_PROPERTY, PEER_PROPERTY, PROTOCOL_VERSION, Ack, Bye, Commit, Credit,
-                                     Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk,
-                                     local)
+                                     Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release,
+                                     StatusAsk, local)
 
 from .replies import clip
 
 # Peer -> broker control messages: type -> struct.
 TO_BROKER: dict[str, type[Message]] = {
-    cls.type: cls for cls in (Hello, StatusAsk, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye,
+    cls.type: cls for cls in (Hello, StatusAsk, LeaseAsk, Done, Release, Credit, Ack, Commit, LineageStart, Heartbeat, Bye,
                               Failed)}
 
 

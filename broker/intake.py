@@ -36,6 +36,9 @@ class Intake:
                  poison: Poison, replies: Replies, out: Outbox):
         self.cfg, self.facts, self.work, self.delivery = cfg, facts, work, delivery
         self.ledger, self.poison, self.replies, self.out = ledger, poison, replies, out
+        # every batch ID accepted in this run (its ledger row's key): another batch under one
+        # would replace that row, and with it the record of what the first one carried
+        self.accepted_ids: set[str] = set()
 
     def accept(self, m: Batch, named: Session | None, now: float) -> str | None:
         """One batch the codec passed (server.py decodes it); `named` the live session its
@@ -49,6 +52,10 @@ class Intake:
                 raise StaleBatch(f"producer {m.producer!r} has no live session")
             if m.batch_id in self.delivery.batch_ids:
                 raise StaleBatch(f"batch_id {m.batch_id!r} is already queued or in flight")
+            if m.batch_id in self.accepted_ids:
+                return self.rejected(m, p, Misfit("batch_id_reused", f"batch_id {m.batch_id!r} was accepted before in "
+                                                  "this run (the ledger holds it): batch IDs are unique in a run"),
+                                     now, code="duplicate_batch_id")
             bad = misfit(self.facts.facts, m)
             if bad is not None:  # before its samples count as received: a correct copy may follow
                 return self.rejected(m, p, bad, now)
@@ -60,6 +67,7 @@ class Intake:
         # for a few bytes of tensors, and the queue's byte bound must see what it holds.
         q = Queued(m, m.payload_bytes + m.header_bytes, now)
         self.delivery.push(q, now)
+        self.accepted_ids.add(m.batch_id)
         p.batches_in += 1
         p.bytes_in += q.nbytes
         p.samples_in += len(m.samples)
@@ -84,11 +92,12 @@ class Intake:
                 "dropped; lower --token-budget or --max-batch-size, or raise the broker's --max-message-bytes",
                 "too_large", answers={"type": "batch", "batch_id": batch_id}), now)
 
-    def rejected(self, m: Batch, p: ProducerSession, bad: Misfit, now: float) -> str | None:
-        """A batch naming live producer `p` that does not fit the run: dropped, counted, logged
+    def rejected(self, m: Batch, p: ProducerSession, bad: Misfit, now: float, code: str = "bad_batch") -> str | None:
+        """A batch naming live producer `p` that does not fit the run (or, `code`
+        duplicate_batch_id, reuses a batch ID): dropped, counted, logged
         (broker.batch_rejected). If it came on `p`'s own connection, `p` is told (`reject
-        {code: bad_batch}`) and its session ends: its leases go back to the pool for other
-        producers, as a producer that lies about its target would make every batch wrong."""
+        {code}`) and its session ends: its leases go back to the pool for other producers,
+        as a producer that lies about its target would make every batch wrong."""
         conn = m.connection()
         own = from_own_connection(p, conn)
         self.poison.count("rejected", bad.fault, len(m.samples))
@@ -101,14 +110,22 @@ class Intake:
                         own_connection=own, **connection_fields(conn), suppressed=suppressed)
         if not own:  # anyone may write `producer`: the named session and its lease stay as they are
             return None
-        self.out.send(p.identity, Reject(
-            f"batch {batch_id} does not fit this run's target: {bad.reason}; refused, and this producer's session "
-            "is ended (its leases go to other producers): check --target and --target-layers against the run's",
-            "bad_batch", answers={"type": "batch", "batch_id": batch_id}))
-        p.failure = Failure("bad_batch", f"sent batch {batch_id} that does not fit the run: {bad.reason}",
-                            "start it with the run's --target and --target-layers (dflash-status shows the run's "
-                            "facts)", batch_id=batch_id, fault=bad.fault)
-        return f"batch {batch_id} does not fit the run ({bad.fault})"
+        if code == "bad_batch":
+            said = (f"batch {batch_id} does not fit this run's target: {bad.reason}; refused, and this producer's "
+                    "session is ended (its leases go to other producers): check --target and --target-layers against "
+                    "the run's")
+            failure = Failure(code, f"sent batch {batch_id} that does not fit the run: {bad.reason}",
+                              "start it with the run's --target and --target-layers (dflash-status shows the run's "
+                              "facts)", batch_id=batch_id, fault=bad.fault)
+        else:
+            said = (f"batch {batch_id} refused: {bad.reason}; this producer's session is ended (its leases go to "
+                    "other producers)")
+            failure = Failure(code, f"sent batch {batch_id} under an ID the run had accepted before",
+                              "a producer numbers its batches itself: this one is not ours or is broken",
+                              batch_id=batch_id, fault=bad.fault)
+        self.out.send(p.identity, Reject(said, code, answers={"type": "batch", "batch_id": batch_id}))
+        p.failure = failure
+        return f"batch {batch_id} refused ({bad.fault})"
 
     def stale(self, m: Batch, named: Session | None, reason: str, now: float) -> None:
         if isinstance(named, ProducerSession):

@@ -34,6 +34,7 @@ class Lease:
     outstanding: set[int]
     done_at: float | None = None  # when the producer said `done`
     skipped: int = 0
+    revoked_at: float | None = None  # when a `revoke` of part of it went out, unanswered
 
 
 class LeasePool:
@@ -183,6 +184,30 @@ class LeasePool:
         back = [s for s in lease.samples if s in lease.outstanding]
         self._returned.extendleft((lease.epoch, s) for s in reversed(back))
         self.open.pop(lease.id, None)
+        return back
+
+    def to_split(self, asker: str, can_revoke, now: float, wait_s: float) -> Lease | None:
+        """The open lease of another producer (one `can_revoke(producer)` says answers
+        `revoke`) with the most samples still to come, at least 2, none revoked in the last
+        `wait_s` seconds: part of it may move to `asker`, who has nothing. None if no such lease."""
+        best = None
+        for le in self.open.values():
+            if le.producer == asker or len(le.outstanding) < 2 or not can_revoke(le.producer):
+                continue
+            if le.revoked_at is not None and now - le.revoked_at < wait_s:
+                continue
+            if best is None or len(le.outstanding) > len(best.outstanding):
+                best = le
+        return best
+
+    def give_up(self, lease: Lease, samples: list) -> list[int]:
+        """Samples of `lease` its producer will not make (its `release`): those still
+        outstanding leave the lease for the front of the pool, in the lease's order."""
+        named = {s for s in samples if isinstance(s, int)}
+        back = [s for s in lease.samples if s in named and s in lease.outstanding]
+        lease.outstanding.difference_update(back)
+        lease.samples = [s for s in lease.samples if s not in set(back)]
+        self._returned.extendleft((lease.epoch, s) for s in reversed(back))
         return back
 
     def rewind(self, epoch: int, samples: list[int]) -> None:

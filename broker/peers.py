@@ -126,6 +126,8 @@ class ConsumerSession(Session):
     wait_share: TimeShare  # how much of the last 10 s it waited
     delivered: int = 0
     acked: int = 0
+    # lineage -> the highest step this session acked of it (or started it at): what it may commit
+    lineage_steps: dict[str, int] = field(default_factory=dict)
     # The ack deadline's clock: the later of its latest ack and the delivery that gave it
     # batches while it held none; and its slowest gap between two acks so far.
     progress_at: float

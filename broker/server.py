@@ -19,7 +19,7 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import (CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed,
+from dflash.protocol.messages import (CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed, Release,
                                      Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk)
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 from dflash.runtime.gcpause import freeze_setup
@@ -226,6 +226,8 @@ class Broker:
                 return core.on_lease(identity, msg, now)
             case Done():
                 return core.on_done(identity, msg, now)
+            case Release():
+                return core.on_release(identity, msg, now)
             case Credit():
                 return core.on_credit(identity, msg, now)
             case Ack():

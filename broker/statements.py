@@ -23,12 +23,13 @@ class ProducerStatement:
     vocab_size: object = None
     n_samples: object = None
     fingerprint: object = None
+    revoke: bool = False  # it answers `revoke` (PROTOCOL.md 4.3): part of its lease may move to another
 
     @classmethod
     def read(cls, config: dict) -> ProducerStatement:
         ds = config.get("dataset") if isinstance(config.get("dataset"), dict) else {}
         return cls(config.get("target"), config.get("target_id"), config.get("layer_ids"), config.get("hidden_size"),
-                   config.get("vocab_size"), ds.get("n_samples"), ds.get("fingerprint"))
+                   config.get("vocab_size"), ds.get("n_samples"), ds.get("fingerprint"), config.get("revoke") is True)
 
 
 @dataclass(frozen=True)

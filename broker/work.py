@@ -6,7 +6,7 @@ the log lines of each move.
 
 from __future__ import annotations
 
-from dflash.protocol.messages import Done, Grant, LeaseAsk
+from dflash.protocol.messages import Done, Grant, LeaseAsk, Release, Revoke
 from dflash.runtime.logs import get_logger
 
 from .config import BrokerConfig
@@ -44,6 +44,38 @@ class Work:
         log.info("broker.lease_granted", lease=lease.id, peer=p.id, epoch=lease.epoch, n=len(lease.samples),
                  want=m.want, pending=pool.pending())
         return Grant(lease.id, lease.epoch, lease.samples, False)
+
+    def split_for(self, asker: ProducerSession, producers: dict[str, ProducerSession],
+                  now: float) -> tuple[ProducerSession, Revoke] | None:
+        """`asker` holds no lease and the pool has nothing: ask the producer of the open lease
+        with most left to make to give back up to half of what it has not started (`revoke`,
+        answered by `release`, `released`). Returns (that producer, the message), or None."""
+        if self.pool.pending() or self.pool.open_leases(asker.id):
+            return None
+        lease = self.pool.to_split(asker.id, lambda pid: pid in producers and producers[pid].said.revoke, now,
+                                   self.cfg.timeout_s)
+        if lease is None:
+            return None
+        lease.revoked_at = now
+        n = len(lease.outstanding) // 2
+        log.info("broker.lease_revoke", lease=lease.id, peer=lease.producer, n=n, outstanding=len(lease.outstanding),
+                 asker=asker.id)
+        return producers[lease.producer], Revoke(lease.id, n)
+
+    def released(self, p: ProducerSession, m: Release) -> None:
+        """`p` will not make `m.samples` of its lease `m.lease`: they go to the front of the
+        pool, for the producer that asked with nothing (its next ask)."""
+        lease = self.pool.open.get(m.lease)
+        if lease is None or lease.producer != p.id:
+            log.debug("broker.release_ignored", peer=p.id, lease=m.lease)
+            return
+        lease.revoked_at = None
+        back = self.pool.give_up(lease, m.samples)
+        if back:
+            self.ledger.released(lease.epoch, back)
+        log.info("broker.lease_split", lease=lease.id, peer=p.id, n=len(back), samples=back[:16],
+                 left=len(lease.outstanding), pending=self.pool.pending())
+        self.finish(lease)
 
     def done(self, p: ProducerSession, m: Done, now: float) -> None:
         """`p` made what it could of a lease: its skipped samples are recorded, and the lease

@@ -85,6 +85,7 @@ class BrokerHooks:
         self.stats: dict = {"state": "starting", "rank": rank}
         self.last_commit: tuple[int, str, bool] | None = None  # step, path, sent after stop
         self.lineage: str | None = None  # of the weights: named in every ack and commit (record.py)
+        self.acked_step: int | None = None  # the newest step acked
         self.hooks = Hooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, queue=self.queue,
                            progress=self.progress, plan=self.plan, budget_progress=self.budget_progress,
                            stop=stop, stats=self.stats,
@@ -98,6 +99,8 @@ class BrokerHooks:
             msg = record.lineage_message(self.resumed_from)
             log.info("consume.lineage", **msg.fields(), origin=record.origin)
             self.link.send_control(msg)
+        if record.lineage != self.lineage:
+            self.acked_step = None  # acks of other weights do not count for this lineage's commits
         self.lineage = record.lineage
 
     def resume_point(self) -> str | None:
@@ -109,9 +112,15 @@ class BrokerHooks:
 
     def on_step(self, step: int, batch_ids: list[str]) -> None:
         self.link.ack(batch_ids, step, self.lineage)
+        self.acked_step = step
 
     def on_checkpoint(self, step: int, path) -> None:
         path = str(Path(path).resolve())  # a resumed run's consumers load it from any cwd
+        if self.acked_step is None or self.acked_step < step:
+            # this rank had no batch in the steps up to this one: the broker takes a commit
+            # only of a step its sender acked (PROTOCOL.md 4.5), so ack the step with none
+            self.link.ack([], step, self.lineage)
+            self.acked_step = step
         self.link.commit(step, path, self.lineage)
         self.last_commit = (step, path, self.link.stopped.is_set())
 

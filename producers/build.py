@@ -174,6 +174,7 @@ def hello_config(c: Components, cfg: ProducerConfig) -> dict:
         "encodings": [cfg.hidden_encoding], "dtype": c.target.info.dtype,
         "model_type": c.target.info.model_type, "num_layers": c.target.num_layers,
         "regenerate": cfg.regenerate, "max_length": cfg.max_length,
+        "revoke": True,  # it gives back batches not started when another producer has none (4.3)
     }
 
 

@@ -5,6 +5,11 @@ here while the main thread runs the forward pass and hands batches to the sink, 
 does not wait on the CPU. The queue is bounded (`depth` batches): when the GPU is the
 bottleneck the thread blocks and stops asking the broker for leases it cannot serve soon.
 `depth()` is the heartbeat's `q_pre`: near 0 means the GPU is starved by data preparation.
+
+`revoke(lease, n)` gives back batches of a lease that the main thread has not taken yet,
+from the lease's end (PROTOCOL.md 4.3 `revoke`): the broker moves their samples to a
+producer that has nothing to make. A lease whose batches stream as rows are regenerated
+(a generator, not a list) gives back nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ class Prefetcher:
         self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="dflash-prefetch", daemon=True)
         self.state = "idle"
+        # lease -> its batches prepared and not yet taken by get(), in order; those given
+        # back by revoke() are skipped (by identity)
+        self._untaken: dict[int, list[PackedBatch]] = {}
+        self._revoked: set[int] = set()
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -64,12 +74,41 @@ class Prefetcher:
         return self._batches
 
     def get(self) -> Item:
-        """The next item; blocks until the thread has one."""
-        item = self._q.get()
-        if item.kind == "batch":
-            with self._count_lock:
-                self._batches -= 1
-        return item
+        """The next item; blocks until the thread has one. Batches given back are skipped."""
+        while True:
+            item = self._q.get()
+            if item.kind == "batch":
+                with self._count_lock:
+                    self._batches -= 1
+                if not self._take(item.batch):
+                    continue
+            elif item.kind == "lease_end":
+                with self._lock:
+                    self._untaken.pop(item.lease.lease, None)
+            return item
+
+    def _take(self, b: PackedBatch) -> bool:
+        """Whether batch `b` is still ours to make (not given back); from now on it is started."""
+        with self._lock:
+            if id(b) in self._revoked:
+                self._revoked.discard(id(b))
+                return False
+            untaken = self._untaken.get(b.lease)
+            if untaken:
+                self._untaken[b.lease] = [x for x in untaken if x is not b]
+            return True
+
+    def revoke(self, lease: int, n: int) -> list[int]:
+        """Give back up to `n` samples of `lease` in whole batches not yet taken, the last
+        ones first; returns their samples (none if the lease is started up to its end)."""
+        out: list[int] = []
+        with self._lock:
+            untaken = self._untaken.get(lease, [])
+            while untaken and len(out) + len(untaken[-1].samples) <= n:
+                b = untaken.pop()
+                self._revoked.add(id(b))
+                out = b.samples + out
+        return out
 
     def _put(self, item: Item) -> bool:
         # Count before the put: the consumer may take it (and decrement) at once.
@@ -98,7 +137,14 @@ class Prefetcher:
                     return
                 self.state = "preparing"
                 batches, skipped = self.prepare(lease)
+                if isinstance(batches, list):
+                    with self._lock:
+                        self._untaken[lease.lease] = list(batches)
                 for b in batches:
+                    with self._lock:
+                        if id(b) in self._revoked:  # given back before it was queued
+                            self._revoked.discard(id(b))
+                            continue
                     if not self._put(Item("batch", batch=b)):
                         return
                 if not self._put(Item("lease_end", lease=lease, skipped=skipped)):

@@ -164,6 +164,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
         producer = make_producer(cfg, c, BrokerWorkSource(link, cfg.lease_size, stop), link_sink(link, stop),
                                  name=link.peer_id)
         producer.stop = stop
+        link.on_revoke = producer.prefetcher.revoke
         try:
             summary = producer.run()
         except Stopped:

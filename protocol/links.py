@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
+from typing import Callable
 
 import zmq
 
@@ -20,8 +21,8 @@ from dflash.runtime.logs import get_logger
 from . import codec
 from .credit import CreditWindow
 from .errors import MessageTooLarge, ProtocolError
-from .messages import (INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done,
-                       Grant, LeaseAsk)
+from .messages import (INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done, Grant,
+                       LeaseAsk, Release, Revoke)
 from .peer import PeerLink, from_broker
 from .sockets import SocketOpts, make_socket, nth_other_thread, other_threads, readable, recv_frames, send_frames
 
@@ -41,6 +42,9 @@ class ProducerLink(PeerLink):
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
         self._grants: queue.Queue = queue.Queue()
         self._pending_batch: list | None = None  # frames a full PUSH pipe refused, sent next turn
+        # (lease, n) -> the samples of up to n of that lease given back (called on the I/O
+        # thread, quickly); None: nothing is ever given back
+        self.on_revoke: Callable[[int, int], list[int]] | None = None
 
     def _open_data(self) -> list:
         # A tiny send HWM: memory stays bounded and backpressure reaches the producer
@@ -133,6 +137,11 @@ class ProducerLink(PeerLink):
     def _on_control(self, msg: codec.Message) -> None:
         if msg.type == "grant":
             self._grants.put(from_broker(Grant, msg.header))
+        elif msg.type == "revoke":  # another producer has nothing: give back what we have not started
+            r = from_broker(Revoke, msg.header)
+            samples = self.on_revoke(r.lease, r.n) if self.on_revoke is not None else []
+            log.info("link.revoke", lease=r.lease, n=r.n, released=len(samples))
+            self.send_control(Release(r.lease, samples))
         else:
             super()._on_control(msg)
 

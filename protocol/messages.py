@@ -233,6 +233,16 @@ class Done(Message):
 
 
 @dataclass(frozen=True)
+class Release(Message):
+    """`release {lease, samples}`: a producer's answer to `revoke`: the samples of its lease
+    it will not make (none started), for the broker to lease to another producer."""
+
+    type: ClassVar[str] = "release"
+    lease: int
+    samples: list = items(int)
+
+
+@dataclass(frozen=True)
 class Credit(Message):
     type: ClassVar[str] = "credit"
     credit: int
@@ -309,6 +319,17 @@ class StatusAsk(Message):
 
 
 # ---------------------------------------------------------------- control, broker -> peer
+
+
+@dataclass(frozen=True)
+class Revoke(Message):
+    """`revoke {lease, n}`: to a producer that said `config.revoke: true`, while another
+    producer has nothing to make: give back up to `n` samples of `lease` not started, from
+    its end (answered by `release`)."""
+
+    type: ClassVar[str] = "revoke"
+    lease: int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -469,7 +490,7 @@ class Batch(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.type: cls for cls in (Hello, LeaseAsk, Done, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, Failed,
+    cls.type: cls for cls in (Hello, LeaseAsk, Done, Release, Revoke, Credit, Ack, Commit, LineageStart, Heartbeat, Bye, Failed,
                               StatusAsk, Welcome, Reject, Grant, Stop, StatusReply, Batch)
 }
 
@@ -477,9 +498,9 @@ MESSAGES: dict[str, type[Message]] = {
 PRE_HANDSHAKE = frozenset({"hello", "welcome", "reject", "status", "status_reply"})
 
 CONTROL_TO_BROKER = frozenset(
-    {"hello", "lease", "done", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "failed", "status"}
+    {"hello", "lease", "done", "release", "credit", "ack", "commit", "lineage", "heartbeat", "bye", "failed", "status"}
 )
-CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "stop", "status_reply", "heartbeat"})
+CONTROL_FROM_BROKER = frozenset({"welcome", "reject", "grant", "revoke", "stop", "status_reply", "heartbeat"})
 DATA = frozenset({"batch"})
 
 ROLES = ("producer", "consumer", "status")

@@ -272,7 +272,7 @@ def test_commits_of_a_superseded_lineage_are_refused_and_what_it_alone_held_is_r
     out = rig.control(b"old", "commit", step=3, checkpoint="ckpt/A3", lineage="A")
     assert codes(out) == ["lineage_superseded"] and "c1" not in rig.core.sessions.table.by_id
     assert rig.core.ledger.counts["committed"] == 0
-    rig.control(b"new", "commit", step=2, checkpoint="ckpt/B2", lineage="B")
+    rig.control(b"new", "commit", step=1, checkpoint="ckpt/B1", lineage="B")  # its start: nothing acked yet
     assert rig.core.ledger.counts["committed"] == 4 and rig.core.commits.lineages.last_commit_lineage == "B"
 
 

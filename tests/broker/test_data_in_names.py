@@ -122,3 +122,35 @@ def test_a_batch_that_does_not_fit_ends_only_the_session_whose_connection_sent_i
     assert [p["peer"] for p in st["peers"]] == [b.peer_id]
     gone = st["gone"][-1]
     assert gone["peer"] == a.peer_id and gone["failure"]["code"] == "bad_batch"
+
+
+def test_a_batch_under_an_id_the_run_accepted_before_is_refused_and_its_producer_told(broker, links):
+    """Issue 36 item 4: once a's batch is acked (no longer queued), b's batch under its ID,
+    on b's own lease and connection, would replace its ledger row: refused with
+    `duplicate_batch_id`, counted, b's session ended."""
+    from tests.harness.fakes import FakeConsumer
+
+    a, b = links
+    ga, gb = a.request_lease(2, timeout_s=10), b.request_lease(2, timeout_s=10)
+    c = FakeConsumer(broker.control, "c")
+    c.send("credit", credit=1)
+    first = _batch(a, ga.lease, ga.epoch, ga.samples[0])
+    a.push_batch(first)
+    deadline = time.monotonic() + 10
+    while not c.data.poll(50) and time.monotonic() < deadline:
+        c.pump()
+    assert msgpack.unpackb(c.data.recv_multipart()[0])["batch_id"] == first.batch_id
+    c.send("ack", batch_ids=[first.batch_id], step=1)
+    while (broker.ask() or {}).get("samples", {}).get("trained") != 1 and time.monotonic() < deadline:
+        c.pump()
+    b.push_batch(replace(_batch(b, gb.lease, gb.epoch, gb.samples[0]), batch_id=first.batch_id))
+    ev = broker.wait_event("broker.batch_rejected", pred=lambda e: e["peer"] == b.peer_id)
+    assert ev["fault"] == "batch_id_reused" and ev["own_connection"] is True and ev["batch_id"] == first.batch_id
+    while b.error is None and time.monotonic() < deadline + 10:
+        c.pump()
+        time.sleep(0.05)
+    assert isinstance(b.error, Rejected) and b.error.code == "duplicate_batch_id"
+    st = broker.ask()
+    assert st["bad_batches"] == {"rejected": {"batch_id_reused": {"batches": 1, "samples": 1}}}
+    assert st["samples"]["trained"] == 1 and st["gone"][-1]["failure"]["code"] == "duplicate_batch_id"
+    c.send("bye", reason="done")

@@ -26,7 +26,7 @@ T0 = 1000.0  # the injected clock's start (monotonic seconds)
 WALL0 = 1_800_000_000.0  # the wall clock at T0
 
 # A typed control message -> the core's entry point for it (as server.Broker._deliver routes).
-ENTRY = {"status": "on_status", "hello": "on_hello", "lease": "on_lease", "done": "on_done", "credit": "on_credit",
+ENTRY = {"status": "on_status", "hello": "on_hello", "lease": "on_lease", "done": "on_done", "release": "on_release", "credit": "on_credit",
          "ack": "on_ack", "commit": "on_commit", "lineage": "on_lineage", "heartbeat": "on_heartbeat",
          "bye": "on_bye", "failed": "on_failed"}
 
