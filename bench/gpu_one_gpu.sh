@@ -13,7 +13,7 @@
 #                                      # regenerated answers (bench/recipe_sweep.py)
 #
 # Results land in $OUT: step_before.json, step_after.json, result.json, sweep.json, logs.tgz.
-# Environment: BUDGET (600), COUNT (prompts, 12000), HOLDOUT (8 per family), EPOCHS (20),
+# Environment: BUDGET (600), COUNT (prompts, 8000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
 # STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
 # SWEEP_SAMPLES, PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/bench/test_one_gpu_budget.py), TARGET
@@ -24,10 +24,11 @@ W=${W:-/tmp/dflash-onegpu}
 GPU=${GPU:-0}
 TARGET=${TARGET:-$GGUF}
 BASELINE_TAR=${BASELINE_TAR:-.carry/baseline.tar}  # `git archive` of the commit to compare against
+export GPU TARGET  # the background run (start) reads them too
 STEP="bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 --vary --steps 30 ${STEP_ARGS:-}"
 
 budget_run() {  # the run, as one_gpu_budget.py's arguments
-  local a=(--target "$TARGET" --work "$W/run" --gpu "$GPU" --budget "${BUDGET:-600}" --count "${COUNT:-12000}"
+  local a=(--target "$TARGET" --work "$W/run" --gpu "$GPU" --budget "${BUDGET:-600}" --count "${COUNT:-8000}"
            --holdout "${HOLDOUT:-8}" --epochs "${EPOCHS:-20}" --producer-arg "--regen-cache $W/regen ${PRODUCER_ARGS:-}")
   [ -n "${PROMPT_ARGS:-}" ] && a+=(--prompt-arg "$PROMPT_ARGS")
   [ -n "${PROMPTS_FROM:-}" ] && a+=(--prompts-from "$PROMPTS_FROM")

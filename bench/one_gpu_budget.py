@@ -97,7 +97,7 @@ def main() -> None:
 @main.command()
 @click.option("--target", required=True, help="Target: a .gguf file or a Hugging Face folder.")
 @click.option("--budget", "budget_s", default=600.0, help="Seconds for everything: prompts, loading, training.")
-@click.option("--count", default=20000, help="Training prompts dflash-prompts writes.")
+@click.option("--count", default=8000, help="Training prompts dflash-prompts writes.")
 @click.option("--holdout", default=8, help="Held-out prompts per family (evaluation only).")
 @click.option("--epochs", default=20, help="The broker's --epochs: more than the budget allows, so time ends it.")
 @click.option("--gpu", default=0, help="GPU of every role; -1: CPU.")

@@ -83,9 +83,11 @@ def run_eval(work: Path, target: str, drafter: Path, prompts: Path, gpu: int, ma
     child = ProcessGroup().start("eval", argv, out, env)
     child.proc.wait()
     text = out.read_text(errors="replace")
+    # the report is the JSON line with "tau" in it: log lines (a GGUF's conversion) may come first
+    reports = [x for x in text.splitlines() if x.startswith("{") and '"tau"' in x and '"event"' not in x[:80]]
     try:
-        rep = json.loads(text[text.index('{"'):].splitlines()[0])
-    except ValueError:
+        rep = json.loads(reports[-1])
+    except (IndexError, ValueError):
         return {"exit_code": child.proc.returncode, "error": text[-2000:]}
     rows = rep.pop("per_prompt", [])
     families: dict[str, list[float]] = {}

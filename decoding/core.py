@@ -31,21 +31,20 @@ from dflash.runtime.hf_compat import cache_kwarg
 
 from .attention import (DECODE, FULL, SLIDING, attending, block_mask, decode_attention, fold_heads, layer_windows,
                         step_kernel, text_config, visible)
+from .cache import CacheStandIn
 from .paged import PagedKV, paged_block_masks
 
 
 # ---------------------------------------------------------------- the cache
 
 
-class StaticKV:
+class StaticKV(CacheStandIn):
     """K/V of `rows` x `slots` per layer, allocated at the first write (shapes from the model's
     own key states). Stands in for transformers' Cache: attention layers call `update`.
 
     Two modes, set by `begin` before each forward: `fresh` (the rows start new sequences: the
     keys written are all there is, attention runs over them alone) and `step` (every row
     appends q tokens at slot start[b]; attention runs over all slots, masked)."""
-
-    is_compileable = False  # transformers' generate() must not try to compile around it
 
     def __init__(self, rows: int, slots: int):
         self.rows, self.slots = rows, slots
@@ -91,17 +90,6 @@ class StaticKV:
         K[b, :, self._index] = key_states.transpose(1, 2)  # advanced dims first: [B, q, H, hd]
         V[b, :, self._index] = value_states.transpose(1, 2)
         return K, V
-
-    # What transformers may ask of a cache; positions and masks are always passed explicitly.
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.k)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
 def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from .cache import CacheStandIn
 
-class PagedKV:
+
+class PagedKV(CacheStandIn):
     """K/V in a pool of `pages` pages of `page` slots (plus the scratch page) per layer,
     [Hkv, (pages + 1) * page, hd], allocated at the first write; rows address it through
     `table` [rows, width] (physical page of each logical block). Same modes as StaticKV
     (`begin_fresh`, `begin_step`, `begin_packed`), the slots being logical ones."""
-
-    is_compileable = False
 
     def __init__(self, rows: int, width: int, page: int, pages: int, device: torch.device):
         if pages < 1 or width < 1 or page < 1:
@@ -109,16 +109,6 @@ class PagedKV:
         read = self._read.reshape(-1)
         return (K[:, read].reshape(H, B, self.slots, hd).transpose(0, 1),
                 V[:, read].reshape(H, B, self.slots, hd).transpose(0, 1))
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.k)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
 def paged_block_masks(core, cache: PagedKV, qslot: torch.Tensor, off: torch.Tensor, g: int, block_mask, kinds):

@@ -42,8 +42,8 @@ EXPECTED = [
     "dflash-demo",
     "python -m pytest -q -n 2",
     # One GPU, ten minutes
-    "dflash-prompts --target HuggingFaceTB/SmolLM2-135M-Instruct --count 12000 --holdout 8 --out prompts.jsonl --gpu 0",
-    "dflash-broker --time-budget 8m --epochs 20 &",
+    "dflash-prompts --target HuggingFaceTB/SmolLM2-135M-Instruct --count 8000 --holdout 8 --out prompts.jsonl --gpu 0",
+    "dflash-broker --time-budget 7m30s --epochs 20 &",
     "dflash-produce --gpu 0 --target HuggingFaceTB/SmolLM2-135M-Instruct --data prompts.jsonl --regenerate &",
     "dflash-consume --gpu 0 --target HuggingFaceTB/SmolLM2-135M-Instruct",
     "dflash-export latest drafter --target HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -258,7 +258,7 @@ def test_readme_one_gpu_path_runs_as_written(tmp_path, loc):
     """The "One GPU, ten minutes" block as written, on CPU: a one-minute budget instead of eight,
     the bundled chats' first requests for the prompts the target would write."""
     prompts_cmd, broker_cmd, produce_cmd, consume_cmd, export_cmd, eval_cmd = readme_commands()[ONE_GPU:ONE_GPU + 6]
-    assert "--holdout 8" in prompts_cmd and "--time-budget 8m" in broker_cmd  # the run the README describes
+    assert "--holdout 8" in prompts_cmd and "--time-budget 7m30s" in broker_cmd  # the run the README describes
     rows = (tmp_path / "prompts.jsonl").read_text().splitlines()
     (tmp_path / "prompts.jsonl").write_text("".join(x + "\n" for x in rows[:-4]))
     (tmp_path / "prompts.holdout.jsonl").write_text("".join(x + "\n" for x in rows[-4:]))
@@ -266,7 +266,7 @@ def test_readme_one_gpu_path_runs_as_written(tmp_path, loc):
     budget_s = 60
     procs = loc.procs
     t0 = time.monotonic()
-    procs.append(loc.start(broker_cmd.replace("--time-budget 8m", f"--time-budget {budget_s}s")))
+    procs.append(loc.start(broker_cmd.replace("--time-budget 7m30s", f"--time-budget {budget_s}s")))
     run = loc.wait_for_new_run(None)
     procs += [loc.start(produce_cmd), loc.start(consume_cmd)]
     for p in procs:

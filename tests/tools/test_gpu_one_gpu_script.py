@@ -1,5 +1,5 @@
 """bench/gpu_one_gpu.sh, the scripted GPU session of the README's one-GPU path, run end to end
-on CPU with the real small target, so that the three calls a GPU window is spent on cannot rot:
+on CPU with the real small target as the GPU session takes it (its .gguf file), so that the three calls a GPU window is spent on cannot rot:
 `step` builds the baseline tree apart and imports each tree's own code; `start` writes prompts
 with the target and trains under a time budget; `finish` exports, measures tau on held-out and
 training prompts, and reads the logs into one report. The figures are CPU's and meaningless;
@@ -51,7 +51,7 @@ def session(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1", W=str(work / "w"),
-        OUT=str(work / "out"), TARGET=str(real_target.hf_folder()), BUDGET=str(BUDGET), COUNT="7", HOLDOUT="1",
+        OUT=str(work / "out"), TARGET=str(real_target.fetch_gguf()), BUDGET=str(BUDGET), COUNT="7", HOLDOUT="1",
         EPOCHS="50", OMP_NUM_THREADS="1", START_WAIT_S="600",
         PROMPT_ARGS="--max-new-tokens 48 --answer-tokens 32 --batch-size 16 --exclude riddle",
         PRODUCER_ARGS="--max-new-tokens 24", CONSUMER_ARGS="--draft-layers 1 --save-every 4",
