@@ -50,12 +50,13 @@ def _rows(path: str) -> list[dict]:
 @click.option("--rows", default=24, help="Decoder rows (continuous batching).")
 @click.option("--threads", default=2)
 @click.option("--limit", default=0, help="Only the first N prompts of the shuffled order (0: all).")
+@click.option("--skip", default=0, help="Leave out the first N prompts of the shuffled order (another run's).")
 @click.option("--budget-s", default=0.0, help="Start no prompt after this many seconds (0: no limit); the "
               "prompts started are decoded to their end, so the answers are a random sample of the prompts.")
 @click.option("--deadline-s", default=0.0, help="Stop decoding after this many seconds (0: none); rows still "
               "decoding then are counted as censored and left out.")
 @click.option("--seed", default=0, help="Shuffles the prompts, so that any prefix of them is a fair sample.")
-def decode(target, prompts, out, max_new_tokens, rows, threads, limit, budget_s, deadline_s, seed) -> None:
+def decode(target, prompts, out, max_new_tokens, rows, threads, limit, skip, budget_s, deadline_s, seed) -> None:
     """Answers to --max-new-tokens, except that a row whose last 256 tokens loop (STOP_RULE) stops:
     such a loop is far past the default rule's point, and decoding it to the cap would only
     repeat it (CPU time is scarce). Analyse counts such rows as answers that ran to the cap."""
@@ -74,7 +75,7 @@ def decode(target, prompts, out, max_new_tokens, rows, threads, limit, budget_s,
     model = load_causal_lm(target, dtype=torch.float32).eval()
     items = _rows(prompts)
     random.Random(seed).shuffle(items)
-    items = items[:limit or None]
+    items = items[skip:][:limit or None]
     ids = [tok(tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True),
                add_special_tokens=False)["input_ids"] for r in items]
     stops = sorted(stop_ids(model, tok))
@@ -100,7 +101,7 @@ def decode(target, prompts, out, max_new_tokens, rows, threads, limit, budget_s,
                 print(f"{el:.0f} s: {dec.steps} steps, {len(answers)} answers, {started} started", file=sys.stderr,
                       flush=True)
     secs = time.monotonic() - t0
-    result = {"target": target, "prompts": prompts, "seed": seed, "max_new_tokens": max_new_tokens,
+    result = {"target": target, "prompts": prompts, "seed": seed, "skip": skip, "max_new_tokens": max_new_tokens,
               "stop_ids": stops, "stop_rule": stop_rule.describe(), "rows": dec.rows, "threads": threads,
               "seconds": round(secs, 1), "steps": dec.steps, "prompts_total": len(ids), "started": started,
               "censored": started - len(answers),
@@ -169,13 +170,20 @@ RULES = [  # (name, EndingRule kwargs): the default and its neighbours
 
 
 @main.command()
-@click.argument("run_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("run_files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--md", is_flag=True, default=False, help="A markdown table instead of JSON.")
 @click.option("--samples", default=0, help="Also print the decoded tails of N looping and N unended answers.")
-def analyse(run_file, md, samples) -> None:
+def analyse(run_files, md, samples) -> None:
     from dflash.decoding.endings import REPETITION, EndingRule, decoded_ending
 
-    run = json.loads(Path(run_file).read_text())
+    runs = [json.loads(Path(f).read_text()) for f in run_files]
+    run = dict(runs[0])  # several runs (--skip: other prompts of the same order) analysed as one
+    for r in runs[1:]:
+        if (r["max_new_tokens"], r["stop_ids"]) != (run["max_new_tokens"], run["stop_ids"]):
+            raise click.UsageError("the runs differ in --max-new-tokens or stop tokens")
+        run["answers"] = run["answers"] + r["answers"]
+        run["seconds"] += r["seconds"]
+        run["censored"] = run.get("censored", 0) + r.get("censored", 0)
     if samples:
         from dflash.runtime.targets import load_tokenizer
 
