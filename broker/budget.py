@@ -98,6 +98,9 @@ class Budget:
         self.count = 0  # samples trained so far, as last observed
         self.high = 0.0  # the schedule progress told so far (progress never falls)
         self.count_at_plan = 0  # `count` when the last plan was made
+        # samples.done and the dataset's epochs x samples, as last seen: a dataset trained
+        # before the deadline ends the run, and the schedule must end with it
+        self.dataset_done, self.dataset_total = 0, 0
         # (time, samples trained so far) about once a second: the rate is over RATE_WINDOW_S
         # or more, so a burst of acks after a stall does not read as a fast pace
         self.marks: deque[tuple[float, int]] = deque()
@@ -163,8 +166,9 @@ class Budget:
         """The consumers' schedule progress, 0..1 and never falling: the share of the
         training window gone (0 before the first sample trained); once the last plan is made
         (no re-plan is due before the window ends) at least that plan's share trained, so its
-        last sample is trained at progress 1 even if it comes early. Not samples over the
-        plan all along: a plan made from an early, slower pace is trained long before the
+        last sample is trained at progress 1 even if it comes early; and at least the share of
+        the dataset's epochs x samples done, for a run whose epochs end before its deadline.
+        Not samples over the plan all along: a plan made from an early, slower pace is trained long before the
         deadline, which left the rest of a run at min-lr."""
         if self.first_trained_at is None:
             return 0.0
@@ -174,6 +178,8 @@ class Budget:
             p0 = self._share(self.started + last.elapsed_s)
             trained = self.count - self.count_at_plan  # since the plan was made, in the plan's samples
             p = max(p, p0 + trained / (last.planned_samples - last.done) * (1.0 - p0))
+        if self.dataset_total > 0:
+            p = max(p, self.dataset_done / self.dataset_total)
         self.high = max(self.high, min(1.0, p))
         return self.high
 

@@ -431,6 +431,7 @@ class BrokerCore:
         inherited = c.get("inherited", 0)
         budget.observe(now, self.commits.rate_samples.total)  # samples acked so far
         done = c["trained"] + c["committed"] + c["skipped"] + c["quarantined"] + inherited
+        budget.dataset_done, budget.dataset_total = done, pool.n_samples * self.cfg.epochs
         drained = (budget.last is not None and pool.finished() and pool.capped and not self.delivery.queue
                    and not any(x.in_flight for x in self.sessions.table.consumers()))
         if budget.due(now) or drained:

@@ -154,6 +154,7 @@ class Pages:
         self.cache = cache
         self.free: list[int] = list(range(cache.pages - 1, -1, -1))  # pop() gives the lowest first
         self.held: dict[int, list[int]] = {}
+        self.peak = 0  # the most pages held at once so far
 
     @property
     def total(self) -> int:
@@ -183,6 +184,7 @@ class Pages:
                 pages.append(p)
                 have.append(p)
         if pages:
+            self.peak = max(self.peak, self.used)
             dev = self.cache.table.device
             r, b, p = (torch.tensor(x, device=dev) for x in (rows, blocks, pages))
             self.cache.table[r, b] = p

@@ -366,4 +366,5 @@ class RegenAhead:
                  horizon=min(self._horizon, len(self._order)), cursor=self._cursor,
                  live_rows=dec.live if dec else 0, decoder_rows=dec.rows if dec else 0,
                  pages_total=book.total if book else 0, pages_used=book.used if book else 0,
+                 pages_peak=book.peak if book else 0,
                  preempted=dec.preempted if dec else 0, endings=dict(self.regen.endings))

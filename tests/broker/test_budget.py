@@ -276,3 +276,12 @@ def test_the_last_plan_ends_at_progress_one_on_its_last_sample_and_progress_neve
     assert b.progress(365.0) == 1.0
     b.plan(365.0, done=3200, leased=3200, total=10**6, rate=40.0)  # re-planned: more to train
     assert b.progress(366.0) == 1.0  # never falls (the lr never rises again)
+
+
+def test_a_dataset_that_ends_before_the_deadline_ends_the_schedule_with_it():
+    b = Budget(400.0, started=0.0, reserve_s=20.0, every_s=30.0)
+    b.observe(20.0, 10)
+    b.dataset_done, b.dataset_total = 180, 200  # 9 in 10 of epochs x samples trained after 10 s
+    assert b.progress(30.0) == pytest.approx(0.9)
+    b.dataset_done = 200
+    assert b.progress(31.0) == 1.0

@@ -74,9 +74,10 @@ def test_batches_stream_as_rows_are_ready_every_sample_once_and_exact(tiny, toke
         summary = prod.run()
     # the decoder's paged KV figures: rows decoding at once, pages used of its pool
     said = [e for e in logs if e["event"] == "produce.regen_progress"]
-    assert said and all(0 <= e["pages_used"] <= e["pages_total"] and e["live_rows"] <= e["decoder_rows"]
-                        for e in said)
-    assert max(e["live_rows"] for e in said) > 1 and max(e["pages_used"] for e in said) > 0
+    assert said and all(0 <= e["pages_used"] <= e["pages_peak"] <= e["pages_total"]
+                        and e["live_rows"] <= e["decoder_rows"] for e in said)
+    # pages in use now depends on when a line falls (finished rows give theirs back); the peak does not
+    assert max(e["live_rows"] for e in said) > 1 and said[-1]["pages_peak"] > 0
 
     by_epoch: dict[int, list[int]] = {0: [], 1: []}
     got: dict[int, tuple[list[int], list[int]]] = {}
