@@ -76,6 +76,17 @@ def test_two_producers_both_lease_on_50_samples_with_the_default_lease_size(star
     samples and the other made nothing; a lease is now a share of what is left."""
     b = start_broker("--num-samples", "50")
     prods = [FakeProducer(b.control, f"t{i}", n_samples=50, want=256, per_batch=5) for i in range(2)]
+    # Both ask before either makes a batch (a loaded host may start the second thread after the
+    # first has made its whole lease and asked again: what this checks is the share, not a race;
+    # producers that ask apart are tests/producers/test_two_real_producers.py's)
+    both_asked = threading.Barrier(2, timeout=60)
+    for p in prods:
+        def first_push_waits(frames, push=p.push, first=[True]):
+            if first[0]:
+                first[0] = False
+                both_asked.wait()
+            push(frames)
+        p.push = first_push_waits
     cons = FakeConsumer(b.control, "c")
     threads = [threading.Thread(target=p.run_to_end) for p in prods]
     for t in threads:
