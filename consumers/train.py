@@ -440,12 +440,18 @@ class Trainer:
         log.info("train.feature_scale", tokens=int(summed[width]), min=round(float(scale.min()), 6),
                  median=round(float(scale.median()), 6), max=round(float(scale.max()), 6), rank=self.dist.rank)
 
+    def _dataset_samples(self) -> int | None:
+        """The broker's epochs x samples less those skipped (its heartbeat), or None."""
+        stats = self.hooks.progress() if self.hooks.progress is not None else {}
+        total = stats.get("samples_total")
+        return max(1, int(total) - int(stats.get("samples_skipped") or 0)) if total else None
+
     def _plan(self, step: int) -> Plan:
         """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""
         state, hooks = self.state, self.hooks
         stream = None if hooks.stream_samples is None else self.start_samples + hooks.stream_samples
         plan = choose_plan(self.cfg, broker=self.broker_plan, checkpoint=self.saved_plan, stream=stream,
-                           time=self.broker_progress)
+                           time=self.broker_progress, dataset=self._dataset_samples())
         last = self.last_plan
         if last is not None and plan.by == last.by == "time":  # moves with the broker's clock: logged once
             self.last_plan, state.planned_samples = plan, None

@@ -190,15 +190,16 @@ class Plan:
 
 
 def choose_plan(cfg: TrainConfig, *, broker: int | None = None, checkpoint: int | None = None,
-                stream: int | None = None, time: float | None = None) -> Plan:
+                stream: int | None = None, time: float | None = None, dataset: int | None = None) -> Plan:
     """The first that is known: --total-steps, --total-samples, the broker's time budget
-    (`time`: the share of its training time gone), the broker's planned samples, the
+    (`time`: the share of its training time gone; `dataset`: its epochs x samples, whose end
+    ends the schedule too if it comes first), the broker's planned samples, the
     resumed checkpoint's plan (a resume continues its curve), the local stream's size; else
     a constant lr (logged as a warning by the loop)."""
     if cfg.total_steps:
         return Plan("steps", cfg.total_steps, "--total-steps")
     if not cfg.total_samples and time is not None:
-        return Plan("time", None, "--time-budget", start_p=min(1.0, max(0.0, float(time))))
+        return Plan("time", dataset or None, "--time-budget", start_p=min(1.0, max(0.0, float(time))))
     for length, source in ((cfg.total_samples, "--total-samples"), (broker, "broker"),
                            (checkpoint, "checkpoint"), (stream, "stream")):
         if length:
@@ -209,8 +210,8 @@ def choose_plan(cfg: TrainConfig, *, broker: int | None = None, checkpoint: int 
 def progress(plan: Plan, step: int, samples: int) -> float | None:
     """Where a run is on its plan, 0..1 (None: constant): `step` optimizer steps or
     `samples` trained over the plan's length; a time plan's is the broker's."""
-    if plan.by == "time":
-        return plan.start_p
+    if plan.by == "time":  # the broker's clock, or the dataset's end if it comes first (exact here)
+        return min(1.0, max(plan.start_p, samples / plan.length if plan.length else 0.0))
     if plan.by == "constant" or not plan.length:
         return None
     if plan.by == "samples" and plan.start:
