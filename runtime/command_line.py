@@ -3,7 +3,8 @@
 (precedence: command line > env > config file > default). A few variables are shared by
 every command on purpose (SHARED_ENV: the broker address, the runs folder, the Curve
 keys); any other variable changes one command only. Each role keeps one frozen config
-dataclass; the click command only maps options onto it.
+dataclass, and each of its options is declared once, as a field of it (`setting`); the
+click command is made from the fields (`options`) and only maps the values onto the config.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import re
 import socket
 import sys
 import tomllib
-from typing import Any, Callable
+import typing
+from typing import Any, Callable, Mapping, Sequence
 
 import click
 
@@ -59,6 +61,144 @@ def option(*decls: str, **kw) -> Callable:
     kw.setdefault("show_envvar", True)
     kw.setdefault("show_default", True)
     return click.option(*decls, **kw)
+
+
+OPTION = "dflash.option"  # the metadata key of a field made by `setting`
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    """What a config field says about its command-line option."""
+
+    help: str
+    text: Any  # the default as the command line writes it; dataclasses.MISSING: none (required)
+    parse: Callable[[Any], Any] | None  # text -> the field's value, or None: click's type does it
+    click: dict  # further click.option arguments: type, metavar, required, callback, ...
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[Any], Any] | None = None,
+            **click_kwargs) -> Any:
+    """A config dataclass field that is also the option `--<field-name>`: its default, help
+    and click arguments are declared here, once, and `options` makes the option from them.
+    With `parse`, `default` is written as on the command line (e.g. "4GiB") and the field
+    holds parse(default); the option's value goes through `parse` too (a ValueError is a
+    usage error naming the option)."""
+    spec = OptionSpec(help, default, parse, click_kwargs)
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata={OPTION: spec})
+    value = parse(default) if parse is not None and default is not None else default
+    return dataclasses.field(default=value, metadata={OPTION: spec})
+
+
+class Parsed:
+    """click callback: the option's text through `parse` (a ValueError names the option)."""
+
+    def __init__(self, parse: Callable[[Any], Any]):
+        self.parse = parse
+
+    def __call__(self, _ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return self.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param=param) from None
+
+
+def option_of(name: str, field: dataclasses.Field, annotation: Any = None, parse: bool = True) -> Callable:
+    """The click option of field `name` made by `setting`: `--name-with-dashes`; a bool is a
+    flag (`--x/--no-x` when on by default); an int or float field (`annotation`) reads one.
+    parse=False: a setting's `parse` is left to the command (`parse_texts`)."""
+    spec: OptionSpec = field.metadata[OPTION]
+    kw = dict(spec.click)
+    flag = "--" + name.replace("_", "-")
+    decls = [flag]
+    if spec.text is not dataclasses.MISSING:
+        kw["default"] = spec.text
+    if spec.parse is not None and parse:
+        kw.setdefault("callback", Parsed(spec.parse))
+    base = _without_none(annotation)
+    if base is bool and spec.text is True:
+        decls = [f"{flag}/--no-{flag[2:]}"]
+    elif base is bool:
+        kw.setdefault("is_flag", True)
+    elif base in (int, float) and spec.parse is None:
+        kw.setdefault("type", base)
+    return option(*decls, help=spec.help, **kw)
+
+
+def _without_none(annotation: Any) -> Any:
+    """`int | None` -> int; anything else as it is."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(annotation) else annotation
+
+
+def settings_of(cls: type) -> list[tuple[str, dataclasses.Field, Any]]:
+    """(name, field, type) of every field of config dataclass `cls` made by `setting`, in
+    field order; a field whose type is itself a config dataclass gives its own in its place."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += settings_of(hints[f.name])
+        elif OPTION in f.metadata:
+            out.append((f.name, f, hints[f.name]))
+    return out
+
+
+def options(cls: type, *, after: Mapping[str, Sequence[Callable | str]] | None = None, parse: bool = True) -> Callable:
+    """Decorator: the click options of config dataclass `cls` (`settings_of`), in field order,
+    so that --help lists them so. `after` places more after a field's option: click option
+    decorators (options of the command only), or the names of fields whose options move there.
+    parse=False: the values of settings with a `parse` reach the command as text (`parse_texts`)."""
+    made = {name: option_of(name, f, t, parse) for name, f, t in settings_of(cls)}
+    after = dict(after or {})
+    unknown = sorted(set(after) - set(made)) + sorted(x for xs in after.values() for x in xs
+                                                       if isinstance(x, str) and x not in made)
+    if unknown:
+        raise ValueError(f"options({cls.__name__}): no such setting {', '.join(unknown)}")
+    moved = {x for xs in after.values() for x in xs if isinstance(x, str)}
+    ordered = []
+    for name, decorator in made.items():
+        if name not in moved:
+            ordered.append(decorator)
+            ordered += [made[x] if isinstance(x, str) else x for x in after.get(name, ())]
+
+    def wrap(f: Callable) -> Callable:
+        for decorator in reversed(ordered):  # click lists options in the order written above the function
+            f = decorator(f)
+        return f
+
+    return wrap
+
+
+def parse_texts(cls: type, values: Mapping[str, Any], namespace: str) -> dict:
+    """`values` with the text of each setting of `cls` that has a `parse` parsed (what
+    `options(cls, parse=False)` left to the command). Raises ValueError naming the option and
+    where else its value may have come from (env DFLASH_<NAMESPACE>_<NAME>, or --config)."""
+    out = dict(values)
+    for name, f, _ in settings_of(cls):
+        parse = f.metadata[OPTION].parse
+        if parse is not None and out.get(name) is not None:
+            try:
+                out[name] = parse(out[name])
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')} (env DFLASH_{namespace}_{name.upper()}, "
+                                 f"or --config): {e}") from None
+    return out
+
+
+def config_of(cls: type, values: Mapping[str, Any]) -> Any:
+    """Config dataclass `cls` made from a command's option values (its nested configs too);
+    values that are no field of it are left out."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            kw[f.name] = config_of(hints[f.name], values)
+        elif f.name in values:
+            kw[f.name] = values[f.name]
+    return cls(**kw)
 
 
 def command(namespace: str, **settings) -> Callable:
@@ -122,6 +262,8 @@ def _check_toml_value(path: str, key: str, value, param: click.Parameter, ctx: c
         param.type.convert(value, param, ctx)
         if param.callback is size_option and value is not None:
             parse_bytes(value)
+        if isinstance(param.callback, Parsed) and value is not None:
+            param.callback.parse(value)
     except click.BadParameter as e:
         raise click.BadParameter(f"{where}: {e.message}") from None
     except (ValueError, TypeError) as e:
@@ -151,35 +293,51 @@ def _broker_endpoint(_ctx, param, value: str | None) -> str | None:
     return value
 
 
+# The options several commands share, each declared once: a config field of every role
+# that has it (`broker: str = broker_setting()`), and the option of a command without one.
+
+
+def broker_setting() -> Any:
+    return setting(DEFAULT_BROKER, callback=_broker_endpoint,
+                   help="The broker's control endpoint tcp://HOST[:PORT] (port 5555 if omitted).")
+
+
+def runs_dir_setting() -> Any:
+    return setting("runs", type=click.Path(file_okay=False), help="Root folder of run folders (runs/<run_id>/...).")
+
+
+def log_level_setting() -> Any:
+    return setting("info", type=click.Choice(["debug", "info", "warning", "error"]), help="Lowest level logged.")
+
+
+def curve_keys_setting() -> Any:
+    """A peer's `--curve-keys DIR` (env DFLASH_CURVE_KEYS, shared); map it with curve.client_from."""
+    return setting(None, metavar="DIR",
+                   help="CurveZMQ on: encrypt and authenticate with DIR/broker.key and our keypair (made by "
+                        "dflash-keygen; the broker must have our .key in its authorized/). Off = plain TCP.")
+
+
+def curve_name_setting() -> Any:
+    return setting(None, metavar="NAME",
+                   help="Which keypair of --curve-keys is ours: DIR/NAME.key_secret (default: this host's name).")
+
+
 def broker_option() -> Callable:
-    return option(
-        "--broker",
-        default=DEFAULT_BROKER,
-        callback=_broker_endpoint,
-        help="The broker's control endpoint tcp://HOST[:PORT] (port 5555 if omitted).",
-    )
+    return option_of("broker", broker_setting())
 
 
 def curve_options(f: Callable) -> Callable:
-    """The two options every peer command takes: `--curve-keys DIR` and `--curve-name NAME`
-    (env DFLASH_CURVE_KEYS, DFLASH_CURVE_NAME, shared). Map them with curve.client_from."""
-    f = option("--curve-name", default=None, metavar="NAME",
-               help="Which keypair of --curve-keys is ours: DIR/NAME.key_secret (default: this host's name).")(f)
-    return option("--curve-keys", default=None, metavar="DIR",
-                  help="CurveZMQ on: encrypt and authenticate with DIR/broker.key and our keypair (made by "
-                       "dflash-keygen; the broker must have our .key in its authorized/). Off = plain TCP.")(f)
+    """The two options every peer command takes: `--curve-keys DIR` and `--curve-name NAME`."""
+    f = option_of("curve_name", curve_name_setting())(f)
+    return option_of("curve_keys", curve_keys_setting())(f)
 
 
 def log_level_option() -> Callable:
-    return option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]),
-                  help="Lowest level logged.")
+    return option_of("log_level", log_level_setting())
 
 
 def runs_dir_option() -> Callable:
-    return option(
-        "--runs-dir", default="runs", type=click.Path(file_okay=False),
-        help="Root folder of run folders (runs/<run_id>/...).",
-    )
+    return option_of("runs_dir", runs_dir_setting())
 
 
 def target_callback(need_tokenizer: bool) -> Callable:
@@ -205,10 +363,15 @@ def target_callback(need_tokenizer: bool) -> Callable:
     return check
 
 
-def target_option(help: str, required: bool = True, need_tokenizer: bool = True) -> Callable:
+def target_setting(help: str, required: bool = True, need_tokenizer: bool = True) -> Any:
     """--target as every command takes it (one way to name a target: runtime/targets.py)."""
-    return option("--target", required=required, default=None, callback=target_callback(need_tokenizer),
-                  help=help + " A hub ID (org/name) must be in the local Hugging Face cache.")
+    kw = dict(callback=target_callback(need_tokenizer), help=help + " A hub ID (org/name) must be in the local "
+              "Hugging Face cache.")
+    return setting(required=True, **kw) if required else setting(None, **kw)
+
+
+def target_option(help: str, required: bool = True, need_tokenizer: bool = True) -> Callable:
+    return option_of("target", target_setting(help, required, need_tokenizer))
 
 
 def as_dict(cfg: Any) -> dict:
