@@ -1,12 +1,15 @@
-"""The broker's one frozen config and the small parsers the CLI needs for it."""
+"""The broker's one frozen config, each field the dflash-broker option of its name (its default,
+help and type declared once, here), and the small parsers its options need."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+import click
+
 from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
-from dflash.runtime.command_line import parse_bytes  # noqa: F401  (re-exported: the broker CLI and tests import it here)
+from dflash.runtime.command_line import log_level_setting, parse_bytes, runs_dir_setting, setting
 
 
 def __getattr__(name: str):
@@ -72,41 +75,129 @@ def auto_broker_io_threads(cpus: int) -> int:
     return 1 + min(MAX_AUTO_OUT_THREADS, cpus // 8)
 
 
+class Duration(click.ParamType):
+    """600, 600s, 10m, 1h30m -> seconds (budget.parse_duration); click names the option on error."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        from .budget import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """'5557-5620' (or one port) -> (5557, 5620). Raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a port range like 5557-5620")
+    lo = int(m.group(1))
+    return lo, int(m.group(2) or lo)
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
-    bind: str = "*"
-    port: int = 5555
-    data_in_port: int = 5556
-    data_out_ports: tuple[int, int] = (5557, 5620)
-    advertise_host: str | None = None
-    runs_dir: str = "runs"
-    instance: str = "main"
-    epochs: int = 1
-    seed: int = 0
-    queue_bytes: int = 4 << 30
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    heartbeat_s: float = 1.0
-    timeout_s: float = 10.0
-    ack_timeout_s: float = 0.0  # no ack this long while holding batches: lost (0 = auto, ack_deadline)
-    lease_size: int = 256
-    num_samples: int | None = None
-    consumers: int = 0
-    progress_s: float = 10.0
-    metrics_port: int = 0  # Prometheus text on http://HOST:PORT/metrics; 0 = off
-    tensorboard: str | None = None  # broker.progress figures as TensorBoard scalars under DIR/<run_id>
-    wandb: str | None = None  # ... and to this Weights & Biases project
-    log_level: str = "info"
-    resume: str | None = None  # the run this one continues (resume.py), as the user named it
-    force_resume: bool = False  # resume it even though another run resumed it already (resume.py)
-    max_peers: int = 256  # live sessions (producers + consumers): what a hello flood can make us hold
-    curve_keys: str | None = None  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
-    drain_s: float = 120.0  # on SIGINT/SIGTERM: longest wait for peers' last commit and bye
-    elastic: bool = True  # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
-    lighthouse_port: int = 0  # the lighthouse's port; 0 = any free one
-    io_threads: int = 0  # ZeroMQ I/O threads; 0 = auto (io_thread_count)
-    data_streams: int = 0  # TCP connections per peer for its batches; 0 = auto (stream_count)
-    quarantine_after: int = 2  # consumers that fail on one batch before it is quarantined (quarantine.py)
-    time_budget: float | None = None  # seconds from the broker's start the run must end within (budget.py)
+    """The broker's settings; each field is the dflash-broker option of its name, in --help order."""
+
+    bind: str = setting("*", help="Interface to bind every socket on ('*' = all, 127.0.0.1 = this host only).")
+    port: int = setting(5555, help="Control port: the one address peers and dflash-status dial.")
+    data_in_port: int = setting(5556, help="Port producers push batches to (announced in welcome).")
+    data_out_ports: tuple[int, int] = setting(
+        "5557-5620", parse=parse_port_range,
+        help="Port range for the per-consumer data pipes, one port per data stream of each live consumer "
+             "(--data-streams; open it in firewalls).")
+    advertise_host: str | None = setting(
+        None, help="Host name or IP peers should dial for data in/out; default: --bind if concrete, else this host's name.")
+    runs_dir: str = runs_dir_setting()
+    instance: str = setting("main", help="This broker's name: its log is runs/<run_id>/logs/broker-<instance>.jsonl.")
+    epochs: int = setting(1, help="Passes over the dataset; each epoch has its own shuffled order.")
+    # seconds from the broker's start the run must end within (budget.py)
+    time_budget: float | None = setting(
+        None, type=Duration(), metavar="DURATION",
+        help="End the run within this time from the broker's start (600, 600s, 10m, 1h30m): the broker plans the "
+             "samples trained from the measured rate, so the consumers' lr anneals to --min-lr as the last planned "
+             "sample is trained and everything trained is committed before the deadline (docs/TRAINING.md, "
+             "\"A recipe for a time budget\"). Never more than --epochs over the dataset. Default: no budget.")
+    seed: int = setting(0, help="Seed of the per-epoch sample order (same seed -> same order).")
+    queue_bytes: int = setting(
+        "4GiB", parse=parse_bytes,
+        help="Most batch bytes the shared queue holds; when full the broker stops reading producers (backpressure).")
+    max_message_bytes: int = setting(
+        str(MAX_MESSAGE_BYTES), parse=parse_bytes,
+        help="Largest batch accepted (bytes, or e.g. 512MiB); larger ones are dropped and logged.")
+    heartbeat_s: float = setting(1.0, help="Seconds between heartbeats the broker sends and expects.")
+    timeout_s: float = setting(
+        10.0, help="A peer silent this long is declared lost and its work requeued (keep it above one batch transfer).")
+    # no ack this long while holding batches: lost (0 = auto, ack_deadline)
+    ack_timeout_s: float = setting(
+        0.0, help="A consumer holding delivered batches that acks none for this long is declared lost and its "
+                  "batches requeued (it heartbeats, so --timeout-s does not catch it). 0: auto, the larger of 120 s, "
+                  "12 x --timeout-s and 4 x that consumer's slowest gap between two acks.")
+    lease_size: int = setting(256, help="Most samples handed to a producer per lease.")
+    # consumers that fail on one batch before it is quarantined (quarantine.py)
+    quarantine_after: int = setting(
+        2, help="A batch that this many consumers fail on (each reports it and leaves) is quarantined: its samples "
+                "are made again once, and set aside, counted by reason, if their new batch fails as well "
+                "(docs/RELIABILITY.md, poison batches).")
+    num_samples: int | None = setting(
+        None, help="Dataset size; normally the first producer tells it (config.dataset.n_samples) and later ones must match.")
+    consumers: int = setting(
+        0, help="Data-parallel ranks: consumers get ranks 0..N-1 in hello order (a lost rank's number goes to the "
+                "next to join). With N >= 2 and --elastic, N is the most at once and training goes on while at "
+                "least one is left. 0 = do not arrange ranks.")
+    # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
+    elastic: bool = setting(
+        True, help="With --consumers N >= 2: run a torchft lighthouse so consumers train elastically (a dead one is "
+                   "left out, a restarted one rejoins and is healed: docs/RELIABILITY.md section 8). --no-elastic: one "
+                   "fixed torch.distributed group that ends when a rank is lost.")
+    lighthouse_port: int = setting(
+        0, help="Port of the elastic consumers' torchft lighthouse (on --bind); 0 = any free port.")
+    io_threads: int = setting(  # 0 = auto (io_thread_count)
+        0, help="ZeroMQ I/O threads. 2: control and batches in on the first, consumers' pipes on the second, so "
+                "the relay's two copies run on two cores; 3 or more: control alone on the first, batches in on the "
+                "next (n-1)//2, each consumer's pipe on one of the rest. 0 = auto: 1 below 8 usable cores, else "
+                "1 + one per 8 cores, at most 5 (docs/BENCHMARKS.md, transport).")
+    data_streams: int = setting(  # TCP connections per peer for its batches; 0 = auto (stream_count)
+        0, help="TCP connections that carry each peer's batches, each on its own I/O thread while there are "
+                "enough: a consumer's each with a data-out port of its own, a producer's all to --data-in-port; "
+                "batches take them in turn. 0 = auto: one per I/O thread the broker has for that direction (see "
+                "--io-threads), at most 2 (docs/BENCHMARKS.md, transport).")
+    progress_s: float = setting(10.0, help="Seconds between broker.progress summary log lines.")
+    tensorboard: str | None = setting(
+        None, metavar="DIR", type=click.Path(file_okay=False),
+        help="Also write each broker.progress line's figures as TensorBoard scalars under DIR/<run_id>, named as "
+             "the JSON fields (broker.progress/samples_per_s, broker.progress/queue_bytes), at the seconds since start; "
+             "needs the tensorboard extra.")
+    wandb: str | None = setting(
+        None, metavar="PROJECT",
+        help="Also log each broker.progress line's figures to Weights & Biases PROJECT (run <run_id>-broker, files "
+             "in the run folder); WANDB_MODE=offline writes them locally only. Needs the wandb extra.")
+    metrics_port: int = setting(0, help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
+    log_level: str = log_level_setting()
+    # live sessions (producers + consumers): what a hello flood can make us hold
+    max_peers: int = setting(
+        256, help="Most live producer+consumer sessions; more hellos are refused ('full'). Bounds what a flood "
+                  "of hellos can make the broker hold.")
+    curve_keys: str | None = setting(  # CurveZMQ keys folder (protocol/curve.py); None = plain TCP
+        None, metavar="DIR",
+        help="CurveZMQ on: encrypt every socket and admit only peers whose public key is in DIR/authorized/ "
+             "(the broker's keypair is DIR/broker.key_secret; make keys with dflash-keygen). Off = plain TCP, "
+             "fit for loopback only (docs/SECURITY.md).")
+    drain_s: float = setting(
+        120.0, help="On SIGINT/SIGTERM, the longest wait for consumers to checkpoint, commit and leave before "
+                    "exiting (a second signal exits at once); their last commit is recorded only meanwhile.")
+    resume: str | None = setting(  # the run this one continues (resume.py), as the user named it
+        None, metavar="RUN",
+        help="Continue RUN (run ID, runs/<id> folder, or 'latest') as a new run: what it committed is never "
+             "trained again, everything else is made again, in the same per-epoch order (its --seed). "
+             "Consumers load the checkpoint of its last commit. Producers/consumers may number differently. "
+             "A run another run resumed already is refused (resume the end of its chain).")
+    force_resume: bool = setting(
+        False, help="With --resume: resume RUN even though another run resumed it already, as a second branch from "
+                    "RUN's last commit (what the first continuation trained since is trained again, into another drafter).")
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
@@ -184,11 +275,3 @@ class BrokerConfig:
             return self.bind
         return hostname
 
-
-def parse_port_range(text: str) -> tuple[int, int]:
-    """'5557-5620' (or one port) -> (5557, 5620). Raises ValueError."""
-    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", text)
-    if not m:
-        raise ValueError(f"{text!r} is not a port range like 5557-5620")
-    lo = int(m.group(1))
-    return lo, int(m.group(2) or lo)
