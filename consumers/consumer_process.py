@@ -12,12 +12,13 @@ import json
 import os
 import threading
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import click
 import torch
 
+from dflash.consumers.consumer_config import ConsumerConfig
 from dflash.protocol.curve import client_from
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.links import ConsumerLink
@@ -54,34 +55,6 @@ from .train import Hooks, TrainConfig, resolve_signal, train
 from .train_config import TrainState
 
 log = get_logger()
-
-
-@dataclass(frozen=True)
-class ConsumerConfig:
-    target: str
-    train: TrainConfig
-    gpu: int | None = None
-    instance: str = ""
-    broker: str = ""
-    runs_dir: str = "runs"
-    run_id: str | None = None
-    dist_init: str | None = None  # tcp://HOST:PORT rendezvous of the data-parallel group
-    dist_addr: str | None = None  # HOST:PORT offered to the broker's other ranks if we are rank 0
-    rank: int = 0
-    world_size: int = 1
-    synthetic_batches: int = 0
-    synthetic_seqs: int = 4
-    synthetic_seq_len: int = 512
-    log_level: str = "info"
-    curve_keys: str | None = None  # CurveZMQ: keys folder (dflash-keygen), None = plain TCP
-    curve_name: str | None = None
-    eval_every: int = 0  # live evaluation every N steps on rank 0 (live_eval.py), 0 = off
-    eval_prompts: str | None = None  # JSON Lines prompts for real tau (loads the whole target)
-    eval_max_new_tokens: int = 64
-    eval_limit: int | None = 8
-    inbox_bytes: int = 256 << 20  # received batches waiting, in bytes (protocol/credit.py)
-    tensorboard: str | None = None  # TensorBoard event files under DIR/<run_id> (rank 0; runtime/sinks.py)
-    wandb: str | None = None  # W&B project (rank 0; WANDB_MODE=offline: files only)
 
 
 def run(cfg: ConsumerConfig) -> None:

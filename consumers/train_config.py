@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from dflash.consumers.consumer_config import TrainConfig  # declared with its options there, re-exported here
 from dflash.protocol.training_signal import Signal
 from dflash.runtime.target_heads import TargetHeads
 from dflash.runtime.targets import default_layer_ids
@@ -22,57 +23,6 @@ from .batch import Batch
 from .loss import LOSSES, default_gamma
 from .mask_token import mask_choice
 from .record import TrainedRecord
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    # training signal (recorded in every checkpoint; see protocol/training_signal.py)
-    draft_layers: int = 5
-    target_layers: tuple[int, ...] | None = None  # None: 5 layers spaced from 1 to L-3
-    block_size: int = 16
-    anchors: int = 512  # at most, per sequence
-    anchor_every: int = 1  # one anchor per this many trainable positions (docs/TRAINING.md "Anchors")
-    gamma: float | None = None  # None: default_gamma(block_size)
-    mask_token_id: int | None = None  # None: chosen for the target (mask_token.py)
-    distill_weight: float = 0.0  # a: loss = (1 - a) CE + a KL(target || drafter); needs final_hidden batches
-    loss: str = "ce"  # ce: positions weighted exp(-(k-1)/gamma) | dpace: weights from the drafter's confidence
-    dpace_alpha: float | None = None  # D-PACE's smoothing in (0, 1]; None: 0.5 (the paper's default)
-    # optimisation
-    lr: float = 6e-4
-    min_lr: float = 0.0
-    warmup: float = 0.04  # fraction of the planned work (samples, or total_steps)
-    # The schedule's length in samples trained (docs/TRAINING.md "Schedule"); None: the
-    # broker's planned samples, else a resumed checkpoint's, else a local stream's size
-    total_samples: int | None = None
-    total_steps: int | None = None  # overrides the schedule by samples with one by optimizer steps
-    max_steps: int | None = None  # stop after this many steps (None: end of stream)
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    # Standardise each target feature column before fc, from the first batch (model.py
-    # feature_scale; export folds it into fc.weight)
-    feature_scaling: bool = True
-    feature_noise: float = 0.0  # relative Gaussian noise on target features at step 0
-    noise_schedule: str = "linear"  # constant | linear | cosine decay to 0 at total_steps
-    seed: int = 0
-    # implementation
-    loss_chunk: int = 2048  # block positions per logits chunk
-    attn: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex (block-sparse, compiled on GPU)
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
-    fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
-    # Prepare the next batch (convert it, copy it to the GPU) on a thread while the step
-    # runs (staging.py); off: in the training thread between steps, one batch less in memory
-    stage_batches: bool = True
-    # checkpoints and logs
-    save_every: int = 1000
-    keep: int = 3
-    resume: str | None = None  # checkpoint folder, run ID/folder, or "latest"
-    force: bool = False  # resume even if the training signal differs
-    log_position_every: int = 100
-    epoch_samples: int | None = None  # samples per epoch, for the epoch fraction and ETA
-    # Leave out sequences whose (epoch, sample) the weights already hold (the record):
-    # on with a broker, where a crash can make a sample again (exactly-once); off for local
-    # streams, which may repeat a batch on purpose
-    skip_held: bool = False
 
 
 @dataclass

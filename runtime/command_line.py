@@ -36,16 +36,6 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def size_option(_ctx, param, value: str | int | None) -> int | None:
-    """click callback: a size option ('256MiB') as bytes, or a usage error naming the option."""
-    if value is None:
-        return None
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param=param) from None
-
-
 # Read by every command that has the option: one host's broker, runs folder and keys are
 # the same for all its roles. Every other option's variable is DFLASH_<COMMAND>_<NAME>.
 SHARED_ENV = frozenset({"DFLASH_BROKER", "DFLASH_RUNS_DIR", "DFLASH_CURVE_KEYS", "DFLASH_CURVE_NAME"})
@@ -260,8 +250,6 @@ def _check_toml_value(path: str, key: str, value, param: click.Parameter, ctx: c
         raise click.BadParameter(f"{where} is a TOML {type(value).__name__}; --{key.replace('_', '-')} takes one value")
     try:
         param.type.convert(value, param, ctx)
-        if param.callback is size_option and value is not None:
-            parse_bytes(value)
         if isinstance(param.callback, Parsed) and value is not None:
             param.callback.parse(value)
     except click.BadParameter as e:
