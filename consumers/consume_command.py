@@ -8,9 +8,8 @@ it imports need it), so that `--help` answers at once.
 
 from __future__ import annotations
 
+from dflash.consumers.consumer_config import ConsumerConfig
 from dflash.runtime.command_line import command, config_of, config_option, default_instance, fail, option, options
-
-from .consumer_config import ConsumerConfig
 
 
 # The command's own option, no config field: it is made into ConsumerConfig.gpu (_gpu_of).

@@ -63,7 +63,7 @@ class OptionSpec:
     help: str
     text: Any  # the default as the command line writes it; dataclasses.MISSING: none (required)
     parse: Callable[[Any], Any] | None  # text -> the field's value, or None: click's type does it
-    click: dict  # further click.option arguments: type, metavar, required, callback, ...
+    click_kwargs: dict  # further click.option arguments: type, metavar, required, callback, ...
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[Any], Any] | None = None,
@@ -71,8 +71,9 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[A
     """A config dataclass field that is also the option `--<field-name>`: its default, help
     and click arguments are declared here, once, and `options` makes the option from them.
     With `parse`, `default` is written as on the command line (e.g. "4GiB") and the field
-    holds parse(default); the option's value goes through `parse` too (a ValueError is a
-    usage error naming the option)."""
+    holds parse(default); the option's value goes through `parse` too, in click (a ValueError
+    is a usage error naming the option) or, after `options(cls, parse=False)`, in the
+    command (`parse_texts`)."""
     spec = OptionSpec(help, default, parse, click_kwargs)
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata={OPTION: spec})
@@ -100,7 +101,7 @@ def option_of(name: str, field: dataclasses.Field, annotation: Any = None, parse
     flag (`--x/--no-x` when on by default); an int or float field (`annotation`) reads one.
     parse=False: a setting's `parse` is left to the command (`parse_texts`)."""
     spec: OptionSpec = field.metadata[OPTION]
-    kw = dict(spec.click)
+    kw = dict(spec.click_kwargs)
     flag = "--" + name.replace("_", "-")
     decls = [flag]
     if spec.text is not dataclasses.MISSING:
