@@ -39,13 +39,20 @@ class ClosePipes:
 
 
 @dataclass(frozen=True)
+class DropFrames:
+    """Let go of these batches' frames: trained or quarantined, never sent again."""
+
+    batch_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Publish:
     """Hand the status map to the --metrics-port endpoint."""
 
     status: dict
 
 
-Action = Send | ClosePipes | Publish
+Action = Send | ClosePipes | DropFrames | Publish
 
 
 class Outbox:
@@ -60,6 +67,10 @@ class Outbox:
     def close_pipes(self, pipes: list) -> None:
         if pipes:
             self._actions.append(ClosePipes(list(pipes)))
+
+    def drop_frames(self, batch_ids: list[str]) -> None:
+        if batch_ids:
+            self._actions.append(DropFrames(tuple(batch_ids)))
 
     def publish(self, status: dict) -> None:
         self._actions.append(Publish(status))

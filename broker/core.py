@@ -36,7 +36,7 @@ from .config import BrokerConfig
 from .delivery import Delivery, Relay
 from .dispatch import Queued
 from .facts import Facts, RunFacts
-from .inbound import BadBatch, Batch, Unreadable, connection_fields
+from .inbound import Arrival, BadBatch, Unreadable, connection_fields
 from .intake import Intake
 from .leases import MAX_OPEN_LEASES, LeasePool
 from .ledger import Ledger
@@ -99,7 +99,7 @@ class BrokerCore:
         self.facts = RunFacts(facts, ledger, self.run_dir, pool)
         self.work = Work(cfg, pool, ledger)
         self.poison = Poison(cfg.quarantine_after)  # batches refused or quarantined (quarantine.py)
-        self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, now)
+        self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, self.out, now)
         self.intake = Intake(cfg, self.facts, self.work, self.delivery, ledger, self.poison, self.replies, self.out)
         resumed = (parent.resumed_from or {}).get("checkpoint") if parent is not None else None
         # a resumed run whose newest commit is on this host's disk: its checkpoints are readable here
@@ -144,6 +144,10 @@ class BrokerCore:
     @property
     def outcome_why(self) -> str | None:
         return self.life.end.outcome_why if self.life.end is not None else None
+
+    def holds(self, batch_id: str) -> bool:
+        """Whether the batch of this ID is queued or in flight (the server keeps its frames)."""
+        return batch_id in self.delivery.batch_ids
 
     def silent(self, now: float) -> bool:
         """Whether a live peer has been silent past --timeout-s (the next tick drops it)."""
@@ -312,9 +316,10 @@ class BrokerCore:
     # ------------------------------------------------------------ data in and out
 
     @entry
-    def on_batch(self, batch: Batch, now: float) -> None:
-        named = self.sessions.table.by_id.get(batch.producer)
-        why = self.intake.accept(batch, named, now)
+    def on_batch(self, arrival: Arrival, now: float) -> None:
+        """A batch on data in; its frames stay with the server, kept while `holds` its ID."""
+        named = self.sessions.table.by_id.get(arrival.batch.producer)
+        why = self.intake.accept(arrival, named, now)
         if why is not None:  # its own producer sent a batch that does not fit the run
             self._drop(named, "lost", why, now)
 
@@ -324,8 +329,8 @@ class BrokerCore:
         self.replies.log_bad("data_in", bad.sender, bad.reason, now, **connection_fields(bad.conn))
 
     def dispatch(self, relay: Relay, now: float) -> list[tuple[ConsumerSession, Queued]]:
-        """Hand queued batches to consumers by credit; `relay(pipes, frames)` is the server's
-        non-blocking send (False: no stream of that consumer can take it now)."""
+        """Hand queued batches to consumers by credit; `relay(pipes, batch_id)` is the server's
+        non-blocking send of that batch's frames (False: no stream of that consumer can take it now)."""
         return self.delivery.dispatch(self.sessions.table.consumers(), relay, now,
                                       draining=self.life.phase is Phase.DRAINING)
 

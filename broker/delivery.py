@@ -12,6 +12,7 @@ from typing import Callable
 
 from dflash.runtime.logs import get_logger
 
+from .actions import Outbox
 from .config import MAX_CREDIT
 from .dispatch import BatchQueue, Queued, dispatch, wants_batch
 from .ledger import Ledger
@@ -23,14 +24,15 @@ from .work import Work
 
 log = get_logger()
 
-# relay(pipes, frames) -> whether one of a consumer's data streams took the batch's frames now
-Relay = Callable[[Pipes, list], bool]
+# relay(pipes, batch_id) -> whether one of a consumer's data streams took that batch's frames now
+Relay = Callable[[Pipes, str], bool]
 
 
 class Delivery:
-    def __init__(self, queue_bytes: int, ledger: Ledger, work: Work, poison: Poison, replies: Replies, now: float):
+    def __init__(self, queue_bytes: int, ledger: Ledger, work: Work, poison: Poison, replies: Replies, out: Outbox,
+                 now: float):
         self.queue = BatchQueue(queue_bytes)
-        self.ledger, self.work, self.poison, self.replies = ledger, work, poison, replies
+        self.ledger, self.work, self.poison, self.replies, self.out = ledger, work, poison, replies, out
         self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
         self.rate_in, self.rate_out = RateMeter(), RateMeter()
         self.full_share = TimeShare(now)  # how much of the last 10 s producers were blocked
@@ -54,7 +56,7 @@ class Delivery:
             self.blocked = False
             return []
         queue = self.queue
-        sent = dispatch(queue, consumers, lambda c, q: relay(c.pipes, q.batch.frames), now) if queue else ()
+        sent = dispatch(queue, consumers, lambda c, q: relay(c.pipes, q.batch_id), now) if queue else ()
         for c, q in sent:
             self.ledger.delivered(q, c.id)
             c.delivered += 1
@@ -72,7 +74,7 @@ class Delivery:
 
     def acked(self, c: ConsumerSession, batch_ids: list, step: int, now: float) -> list[Queued]:
         """The batches of `batch_ids` that `c` held: no longer the broker's to hold or send
-        (their frames let go). An ID it does not hold is logged (broker.ack_unknown)."""
+        (the server lets their frames go). An ID it does not hold is logged (broker.ack_unknown)."""
         unknown, trained = [], []
         for bid in batch_ids:
             q = c.in_flight.pop(bid, None) if isinstance(bid, str) else None
@@ -81,9 +83,9 @@ class Delivery:
                 continue
             self.batch_ids.discard(bid)
             self.queue.release(q)
-            q.batch.frames.clear()  # trained: never sent again (a rewind makes its samples anew)
             c.acked += 1
             trained.append(q)
+        self.out.drop_frames([q.batch_id for q in trained])  # never sent again (a rewind makes its samples anew)
         if trained:
             if c.acked > len(trained):  # a gap between two acks: how slow this consumer's steps are
                 c.slowest_ack_gap = max(c.slowest_ack_gap, now - c.progress_at)
@@ -121,7 +123,7 @@ class Delivery:
         del c.in_flight[q.batch_id]
         self.batch_ids.discard(q.batch_id)
         self.queue.release(q)
-        q.batch.frames.clear()  # never delivered again
+        self.out.drop_frames([q.batch_id])  # never delivered again
         fault, reason = clip(fault, 64) or "unknown", clip(reason, MAX_REASON)
         b = q.batch
         remade, aside = self.poison.split(b.epoch, b.samples)

@@ -27,11 +27,11 @@ from dflash.runtime.logs import get_logger, run_file_error
 from dflash.runtime.run import StorageError
 
 from . import lighthouse, monitor, security
-from .actions import ClosePipes, Publish, Send
+from .actions import ClosePipes, DropFrames, Publish, Send
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
 from .core import BrokerCore
-from .inbound import BadBatch, Batch, Unreadable, connection, control_message
+from .inbound import Arrival, BadBatch, Unreadable, connection, control_message
 from .metrics import MetricsServer
 from .peers import Pipes
 from .replies import LogGate
@@ -59,6 +59,9 @@ class Broker:
         self.curve = self.auth = self.control = self.data_in = self.metrics = self.lighthouse = None
         self.ctx = None
         self.monitors: dict = {}  # monitor socket -> (the socket it watches, its name): handshake failures
+        # batch ID -> the frames it came in, while the core holds the batch (queued or in
+        # flight): relayed as they are, let go when the core says (DropFrames) or at close
+        self.frames: dict[str, list] = {}
         self.handshakes = monitor.HandshakeLog(curve=bool(cfg.curve_keys))
         self.send_gate = LogGate(time.monotonic())  # broker.send_failed lines, rate-limited
         # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
@@ -252,23 +255,17 @@ class Broker:
         except ProtocolError as e:
             bad = BadBatch(sender(frames), e.reason, connection(frames[0]) if frames else {})
             return self.do(self.core.on_bad_batch(bad, now))
-        batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
-        self.do(self.core.on_batch(batch, now))
+        arrival = Arrival.read(msg.header, frames, payload)
+        batch_id = arrival.batch.batch_id
+        try:
+            self.do(self.core.on_batch(arrival, now))
+        finally:  # queued (even by an entry that then raised): its frames are kept for the relay
+            if batch_id not in self.frames and self.core.holds(batch_id):
+                self.frames[batch_id] = frames
 
-    @staticmethod
-    def _send_batch(pipes: Pipes, frames: list) -> bool:
-        """Send on the consumer's next data stream that takes it (streams in turn)."""
-        n = len(pipes.socks)
-        for i in range(n):
-            s = (pipes.next + i) % n
-            try:
-                # The very frames that came in, tensor buffers untouched (copy=False).
-                send_frames(pipes.socks[s], frames, zmq.NOBLOCK)
-            except zmq.Again:  # not connected (yet), or full: try the next stream
-                continue
-            pipes.next = s + 1
-            return True
-        return False  # no stream took it: the batch stays queued
+    def _send_batch(self, pipes: Pipes, batch_id: str) -> bool:
+        """Send that batch's frames on the consumer's next data stream that takes them."""
+        return send_in_turn(pipes, self.frames[batch_id])
 
     def _bind_pipe(self, port: int, thread: int):
         """A consumer's data-out PUSH on `port`, on I/O thread `thread`; None if the port is taken."""
@@ -287,6 +284,9 @@ class Broker:
             elif isinstance(a, ClosePipes):
                 for sock in a.pipes:
                     sock.close(linger=0)
+            elif isinstance(a, DropFrames):
+                for batch_id in a.batch_ids:
+                    self.frames.pop(batch_id, None)
             elif isinstance(a, Publish):
                 if self.metrics is not None:
                     self.metrics.publish(a.status)
@@ -322,8 +322,24 @@ class Broker:
             self.metrics.close()
         if self.lighthouse is not None:
             self.lighthouse.close()
+        self.frames.clear()
         if self.ctx is not None:
             self.ctx.term()
+
+
+def send_in_turn(pipes: Pipes, frames: list) -> bool:
+    """Send `frames` on the consumer's next data stream that takes them (streams in turn)."""
+    n = len(pipes.socks)
+    for i in range(n):
+        s = (pipes.next + i) % n
+        try:
+            # The very frames that came in, tensor buffers untouched (copy=False).
+            send_frames(pipes.socks[s], frames, zmq.NOBLOCK)
+        except zmq.Again:  # not connected (yet), or full: try the next stream
+            continue
+        pipes.next = s + 1
+        return True
+    return False  # no stream took it: the batch stays queued
 
 
 def sender(frames: list) -> str:

@@ -203,7 +203,7 @@ class RecordingSocket:
 
 
 def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
-    from dflash.broker.server import Broker
+    from dflash.broker.server import send_in_turn
 
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -213,7 +213,7 @@ def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
     frames = pull.recv_multipart(copy=False)
     sock = RecordingSocket()
     c = Pipes([sock], [0], [7000], ["tcp://h:7000"])
-    assert Broker._send_batch(c, frames)
+    assert send_in_turn(c, frames)
     assert [f for f, _, _ in sock.calls] == frames and all(a is b for a, b in zip((f for f, _, _ in sock.calls), frames))
     assert all(isinstance(f, zmq.Frame) for f, _, _ in sock.calls)  # the zmq frames themselves
     assert all(copy is False and flags & zmq.NOBLOCK for _, flags, copy in sock.calls)
@@ -223,18 +223,18 @@ def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
 
 
 def test_batches_take_a_consumers_data_streams_in_turn_and_skip_one_that_refuses():
-    from dflash.broker.server import Broker
+    from dflash.broker.server import send_in_turn
 
     s0, s1 = RecordingSocket(), RecordingSocket()
     c = Pipes([s0, s1], [0, 0], [7000, 7001], ["tcp://h:7000", "tcp://h:7001"])
     batches = [[f"h{i}".encode(), b"t" * 8] for i in range(6)]
     for b in batches[:4]:
-        assert Broker._send_batch(c, b)
+        assert send_in_turn(c, b)
     assert [m[0] for m in s0.messages()] == [b"h0", b"h2"] and [m[0] for m in s1.messages()] == [b"h1", b"h3"]
     s0.full = True  # not connected, or full: the other stream takes the batch
-    assert Broker._send_batch(c, batches[4]) and s1.messages()[-1][0] == b"h4"
+    assert send_in_turn(c, batches[4]) and s1.messages()[-1][0] == b"h4"
     s1.full = True
-    assert not Broker._send_batch(c, batches[5])  # no stream took it: it stays queued
+    assert not send_in_turn(c, batches[5])  # no stream took it: it stays queued
     assert sum(len(s.messages()) for s in (s0, s1)) == 5
 
 

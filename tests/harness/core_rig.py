@@ -1,8 +1,9 @@
 """A `BrokerCore` in-process, without sockets or a broker process, driven as the server
 drives it: each control message a peer would send is a header that goes through the codec's
 checks and broker/inbound.py's `control_message` to the core's typed entry point for its
-type; each batch is a typed `Batch` with frames beside it; time is an injected clock that
-only the test moves. A real SQLite ledger and run.json in the test's folder.
+type; each batch is an `Arrival` (its typed `Batch`), its frames kept here by batch ID as
+the server keeps them; time is an injected clock that only the test moves. A real SQLite
+ledger and run.json in the test's folder.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from __future__ import annotations
 import sqlite3
 
 from dflash.broker import runinfo
-from dflash.broker.actions import Send
+from dflash.broker.actions import DropFrames, Send
 from dflash.broker.config import BrokerConfig
 from dflash.broker.core import BrokerCore
 from dflash.broker.dispatch import Queued
-from dflash.broker.inbound import Batch, Unreadable, control_message
+from dflash.broker.inbound import Arrival, Unreadable, control_message
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import CONTROL_TO_BROKER
+from dflash.protocol.messages import CONTROL_TO_BROKER, Batch
 
 RUN = "run-core-test"
 N = 8  # samples in the dataset
@@ -49,6 +50,7 @@ class Rig:
         self.now = T0
         self.taken: set[int] = set()
         self.bound: list[Pipe] = []
+        self.frames: dict[str, list] = {}  # batch ID -> its frames, while the core holds it (as the server)
         self.core = BrokerCore(BrokerConfig(**opts), RUN, tmp_path, "testhost", now=self.now, wall=WALL0,
                                bind_pipe=self._bind, parent=parent, streams=streams)
         runinfo.start(tmp_path, RUN, {}, self.core.endpoints, "main")  # as dflash-broker does
@@ -77,7 +79,7 @@ class Rig:
         msg = control_message(h, error, RUN)
         if isinstance(msg, Unreadable):
             return self.core.on_unreadable(identity, msg, now)
-        return getattr(self.core, ENTRY[msg.type])(identity, msg, now)
+        return self.keep(getattr(self.core, ENTRY[msg.type])(identity, msg, now))
 
     def control(self, identity: bytes, type_: str, *, run: str | None = RUN, v: int = 1, now=None, **fields):
         h = {"v": v, "type": type_, **({"run": run} if run is not None else {}), **fields}
@@ -93,22 +95,37 @@ class Rig:
 
     def batch(self, producer: str, lease: int, epoch: int, samples: list[int], batch_id: str | None = None):
         bid = batch_id or f"{producer}-{lease}-{samples[0]}"
-        b = Batch(bid, producer, lease, epoch, list(samples), [4] * len(samples), [1, 2], payload_bytes=100,
-                  header_bytes=10, frames=[bid.encode(), b"t" * 100])
-        return self.core.on_batch(b, self.now)
+        b = Batch(bid, producer, lease, epoch, list(samples), [4] * len(samples), [1, 2])
+        return self.arrive(Arrival(b, payload_bytes=100, header_bytes=10), [bid.encode(), b"t" * 100])
 
-    def relay(self, pipes, frames) -> bool:
+    def arrive(self, arrival: Arrival, frames: list) -> list:
+        """A batch on data in, as the server hands it over: its frames kept while the core holds it."""
+        out = self.keep(self.core.on_batch(arrival, self.now))
+        bid = arrival.batch.batch_id
+        if bid not in self.frames and self.core.holds(bid):
+            self.frames[bid] = frames
+        return out
+
+    def keep(self, actions: list) -> list:
+        """What the server does with frames: lets go of those the core drops."""
+        for a in actions:
+            if isinstance(a, DropFrames):
+                for bid in a.batch_ids:
+                    self.frames.pop(bid, None)
+        return actions
+
+    def relay(self, pipes, batch_id: str) -> bool:
         pipe = pipes.socks[0]
         if pipe.full:
             return False
-        pipe.sent.append(bytes(frames[0]).decode())
+        pipe.sent.append(bytes(self.frames[batch_id][0]).decode())
         return True
 
     def dispatch(self) -> list:
         return self.core.dispatch(self.relay, self.now)
 
     def tick(self, now: float | None = None) -> list:
-        return self.core.tick(self.now if now is None else now)
+        return self.keep(self.core.tick(self.now if now is None else now))
 
     def status(self) -> dict:
         return self.core.status_map(self.now)
@@ -159,9 +176,8 @@ def ledger_states(core) -> dict[str, int]:
         db.close()
 
 
-def queued(batch_id: str, samples: list[int], tokens: int, nbytes: int, frames: list | None = None, *,
-           producer: str = "p1", lease: int = 1, epoch: int = 0, now: float = T0) -> Queued:
+def queued(batch_id: str, samples: list[int], tokens: int, nbytes: int, *, producer: str = "p1", lease: int = 1,
+           epoch: int = 0, now: float = T0) -> Queued:
     """A batch as the broker holds it (dispatch.Queued) of `tokens` tokens in all."""
     seq_lens = [tokens - (len(samples) - 1)] + [1] * (len(samples) - 1)
-    return Queued(Batch(batch_id, producer, lease, epoch, list(samples), seq_lens, [1], frames=list(frames or [])),
-                  nbytes, now)
+    return Queued(Batch(batch_id, producer, lease, epoch, list(samples), seq_lens, [1]), nbytes, now)
