@@ -10,12 +10,15 @@
 - facts.py `RunFacts`: the run's target and dataset; phase.py `Lifecycle`: how the run ends;
 - status.py `StatusMap`: the status map, progress lines and the broker's heartbeat figures.
 
-Each entry point takes one typed message (protocol/messages.py, or inbound.py's `Unreadable`
-and `BadBatch`) and `now`, the server's monotonic clock: no part reads a clock of its own,
+Each entry point takes one typed message (protocol/messages.py, or inbound.py's `Unreadable`,
+`Arrival` and `BadBatch`) and `now`, the server's monotonic clock: no part reads a clock of its own,
 so tests drive the core with an injected one (tests/broker/test_core.py). Parts write what
 is to be done into one outbox (actions.py); each entry point returns those actions for the
-server (server.py) to carry out with its sockets. Only the core knows every part: it does
-what a message means across them (a session that ends gives back its leases or batches).
+server (server.py) to carry out. The core holds no socket and no frame: it names a
+consumer's pipes by port and a batch by its ID, and what the server did comes back as data
+(the ports that bound, `on_pipes`; the pipe that took a batch, `relayed`). Only the core
+knows every part: it does what a message means across them (a session that ends gives back
+its leases or batches).
 """
 
 from __future__ import annotations
@@ -29,12 +32,11 @@ from dflash.protocol.messages import (CONTROL_MAX_BYTES, Ack, Bye, Commit, Credi
 from dflash.runtime.logs import get_logger
 
 from . import resume, runinfo
-from .actions import Action, Outbox
+from .actions import Action, OpenPipes, Outbox, Relay
 from .budget import Budget
 from .commits import Commits, lineage_of
 from .config import BrokerConfig
-from .delivery import Delivery, Relay
-from .dispatch import Queued
+from .delivery import Delivery
 from .facts import Facts, RunFacts
 from .inbound import Arrival, BadBatch, Unreadable, connection_fields
 from .intake import Intake
@@ -47,7 +49,7 @@ from .phase import JobLost, Lifecycle, Phase, RunEnd
 from .quarantine import Poison
 from .replies import Replies, clip
 from .resume import Parent
-from .sessions import PipeBinder, Sessions
+from .sessions import Sessions
 from .status import StatusMap
 from .work import Work
 
@@ -77,12 +79,12 @@ def entry(fn):
 
 class BrokerCore:
     def __init__(self, cfg: BrokerConfig, run_id: str, run_dir: Path, hostname: str, *, now: float, wall: float,
-                 bind_pipe: PipeBinder, parent: Parent | None = None, pipe_threads: list[int] | None = None,
-                 streams: int = 1, producer_streams: int = 1):
-        """`now` and `wall`: the monotonic and the wall clock at this moment; `bind_pipe` binds
-        a consumer's data-out port; `pipe_threads` are the I/O threads (affinity masks) pipes
-        may take; `streams` pipes per consumer, `producer_streams` connections per producer;
-        `parent` the run this one resumes (resume.py)."""
+                 parent: Parent | None = None, pipe_threads: list[int] | None = None, streams: int = 1,
+                 producer_streams: int = 1):
+        """`now` and `wall`: the monotonic and the wall clock at this moment; `pipe_threads`
+        are the I/O threads (affinity masks) a consumer's pipes may take; `streams` pipes per
+        consumer, `producer_streams` connections per producer; `parent` the run this one
+        resumes (resume.py)."""
         self.cfg, self.run_id, self.run_dir = cfg, run_id, Path(run_dir)
         advertise = cfg.host_to_advertise(hostname)
         self.endpoints = endpoints(cfg, advertise)
@@ -107,8 +109,7 @@ class BrokerCore:
                                shared_disk=isinstance(resumed, str) and Path(resumed).is_absolute()
                                and Path(resumed).is_dir())
         self.sessions = Sessions(cfg, run_id, self.endpoints["data_in"], advertise=advertise, streams=streams,
-                                 producer_streams=producer_streams, bind_pipe=bind_pipe,
-                                 pipe_threads=pipe_threads or [0], facts=self.facts, ledger=ledger, life=self.life,
+                                 producer_streams=producer_streams, pipe_threads=pipe_threads or [0], facts=self.facts, ledger=ledger, life=self.life,
                                  parent=parent, replies=self.replies, out=self.out, wall=wall_clock)
         self.status = StatusMap(cfg, run_id, self.run_dir, hostname, self.endpoints, sessions=self.sessions,
                                 work=self.work, delivery=self.delivery, commits=self.commits, facts=self.facts,
@@ -194,9 +195,16 @@ class BrokerCore:
 
     @entry
     def on_hello(self, identity: bytes, m: Hello, now: float, key: str | None = None) -> None:
-        """`key`: the authorised Curve key's name this connection used (None without Curve)."""
+        """`key`: the authorised Curve key's name this connection used (None without Curve).
+        A consumer's hello that passes its checks returns `OpenPipes`: it goes on in `on_pipes`."""
         self.sessions.heard(identity, m.type, now)
         self.sessions.hello(identity, m, key, now)
+
+    @entry
+    def on_pipes(self, opened: OpenPipes, ports: list[int]) -> None:
+        """The server carried out `opened`: `ports` are those that bound, in order (the
+        consumer's hello is welcomed, or refused `full` and those ports closed again)."""
+        self.sessions.pipes_bound(opened.joining, opened.threads, ports)
 
     @entry
     def on_lease(self, identity: bytes, m: LeaseAsk, now: float) -> None:
@@ -328,11 +336,15 @@ class BrokerCore:
         """A data-in message the codec refused."""
         self.replies.log_bad("data_in", bad.sender, bad.reason, now, **connection_fields(bad.conn))
 
-    def dispatch(self, relay: Relay, now: float) -> list[tuple[ConsumerSession, Queued]]:
-        """Hand queued batches to consumers by credit; `relay(pipes, batch_id)` is the server's
-        non-blocking send of that batch's frames (False: no stream of that consumer can take it now)."""
-        return self.delivery.dispatch(self.sessions.table.consumers(), relay, now,
-                                      draining=self.life.phase is Phase.DRAINING)
+    def dispatch(self, now: float) -> Relay | None:
+        """Start a round of dispatch (PROTOCOL.md 4.5): the first queued batch to relay to a
+        consumer with credit, or None. The server answers each with `relayed`."""
+        return self.delivery.dispatch(self.sessions.table.consumers(), now, draining=self.life.phase is Phase.DRAINING)
+
+    def relayed(self, relay: Relay, port: int | None, now: float) -> Relay | None:
+        """`relay` went out on the consumer's pipe on `port` (None: no pipe of it could take
+        it now, so it stays queued); returns the next batch to relay, or None."""
+        return self.delivery.relayed(relay, port, now)
 
     # ------------------------------------------------------------ time and signals
 

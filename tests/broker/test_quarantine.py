@@ -101,7 +101,7 @@ def test_a_batch_every_consumer_fails_on_is_quarantined_made_again_once_then_set
     assert not sent(fail_on(rig, b"c1", bid), "reject")
     assert rig.core.delivery.queue.peek().batch_id == bid and rig.core.delivery.queue.peek().failures == ["c1"]  # requeued first
     rig.consumer(b"c2")
-    assert [b.batch_id for _, b in rig.dispatch()] == [bid]
+    assert [r.batch_id for r in rig.dispatch()] == [bid]
     fail_on(rig, b"c2", bid)  # the second consumer fails too (--quarantine-after 2): quarantined
     assert len(rig.core.delivery.queue) == 0 and bid not in rig.core.delivery.batch_ids and rig.core.delivery.queue.in_flight_bytes == 0
     assert rig.core.work.pool.pending() == 8  # its 4 samples went back to the pool, to be made again
