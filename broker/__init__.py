@@ -1,13 +1,14 @@
 """dflash.broker: the run's one broker (`dflash-broker`).
 
-The server (sockets, the loop, the relay) decodes each message to its type and calls the
-core's entry point for it; the core (no sockets, no clock of its own) holds the run as a
-few parts, each the owner of its rules, and returns actions for the server to carry out.
+The server (every socket and every held batch's frames, the loop, the relay) decodes each
+message to its type and calls the core's entry point for it; the core (no sockets, no
+frames, no clock of its own) holds the run as a few parts, each the owner of its rules, and
+returns actions for the server to carry out.
 
     server.py     sockets, poller, I/O thread affinity, decoding, the relay; carries out actions
     core.py       BrokerCore: the typed entry points, and what a message means across the parts
     inbound.py    what reaches the core: typed messages, refusals before a session, batches
-    actions.py    what the core asks the server to do (send, close pipes, publish status)
+    actions.py    what the core asks the server to do (send, open/close pipes, drop frames, publish)
   the parts:
     sessions.py   hello -> welcome / reject, pipes and ranks, heartbeats, who went silent
     work.py       work leases: grant, done, incomplete, given back

@@ -10,12 +10,15 @@
 - facts.py `RunFacts`: the run's target and dataset; phase.py `Lifecycle`: how the run ends;
 - status.py `StatusMap`: the status map, progress lines and the broker's heartbeat figures.
 
-Each entry point takes one typed message (protocol/messages.py, or inbound.py's `Unreadable`
-and `BadBatch`) and `now`, the server's monotonic clock: no part reads a clock of its own,
+Each entry point takes one typed message (protocol/messages.py, or inbound.py's `Unreadable`,
+`Arrival` and `BadBatch`) and `now`, the server's monotonic clock: no part reads a clock of its own,
 so tests drive the core with an injected one (tests/broker/test_core.py). Parts write what
 is to be done into one outbox (actions.py); each entry point returns those actions for the
-server (server.py) to carry out with its sockets. Only the core knows every part: it does
-what a message means across them (a session that ends gives back its leases or batches).
+server (server.py) to carry out. The core holds no socket and no frame: it names a
+consumer's pipes by port and a batch by its ID, and what the server did comes back as data
+(the ports that bound, `on_pipes`; the pipe that took a batch, `relayed`). Only the core
+knows every part: it does what a message means across them (a session that ends gives back
+its leases or batches).
 """
 
 from __future__ import annotations
@@ -29,14 +32,13 @@ from dflash.protocol.messages import (CONTROL_MAX_BYTES, Ack, Bye, Commit, Credi
 from dflash.runtime.logs import get_logger
 
 from . import resume, runinfo
-from .actions import Action, Outbox
+from .actions import Action, OpenPipes, Outbox, Relay
 from .budget import Budget
 from .commits import Commits, lineage_of
 from .config import BrokerConfig
-from .delivery import Delivery, Relay
-from .dispatch import Queued
+from .delivery import Delivery
 from .facts import Facts, RunFacts
-from .inbound import BadBatch, Batch, Unreadable, connection_fields
+from .inbound import Arrival, BadBatch, Unreadable, connection_fields
 from .intake import Intake
 from .leases import MAX_OPEN_LEASES, LeasePool
 from .ledger import Ledger
@@ -47,7 +49,7 @@ from .phase import JobLost, Lifecycle, Phase, RunEnd
 from .quarantine import Poison
 from .replies import Replies, clip
 from .resume import Parent
-from .sessions import PipeBinder, Sessions
+from .sessions import Sessions
 from .status import StatusMap
 from .work import Work
 
@@ -77,12 +79,12 @@ def entry(fn):
 
 class BrokerCore:
     def __init__(self, cfg: BrokerConfig, run_id: str, run_dir: Path, hostname: str, *, now: float, wall: float,
-                 bind_pipe: PipeBinder, parent: Parent | None = None, pipe_threads: list[int] | None = None,
-                 streams: int = 1, producer_streams: int = 1):
-        """`now` and `wall`: the monotonic and the wall clock at this moment; `bind_pipe` binds
-        a consumer's data-out port; `pipe_threads` are the I/O threads (affinity masks) pipes
-        may take; `streams` pipes per consumer, `producer_streams` connections per producer;
-        `parent` the run this one resumes (resume.py)."""
+                 parent: Parent | None = None, pipe_threads: list[int] | None = None, streams: int = 1,
+                 producer_streams: int = 1):
+        """`now` and `wall`: the monotonic and the wall clock at this moment; `pipe_threads`
+        are the I/O threads (affinity masks) a consumer's pipes may take; `streams` pipes per
+        consumer, `producer_streams` connections per producer; `parent` the run this one
+        resumes (resume.py)."""
         self.cfg, self.run_id, self.run_dir = cfg, run_id, Path(run_dir)
         advertise = cfg.host_to_advertise(hostname)
         self.endpoints = endpoints(cfg, advertise)
@@ -99,7 +101,7 @@ class BrokerCore:
         self.facts = RunFacts(facts, ledger, self.run_dir, pool)
         self.work = Work(cfg, pool, ledger)
         self.poison = Poison(cfg.quarantine_after)  # batches refused or quarantined (quarantine.py)
-        self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, now)
+        self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, self.out, now)
         self.intake = Intake(cfg, self.facts, self.work, self.delivery, ledger, self.poison, self.replies, self.out)
         resumed = (parent.resumed_from or {}).get("checkpoint") if parent is not None else None
         # a resumed run whose newest commit is on this host's disk: its checkpoints are readable here
@@ -107,8 +109,7 @@ class BrokerCore:
                                shared_disk=isinstance(resumed, str) and Path(resumed).is_absolute()
                                and Path(resumed).is_dir())
         self.sessions = Sessions(cfg, run_id, self.endpoints["data_in"], advertise=advertise, streams=streams,
-                                 producer_streams=producer_streams, bind_pipe=bind_pipe,
-                                 pipe_threads=pipe_threads or [0], facts=self.facts, ledger=ledger, life=self.life,
+                                 producer_streams=producer_streams, pipe_threads=pipe_threads or [0], facts=self.facts, ledger=ledger, life=self.life,
                                  parent=parent, replies=self.replies, out=self.out, wall=wall_clock)
         self.status = StatusMap(cfg, run_id, self.run_dir, hostname, self.endpoints, sessions=self.sessions,
                                 work=self.work, delivery=self.delivery, commits=self.commits, facts=self.facts,
@@ -144,6 +145,10 @@ class BrokerCore:
     @property
     def outcome_why(self) -> str | None:
         return self.life.end.outcome_why if self.life.end is not None else None
+
+    def holds(self, batch_id: str) -> bool:
+        """Whether the batch of this ID is queued or in flight (the server keeps its frames)."""
+        return batch_id in self.delivery.batch_ids
 
     def silent(self, now: float) -> bool:
         """Whether a live peer has been silent past --timeout-s (the next tick drops it)."""
@@ -190,9 +195,16 @@ class BrokerCore:
 
     @entry
     def on_hello(self, identity: bytes, m: Hello, now: float, key: str | None = None) -> None:
-        """`key`: the authorised Curve key's name this connection used (None without Curve)."""
+        """`key`: the authorised Curve key's name this connection used (None without Curve).
+        A consumer's hello that passes its checks returns `OpenPipes`: it goes on in `on_pipes`."""
         self.sessions.heard(identity, m.type, now)
         self.sessions.hello(identity, m, key, now)
+
+    @entry
+    def on_pipes(self, opened: OpenPipes, ports: list[int]) -> None:
+        """The server carried out `opened`: `ports` are those that bound, in order (the
+        consumer's hello is welcomed, or refused `full` and those ports closed again)."""
+        self.sessions.pipes_bound(opened.joining, opened.threads, ports)
 
     @entry
     def on_lease(self, identity: bytes, m: LeaseAsk, now: float) -> None:
@@ -312,9 +324,10 @@ class BrokerCore:
     # ------------------------------------------------------------ data in and out
 
     @entry
-    def on_batch(self, batch: Batch, now: float) -> None:
-        named = self.sessions.table.by_id.get(batch.producer)
-        why = self.intake.accept(batch, named, now)
+    def on_batch(self, arrival: Arrival, now: float) -> None:
+        """A batch on data in; its frames stay with the server, kept while `holds` its ID."""
+        named = self.sessions.table.by_id.get(arrival.batch.producer)
+        why = self.intake.accept(arrival, named, now)
         if why is not None:  # its own producer sent a batch that does not fit the run
             self._drop(named, "lost", why, now)
 
@@ -323,11 +336,15 @@ class BrokerCore:
         """A data-in message the codec refused."""
         self.replies.log_bad("data_in", bad.sender, bad.reason, now, **connection_fields(bad.conn))
 
-    def dispatch(self, relay: Relay, now: float) -> list[tuple[ConsumerSession, Queued]]:
-        """Hand queued batches to consumers by credit; `relay(pipes, frames)` is the server's
-        non-blocking send (False: no stream of that consumer can take it now)."""
-        return self.delivery.dispatch(self.sessions.table.consumers(), relay, now,
-                                      draining=self.life.phase is Phase.DRAINING)
+    def dispatch(self, now: float) -> Relay | None:
+        """Start a round of dispatch (PROTOCOL.md 4.5): the first queued batch to relay to a
+        consumer with credit, or None. The server answers each with `relayed`."""
+        return self.delivery.dispatch(self.sessions.table.consumers(), now, draining=self.life.phase is Phase.DRAINING)
+
+    def relayed(self, relay: Relay, port: int | None, now: float) -> Relay | None:
+        """`relay` went out on the consumer's pipe on `port` (None: no pipe of it could take
+        it now, so it stays queued); returns the next batch to relay, or None."""
+        return self.delivery.relayed(relay, port, now)
 
     # ------------------------------------------------------------ time and signals
 

@@ -8,33 +8,32 @@ rates the status map shows, and what a consumer session counts of its batches.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from dflash.runtime.logs import get_logger
 
+from .actions import Outbox, Relay
 from .config import MAX_CREDIT
-from .dispatch import BatchQueue, Queued, dispatch, wants_batch
+from .dispatch import BatchQueue, Queued, Round, wants_batch
 from .ledger import Ledger
 from .liveness import RateMeter, TimeShare
-from .peers import ConsumerHeld, ConsumerSession, Pipes
+from .peers import ConsumerHeld, ConsumerSession
 from .quarantine import Poison
 from .replies import MAX_REASON, Replies, clip
 from .work import Work
 
 log = get_logger()
 
-# relay(pipes, frames) -> whether one of a consumer's data streams took the batch's frames now
-Relay = Callable[[Pipes, list], bool]
-
 
 class Delivery:
-    def __init__(self, queue_bytes: int, ledger: Ledger, work: Work, poison: Poison, replies: Replies, now: float):
+    def __init__(self, queue_bytes: int, ledger: Ledger, work: Work, poison: Poison, replies: Replies, out: Outbox,
+                 now: float):
         self.queue = BatchQueue(queue_bytes)
-        self.ledger, self.work, self.poison, self.replies = ledger, work, poison, replies
+        self.ledger, self.work, self.poison, self.replies, self.out = ledger, work, poison, replies, out
         self.batch_ids: set[str] = set()  # queued or in flight: a batch_id is unique in the run
         self.rate_in, self.rate_out = RateMeter(), RateMeter()
         self.full_share = TimeShare(now)  # how much of the last 10 s producers were blocked
         self.blocked = False  # a batch waits on a consumer pipe that is not connected yet
+        self.round: Round | None = None  # the round of dispatch under way, and its pick in hand
+        self.pick: tuple[Relay, ConsumerSession, Queued] | None = None
 
     def push(self, q: Queued, now: float) -> None:
         """A batch accepted at intake joins the queue."""
@@ -46,21 +45,45 @@ class Delivery:
     def credit(self, c: ConsumerSession, n: int) -> None:
         c.credit = min(MAX_CREDIT, c.credit + n)
 
-    def dispatch(self, consumers: list[ConsumerSession], relay: Relay, now: float,
-                 draining: bool) -> list[tuple[ConsumerSession, Queued]]:
-        """Hand queued batches to consumers by credit (none while `draining`: stopping
-        consumers train nothing more, the batches stay here)."""
+    def dispatch(self, consumers: list[ConsumerSession], now: float, draining: bool) -> Relay | None:
+        """Start a round of dispatch by credit (dispatch.Round): the first batch to relay, or
+        None (none while `draining`: stopping consumers train nothing more, the batches stay
+        here). The server answers each with `relayed`."""
+        self.pick = None
         if draining:
-            self.blocked = False
-            return []
-        queue = self.queue
-        sent = dispatch(queue, consumers, lambda c, q: relay(c.pipes, q.batch.frames), now) if queue else ()
-        for c, q in sent:
+            self.round, self.blocked = None, False
+            return None
+        self.round = Round(self.queue, consumers)
+        return self.next_pick(now)
+
+    def relayed(self, relay: Relay, port: int | None, now: float) -> Relay | None:
+        """The server's answer to `relay`, the pick in hand: the port whose pipe took the
+        batch, or None (none could now: that consumer sits out the round). Returns the next
+        batch to relay, or None when the round is over."""
+        if self.pick is None or self.pick[0] is not relay:
+            raise ValueError(f"{relay} is not the batch this round picked")
+        _, c, q = self.pick
+        if port is None:
+            self.round.refused(c)
+        else:
+            self.round.took(c, now)
+            c.pipes.took(port)
             self.ledger.delivered(q, c.id)
             c.delivered += 1
             c.rate_in.add(1, now)
             c.rate_tokens.add(q.batch.tokens, now)
             self.rate_out.add(1, now)
+        return self.next_pick(now)
+
+    def next_pick(self, now: float) -> Relay | None:
+        """The round's next batch to relay; at its end (None) what the status map shows of it."""
+        pick = self.round.offer()
+        if pick is not None:
+            c, q = pick
+            self.pick = (Relay(c.id, q.batch_id, c.pipes.in_turn()), c, q)
+            return self.pick[0]
+        queue, consumers = self.queue, self.round.consumers
+        self.round = self.pick = None
         # Batches left while a consumer wants one: its pipe refused (not connected yet).
         self.blocked = bool(queue) and any(wants_batch(c) for c in consumers)
         for c in consumers:  # how long a consumer has had credit and no batch
@@ -68,11 +91,11 @@ class Delivery:
             c.waiting_since = (c.waiting_since or now) if hungry else None
             c.wait_share.update(hungry, now)
         self.full_share.update(not queue.has_room(), now)
-        return list(sent)
+        return None
 
     def acked(self, c: ConsumerSession, batch_ids: list, step: int, now: float) -> list[Queued]:
         """The batches of `batch_ids` that `c` held: no longer the broker's to hold or send
-        (their frames let go). An ID it does not hold is logged (broker.ack_unknown)."""
+        (the server lets their frames go). An ID it does not hold is logged (broker.ack_unknown)."""
         unknown, trained = [], []
         for bid in batch_ids:
             q = c.in_flight.pop(bid, None) if isinstance(bid, str) else None
@@ -81,9 +104,9 @@ class Delivery:
                 continue
             self.batch_ids.discard(bid)
             self.queue.release(q)
-            q.batch.frames.clear()  # trained: never sent again (a rewind makes its samples anew)
             c.acked += 1
             trained.append(q)
+        self.out.drop_frames([q.batch_id for q in trained])  # never sent again (a rewind makes its samples anew)
         if trained:
             if c.acked > len(trained):  # a gap between two acks: how slow this consumer's steps are
                 c.slowest_ack_gap = max(c.slowest_ack_gap, now - c.progress_at)
@@ -121,7 +144,7 @@ class Delivery:
         del c.in_flight[q.batch_id]
         self.batch_ids.discard(q.batch_id)
         self.queue.release(q)
-        q.batch.frames.clear()  # never delivered again
+        self.out.drop_frames([q.batch_id])  # never delivered again
         fault, reason = clip(fault, 64) or "unknown", clip(reason, MAX_REASON)
         b = q.batch
         remade, aside = self.poison.split(b.epoch, b.samples)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 from dflash.protocol.messages import Batch
 
@@ -111,34 +111,37 @@ def wants_batch(c: Consumer) -> bool:
     return c.credit > 0 and len(c.in_flight) < MAX_UNACKED
 
 
-def dispatch(
-    queue: BatchQueue,
-    consumers: Iterable[Consumer],
-    send: Callable[[Consumer, Queued], bool],
-    now: float,
-) -> list[tuple[Consumer, Queued]]:
-    """Hand out queued batches against credit; returns what went where.
+class Round:
+    """One round of dispatch: queued batches handed out against credit.
 
-    `send(consumer, batch)` tries a non-blocking send and returns False when the
-    consumer's pipe cannot take it now (not connected yet, or full): the batch stays at
-    the head of the queue and that consumer sits out this round.
+    `offer()` names the next pair: of the consumers that want a batch, the one served
+    least recently, and the batch at the head of the queue. The server tries a
+    non-blocking send to that consumer's pipes; `took` records that one did (the batch is
+    that consumer's, in flight), `refused` that none could take it now (not connected yet,
+    or full): the batch stays at the head of the queue and that consumer sits out the
+    round. The round ends when the queue is empty or nobody wants a batch.
     """
-    ready = [c for c in consumers if wants_batch(c)]
-    sent = []
-    while queue and ready:
-        c = min(ready, key=lambda x: x.last_served)  # waited longest
-        b = queue.peek()
-        if not send(c, b):
-            ready.remove(c)
-            continue
-        queue.pop()
+
+    def __init__(self, queue: BatchQueue, consumers: Iterable[Consumer]):
+        self.queue, self.consumers = queue, list(consumers)
+        self.ready = [c for c in self.consumers if wants_batch(c)]
+
+    def offer(self) -> tuple[Consumer, Queued] | None:
+        if not (self.queue and self.ready):
+            return None
+        return min(self.ready, key=lambda x: x.last_served), self.queue.peek()  # waited longest, oldest
+
+    def refused(self, c: Consumer) -> None:
+        self.ready.remove(c)
+
+    def took(self, c: Consumer, now: float) -> Queued:
+        b = self.queue.pop()
         if not c.in_flight:  # the ack deadline runs from here (sessions.overdue_acks)
             c.progress_at = now
         c.credit -= 1
         c.last_served = next(_serve_clock)
         c.in_flight[b.batch_id] = b
         b.deliveries += 1
-        sent.append((c, b))
         if not wants_batch(c):
-            ready.remove(c)
-    return sent
+            self.ready.remove(c)
+        return b

@@ -7,20 +7,18 @@ hidden width (`len(layer_ids) x hidden_size`) and the vocabulary (every token ID
 `0..vocab_size-1`). A batch that does not fit makes every consumer that gets it fail, and
 requeued it would fail the next one: it is refused before it is queued (intake.py).
 
-Reads one tensor, `input_ids`, in place: its largest value as unsigned, so a negative ID
-counts as out of range too (numpy, which transformers requires, over the frame's memory: no
-copy, no torch). A fact nobody stated is not checked.
+The one tensor it needs, `input_ids`, the server read in place as it came (inbound.py
+`token_ids`: its smallest and largest value); a fact nobody stated is not checked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from dflash.protocol.messages import Batch
 
 from .facts import Facts
+from .inbound import Arrival
 
 
 @dataclass(frozen=True)
@@ -31,49 +29,32 @@ class Misfit:
     reason: str
 
 
-def misfit(facts: Facts, m: Batch) -> Misfit | None:
-    """Why batch `m` does not fit a run with `facts`, or None."""
-    layers = facts.layer_ids
+def misfit(facts: Facts, a: Arrival) -> Misfit | None:
+    """Why the batch of arrival `a` does not fit a run with `facts`, or None."""
+    m, layers = a.batch, facts.layer_ids
     if layers is not None and m.layer_ids != layers:
         return Misfit("layer_ids", f"layer_ids {m.layer_ids} are not this run's {layers}")
-    specs = tensor_specs(m)
     hidden_size = _count(facts.hidden_size)
-    hidden = specs.get("hidden")
+    hidden = tensor_specs(m).get("hidden")
     if hidden_size and hidden is not None:
-        width = hidden[1]["shape"][1]
+        width = hidden["shape"][1]
         want = len(m.layer_ids) * hidden_size
         if width != want:
             return Misfit("hidden_width", f"hidden width {width} is not {len(m.layer_ids)} layers x this run's "
                           f"hidden_size {hidden_size} = {want}")
-    vocab = _count(facts.vocab_size)
-    ids = specs.get("input_ids")
-    if vocab and ids is not None and ids[1]["shape"][0] > 0:
-        frame = m.frames[1 + ids[0]]
-        if largest_unsigned(frame) >= vocab:  # a negative ID reads as one past 2**31: caught too
-            lo, hi = token_range(frame)
-            return Misfit("token_ids", f"token IDs {lo}..{hi} lie outside this run's vocabulary 0..{vocab - 1}")
+    vocab, ids = _count(facts.vocab_size), a.token_ids
+    if vocab and ids is not None and (ids.lo < 0 or ids.hi >= vocab):
+        return Misfit("token_ids", f"token IDs {ids.lo}..{ids.hi} lie outside this run's vocabulary 0..{vocab - 1}")
     return None
 
 
-def tensor_specs(m: Batch) -> dict[str, tuple[int, dict]]:
-    """Tensor name -> (its index among the tensor frames, its spec), as the codec passed
-    them; empty for a batch built without its header (tests of the core)."""
+def tensor_specs(m: Batch) -> dict[str, dict]:
+    """Tensor name -> its spec in the header, as the codec passed it; empty for a batch
+    built without its header (tests of the core)."""
     specs = m.raw.get("tensors") if isinstance(m.raw, dict) else None
-    if not isinstance(specs, list) or len(m.frames) != len(specs) + 1:
+    if not isinstance(specs, list):
         return {}
-    return {s["name"]: (i, s) for i, s in enumerate(specs)}
-
-
-def largest_unsigned(frame) -> int:
-    """The largest int32 of a non-empty input_ids frame, read as unsigned: one pass (the
-    check runs on every batch; a relay of small batches counts microseconds per batch)."""
-    return int(np.frombuffer(getattr(frame, "buffer", frame), dtype="<u4").max())
-
-
-def token_range(frame) -> tuple[int, int]:
-    """(smallest, largest) int32 of a non-empty input_ids frame: only for the message."""
-    ids = np.frombuffer(getattr(frame, "buffer", frame), dtype="<i4")
-    return int(ids.min()), int(ids.max())
+    return {s["name"]: s for s in specs}
 
 
 def _count(v) -> int | None:

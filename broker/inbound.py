@@ -1,6 +1,7 @@
 """What reaches the broker core, as typed values: each control message as its
 protocol/messages.py type (or, when the core must refuse it before any session is looked
-up, an `Unreadable` saying why), and each batch on data in with its frames beside its header.
+up, an `Unreadable` saying why), and each batch on data in as an `Arrival`: its typed
+`Batch` and what the server read off its frames. The frames stay with the server.
 
 `control_message` is the first step of PROTOCOL.md 3's order after the header parsed: the
 version, the run, the codec's own checks, then the typed parse. The core takes it from there.
@@ -8,13 +9,15 @@ version, the run, the codec's own checks, then the typed parse. The core takes i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from dflash.protocol import messages
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import (INSTANCE_PROPERTY, PEER_PROPERTY, PROTOCOL_VERSION, Ack, Bye, Commit, Credit,
                                      Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release,
-                                     StatusAsk, local)
+                                     StatusAsk)
 
 from .replies import clip
 
@@ -61,16 +64,42 @@ def control_message(h: dict, error: str | None, run_id: str) -> Message | Unread
 
 
 @dataclass(frozen=True)
-class Batch(messages.Batch):
-    """A `batch` on data in: its header fields and the frames as they came (relayed, never read)."""
+class TokenIds:
+    """The smallest and largest of a batch's `input_ids` (int32): what fit.py checks
+    against the run's vocabulary."""
 
-    payload_bytes: int = local(default=0)  # the tensor frames' bytes
-    header_bytes: int = local(default=0)  # the header frame's bytes: the queue's byte bound counts it too
-    frames: list = local(default_factory=list, repr=False)
+    lo: int
+    hi: int
 
-    def connection(self) -> dict:
-        """Who sent it, as its connection says (connection() of its header frame)."""
-        return connection(self.frames[0]) if self.frames else {}
+
+@dataclass(frozen=True)
+class Arrival:
+    """A `batch` on data in as the core sees it: its header as the typed `Batch` (no
+    tensors: the broker relays the frames unread) and what the server read off its frames.
+    The frames themselves stay with the server (server.py keeps them by batch ID)."""
+
+    batch: messages.Batch
+    payload_bytes: int  # the tensor frames' bytes
+    header_bytes: int  # the header frame's bytes: the queue's byte bound counts it too
+    conn: dict = field(default_factory=dict)  # the connection it came on (connection())
+    token_ids: TokenIds | None = None  # None: no input_ids, or none in it
+
+    @classmethod
+    def read(cls, header: dict, frames: list, payload_bytes: int) -> "Arrival":
+        """The arrival of a batch whose `frames` the codec passed (`header`, parsed)."""
+        return cls(messages.Batch.from_header(header), payload_bytes, len(frames[0]), connection(frames[0]),
+                   token_ids(header, frames))
+
+
+def token_ids(header: dict, frames: list) -> TokenIds | None:
+    """The range of the `input_ids` tensor of a batch the codec passed, read in place
+    (numpy over the frame's memory: no copy, no torch); None without a non-empty one."""
+    for i, spec in enumerate(header.get("tensors") or ()):
+        if spec.get("name") == "input_ids":
+            frame = frames[1 + i]
+            ids = np.frombuffer(getattr(frame, "buffer", frame), dtype="<i4")
+            return TokenIds(int(ids.min()), int(ids.max())) if ids.size else None
+    return None
 
 
 @dataclass(frozen=True)

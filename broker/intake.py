@@ -5,13 +5,13 @@ for a lease it still holds, carrying only samples of that lease not yet received
 producer declared lost cannot put a sample in twice. A batch that does not fit the run's
 target (fit.py) is refused and counted (quarantine.py); its producer is told and its session
 ends only when the batch came on that producer's own connection (its ZMTP metadata and Curve
-key), since the `producer` field alone is anyone's to write. Accepted batches keep their zmq
-frames as they came; dispatch relays those very frames.
+key), since the `producer` field alone is anyone's to write. The frames of an accepted batch
+are the server's (it keeps them while the core holds the batch, and relays them as they came).
 """
 
 from __future__ import annotations
 
-from dflash.protocol.messages import Reject
+from dflash.protocol.messages import Batch, Reject
 from dflash.runtime.logs import get_logger
 
 from .actions import Outbox
@@ -20,7 +20,7 @@ from .delivery import Delivery
 from .dispatch import Queued
 from .facts import RunFacts
 from .fit import Misfit, misfit
-from .inbound import Batch, connection_fields
+from .inbound import Arrival, connection_fields
 from .leases import StaleBatch
 from .ledger import Ledger
 from .peers import Failure, ProducerSession, Session
@@ -40,12 +40,13 @@ class Intake:
         # would replace that row, and with it the record of what the first one carried
         self.accepted_ids: set[str] = set()
 
-    def accept(self, m: Batch, named: Session | None, now: float) -> str | None:
+    def accept(self, a: Arrival, named: Session | None, now: float) -> str | None:
         """One batch the codec passed (server.py decodes it); `named` the live session its
         `producer` field names, if any. Never raises on bad input. Returns why the named
         producer's session must end (it sent a batch that does not fit the run), else None."""
-        if m.payload_bytes > self.cfg.max_message_bytes:
-            return self.too_large(m, named, now)
+        m = a.batch
+        if a.payload_bytes > self.cfg.max_message_bytes:
+            return self.too_large(m, a.payload_bytes, named, now)
         p = named if isinstance(named, ProducerSession) else None
         try:
             if p is None:
@@ -53,19 +54,19 @@ class Intake:
             if m.batch_id in self.delivery.batch_ids:
                 raise StaleBatch(f"batch_id {m.batch_id!r} is already queued or in flight")
             if m.batch_id in self.accepted_ids:
-                return self.rejected(m, p, Misfit("batch_id_reused", f"batch_id {m.batch_id!r} was accepted before in "
+                return self.rejected(a, p, Misfit("batch_id_reused", f"batch_id {m.batch_id!r} was accepted before in "
                                                   "this run (the ledger holds it): batch IDs are unique in a run"),
                                      now, code="duplicate_batch_id")
-            bad = misfit(self.facts.facts, m)
+            bad = misfit(self.facts.facts, a)
             if bad is not None:  # before its samples count as received: a correct copy may follow
-                return self.rejected(m, p, bad, now)
+                return self.rejected(a, p, bad, now)
             lease = self.work.pool.arrived(m.lease, p.id, m.epoch, m.samples)
         except StaleBatch as e:
-            return self.stale(m, named, str(e), now)
+            return self.stale(a, named, str(e), now)
         p.last_seen = now  # data counts as a sign of life too
         # The header counts too: unknown fields are allowed, so a header may be up to 1 MiB
         # for a few bytes of tensors, and the queue's byte bound must see what it holds.
-        q = Queued(m, m.payload_bytes + m.header_bytes, now)
+        q = Queued(m, a.payload_bytes + a.header_bytes, now)
         self.delivery.push(q, now)
         self.accepted_ids.add(m.batch_id)
         p.batches_in += 1
@@ -76,11 +77,12 @@ class Intake:
         self.work.finish(lease)
         return None
 
-    def too_large(self, m: Batch, named: Session | None, now: float) -> None:
-        """A batch over --max-message-bytes: dropped, logged (broker.batch_too_large) and its
-        producer, if it has a live session, told by `reject {code: too_large}` naming the batch:
-        it would go on making batches the broker drops, holding their leases."""
-        limit, payload = self.cfg.max_message_bytes, m.payload_bytes
+    def too_large(self, m: Batch, payload: int, named: Session | None, now: float) -> None:
+        """A batch of `payload` tensor bytes, over --max-message-bytes: dropped, logged
+        (broker.batch_too_large) and its producer, if it has a live session, told by `reject
+        {code: too_large}` naming the batch: it would go on making batches the broker drops,
+        holding their leases."""
+        limit = self.cfg.max_message_bytes
         producer, batch_id = clip(m.producer, 64), clip(m.batch_id, 64)
         ok, suppressed = self.replies.allow(f"too_large:{producer}", now)
         if ok:
@@ -92,13 +94,13 @@ class Intake:
                 "dropped; lower --token-budget or --max-batch-size, or raise the broker's --max-message-bytes",
                 "too_large", answers={"type": "batch", "batch_id": batch_id}), now)
 
-    def rejected(self, m: Batch, p: ProducerSession, bad: Misfit, now: float, code: str = "bad_batch") -> str | None:
+    def rejected(self, a: Arrival, p: ProducerSession, bad: Misfit, now: float, code: str = "bad_batch") -> str | None:
         """A batch naming live producer `p` that does not fit the run (or, `code`
         duplicate_batch_id, reuses a batch ID): dropped, counted, logged
         (broker.batch_rejected). If it came on `p`'s own connection, `p` is told (`reject
         {code}`) and its session ends: its leases go back to the pool for other producers,
         as a producer that lies about its target would make every batch wrong."""
-        conn = m.connection()
+        m, conn = a.batch, a.conn
         own = from_own_connection(p, conn)
         self.poison.count("rejected", bad.fault, len(m.samples))
         self.ledger.rejected(m, bad.fault, bad.reason)
@@ -127,7 +129,8 @@ class Intake:
         p.failure = failure
         return f"batch {batch_id} refused ({bad.fault})"
 
-    def stale(self, m: Batch, named: Session | None, reason: str, now: float) -> None:
+    def stale(self, a: Arrival, named: Session | None, reason: str, now: float) -> None:
+        m = a.batch
         if isinstance(named, ProducerSession):
             named.stale += 1
         producer = clip(m.producer, 64)  # a key of the rate limit: the sender chose it
@@ -135,7 +138,7 @@ class Intake:
         if ok:
             log.warning("broker.batch_stale", batch_id=clip(m.batch_id, 64), producer=producer,
                         peer_instance=named.instance if named is not None else None, lease=m.lease, epoch=m.epoch,
-                        reason=clip(reason, MAX_REASON), **connection_fields(m.connection()), suppressed=suppressed)
+                        reason=clip(reason, MAX_REASON), **connection_fields(a.conn), suppressed=suppressed)
 
 
 def from_own_connection(p: ProducerSession, conn: dict) -> bool:

@@ -58,14 +58,23 @@ class ConsumerHeld:
 
 @dataclass(eq=False)
 class Pipes:
-    """A consumer's data-out streams: per stream a bound PUSH socket, its I/O thread (an
-    affinity mask), port and endpoint; `next` is the stream the next batch tries first."""
+    """A consumer's data-out streams (the server's PUSH sockets, bound on these ports): per
+    stream its I/O thread (an affinity mask), port and endpoint; `next` is the stream the
+    next batch tries first."""
 
-    socks: list = field(repr=False)
     threads: list[int]
     ports: list[int]
     endpoints: list[str]
     next: int = 0
+
+    def in_turn(self) -> tuple[int, ...]:
+        """The ports in the order the next batch tries them."""
+        i = self.next % len(self.ports)
+        return tuple(self.ports[i:] + self.ports[:i])
+
+    def took(self, port: int) -> None:
+        """The pipe on `port` took a batch: the next one tries the pipe after it first."""
+        self.next = self.ports.index(port) + 1
 
 
 @dataclass(eq=False, kw_only=True)

@@ -4,11 +4,13 @@
     data in  PULL    <- batches from producers (read only while the queue has room)
     data out PUSH x consumers -> one pipe each, sent only against that consumer's credit
 
-Here: the sockets, the poller, the I/O thread affinity, decoding what comes in into the
-core's typed messages, the relay of batches, carrying out the actions the core returns,
-and reading the sockets' monitors for failed handshakes (monitor.py). Everything runs on
-one thread, so nothing is locked. Every send is NOBLOCK: a slow or dead peer never stalls
-the loop.
+Here: every socket (control, data in, each consumer's pipes by port) and the frames of
+every batch the core holds (by batch ID), of which this module is the only owner; the
+poller, the I/O thread affinity, decoding what comes in into the core's typed messages,
+carrying out the actions the core returns (actions.py), the relay of the batches the core
+picks, and reading the sockets' monitors for failed handshakes (monitor.py). Everything
+runs on one thread, so nothing is locked. Every send is NOBLOCK: a slow or dead peer never
+stalls the loop.
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ from dflash.runtime.logs import get_logger, run_file_error
 from dflash.runtime.run import StorageError
 
 from . import lighthouse, monitor, security
-from .actions import ClosePipes, Publish, Send
+from .actions import ClosePipes, DropFrames, OpenPipes, Publish, Send
 from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
                      data_in_frame_cap)
 from .core import BrokerCore
-from .inbound import BadBatch, Batch, Unreadable, connection, control_message
+from .inbound import Arrival, BadBatch, Unreadable, connection, control_message
 from .metrics import MetricsServer
-from .peers import Pipes
 from .replies import LogGate
 from .resume import Parent
 
@@ -59,11 +60,17 @@ class Broker:
         self.curve = self.auth = self.control = self.data_in = self.metrics = self.lighthouse = None
         self.ctx = None
         self.monitors: dict = {}  # monitor socket -> (the socket it watches, its name): handshake failures
+        # The consumers' data-out PUSH sockets by port, bound and closed as the core says
+        # (OpenPipes, ClosePipes); and by batch ID the frames each batch the core holds
+        # (queued or in flight) came in, relayed as they are and let go when the core says
+        # (DropFrames). The core names pipes and batches, never holds them.
+        self.pipes: dict[int, zmq.Socket] = {}
+        self.frames: dict[str, list] = {}
         self.handshakes = monitor.HandshakeLog(curve=bool(cfg.curve_keys))
         self.send_gate = LogGate(time.monotonic())  # broker.send_failed lines, rate-limited
         # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
         self.core = BrokerCore(cfg, run_id, run_dir, hostname, now=time.monotonic(), wall=time.time(), parent=parent,
-                               bind_pipe=self._bind_pipe, pipe_threads=self.pipe_threads, streams=self.streams,
+                               pipe_threads=self.pipe_threads, streams=self.streams,
                                producer_streams=self.producer_streams)
         self.ctx = zmq.Context(io_threads=self.io_threads)
         try:
@@ -152,7 +159,7 @@ class Broker:
             for mon, (_, name) in self.monitors.items():
                 if mon in events:
                     self.handshakes.read(mon, name)
-            core.dispatch(self._send_batch, time.monotonic())
+            self._dispatch(time.monotonic())
             if self.signal is not None:
                 core.on_signal(self.signal, self.signals)
             self.tick(time.monotonic())
@@ -252,23 +259,22 @@ class Broker:
         except ProtocolError as e:
             bad = BadBatch(sender(frames), e.reason, connection(frames[0]) if frames else {})
             return self.do(self.core.on_bad_batch(bad, now))
-        batch = Batch.from_header(msg.header, payload_bytes=payload, header_bytes=len(frames[0]), frames=frames)
-        self.do(self.core.on_batch(batch, now))
+        arrival = Arrival.read(msg.header, frames, payload)
+        batch_id = arrival.batch.batch_id
+        try:
+            self.do(self.core.on_batch(arrival, now))
+        finally:  # queued (even by an entry that then raised): its frames are kept for the relay
+            if batch_id not in self.frames and self.core.holds(batch_id):
+                self.frames[batch_id] = frames
 
-    @staticmethod
-    def _send_batch(pipes: Pipes, frames: list) -> bool:
-        """Send on the consumer's next data stream that takes it (streams in turn)."""
-        n = len(pipes.socks)
-        for i in range(n):
-            s = (pipes.next + i) % n
-            try:
-                # The very frames that came in, tensor buffers untouched (copy=False).
-                send_frames(pipes.socks[s], frames, zmq.NOBLOCK)
-            except zmq.Again:  # not connected (yet), or full: try the next stream
-                continue
-            pipes.next = s + 1
-            return True
-        return False  # no stream took it: the batch stays queued
+    def _dispatch(self, now: float) -> None:
+        """Relay the batches the core picks, each on the first of its consumer's pipes that
+        takes it now (the core is told which, or that none could)."""
+        core = self.core
+        relay = core.dispatch(now)
+        while relay is not None:
+            took = send_first([(port, self.pipes[port]) for port in relay.ports], self.frames[relay.batch_id])
+            relay = core.relayed(relay, took, now)
 
     def _bind_pipe(self, port: int, thread: int):
         """A consumer's data-out PUSH on `port`, on I/O thread `thread`; None if the port is taken."""
@@ -284,14 +290,32 @@ class Broker:
         for a in actions:
             if isinstance(a, Send):
                 self.send(a.identity, a.msg)
+            elif isinstance(a, OpenPipes):
+                self.do(self.core.on_pipes(a, self._open_pipes(a)))
             elif isinstance(a, ClosePipes):
-                for sock in a.pipes:
-                    sock.close(linger=0)
+                for port in a.ports:
+                    if (sock := self.pipes.pop(port, None)) is not None:
+                        sock.close(linger=0)
+            elif isinstance(a, DropFrames):
+                for batch_id in a.batch_ids:
+                    self.frames.pop(batch_id, None)
             elif isinstance(a, Publish):
                 if self.metrics is not None:
                     self.metrics.publish(a.status)
             else:
                 raise TypeError(f"unknown broker action {a!r}")
+
+    def _open_pipes(self, a: OpenPipes) -> list[int]:
+        """Bind the pipes `a` asks for: the ports that bound, in order."""
+        bound: list[int] = []
+        for port in a.ports:
+            if len(bound) == len(a.threads):
+                break
+            sock = self._bind_pipe(port, a.threads[len(bound)])
+            if sock is not None:
+                self.pipes[port] = sock
+                bound.append(port)
+        return bound
 
     def send(self, identity: bytes, msg: Message) -> None:
         """Send a control message; a full or gone peer loses it (logged), we never block."""
@@ -309,6 +333,9 @@ class Broker:
     def close(self) -> None:
         """Release sockets and the ledger. Safe on a half-built broker."""
         self.do(self.core.close())  # the consumers' pipes, before the context ends
+        for sock in self.pipes.values():  # any the core did not name (a half-built broker)
+            sock.close(linger=0)
+        self.pipes.clear()
         for mon, (sock, _) in self.monitors.items():
             sock.disable_monitor()
             mon.close(linger=0)
@@ -322,8 +349,22 @@ class Broker:
             self.metrics.close()
         if self.lighthouse is not None:
             self.lighthouse.close()
+        self.frames.clear()
         if self.ctx is not None:
             self.ctx.term()
+
+
+def send_first(pipes: list[tuple[int, zmq.Socket]], frames: list) -> int | None:
+    """Send `frames` on the first of `pipes` (port, PUSH socket) that takes them now; the
+    port of the one that did, or None (none did: the batch stays queued)."""
+    for port, sock in pipes:
+        try:
+            # The very frames that came in, tensor buffers untouched (copy=False).
+            send_frames(sock, frames, zmq.NOBLOCK)
+        except zmq.Again:  # not connected (yet), or full: try the next stream
+            continue
+        return port
+    return None
 
 
 def sender(frames: list) -> str:

@@ -5,20 +5,20 @@
 A hello is checked in order: what it must be (handshake.py), a retried hello on the same
 connection, the session bound (--max-peers), instance names unique among live peers of a
 role (or the same process reconnected), a lost job's consumers, the target (facts.py), the
-producer's dataset and facts, one model per run, a consumer's rank and data-out pipes. Only
-then is a peer ID spent. What a session held when it ends is the other parts' to give back;
-this part closes its pipes, records and logs its end.
+producer's dataset and facts, one model per run, a consumer's rank and data-out pipes (the
+server binds them and hands back the ports that bound: `pipes_bound`). Only then is a peer
+ID spent. What a session held when it ends is the other parts' to give back; this part
+closes its pipes (by port: the server holds them), records and logs its end.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Callable
 
 from dflash.protocol.messages import CommitPoint, DatasetFacts, Failed, Heartbeat, Hello, RunConfig, Stop, Welcome
 from dflash.runtime.logs import get_logger
 
-from .actions import Outbox
+from .actions import Joining, Outbox
 from .config import MAX_CREDIT, BrokerConfig
 from .facts import RunFacts
 from .handshake import brief, dist_endpoint, malformed, pipe_thread, same_process, second_model
@@ -33,9 +33,6 @@ from .statements import ConsumerStatement, ProducerStatement
 log = get_logger()
 
 _SCALAR = (bool, int, float, type(None))
-
-# bind(port, io_thread_mask) -> a pipe (PUSH socket) bound there, or None when the port is taken
-PipeBinder = Callable[[int, int], object | None]
 
 
 def sanitize_stats(stats: dict) -> dict:
@@ -60,15 +57,14 @@ def sanitize_stats(stats: dict) -> dict:
 
 class Sessions:
     def __init__(self, cfg: BrokerConfig, run_id: str, data_in: str, *, advertise: str, streams: int,
-                 producer_streams: int, bind_pipe: PipeBinder, pipe_threads: list[int], facts: RunFacts,
-                 ledger: Ledger, life: Lifecycle, parent: Parent | None, replies: Replies, out: Outbox,
-                 wall: WallClock):
+                 producer_streams: int, pipe_threads: list[int], facts: RunFacts, ledger: Ledger,
+                 life: Lifecycle, parent: Parent | None, replies: Replies, out: Outbox, wall: WallClock):
         """`data_in` the endpoint producers send batches to; `streams` pipes per consumer,
-        `producer_streams` connections per producer; `bind_pipe` binds a consumer's data-out
-        port on one of `pipe_threads` (I/O threads, as affinity masks)."""
+        `producer_streams` connections per producer; a consumer's pipes go on the I/O threads
+        of `pipe_threads` (affinity masks)."""
         self.cfg, self.run_id, self.data_in, self.advertise = cfg, run_id, data_in, advertise
         self.streams, self.producer_streams = streams, producer_streams
-        self.bind_pipe, self.pipe_threads = bind_pipe, pipe_threads
+        self.pipe_threads = pipe_threads
         self.facts, self.ledger, self.life, self.parent = facts, ledger, life, parent
         self.replies, self.out, self.wall = replies, out, wall
         self.table = PeerTable()
@@ -119,37 +115,64 @@ class Sessions:
         wrong_target = self.facts.target_mismatch(said, table.consumers())
         if wrong_target is not None:
             return refuse("config_mismatch", wrong_target)
-        base = dict(identity=identity, instance=m.instance, host=m.host, pid=m.pid, gpu=m.gpu,
+        if isinstance(said, ConsumerStatement):
+            return self.consumer_hello(identity, m, said, key, now)
+        facts = self.facts.facts.with_producer(said)
+        if isinstance(facts, str):
+            return refuse("config_mismatch", facts)
+        p = ProducerSession(id=table.next_id(role), said=said, **self.base(identity, m, key, now))
+        table.add(p)
+        self.facts.fix(facts, p.id)
+        self.joined(p, m, key)
+
+    def consumer_hello(self, identity: bytes, m: Hello, said: ConsumerStatement, key: str | None, now: float) -> None:
+        """A consumer's hello past the checks every role's goes through: one model per run,
+        its rank, then its data-out pipes, which the server binds (`pipes_bound` goes on)."""
+        table = self.table
+        rival = None if self.cfg.consumers else second_model(said, table.consumers())
+        if rival is not None:
+            return self.replies.refuse(identity, "full", f"this broker arranges no data-parallel ranks (--consumers 0) "
+                                       f"and consumer {rival.id} ({rival.instance} on {rival.host}) is training "
+                                       "already: another consumer would train a separate model into the same run; "
+                                       "start the broker with --consumers N to train N consumers as one model",
+                                       m.raw, now)
+        rank = None
+        if self.cfg.consumers:
+            rank = table.next_rank(self.cfg.consumers)
+            if rank is None:
+                return self.replies.refuse(identity, "full", f"all {self.cfg.consumers} ranks (--consumers) are held "
+                                           "by live consumers", m.raw, now)
+        ports, threads = self.pipe_plan()
+        self.out.open_pipes(ports, threads, Joining(identity, m, key, rank, now))
+
+    def pipes_bound(self, j: Joining, threads: tuple[int, ...], ports: list[int]) -> None:
+        """The server bound `ports` (in order, on `threads`) for consumer hello `j`: too few,
+        and it is refused (what did bind is closed again); else its session starts."""
+        m, now = j.hello, j.now
+        lo, hi = self.cfg.data_out_ports
+        if j.identity in self.table.by_identity:  # its hello was answered already: nothing to bind for
+            return self.out.close_pipes(ports)
+        if len(ports) < self.streams:
+            self.out.close_pipes(ports)
+            return self.replies.refuse(j.identity, "full", f"not {self.streams} free data-out port(s) in {lo}-{hi} "
+                                       f"(--data-out-ports; {self.streams} per consumer, --data-streams)", m.raw, now)
+        self.next_port = lo + (ports[-1] + 1 - lo) % (hi - lo + 1)
+        pipes = Pipes(list(threads), list(ports), [f"tcp://{self.advertise}:{port}" for port in ports])
+        said = ConsumerStatement.read(m.config)
+        p = ConsumerSession(id=self.table.next_id("consumer"), said=said, pipes=pipes, rank=j.rank,
+                            wait_share=TimeShare(now), progress_at=now, **self.base(j.identity, m, j.key, now))
+        self.table.add(p)
+        if j.rank == 0:
+            self.dist = dist_endpoint(said.dist_addr)
+        self.joined(p, m, j.key)
+
+    def base(self, identity: bytes, m: Hello, key: str | None, now: float) -> dict:
+        """What a new session of either role starts with."""
+        return dict(identity=identity, instance=m.instance, host=m.host, pid=m.pid, gpu=m.gpu,
                     joined_at=self.wall.at(now), last_seen=now, curve_key=key)
-        if isinstance(said, ProducerStatement):
-            facts = self.facts.facts.with_producer(said)
-            if isinstance(facts, str):
-                return refuse("config_mismatch", facts)
-            p: Session = ProducerSession(id=table.next_id(role), said=said, **base)
-            table.add(p)
-            self.facts.fix(facts, p.id)
-        else:
-            rival = None if self.cfg.consumers else second_model(said, table.consumers())
-            if rival is not None:
-                return refuse("full", f"this broker arranges no data-parallel ranks (--consumers 0) and consumer "
-                              f"{rival.id} ({rival.instance} on {rival.host}) is training already: another consumer "
-                              "would train a separate model into the same run; start the broker with --consumers N "
-                              "to train N consumers as one model")
-            rank = None
-            if self.cfg.consumers:
-                rank = table.next_rank(self.cfg.consumers)
-                if rank is None:
-                    return refuse("full", f"all {self.cfg.consumers} ranks (--consumers) are held by live consumers")
-            pipes = self.open_pipes()
-            if pipes is None:
-                lo, hi = self.cfg.data_out_ports
-                return refuse("full", f"not {self.streams} free data-out port(s) in {lo}-{hi} (--data-out-ports; "
-                              f"{self.streams} per consumer, --data-streams)")
-            p = ConsumerSession(id=table.next_id(role), said=said, pipes=pipes, rank=rank, wait_share=TimeShare(now),
-                                progress_at=now, **base)
-            table.add(p)
-            if rank == 0:
-                self.dist = dist_endpoint(said.dist_addr)
+
+    def joined(self, p: Session, m: Hello, key: str | None) -> None:
+        """Session `p` starts: recorded, logged (broker.peer_joined), welcomed."""
         self.ledger.peer_joined(p)
         streams = p.pipes.endpoints if isinstance(p, ConsumerSession) else []
         log.info("broker.peer_joined", **p.describe(), rank=p.rank if isinstance(p, ConsumerSession) else None,
@@ -207,9 +230,10 @@ class Sessions:
         self.out.send(p.identity, Welcome(self.run_id, p.id, self.cfg.heartbeat_s, self.cfg.timeout_s,
                                           run_config=run_config, **data))
 
-    def open_pipes(self) -> Pipes | None:
-        """Bind a new consumer's data streams: one pipe each on the next free ports of the
-        range (`streams` of them), or None (nothing left bound) if there are not enough.
+    def pipe_plan(self) -> tuple[list[int], list[int]]:
+        """A new consumer's data streams: the free ports of the range to bind, in the order
+        to try them (the first `streams` that bind are its pipes), and the I/O thread of
+        each of its `streams` pipes (the least used first).
 
         Ports rotate through the range rather than reusing the lowest: a consumer declared
         lost but still running reconnects to its old ports, and must not find someone
@@ -219,27 +243,12 @@ class Sessions:
         n = hi - lo + 1
         consumers = self.table.consumers()
         used = {port for c in consumers for port in c.pipes.ports}
-        in_use = [t for c in consumers for t in c.pipes.threads]
-        socks, threads, ports = [], [], []
-        for i in range(n):
-            if len(socks) == self.streams:
-                break
-            port = lo + (self.next_port - lo + i) % n
-            if port in used:
-                continue
-            thread = pipe_thread(self.pipe_threads, in_use)
-            sock = self.bind_pipe(port, thread)
-            if sock is None:
-                continue  # another process holds it
-            socks.append(sock)
-            threads.append(thread)
-            ports.append(port)
-            in_use.append(thread)
-        if len(socks) < self.streams:
-            self.out.close_pipes(socks)
-            return None
-        self.next_port = lo + (ports[-1] + 1 - lo) % n
-        return Pipes(socks, threads, ports, [f"tcp://{self.advertise}:{port}" for port in ports])
+        ports = [port for i in range(n) if (port := lo + (self.next_port - lo + i) % n) not in used]
+        in_use, threads = [t for c in consumers for t in c.pipes.threads], []
+        for _ in range(self.streams):
+            threads.append(pipe_thread(self.pipe_threads, in_use))
+            in_use.append(threads[-1])
+        return ports, threads
 
     # ------------------------------------------------------------ what live sessions say
 
@@ -285,8 +294,7 @@ class Sessions:
     def remove(self, p: Session, state: str, reason: str, held: ProducerHeld | ConsumerHeld, now: float) -> None:
         """End session `p` (state 'lost' or 'left'), what it `held` given back: its pipes close."""
         if isinstance(p, ConsumerSession):
-            self.out.close_pipes(p.pipes.socks)
-            p.pipes.socks = []
+            self.out.close_pipes(p.pipes.ports)
         p.held = held
         self.table.remove(p, state, reason, self.wall.at(now))
 
@@ -302,5 +310,4 @@ class Sessions:
     def close_pipes(self) -> None:
         """The broker stops: every live consumer's pipes close."""
         for c in self.table.consumers():
-            self.out.close_pipes(c.pipes.socks)
-            c.pipes.socks = []
+            self.out.close_pipes(c.pipes.ports)

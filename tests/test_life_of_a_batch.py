@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from dflash.broker.dispatch import Queued
-from dflash.broker.inbound import Batch as BrokerBatch
 from dflash.consumers.batch import Batch as DeviceBatch
 from dflash.protocol import codec
 from dflash.protocol.messages import DATA, Batch
@@ -91,7 +90,7 @@ def test_the_batch_is_one_type_from_the_producer_to_the_consumers_link():
     frames = [bytes(f) for f in codec.encode(built.to_header(RUN), built.tensors)]
 
     msg = codec.decode(frames, allowed=DATA, run=RUN, views=False)  # as broker/server.py reads data in
-    held = BrokerBatch.from_header(msg.header, frames=frames)
+    held = Batch.from_header(msg.header)  # the server keeps the frames beside it, by batch ID
     assert isinstance(held, Batch) and held.fields() == built.fields() and not held.tensors
     assert Queued(held, 0, 0.0).batch is held  # the bookkeeping beside it, not a copy of it
 

@@ -51,7 +51,7 @@ def test_hello_welcomes_peers_with_fresh_ids_and_a_bound_pipe(rig):
     assert w["peer"] == "p1" and w["run"] == RUN and w["data_in"] == "tcp://testhost:5556"
     w = sent(rig.hello(b"cons", "consumer"), "welcome")[0].fields
     assert w["peer"] == "c1" and w["data_out"] == "tcp://testhost:7000"
-    assert [p.port for p in rig.peer(b"cons").pipes.socks] == [7000] and rig.peer(b"cons").pipes.ports == [7000]
+    assert rig.peer(b"cons").pipes.ports == [7000] and sorted(rig.pipes) == [7000]  # bound by the server
     assert w["run_config"]["max_credit"] == 64 and w["run_config"]["epochs"] == 1
 
 
@@ -104,7 +104,7 @@ def test_pipe_ports_rotate_and_skip_a_port_another_process_holds(rig):
     rig.hello(b"c-b", "consumer")
     assert rig.peer(b"c-a").pipes.ports == [7001] and rig.peer(b"c-b").pipes.ports == [7002]
     out = rig.control(b"c-a", "bye", reason="x")
-    assert any(isinstance(a, ClosePipes) and [p.port for p in a.pipes] == [7001] for a in out)
+    assert any(isinstance(a, ClosePipes) and a.ports == (7001,) for a in out) and 7001 not in rig.pipes
     rig.hello(b"c-c", "consumer")  # not 7001: a lost-but-running consumer may still dial it
     assert rig.peer(b"c-c").pipes.ports == [7003]
 
@@ -174,7 +174,7 @@ def test_credit_dispatch_ack_and_commit_move_samples_through_the_ledger(rig):
     c = rig.consumer()
     sent_ = rig.dispatch()
     bid = f"{p}-1-{grant['samples'][0]}"
-    assert [b.batch_id for _, b in sent_] == [bid] and rig.peer(b"cons").pipes.socks[0].sent == [bid]
+    assert [r.batch_id for r in sent_] == [bid] and rig.pipe(b"cons").sent == [bid]
     assert rig.peer(b"cons").credit == 7 and rig.core.ledger.counts["delivered"] == 4
     rig.control(b"cons", "ack", batch_ids=[bid], step=1)
     assert rig.core.ledger.counts["trained"] == 4 and not rig.peer(b"cons").in_flight
@@ -212,16 +212,16 @@ def test_a_lost_consumers_batches_are_requeued_first_and_its_pipes_closed(rig):
     rig.consumer(credit=1)
     rig.dispatch()
     held = list(rig.peer(b"cons").in_flight)
-    pipe = rig.peer(b"cons").pipes.socks[0]
+    pipe = rig.pipe(b"cons")
     t0 = rig.advance(0.01)
     rig.control(b"prod", "heartbeat", stats={}, now=t0 + 10.5)
     out = rig.tick(t0 + 11)  # the consumer is silent past timeout_s
     assert rig.core.sessions.table.gone[-1].id == "c1" and rig.core.sessions.table.gone[-1].state == "lost"
-    assert any(isinstance(a, ClosePipes) and a.pipes == [pipe] for a in out)
+    assert any(isinstance(a, ClosePipes) and a.ports == (pipe.port,) for a in out) and pipe.closed
     assert rig.core.delivery.queue.peek().batch_id == held[0] and len(rig.core.delivery.queue) == 2
     assert rig.core.ledger.counts["delivered"] == 0 and rig.core.ledger.counts["produced"] == 8
     rig.consumer(b"cons2", credit=4)  # the next consumer gets the returned batch first
-    assert [b.batch_id for _, b in rig.dispatch()][0] == held[0]
+    assert [r.batch_id for r in rig.dispatch()][0] == held[0]
 
 
 def test_a_consumer_that_heartbeats_but_never_acks_is_lost_at_its_ack_deadline(tmp_path):
@@ -346,7 +346,7 @@ def test_no_batch_goes_out_while_draining(rig):
     rig.tick(rig.advance(0.01))
     rig.consumer()  # joins during the drain: told to stop, given nothing
     assert rig.dispatch() == [] and len(rig.core.delivery.queue) == 1
-    assert rig.peer(b"cons").pipes.socks[0].sent == []
+    assert rig.pipe(b"cons").sent == []
 
 
 def test_the_drain_ends_at_drain_s_or_at_a_second_signal(tmp_path):
@@ -439,7 +439,7 @@ def test_the_typed_entry_points_do_what_the_routed_messages_do(rig):
     assert c.credit == MAX_CREDIT  # capped
     out = rig.core.on_credit(b"cons", Credit(-1, raw={"type": "credit", "credit": -1}), rig.now)
     assert codes(out) == ["bad_message"] and c.credit == MAX_CREDIT
-    out = rig.core.on_bye(b"cons", Bye("done"), rig.now)
+    out = rig.do(rig.core.on_bye(b"cons", Bye("done"), rig.now))
     assert "c1" not in rig.core.sessions.table.by_id and rig.core.sessions.table.gone[-1].state == "left"
     assert any(isinstance(a, ClosePipes) for a in out)
 

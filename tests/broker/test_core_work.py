@@ -140,14 +140,33 @@ def test_dispatch_serves_the_consumer_that_waited_longest_and_skips_a_pipe_not_c
             rig.batch("p1", g["lease"], 0, s)
     rig.consumer(b"a", credit=2)
     rig.consumer(b"b", credit=2)
-    rig.peer(b"b").pipes.socks[0].full = True  # not connected yet
-    out = [(c.id, q.batch_id) for c, q in rig.dispatch()]
+    rig.pipe(b"b").full = True  # not connected yet
+    out = [(r.consumer, r.batch_id) for r in rig.dispatch()]
     assert [c for c, _ in out] == ["c1", "c1"] and rig.core.blocked  # b wants a batch its pipe refused
-    rig.peer(b"b").pipes.socks[0].full = False
-    assert [c.id for c, _ in rig.dispatch()] == ["c2", "c2"]  # b, served least recently, goes first
+    rig.pipe(b"b").full = False
+    assert [r.consumer for r in rig.dispatch()] == ["c2", "c2"]  # b, served least recently, goes first
     assert not rig.core.blocked and len(rig.core.delivery.queue) == 0
     row = {r["peer"]: r for r in rig.status()["peers"]}
     assert row["c1"]["delivered"] == row["c2"]["delivered"] == 2 and row["c1"]["credit"] == 0
+
+
+def test_batches_take_a_consumers_data_streams_in_turn_and_skip_one_that_refuses(tmp_path):
+    with Rig(tmp_path, num_samples=8, lease_size=8, streams=2) as r:  # --data-streams 2
+        r.hello(b"t1", "producer")
+        g = grant(r, b"t1", 8)
+        for s in g["samples"][:7]:
+            r.batch("p1", g["lease"], 0, [s])
+        r.consumer(b"a", credit=4)
+        s0, s1 = r.pipe(b"a", 0), r.pipe(b"a", 1)
+        assert [x.ports for x in r.dispatch()] == [(s0.port, s1.port), (s1.port, s0.port)] * 2  # in turn
+        assert len(s0.sent) == len(s1.sent) == 2
+        s0.full = True  # not connected, or full: the other stream takes the batch
+        r.control(b"a", "credit", credit=2)
+        assert len(r.dispatch()) == 2 and (len(s0.sent), len(s1.sent)) == (2, 4)
+        s1.full = True
+        r.control(b"a", "credit", credit=1)
+        assert r.dispatch() == [] and r.core.blocked  # no stream took it: it stays queued
+        assert len(r.core.delivery.queue) == 1 and r.peer(b"a").credit == 1
 
 
 def test_a_consumer_with_credit_and_nothing_queued_waits(rig):

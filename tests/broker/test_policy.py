@@ -13,12 +13,11 @@ import pytest
 import zmq
 
 from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
-from dflash.broker.dispatch import BatchQueue, dispatch
+from dflash.broker.dispatch import BatchQueue, Round
 from dflash.broker.leases import LeasePool, StaleBatch
 from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 from dflash.broker.liveness import RateLimit, RateMeter
-from dflash.broker.peers import Pipes
 from tests.harness.core_rig import queued
 
 pytestmark = pytest.mark.integration
@@ -85,13 +84,26 @@ def _batch(i: int, nbytes: int = 10):
     return queued(f"p1-{i}", [i], 4, nbytes)
 
 
+def deal(q: BatchQueue, consumers: list, take) -> list:
+    """One dispatch.Round, each pick's send answered by `take(consumer)`: what went where."""
+    r, sent = Round(q, consumers), []
+    while (pick := r.offer()) is not None:
+        c, b = pick
+        if take(c):
+            r.took(c, 0.0)
+            sent.append((c, b))
+        else:
+            r.refused(c)
+    return sent
+
+
 def test_dispatch_oldest_first_least_recently_served_first_and_only_against_credit():
     q = BatchQueue(capacity_bytes=35)
     for i in range(4):
         q.push(_batch(i))
     assert not q.has_room()  # 40 bytes > 35: data in stops being read
     a, b, c = FakeConsumer("a", credit=2), FakeConsumer("b", credit=1), FakeConsumer("c", connected=False, credit=5)
-    sent = dispatch(q, [a, b, c], lambda con, _b: con.connected, 0.0)
+    sent = deal(q, [a, b, c], lambda con: con.connected)
     assert [(con.name, bt.batch_id) for con, bt in sent] == [("a", "p1-0"), ("b", "p1-1"), ("a", "p1-2")]
     assert (a.credit, b.credit, c.credit) == (0, 0, 5) and len(q) == 1
     # delivered but not acked is still held (for redelivery), so it still counts: 10 + 30
@@ -203,7 +215,7 @@ class RecordingSocket:
 
 
 def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
-    from dflash.broker.server import Broker
+    from dflash.broker.server import send_first
 
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -212,8 +224,7 @@ def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
     push.send_multipart([b"h", b"x" * (1 << 20)])
     frames = pull.recv_multipart(copy=False)
     sock = RecordingSocket()
-    c = Pipes([sock], [0], [7000], ["tcp://h:7000"])
-    assert Broker._send_batch(c, frames)
+    assert send_first([(7000, sock)], frames) == 7000
     assert [f for f, _, _ in sock.calls] == frames and all(a is b for a, b in zip((f for f, _, _ in sock.calls), frames))
     assert all(isinstance(f, zmq.Frame) for f, _, _ in sock.calls)  # the zmq frames themselves
     assert all(copy is False and flags & zmq.NOBLOCK for _, flags, copy in sock.calls)
@@ -222,20 +233,14 @@ def test_relay_sends_the_received_frames_themselves_without_copy(tmp_path):
     push.close()
 
 
-def test_batches_take_a_consumers_data_streams_in_turn_and_skip_one_that_refuses():
-    from dflash.broker.server import Broker
+def test_a_batch_goes_to_the_first_pipe_that_takes_it_and_stays_queued_when_none_does():
+    from dflash.broker.server import send_first
 
-    s0, s1 = RecordingSocket(), RecordingSocket()
-    c = Pipes([s0, s1], [0, 0], [7000, 7001], ["tcp://h:7000", "tcp://h:7001"])
-    batches = [[f"h{i}".encode(), b"t" * 8] for i in range(6)]
-    for b in batches[:4]:
-        assert Broker._send_batch(c, b)
-    assert [m[0] for m in s0.messages()] == [b"h0", b"h2"] and [m[0] for m in s1.messages()] == [b"h1", b"h3"]
-    s0.full = True  # not connected, or full: the other stream takes the batch
-    assert Broker._send_batch(c, batches[4]) and s1.messages()[-1][0] == b"h4"
+    s0, s1 = RecordingSocket(full=True), RecordingSocket()  # not connected, or full: the next one takes it
+    assert send_first([(7000, s0), (7001, s1)], [b"h0", b"t"]) == 7001 and s1.messages() == [[b"h0", b"t"]]
     s1.full = True
-    assert not Broker._send_batch(c, batches[5])  # no stream took it: it stays queued
-    assert sum(len(s.messages()) for s in (s0, s1)) == 5
+    assert send_first([(7000, s0), (7001, s1)], [b"h1", b"t"]) is None  # no stream took it: it stays queued
+    assert s0.messages() == [] and len(s1.messages()) == 1
 
 
 def test_option_parsing_and_config_checks():

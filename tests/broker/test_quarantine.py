@@ -11,7 +11,7 @@ from array import array
 
 import pytest
 
-from dflash.broker.inbound import Batch
+from dflash.broker.inbound import Arrival
 from dflash.broker.phase import Phase
 from dflash.protocol import codec
 from dflash.protocol.messages import DATA
@@ -24,15 +24,14 @@ FACTS = {"layer_ids": [1, 2], "hidden_size": 4, "vocab_size": 100}  # fakes.batc
 
 
 def real_batch(producer: str, lease: int, samples: list[int], *, width: int = 8, ids_plus: int = 0,
-               batch_id: str | None = None) -> Batch:
-    """A batch as the server hands it to the core: frames through the codec, then typed."""
+               batch_id: str | None = None) -> tuple[Arrival, list]:
+    """A batch as the server hands it to the core (frames through the codec, then read), and its frames."""
     frames = batch_frames(RUN, producer, batch_id or f"{producer}-{lease}-{samples[0]}", lease, 0, samples,
                           width=width)
     if ids_plus:  # token IDs moved past the vocabulary
         frames[1] = array("i", [x + ids_plus for x in array("i", frames[1])]).tobytes()
     msg = codec.decode(frames, allowed=DATA, run=RUN, views=False)
-    return Batch.from_header(msg.header, payload_bytes=msg.payload_bytes(), header_bytes=len(frames[0]),
-                             frames=frames)
+    return Arrival.read(msg.header, frames, msg.payload_bytes()), frames
 
 
 def bad_rows(core) -> list[tuple]:
@@ -61,14 +60,14 @@ def test_a_batch_that_does_not_fit_the_target_is_refused_and_the_producers_own_c
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
     p = rig.peer(b"prod").id
     lying = real_batch(p, g["lease"], g["samples"], batch_id="liar-1", **lie)
-    out = rig.core.on_batch(lying, rig.now)
+    out = rig.arrive(*lying)
     # Not from p1's connection (no ZMTP metadata names it): dropped, p1 neither told nor ended
     assert not sent(out, "reject") and rig.core.sessions.table.by_id.get(p) is not None
     assert len(rig.core.delivery.queue) == 0 and rig.core.work.pool.open[g["lease"]].outstanding == set(g["samples"])
     assert rig.status()["bad_batches"] == {"rejected": {fault: {"batches": 1, "samples": 4}}}
     assert bad_rows(rig.core) == [("liar-1", "rejected", fault, 4, 0, 0)]
     # The producer's correct copy of the same samples is accepted, not dropped as stale
-    rig.core.on_batch(real_batch(p, g["lease"], g["samples"]), rig.now)
+    rig.arrive(*real_batch(p, g["lease"], g["samples"]))
     assert len(rig.core.delivery.queue) == 1 and rig.peer(b"prod").stale == 0
     assert g["lease"] not in rig.core.work.pool.open
 
@@ -76,7 +75,7 @@ def test_a_batch_that_does_not_fit_the_target_is_refused_and_the_producers_own_c
 def test_facts_nobody_stated_are_not_checked_and_a_stated_vocabulary_must_agree(rig):
     rig.hello(b"prod", "producer", layer_ids=[1, 2])  # no hidden_size, no vocab_size: nothing to check with
     g = sent(rig.control(b"prod", "lease", want=4), "grant")[0].fields
-    rig.core.on_batch(real_batch(rig.peer(b"prod").id, g["lease"], g["samples"], width=12, ids_plus=1000), rig.now)
+    rig.arrive(*real_batch(rig.peer(b"prod").id, g["lease"], g["samples"], width=12, ids_plus=1000))
     assert len(rig.core.delivery.queue) == 1 and rig.status()["bad_batches"] == {}
     assert sent(rig.hello(b"prod2", "producer", layer_ids=[1, 2], vocab_size=100), "welcome")
     assert rig.core.facts.facts.vocab_size == 100  # a later producer fills a fact the first left out
@@ -102,7 +101,7 @@ def test_a_batch_every_consumer_fails_on_is_quarantined_made_again_once_then_set
     assert not sent(fail_on(rig, b"c1", bid), "reject")
     assert rig.core.delivery.queue.peek().batch_id == bid and rig.core.delivery.queue.peek().failures == ["c1"]  # requeued first
     rig.consumer(b"c2")
-    assert [b.batch_id for _, b in rig.dispatch()] == [bid]
+    assert [r.batch_id for r in rig.dispatch()] == [bid]
     fail_on(rig, b"c2", bid)  # the second consumer fails too (--quarantine-after 2): quarantined
     assert len(rig.core.delivery.queue) == 0 and bid not in rig.core.delivery.batch_ids and rig.core.delivery.queue.in_flight_bytes == 0
     assert rig.core.work.pool.pending() == 8  # its 4 samples went back to the pool, to be made again

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from dflash.broker.inbound import Batch as Arrived
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import (MESSAGES, PRE_HANDSHAKE, Ack, CommitPoint, DatasetFacts, Grant, Hello, LineageStart,
@@ -69,8 +68,8 @@ def test_absent_optional_fields_take_their_default_and_parse():
 
 def test_a_header_naming_a_local_field_does_not_reach_it():
     h = example(MESSAGES["batch"]).to_header(RUN)
-    b = Arrived.from_header({**h, "frames": ["x"], "payload_bytes": 7}, payload_bytes=1, header_bytes=2, frames=[])
-    assert (b.payload_bytes, b.header_bytes, b.frames) == (1, 2, [])
+    b = MESSAGES["batch"].from_header({**h, "tensors": [{"name": "input_ids"}]})  # the codec's tensor specs
+    assert b.tensors == {} and b.raw["tensors"] == [{"name": "input_ids"}]
 
 
 # ---------------------------------------------------------------- maps inside a message: welcome.run_config
