@@ -1,5 +1,5 @@
-"""Typed msgpack maps: how every message type (messages.py) declares its fields, and how
-a received header is checked and parsed into one, or one is sent.
+"""Typed msgpack maps: how every message type (messages.py, batch.py) declares its fields,
+and how a received header is checked and parsed into one, or one is sent.
 
 A message is a frozen dataclass: required fields first (no default; the annotation is the
 msgpack type a receiver accepts), then optional ones (`optional()`: a default, and the rules
@@ -115,8 +115,8 @@ class Fields:
     @classmethod
     def from_header(cls, h: dict, **extra):
         """The map `h` as this type, checked as `check` does, each optional field present
-        parsed (a parse that refuses its value names the field); `extra`: fields a subclass
-        adds beside the wire's (broker/inbound.py's Batch: its frames and sizes)."""
+        parsed (a parse that refuses its value names the field); `extra`: the fields kept
+        beside the wire's (`local`: a batch's tensors and frames)."""
         cls.check(h)
         plan = _plan(cls)
         # required fields positionally (they come first), optional ones only when present

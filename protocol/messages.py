@@ -8,6 +8,7 @@ described in order by ``header["tensors"]``. This module only knows headers; the
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from .batch import Batch
 from .errors import ProtocolError
 # how every message type is declared (fields.py); importers of the protocol read them here too
 from .fields import PROTOCOL_VERSION, Fields, Message, header, items, local, nested, optional, typed  # noqa: F401
@@ -25,7 +26,8 @@ CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 # peer ID and instance name, so that the broker can name the sender of any message on it.
 PEER_PROPERTY, INSTANCE_PROPERTY = "X-Peer", "X-Instance"
 
-# Every message type, one frozen dataclass each, declared as fields.py says.
+# Every message type, one frozen dataclass each, declared as fields.py says. The data
+# plane's one type, `Batch`, is batch.py's: it also carries a batch's tensors.
 
 # ---------------------------------------------------------------- control, peer -> broker
 
@@ -288,34 +290,6 @@ class Stop(Message):
 class StatusReply(Message):
     type: ClassVar[str] = "status_reply"
     status: dict
-
-
-# ---------------------------------------------------------------- data plane
-
-
-@dataclass(frozen=True)
-class Batch(Message):
-    """One batch of hidden states (PROTOCOL.md 5): its header's fields and, beside them, its
-    `tensors` by name (`input_ids`, `loss_mask`, `hidden`, ...). A producer builds it, its
-    link sends the tensors as frames, a consumer's link reads it back with the tensors as
-    read-only views of those frames. The broker relays the frames unread: its batches
-    (broker/inbound.py) keep the frames and leave `tensors` empty."""
-
-    type: ClassVar[str] = "batch"
-    batch_id: str
-    producer: str
-    lease: int
-    epoch: int
-    samples: list
-    seq_lens: list
-    layer_ids: list
-    hidden_encoding: str | None = optional()  # raw when absent
-    tensors: dict = local(default_factory=dict, repr=False)
-
-    @property
-    def tokens(self) -> int:
-        """T, the tokens packed in this batch (its sequences' lengths summed)."""
-        return int(sum(self.seq_lens))
 
 
 MESSAGES: dict[str, type[Message]] = {

@@ -15,7 +15,6 @@ import torch
 
 from dflash.broker.dispatch import Queued
 from dflash.broker.inbound import Batch as BrokerBatch
-from dflash.consumers.batch import Batch as DeviceBatch
 from dflash.protocol import codec
 from dflash.protocol.messages import DATA, Batch
 
@@ -99,6 +98,6 @@ def test_the_batch_is_one_type_from_the_producer_to_the_consumers_link():
     assert type(read) is Batch and read.fields() == built.fields()
     assert all(torch.equal(read.tensors[k], t) for k, t in built.tensors.items())
 
-    trained = DeviceBatch.from_message(read, torch.float32)
+    trained = read.owned(torch.float32)
     assert trained.batch_id == "p1-0" and trained.samples == [7] and torch.equal(trained.input_ids, read.tensors["input_ids"])
     assert trained.hidden.dtype == torch.float32
