@@ -6,7 +6,7 @@ machine has no pytest).
 
 Checks (each `ok` true or false, with its figures):
 - staged_equal: bf16 and fp8 batch messages (the real codec, more rows than one fp8 decode
-  block) staged on the device equal `Batch.from_message` on the CPU, bit for bit, for
+  block) staged on the device equal `Batch.owned` on the CPU, bit for bit, for
   bf16 and float32 features; on CUDA every tensor is on the device (fp8 dequantised there);
 - select_micro: skip-held selection and OOM micro-batches of a staged batch (indexed on
   its device) equal those of the CPU batch;
@@ -20,7 +20,7 @@ Checks (each `ok` true or false, with its figures):
 - oom_fallback (CUDA): with the allocator capped, staging runs out of memory; the batch
   comes as the CPU path's, and `train.stage_oom` is logged.
 Figures (not pass/fail): `timing`, for a batch of --timing-tokens tokens of 5 x 4096
-features: the training thread's wait for the next batch without staging (from_message +
+features: the training thread's wait for the next batch without staging (Batch.owned +
 H2D) and with it (after a simulated step), and the stager's own time per batch.
 
 Prints one JSON line {"stage": "gpu_checks", "ok": ..., ...} and exits 1 if a check failed.
@@ -40,13 +40,11 @@ from structlog.testing import capture_logs
 
 from dflash.consumers.batch import Batch
 from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.step_oom import micro_batches
 from dflash.consumers.staging import FP8_DECODE_ROWS, BatchStager
 from dflash.consumers.synthetic import as_received, rule_batch
 from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.step import batch_loss
 from dflash.consumers.train import TrainConfig, resolve_signal, train
-from dflash.protocol import messages
 
 LAYERS = [1, 3]
 CPU = torch.device("cpu")
@@ -55,7 +53,7 @@ CPU = torch.device("cpu")
 # ---------------------------------------------------------------- inputs
 
 
-def message(b: Batch, fp8: bool) -> messages.Batch:
+def message(b: Batch, fp8: bool) -> Batch:
     """`b` as a consumer receives it: encoded with the codec, decoded to frame views."""
     return as_received(b, fp8, "gpu-checks")
 
@@ -67,21 +65,22 @@ def small_batch(spec, seed: int, n_seqs: int = 4, seq_len: int = 700) -> Batch:
                       sample_start=n_seqs * seed)
 
 
-def big_message(tokens: int, fp8: bool, seed: int = 0, width: int = 5 * 4096) -> messages.Batch:
+def big_message(tokens: int, fp8: bool, seed: int = 0, width: int = 5 * 4096) -> Batch:
     """A batch of `tokens` tokens of a Qwen3-8B capture's width (5 x 4096), 4 sequences."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, width, generator=g, dtype=torch.bfloat16)
     lens = [tokens // 4] * 3 + [tokens - 3 * (tokens // 4)]
-    b = Batch(f"big-{seed}", [0, 1, 2, 3], lens, [1, 9, 17, 25, 33], 0,
-              torch.randint(0, 1000, (tokens,), generator=g, dtype=torch.int32),
-              torch.ones(tokens, dtype=torch.uint8), hidden)
+    b = Batch.packed([0, 1, 2, 3], lens, torch.randint(0, 1000, (tokens,), generator=g, dtype=torch.int32),
+                     torch.ones(tokens, dtype=torch.uint8), hidden, batch_id=f"big-{seed}", layer_ids=[1, 9, 17, 25, 33])
     return message(b, fp8)
 
 
 def same(a: Batch, b: Batch) -> bool:
     return ((a.batch_id, a.samples, a.seq_lens, a.layer_ids, a.epoch) == (b.batch_id, b.samples, b.seq_lens,
                                                                             b.layer_ids, b.epoch)
-            and all(x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.tensors(), b.tensors())))
+            and list(a.tensors) == list(b.tensors)
+            and all(x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.tensors.values(),
+                                                                                         b.tensors.values())))
 
 
 def staged(items: list, device: torch.device, dtype: torch.dtype) -> list:
@@ -100,8 +99,8 @@ def check_staged_equal(spec, device: torch.device) -> dict:
     for dtype in (torch.bfloat16, torch.float32):
         got = staged(msgs, device, dtype)
         for name, g, m in (("bf16", got[0], msgs[0]), ("fp8", got[1], msgs[1])):
-            on_device = all(t.device.type == device.type for t in g.tensors())
-            equal = same(g, Batch.from_message(m, dtype))
+            on_device = all(t.device.type == device.type for t in g.tensors.values())
+            equal = same(g, m.owned(dtype))
             out[f"{name}_as_{str(dtype).split('.')[-1]}"] = {"on_device": on_device, "equal": equal}
             ok = ok and on_device and equal
     return {"ok": ok, **out}
@@ -110,9 +109,9 @@ def check_staged_equal(spec, device: torch.device) -> dict:
 def check_select_micro(spec, device: torch.device) -> dict:
     msg = message(small_batch(spec, 2, n_seqs=5, seq_len=300), fp8=True)
     [g] = staged([msg], device, torch.bfloat16)
-    cpu = Batch.from_message(msg, torch.bfloat16)
+    cpu = msg.owned(torch.bfloat16)
     select_ok = same(g.select([0, 2, 4]), cpu.select([0, 2, 4])) and g.select([1]).hidden.device.type == device.type
-    parts, cpu_parts = micro_batches(g, 3), micro_batches(cpu, 3)
+    parts, cpu_parts = g.split(3), cpu.split(3)
     micro_ok = len(parts) == len(cpu_parts) and all(same(p, q) for p, q in zip(parts, cpu_parts))
     return {"ok": select_ok and micro_ok, "select": select_ok, "micro_batches": micro_ok, "parts": len(parts)}
 
@@ -153,7 +152,7 @@ def check_train_loss(heads) -> dict:
         msg = message(small_batch(heads.spec, 10 + i), fp8=fp8)
         plain, with_stager = first_step_loss(heads, msg, False), first_step_loss(heads, msg, True)
         [staged_batch] = staged([msg], device, heads.embed.dtype)
-        d_plain, g_plain = direct_loss(heads, Batch.from_message(msg, heads.embed.dtype))  # the step copies it
+        d_plain, g_plain = direct_loss(heads, msg.owned(heads.embed.dtype))  # the step copies it
         d_staged, g_staged = direct_loss(heads, staged_batch)
         out["fp8" if fp8 else "bf16"] = {
             "train_loss_unstaged": plain, "train_loss_staged": with_stager, "train_rel_diff": rel(with_stager, plain),
@@ -209,8 +208,8 @@ def check_oom_fallback(device: torch.device) -> dict:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     logged = [e for e in logs if e["event"] == "train.stage_oom"]
-    on_cpu = all(t.device.type == "cpu" for t in b.tensors())
-    equal = same(b, Batch.from_message(msg, torch.bfloat16))
+    on_cpu = all(t.device.type == "cpu" for t in b.tensors.values())
+    equal = same(b, msg.owned(torch.bfloat16))
     return {"ok": on_cpu and equal and len(logged) == 1, "on_cpu": on_cpu, "equal": equal,
             "logged": [{k: e.get(k) for k in ("batch_id", "tokens", "error")} for e in logged]}
 
@@ -229,9 +228,9 @@ def timing(device: torch.device, tokens: int, step_s: float = 1.0, reps: int = 3
     for fp8 in (False, True):
         msg = big_message(tokens, fp8)
         unstaged = []
-        for _ in range(reps):  # what the loop did before: from_message, then the step's H2D copy
+        for _ in range(reps):  # what the loop did before: owned(), then the step's H2D copy
             t0 = time.perf_counter()
-            b = Batch.from_message(msg, torch.bfloat16)
+            b = msg.owned(torch.bfloat16)
             b.hidden.to(device, non_blocking=True)
             sync(device)
             unstaged.append(time.perf_counter() - t0)

@@ -74,8 +74,9 @@ def capture_batches(target, encoded: list, packing: tuple[int, int], tag: str) -
     for i, pb in enumerate(pack(encoded, *packing)):
         dev = target.device
         h = target.capture(pb.input_ids.long().to(dev), pb.position_ids().to(dev))
-        out.append(Batch(f"{tag}-{i}", pb.samples, pb.seq_lens, list(target.layer_ids), 0, pb.input_ids.to(dev),
-                         pb.loss_mask.to(dev), h[:, :n].contiguous(), h[:, n:].contiguous()))
+        out.append(Batch.packed(pb.samples, pb.seq_lens, pb.input_ids.to(dev), pb.loss_mask.to(dev),
+                                h[:, :n].contiguous(), batch_id=f"{tag}-{i}", layer_ids=target.layer_ids,
+                                final_hidden=h[:, n:].contiguous()))
     return out
 
 

@@ -9,11 +9,11 @@ version, the run, the codec's own checks, then the typed parse. The core takes i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dflash.protocol import messages
+from dflash.protocol import codec, messages
 from dflash.protocol.errors import ProtocolError
 from dflash.protocol.messages import (INSTANCE_PROPERTY, PEER_PROPERTY, PROTOCOL_VERSION, Ack, Bye, Commit, Credit,
                                      Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release,
@@ -85,9 +85,10 @@ class Arrival:
     token_ids: TokenIds | None = None  # None: no input_ids, or none in it
 
     @classmethod
-    def read(cls, header: dict, frames: list, payload_bytes: int) -> "Arrival":
-        """The arrival of a batch whose `frames` the codec passed (`header`, parsed)."""
-        return cls(messages.Batch.from_header(header), payload_bytes, len(frames[0]), connection(frames[0]),
+    def read(cls, batch: messages.Batch, header: dict, frames: list) -> "Arrival":
+        """The arrival of `batch`, decoded without views from `frames` (`header`, parsed):
+        the core gets it without its frames, which stay with the server."""
+        return cls(replace(batch, frames=[]), codec.payload_bytes(frames), len(frames[0]), connection(frames[0]),
                    token_ids(header, frames))
 
 

@@ -21,7 +21,7 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import (CONTROL_TO_BROKER, DATA, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed, Release,
+from dflash.protocol.messages import (CONTROL_TO_BROKER, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed, Release,
                                      Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk)
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 from dflash.runtime.gcpause import freeze_setup
@@ -254,12 +254,12 @@ class Broker:
     def _data(self, frames: list) -> None:
         now = time.monotonic()
         try:
-            msg = codec.decode(frames, allowed=DATA, run=self.core.run_id, views=False)  # relayed, never read
-            payload = msg.payload_bytes()
+            header = codec.unpack_header(frames[0]) if frames else None
+            batch = codec.decode_batch(frames, run=self.core.run_id, views=False, parsed=header)  # relayed, never read
         except ProtocolError as e:
             bad = BadBatch(sender(frames), e.reason, connection(frames[0]) if frames else {})
             return self.do(self.core.on_bad_batch(bad, now))
-        arrival = Arrival.read(msg.header, frames, payload)
+        arrival = Arrival.read(batch, header, frames)
         batch_id = arrival.batch.batch_id
         try:
             self.do(self.core.on_batch(arrival, now))

@@ -7,7 +7,7 @@ What the command (consume_command.py -> consumer_process.run) and the broker lin
   train.Hooks(on_step, on_checkpoint, queue, stop, after_step, before_step, stats)  (ack, commit, figures, stop, eval)
   train.Trainer: .step() one optimizer step; .state_dict()/.load_state_dict() (checkpoints and heals)
   live_eval.LiveEval(heads, signal, every, stats=, real=).before_step     (--eval-every; real_tau.RealTauSet)
-  batch.Batch / Batch.from_message(msg)                                  (the wire's `Batch` as the link read it)
+  batch.Batch (protocol/batch.py) / Batch.owned(dtype, device)          (the one batch type; its own tensors to train)
   staging.BatchStager(batches, device, dtype)                             (the next batch made ready on a thread)
   dist.Dist.init(...) / Dist.from_torchrun(device)                        (gloo on CPU, NCCL on GPU)
   dist.DistGroup                               (what the loop asks of a group: Dist, elastic.ElasticDist)

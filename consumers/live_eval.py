@@ -30,7 +30,7 @@ from dflash.protocol.training_signal import Signal
 from dflash.runtime.logs import get_logger
 from dflash.runtime.target_heads import TargetHeads
 
-from .batch import Batch
+from .batch import Batch, check_fit
 from .loss import empty_stats
 from .real_tau import RealTauSet
 from .record import TrainedRecord
@@ -70,7 +70,7 @@ def eval_hook(heads: TargetHeads, signal: Signal, held_out: list[Batch], every: 
     """A `Hooks.after_step` that logs `eval.step` every `every` steps (rank 0 only: the
     figures do not depend on the rank, and no collective is involved)."""
     for b in held_out:
-        b.check(list(signal.target_layers), heads.spec.hidden_size)
+        check_fit(b, list(signal.target_layers), heads.spec.hidden_size)
 
     def after_step(step: int, model: nn.Module) -> None:
         if rank != 0 or every <= 0 or step % every:

@@ -4,16 +4,16 @@ step trains, so converting it and copying it to the GPU leave the critical path.
 Without it, between two steps the training thread took the next message, cloned its
 `hidden` on the CPU (dequantising fp8 there), and the step then copied it to the GPU from
 pageable memory: a sizeable part of a step (docs/BENCHMARKS.md). `BatchStager` wraps the
-batch source (items: a decoded codec `Message`, a `Batch`, or None for "nothing now")
-and hands out, in the source's order, `Batch`es that are ready to train:
+batch source (items: a `Batch` as the link read it or made here, or None for "nothing
+now") and hands out, in the source's order, `Batch`es that are ready to train:
 
-- on CUDA, a message's tensors go from the frame views straight to the device (the H2D
-  copy is the only copy), on a CUDA stream of the stager's own so the copy overlaps the
-  step's kernels on the main stream; fp8 (`fp8_e4m3_rowscale`) travels to the GPU as fp8
-  plus scales (half the bytes of bf16) and is dequantised there. A `Batch` is copied to
-  the device the same way;
-- on other devices, exactly `Batch.from_message` (a CPU clone), just on the thread; a
-  `Batch` passes as it is.
+- on CUDA, a read batch's tensors go from the frame views straight to the device (the H2D
+  copy is the only copy, `Batch.owned`), on a CUDA stream of the stager's own so the copy
+  overlaps the step's kernels on the main stream; fp8 (`fp8_e4m3_rowscale`) travels to
+  the GPU as fp8 plus scales (half the bytes of bf16) and is dequantised there. A batch
+  made here is copied to the device the same way;
+- on other devices, exactly `Batch.owned` (a CPU clone), just on the thread; a batch made
+  here passes as it is.
 
 Either way the batch gets its host-side facts there (CPU copies of input_ids and
 loss_mask, the token-ID range) and, given `prepare`, the step's host-side work (train.py:
@@ -45,7 +45,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dflash.protocol import messages
 from dflash.protocol.fp8 import FP8_DECODE_ROWS  # noqa: F401  (bench/gpu_checks.py reads it here)
 from dflash.runtime.logs import get_logger
 from dflash.runtime.threads import name_this_thread
@@ -79,9 +78,9 @@ class BatchStager:
     Call `close()` (or use it as a context manager) when done with it."""
 
     def __init__(self, source: Iterable, device: torch.device, hidden_dtype: torch.dtype = torch.bfloat16,
-                 prepare: Callable[[Batch], None] | None = None):
+                 prepare: Callable[[Batch], Batch] | None = None):
         self._source = iter(source)
-        self._prepare = prepare  # host-side work for the step, on this thread (train.py: the step's plan)
+        self._prepare = prepare  # the batch with host-side work for its step, on this thread (train.py: its plan)
         self.device, self.hidden_dtype = _with_index(torch.device(device)), hidden_dtype
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._cond = threading.Condition()
@@ -147,7 +146,7 @@ class BatchStager:
         allocator wait, on free, for the work queued on the main stream so far (the
         documented pattern for tensors used on another stream than their own)."""
         stream = torch.cuda.current_stream(self.device)
-        for t in batch.tensors():
+        for t in batch.tensors.values():
             if t.is_cuda:
                 t.record_stream(stream)
 
@@ -191,22 +190,22 @@ class BatchStager:
     def _convert(self, item: Any) -> Batch | None:
         if item is None:
             return None
+        if not isinstance(item, Batch):
+            raise TypeError(f"expected a Batch or None from the batch source, got {type(item).__name__}")
         # The host copies of input_ids and loss_mask: the step plans from them, never from the GPU.
         host = _host_copies(item)
-        batch = self._to_batch(item)
-        if host is not None:
-            batch.with_host_facts(*host)
+        batch = self._to_batch(item).with_host_facts(*host)
         if self._prepare is not None:
             if self._stream is not None:  # pinned host memory for the training device
                 with torch.cuda.device(self.device):
-                    self._prepare(batch)
+                    batch = self._prepare(batch)
             else:
-                self._prepare(batch)
+                batch = self._prepare(batch)
         return batch
 
-    def _to_batch(self, item: Any) -> Batch:
+    def _to_batch(self, item: Batch) -> Batch:
         if self._stream is None:
-            return item if isinstance(item, Batch) else Batch.from_message(item, self.hidden_dtype)
+            return item.owned(self.hidden_dtype) if item.frames else item
         try:
             return self._to_device(item)
         except torch.OutOfMemoryError as e:
@@ -214,33 +213,27 @@ class BatchStager:
         # Out of the except block, so the failed copy's tensors are gone (step_oom.py). The step
         # copies the CPU batch itself, micro-batch by micro-batch if memory is short
         # (step_oom.py): slower, but the batch is trained, and the consumer survives.
-        batch = item if isinstance(item, Batch) else Batch.from_message(item, self.hidden_dtype)
+        batch = item.owned(self.hidden_dtype) if item.frames else item
         log.warning("train.stage_oom", batch_id=batch.batch_id, tokens=batch.tokens, device=str(self.device),
                     error=error)
         return batch
 
-    def _to_device(self, item: Any) -> Batch:
+    def _to_device(self, item: Batch) -> Batch:
         """On the stager's stream: the item's tensors on the device, dequantised there.
         Synchronised before returning, so the copy is complete when the batch is handed
         over (and the frames may go)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            if isinstance(item, Batch):
-                batch = item.to(self.device)
-            else:
-                batch = Batch.from_message(item, self.hidden_dtype, self.device)
+            batch = item.owned(self.hidden_dtype, self.device) if item.frames else item.to(self.device)
         self._stream.synchronize()
         return batch
 
 
-def _host_copies(item: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """CPU (input_ids, loss_mask) of a Batch or a batch message (copies of the frames,
-    which go once the batch is converted); None for anything else (its conversion raises)."""
-    if isinstance(item, Batch):
-        return item.input_ids.cpu(), item.loss_mask.cpu()
-    if isinstance(item, messages.Batch):
-        t = item.tensors
-        return t["input_ids"].clone(), t["loss_mask"].clone()
-    return None
+def _host_copies(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU (input_ids, loss_mask) of `batch`: copies of a read batch's frames (which go
+    once it is converted), a batch made here's own tensors where they are on the CPU."""
+    if batch.frames:
+        return batch.input_ids.clone(), batch.loss_mask.clone()
+    return batch.input_ids.cpu(), batch.loss_mask.cpu()
 
 
 def _with_index(device: torch.device) -> torch.device:

@@ -11,10 +11,11 @@ float summation order). tests/consumers/test_drafter_oom.py checks exactly that.
 On an OOM the attempt is thrown away whole: the failed pass may have left gradients of a
 partial backward in `.grad`, and they are mixed with those of the micro-batches done
 before it, so every gradient is cleared and the step starts again with twice as many
-micro-batches (sequences are never cut: at most one sequence per micro-batch). A sequence
-that does not fit even alone is an error naming it: skipping it would drop data
-silently, and the operator has to act (a shorter --max-length at the producers, fewer
---anchors, a smaller --loss-chunk, a bigger GPU).
+micro-batches, cut by the rule the producer's capture uses too (protocol/batch.py
+`Batch.split`: whole consecutive sequences, about equal in tokens; at most one sequence
+per micro-batch in the end). A sequence that does not fit even alone is an error naming
+it: skipping it would drop data silently, and the operator has to act (a shorter
+--max-length at the producers, fewer --anchors, a smaller --loss-chunk, a bigger GPU).
 
 The retry happens outside the `except` block: the exception's traceback holds the frames
 of the failed pass and their tensors, and memory only comes back once it is gone.
@@ -60,42 +61,6 @@ def is_oom(err: BaseException) -> bool:
     if isinstance(err, torch.OutOfMemoryError):
         return True
     return isinstance(err, RuntimeError) and any(t in str(err) for t in _OOM_TEXT)
-
-
-def micro_batches(batch: Batch, k: int) -> list[Batch]:
-    """`batch` as k micro-batches of whole consecutive sequences, about T/k tokens each
-    (never empty; k is capped at the number of sequences). Rows are views, not copies."""
-    lens = batch.seq_lens
-    n, total = len(lens), sum(lens)
-    k = max(1, min(k, n))
-    if k == 1:  # the batch itself, with what was made for it ahead (its step plan)
-        return [batch]
-    cum = [0]
-    for L in lens:
-        cum.append(cum[-1] + L)
-    cuts, start = [0], 0
-    for g in range(1, k):
-        target = total * g / k
-        end = start + 1
-        while end < n - (k - g) and cum[end] < target:  # leave a sequence for every later part
-            end += 1
-        if end - 1 > start and abs(cum[end - 1] - target) < abs(cum[end] - target):
-            end -= 1
-        cuts.append(end)
-        start = end
-    cuts.append(n)
-    return [_sequences(batch, cum, a, b) for a, b in zip(cuts, cuts[1:])]
-
-
-def _sequences(batch: Batch, cum: list[int], first: int, end: int) -> Batch:
-    """Sequences first..end-1 of `batch` (same batch_id and epoch)."""
-    rows = slice(cum[first], cum[end])  # a slice: views on the batch's device (staged: the GPU)
-    return Batch(batch.batch_id, batch.samples[first:end], batch.seq_lens[first:end], batch.layer_ids,
-                 batch.epoch, batch.input_ids[rows], batch.loss_mask[rows], batch.hidden[rows],
-                 None if batch.final_hidden is None else batch.final_hidden[rows],
-                 host_input_ids=None if batch.host_input_ids is None else batch.host_input_ids[rows],
-                 host_loss_mask=None if batch.host_loss_mask is None else batch.host_loss_mask[rows],
-                 producer=batch.producer)
 
 
 @dataclass
@@ -158,7 +123,7 @@ class StepSplitter:
         self._maybe_relax(step)
         k = min(self.splits, len(batch.seq_lens))
         while True:
-            stats, failure = self._attempt(micro_batches(batch, k), fwd_bwd)
+            stats, failure = self._attempt(batch.split(k), fwd_bwd)
             if failure is None:
                 self._good += 1
                 self.last_splits = k

@@ -11,11 +11,11 @@ right label offset. Features are gathered from two small code tables: cheap even
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
-from dflash.protocol import messages
 from dflash.runtime.target_heads import TargetSpec
 
 from .batch import Batch
@@ -41,9 +41,10 @@ def rule_batch(
     hidden = stride_code[strides][:, None, :] + token_code[offs]  # [n, L, n*D]
     mask = torch.ones(n_seqs, seq_len, dtype=torch.uint8)
     mask[:, :prompt] = 0
-    return Batch(batch_id, list(range(sample_start, sample_start + n_seqs)), [seq_len] * n_seqs, list(layer_ids),
-                 epoch, (base + offs).flatten().to(torch.int32), mask.flatten(),
-                 hidden.reshape(n_seqs * seq_len, width).to(dtype))
+    return Batch.packed(list(range(sample_start, sample_start + n_seqs)), [seq_len] * n_seqs,
+                        (base + offs).flatten().to(torch.int32), mask.flatten(),
+                        hidden.reshape(n_seqs * seq_len, width).to(dtype), batch_id=batch_id, epoch=epoch,
+                        layer_ids=layer_ids)
 
 
 def synthetic_stream(
@@ -58,7 +59,7 @@ def synthetic_stream(
                          dtype=dtype)
 
 
-def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local") -> messages.Batch:
+def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local") -> Batch:
     """`b` as a consumer's link reads it from the broker: encoded with the real codec (hidden
     in bf16, or fp8 with per-row scales) and decoded again, so its tensors are read-only
     views of the frames. For tests and benchmarks of the receiving side."""
@@ -73,5 +74,5 @@ def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"
         encoding = ENCODING
     else:
         tensors["hidden"] = b.hidden.to(torch.bfloat16)
-    sent = messages.Batch(b.batch_id, b.producer or "p1", 0, b.epoch, b.samples, b.seq_lens, b.layer_ids, encoding, tensors=tensors)
-    return codec.decode_batch([bytes(f) for f in codec.encode(sent.to_header(run), sent.tensors)], run=run)
+    sent = replace(b, producer=b.producer or "p1", hidden_encoding=encoding, tensors=tensors)
+    return codec.decode_batch([bytes(f) for f in codec.encode_batch(sent, run)], run=run)

@@ -6,7 +6,7 @@ all-reduce, commit decision, clip, optimizer step, ack, log, checkpoint, commit)
 schedules are in train_config.py, and importable from here.
 
 The loop knows nothing about the network. It takes
-  - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
+  - `batches`: an iterator of `Batch` (made here, or as the link read it); it may block while
     waiting for data, yields None for "nothing arrived in time" (this rank takes an empty
     step if another rank has a batch), and ends (StopIteration) at the end of the stream;
     it is read one item ahead on a thread that converts the next batch and copies it to
@@ -36,7 +36,7 @@ from dflash.runtime.logs import get_logger
 from dflash.runtime.target_heads import TargetHeads
 
 from . import finite, fused, train_checkpoint
-from .batch import Batch, BatchMismatch
+from .batch import Batch, BatchMismatch, check_fit
 from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
 from .loss import LossStats
@@ -260,15 +260,16 @@ class Trainer:
             if agreed == _STEP:
                 self.step(batch)
 
-    def _plan_ahead(self, batch: Batch) -> None:
-        """On the stager's thread: the step's host-side work for `batch` (step.py `plan_step`),
+    def _plan_ahead(self, batch: Batch) -> Batch:
+        """On the stager's thread: `batch` with the step's host-side work (step.py `plan_step`),
         done while the previous step trains. A batch that does not fit gets no plan: the
         training thread checks it and meets the error where it always does (fetch)."""
         try:
-            batch.check(list(self.signal.target_layers), self.heads.spec.hidden_size, self.heads.spec.vocab_size)
+            check_fit(batch, list(self.signal.target_layers), self.heads.spec.hidden_size, self.heads.spec.vocab_size)
         except BatchMismatch:
-            return
-        batch.plan = plan_step(batch, self.signal, self.cfg.seed, self.device, self.backend, count_mask=True)
+            return batch
+        return replace(batch, plan=plan_step(batch, self.signal, self.cfg.seed, self.device, self.backend,
+                                             count_mask=True))
 
     def _at_max_steps(self) -> bool:
         if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
@@ -588,15 +589,18 @@ def _short_at_start(dist: DistGroup, n_starting: float) -> bool:
     return dist.elastic and n_starting == dist.world_size and dist.world_size < dist.max_world
 
 
-def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
-    """The batch as a `Batch` checked against this drafter's signal, or the mismatch.
+def _prepare(batch: Batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
+    """The batch checked against this drafter's signal, or the mismatch. Raises TypeError
+    for anything but a `Batch` (a batch source yielding the wrong thing).
 
     A batch of other target layers (or width) is a misconfigured run, not a bad message:
     training on it would silently learn the wrong thing, so the caller stops every rank."""
-    if not isinstance(batch, Batch):  # not staged (staging.py does this on its thread)
-        batch = Batch.from_message(batch, heads.embed.dtype)  # a copy: frames are read-only
+    if not isinstance(batch, Batch):
+        raise TypeError(f"expected a Batch or None from the batch source, got {type(batch).__name__}")
+    if batch.frames:  # as the link read it, not staged (staging.py does this on its thread)
+        batch = batch.owned(heads.embed.dtype)  # a copy: frames are read-only
     try:
-        batch.check(list(signal.target_layers), heads.spec.hidden_size, heads.spec.vocab_size)
+        check_fit(batch, list(signal.target_layers), heads.spec.hidden_size, heads.spec.vocab_size)
         if signal.distill > 0 and batch.final_hidden is None:
             raise BatchMismatch(f"batch {batch.batch_id} has no final_hidden, which --distill-weight needs: start "
                                 "the producers with --final-hidden")

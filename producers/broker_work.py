@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 
-from dflash.protocol.messages import Batch, Failed
+from dflash.protocol.batch import Batch
+from dflash.protocol.messages import Failed
 from dflash.protocol.sample_order import epoch_order
 
 from .data import BadRow

@@ -1,5 +1,8 @@
 """Out-of-memory handling: split the batch and retry; skip only a sequence that cannot fit.
 
+A batch is split in two by the rule the consumer's step uses too (protocol/batch.py
+`Batch.split`): whole consecutive sequences, about half the tokens each.
+
 An OOM is logged with its cause (device, bytes asked, bytes free, tokens in the batch) and
 never crashes the run. The retry happens outside the `except` block: the exception's
 traceback holds the frames of the failed forward pass and their tensors, and memory only
@@ -17,10 +20,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from dflash.protocol.batch import Batch
 from dflash.runtime.logs import get_logger
 from dflash.runtime.memory import bytes_asked, bytes_free, release  # noqa: F401  (bytes_asked: part of this module's API)
-
-from .packing import PackedBatch
 
 log = get_logger()
 
@@ -29,7 +31,7 @@ log = get_logger()
 class Outcome:
     """One result of `OomSplitter.run`: a captured (sub)batch, or a skipped sample."""
 
-    batch: PackedBatch | None = None
+    batch: Batch | None = None
     hidden: torch.Tensor | None = None
     skipped: tuple[int, str] | None = None
 
@@ -37,7 +39,7 @@ class Outcome:
 class OomSplitter:
     """Runs `forward(batch) -> hidden` with split-and-retry on torch.OutOfMemoryError."""
 
-    def __init__(self, forward: Callable[[PackedBatch], torch.Tensor], device: torch.device,
+    def __init__(self, forward: Callable[[Batch], torch.Tensor], device: torch.device,
                  relax_after: int = 200):
         self.forward = forward
         self.device = device
@@ -49,14 +51,14 @@ class OomSplitter:
         self.relax_after = relax_after
         self._ok = 0
 
-    def run(self, batch: PackedBatch) -> Iterator[Outcome]:
+    def run(self, batch: Batch) -> Iterator[Outcome]:
         """Outcomes in sequence order; each captured part is yielded as soon as it is ready,
         so the caller can send it before the next part occupies memory."""
         todo = [batch]
         while todo:
             b = todo.pop(0)
             if self.backoff_tokens is not None and b.tokens >= self.backoff_tokens and len(b.seq_lens) > 1:
-                todo[:0] = b.split()
+                todo[:0] = b.split(2)
                 continue
             failure = None
             try:
@@ -80,7 +82,7 @@ class OomSplitter:
                         bytes_free=bytes_free(self.device), tokens=b.tokens, seqs=len(b.seq_lens),
                         lease=b.lease, action=action, backoff_tokens=self.backoff_tokens, error=failure[1])
             if action == "split":
-                todo[:0] = b.split()
+                todo[:0] = b.split(2)
             else:
                 self.skipped += 1
                 reason = f"oom: {b.tokens} tokens do not fit on {self.device}"

@@ -11,62 +11,24 @@ ignored it would silently leak context between sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from dflash.protocol.batch import Batch, position_ids
 from dflash.protocol.errors import DFlashError
 
 from .chat import Encoded
 
 
-@dataclass
-class PackedBatch:
-    """Sequences of one lease packed back to back (T = sum(seq_lens) tokens)."""
-
-    lease: int
-    epoch: int
-    samples: list[int]
-    seq_lens: list[int]
-    input_ids: torch.Tensor  # int32 [T]
-    loss_mask: torch.Tensor  # uint8 [T]
-
-    @property
-    def tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    def position_ids(self) -> torch.Tensor:
-        return position_ids(self.seq_lens)
-
-    def split(self) -> tuple["PackedBatch", "PackedBatch"]:
-        """Two halves by sequence count (the OOM path). Raises ValueError on one sequence."""
-        n = len(self.seq_lens)
-        if n < 2:
-            raise ValueError("a single sequence cannot be split")
-        k = n // 2
-        cut = sum(self.seq_lens[:k])
-        return (
-            PackedBatch(self.lease, self.epoch, self.samples[:k], self.seq_lens[:k],
-                        self.input_ids[:cut], self.loss_mask[:cut]),
-            PackedBatch(self.lease, self.epoch, self.samples[k:], self.seq_lens[k:],
-                        self.input_ids[cut:], self.loss_mask[cut:]),
-        )
-
-
-def position_ids(seq_lens: list[int]) -> torch.Tensor:
-    """[T] int64: 0..len-1 for each sequence in turn."""
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    starts = torch.cumsum(lens, 0) - lens
-    return torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
-
-
 def pack(seqs: list[Encoded], token_budget: int, max_batch_size: int, *, lease: int = 0,
-         epoch: int = 0) -> list[PackedBatch]:
+         epoch: int = 0) -> list[Batch]:
     """First-fit decreasing into batches of <= token_budget tokens and <= max_batch_size
-    sequences. A sequence longer than the budget gets a batch of its own (the OOM path
-    decides whether it fits). Sorting by length fills batches better than arrival order;
-    the order inside a lease means nothing to the broker, which lists samples per batch."""
+    sequences, each a `Batch` of the target's input, `input_ids` and `loss_mask` (the
+    producer names it and adds the hidden states once it has them). A sequence longer than
+    the budget gets a batch of its own (the OOM path decides whether it fits). Sorting by
+    length fills batches better than arrival order; the order inside a lease means nothing
+    to the broker, which lists samples per batch."""
     if token_budget < 1 or max_batch_size < 1:
         raise ValueError("token_budget and max_batch_size must be positive")
     bins: list[list[Encoded]] = []
@@ -84,14 +46,12 @@ def pack(seqs: list[Encoded], token_budget: int, max_batch_size: int, *, lease: 
     return [_make(b, lease, epoch) for b in bins]
 
 
-def _make(seqs: list[Encoded], lease: int, epoch: int) -> PackedBatch:
+def _make(seqs: list[Encoded], lease: int, epoch: int) -> Batch:
     ids = [t for s in seqs for t in s.input_ids]
     mask = [m for s in seqs for m in s.loss_mask]
-    return PackedBatch(
-        lease=lease, epoch=epoch, samples=[s.sample for s in seqs],
-        seq_lens=[len(s.input_ids) for s in seqs],
-        input_ids=torch.tensor(ids, dtype=torch.int32), loss_mask=torch.tensor(mask, dtype=torch.uint8),
-    )
+    return Batch.packed([s.sample for s in seqs], [len(s.input_ids) for s in seqs],
+                        torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8),
+                        lease=lease, epoch=epoch)
 
 
 class PackingError(DFlashError):

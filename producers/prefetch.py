@@ -19,9 +19,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dflash.protocol.batch import Batch
 from dflash.runtime.threads import name_this_thread
-
-from .packing import PackedBatch
 
 
 @dataclass
@@ -38,7 +37,7 @@ class Item:
     """What the prefetch thread hands over, in order: batches of a lease, then its end."""
 
     kind: str  # "batch" | "lease_end" | "end" | "error"
-    batch: PackedBatch | None = None
+    batch: Batch | None = None
     lease: Lease | None = None
     skipped: list[tuple[int, str]] = field(default_factory=list)
     error: BaseException | None = None
@@ -48,7 +47,7 @@ class Prefetcher:
     """`prepare(lease) -> (batches, skipped)` run ahead on a thread, `depth` batches deep."""
 
     def __init__(self, next_lease: Callable[[], Lease | None],
-                 prepare: Callable[[Lease], tuple[list[PackedBatch], list[tuple[int, str]]]],
+                 prepare: Callable[[Lease], tuple[list[Batch], list[tuple[int, str]]]],
                  depth: int = 4):
         self.next_lease, self.prepare = next_lease, prepare
         self._q: queue.Queue[Item] = queue.Queue(maxsize=max(1, depth))
@@ -59,7 +58,7 @@ class Prefetcher:
         self.state = "idle"
         # lease -> its batches prepared and not yet taken by get(), in order; those given
         # back by revoke() are skipped (by identity)
-        self._untaken: dict[int, list[PackedBatch]] = {}
+        self._untaken: dict[int, list[Batch]] = {}
         self._revoked: set[int] = set()
         self._lock = threading.Lock()
 
@@ -87,7 +86,7 @@ class Prefetcher:
                     self._untaken.pop(item.lease.lease, None)
             return item
 
-    def _take(self, b: PackedBatch) -> bool:
+    def _take(self, b: Batch) -> bool:
         """Whether batch `b` is still ours to make (not given back); from now on it is started."""
         with self._lock:
             if id(b) in self._revoked:

@@ -15,19 +15,20 @@ import itertools
 import threading
 import time
 from collections import defaultdict, deque
+from dataclasses import replace
 from typing import Callable, Iterator, Protocol
 
 import torch
 
+from dflash.protocol.batch import Batch
 from dflash.protocol.fp8 import ENCODING as FP8_ENCODING, encode_fp8
-from dflash.protocol.messages import Batch
 from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger
 
 from .chat import ChatEncoder
 from .data import BadRow, DataSource, Row
 from .capture_oom import OomSplitter
-from .packing import PackedBatch, pack
+from .packing import pack
 from .prefetch import Item, Lease, Prefetcher
 from .regen_ahead import RegenAhead
 from .regenerate import Regenerator, count_endings
@@ -90,7 +91,7 @@ class Producer:
                  sink: BatchSink, *, token_budget: int, max_batch_size: int, prefetch: int = 4,
                  skip_bad_rows: bool = False, hidden_encoding: str = "raw",
                  regenerator: Regenerator | None = None, regen_ahead: int = 0,
-                 forward: Callable[[PackedBatch], torch.Tensor] | None = None, name: str = "local"):
+                 forward: Callable[[Batch], torch.Tensor] | None = None, name: str = "local"):
         self.target, self.dataset, self.encoder, self.name = target, dataset, encoder, name
         self._batch_seq = itertools.count()
         self.source, self.sink, self.regenerator = source, sink, regenerator
@@ -113,7 +114,7 @@ class Producer:
 
     # ------------------------------------------------------------ prefetch thread
 
-    def prepare(self, lease: Lease) -> tuple[list[PackedBatch], list[tuple[int, str]]]:
+    def prepare(self, lease: Lease) -> tuple[list[Batch], list[tuple[int, str]]]:
         """Read, tokenise and pack one lease. Raises BadRow unless --skip-bad-rows."""
         skipped: list[tuple[int, str]] = []
         rows: list[Row] = []
@@ -154,7 +155,7 @@ class Producer:
             return None
         return enc
 
-    def _stream(self, lease: Lease, rows: list[Row], skipped: list[tuple[int, str]]) -> Iterator[PackedBatch]:
+    def _stream(self, lease: Lease, rows: list[Row], skipped: list[tuple[int, str]]) -> Iterator[Batch]:
         """A lease's batches as its rows get regenerated (regen_ahead.py): a batch goes as
         soon as ready rows fill one, while the lease's other rows decode. Each row is taken
         once; `skipped` is complete when the iterator ends."""
@@ -198,7 +199,7 @@ class Producer:
 
     # ------------------------------------------------------------ main thread
 
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> torch.Tensor:
         hidden = self.target.capture(batch.input_ids.long(), batch.position_ids())
         if hidden.is_cuda:
             torch.cuda.synchronize(hidden.device)  # so fwd_ms is the pass, not its launch
@@ -248,7 +249,7 @@ class Producer:
                 self.ahead.stop()
         return self.summary()
 
-    def _emit(self, batch: PackedBatch, hidden: torch.Tensor, wait_s: float, fwd_s: float) -> None:
+    def _emit(self, batch: Batch, hidden: torch.Tensor, wait_s: float, fwd_s: float) -> None:
         t0 = time.monotonic()
         tensors = {"input_ids": batch.input_ids, "loss_mask": batch.loss_mask}
         encoding, final = None, None
@@ -266,8 +267,8 @@ class Producer:
             tensors["final_hidden"] = final  # [T, H], the model dtype (never fp8: it makes soft labels)
         del hidden
         batch_id = f"{self.name}-{next(self._batch_seq)}"
-        out = Batch(batch_id, self.name, batch.lease, batch.epoch, batch.samples, batch.seq_lens,
-                    list(self.target.layer_ids), encoding, tensors=tensors)
+        out = replace(batch, batch_id=batch_id, producer=self.name, layer_ids=list(self.target.layer_ids),
+                      hidden_encoding=encoding, tensors=tensors)
         t1 = time.monotonic()
         self.sink(out)
         t2 = time.monotonic()

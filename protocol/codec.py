@@ -3,14 +3,17 @@
 Send side: each tensor's bytes go out as their own frame without a Python copy (a
 non-contiguous tensor is made contiguous first, the only copy). Receive side: frames are
 taken with ``copy=False`` and tensors are ``torch.frombuffer`` views of the ZeroMQ frame
-memory; `Message.frames` keeps those frames alive as long as the message is.
+memory; the decoded message keeps those frames (`frames`) as long as it lives.
 
 Every decode validates before anything is used (docs/PROTOCOL.md "Validation"): a
-receiver gets either a well-formed `Message` or a `ProtocolError` naming the reason.
+receiver gets either a well-formed message or a `ProtocolError` naming the reason: a
+control message as a `Message` (header and tensors), a batch straight as its one type,
+batch.py's `Batch` (`decode_batch`; `encode_batch` is its inverse).
 
 Validation needs no torch (dtypes are checked by wire name and item size): the broker
 validates and relays without importing it. torch is imported on first use, where a
-tensor is made or read (decode with views, encode of tensors, `DTYPES`).
+tensor is made or read (decode with views, encode of tensors, `DTYPES`); ZeroMQ only by
+`send` and `recv`, the two that touch a socket.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import msgpack
 
+from .batch import Batch
 from .errors import ProtocolError
+from .fp8 import ENCODING as FP8_ENCODING
 from .messages import (
     DATA,
     MAX_HEADER_BYTES,
@@ -32,9 +37,7 @@ from .messages import (
     MESSAGES,
     PRE_HANDSHAKE,
     PROTOCOL_VERSION,
-    Batch,
 )
-from .sockets import recv_frames, send_frames
 
 if TYPE_CHECKING:
     import torch
@@ -129,8 +132,15 @@ def encode(header: dict, tensors: Mapping[str, torch.Tensor] | None = None) -> l
     return frames
 
 
+def encode_batch(batch: Batch, run: str) -> list:
+    """The frames of `batch` in run `run`: its header, then its tensors' bytes as they are."""
+    return encode(batch.to_header(run), batch.tensors)
+
+
 def send(sock, header: dict, tensors: Mapping[str, torch.Tensor] | None = None, flags: int = 0):
     """Send one message; large frames go without a copy (pyzmq copies small ones itself)."""
+    from .sockets import send_frames
+
     send_frames(sock, encode(header, tensors), flags)
 
 
@@ -266,6 +276,27 @@ def decode(
     the batch rules) but makes no tensor views: the broker relays frames it never reads,
     and three views cost more than the rest of the checks together. `parsed` is frame 0
     already parsed by `unpack_header` (the broker's control socket reads it first)."""
+    h, tensors = _checked(frames, allowed, run, peer, views, parsed)
+    return Message(h, tensors, list(frames))
+
+
+def decode_batch(frames: Sequence[Any], *, run: str | None = None, peer: str | None = None,
+                 views: bool = True, parsed: dict | None = None) -> Batch:
+    """A `batch` message, checked as `decode` checks it, as its one type: its tensors
+    read-only views of `frames` (which it keeps), none with `views=False` (the broker).
+    `parsed` as for `decode`. Raises ProtocolError (with `peer`)."""
+    h, tensors = _checked(frames, DATA, run, peer, views, parsed)
+    try:
+        return Batch.from_header(h, tensors=tensors, frames=list(frames))
+    except ProtocolError as e:
+        e.peer = e.peer or peer
+        raise
+
+
+def _checked(frames: Sequence[Any], allowed: frozenset[str] | None, run: str | None, peer: str | None,
+             views: bool, parsed: dict | None) -> tuple[dict, dict]:
+    """(header, tensors by name) of a valid message (no tensors unless `views`); every
+    refusal a ProtocolError naming `peer`."""
     try:
         if not frames:
             raise ProtocolError("empty message")
@@ -283,18 +314,7 @@ def decode(
                 tensors[name] = _view(_frame_buffer(f), dtypes[dtype], shape)
         if h["type"] == "batch":
             check_batch(h, shapes)
-        return Message(h, tensors, list(frames))
-    except ProtocolError as e:
-        e.peer = e.peer or peer
-        raise
-
-
-def decode_batch(frames: Sequence[Any], *, run: str | None = None, peer: str | None = None) -> Batch:
-    """A `batch` message as a consumer reads it: checked as `decode` checks it, then typed,
-    its tensors read-only views of `frames`. Raises ProtocolError (with `peer`)."""
-    msg = decode(frames, allowed=DATA, run=run, peer=peer)
-    try:
-        return Batch.from_header(msg.header, tensors=msg.tensors)
+        return h, tensors
     except ProtocolError as e:
         e.peer = e.peer or peer
         raise
@@ -302,13 +322,14 @@ def decode_batch(frames: Sequence[Any], *, run: str | None = None, peer: str | N
 
 def recv(sock, *, allowed=None, run=None, peer=None, flags: int = 0) -> Message:
     """Receive and decode one message without copying its frames."""
+    from .sockets import recv_frames
+
     return decode(recv_frames(sock, flags), allowed=allowed, run=run, peer=peer)
 
 
 # ---------------------------------------------------------------- batch rules
 
 HIDDEN_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
-FP8_ENCODING = "fp8_e4m3_rowscale"  # `hidden_encoding` of fp8 hidden states (fp8.py)
 
 
 def check_batch(h: dict, t: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:

@@ -19,10 +19,11 @@ import zmq
 from dflash.runtime.logs import get_logger
 
 from . import codec
+from .batch import Batch
 from .credit import CreditWindow
 from .errors import MessageTooLarge, ProtocolError
-from .messages import (INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Batch, Commit, Credit, Done, Grant,
-                       LeaseAsk, Release, Revoke)
+from .messages import (INSTANCE_PROPERTY, MAX_HEADER_BYTES, PEER_PROPERTY, Ack, Commit, Credit, Done, Grant, LeaseAsk,
+                       Release, Revoke)
 from .peer import PeerLink, from_broker
 from .sockets import SocketOpts, make_socket, nth_other_thread, other_threads, readable, recv_frames, send_frames
 
@@ -92,7 +93,7 @@ class ProducerLink(PeerLink):
         must be this link's peer ID (the broker refuses a batch that names another peer)."""
         if batch.producer != self.peer_id:
             raise ValueError(f"batch {batch.batch_id} names producer {batch.producer!r}, this link is {self.peer_id!r}")
-        frames = codec.encode(batch.to_header(self.run_id), batch.tensors)
+        frames = codec.encode_batch(batch, self.run_id)
         self._check_size(batch.batch_id, frames)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

@@ -62,8 +62,8 @@ def batches(target, encoded):
     out = []
     for p in pack(encoded[1], token_budget=128, max_batch_size=2):
         hidden = target.capture(p.input_ids.long(), p.position_ids())
-        out.append(Batch(f"b{len(out)}", p.samples, p.seq_lens, target.layer_ids, 0, p.input_ids, p.loss_mask,
-                         hidden.clone()))
+        out.append(Batch.packed(p.samples, p.seq_lens, p.input_ids, p.loss_mask, hidden.clone(),
+                                batch_id=f"b{len(out)}", layer_ids=target.layer_ids))
     return out
 
 

@@ -22,6 +22,6 @@ def union(a: Batch, b: Batch | None) -> Batch:
     """Both ranks' batches packed into one, as a single process would receive them."""
     if b is None:
         return a
-    return Batch(f"{a.batch_id}+{b.batch_id}", a.samples + b.samples, a.seq_lens + b.seq_lens, a.layer_ids,
-                 a.epoch, torch.cat([a.input_ids, b.input_ids]), torch.cat([a.loss_mask, b.loss_mask]),
-                 torch.cat([a.hidden, b.hidden]))
+    return Batch.packed(a.samples + b.samples, a.seq_lens + b.seq_lens, torch.cat([a.input_ids, b.input_ids]),
+                        torch.cat([a.loss_mask, b.loss_mask]), torch.cat([a.hidden, b.hidden]),
+                        batch_id=f"{a.batch_id}+{b.batch_id}", layer_ids=a.layer_ids, epoch=a.epoch)

@@ -32,8 +32,8 @@ def regenerated_batches(target: Target, tokenizer, chats: list[dict], cache_dir:
     batches = []
     for i, pb in enumerate(pack([encoder.encode(r) for r in rows], token_budget, 16)):
         hidden = target.capture(pb.input_ids.long(), pb.position_ids())  # [T, n*D]
-        batches.append(Batch(f"regen-{i}", pb.samples, pb.seq_lens, target.layer_ids, 0, pb.input_ids,
-                             pb.loss_mask, hidden.float()))
+        batches.append(Batch.packed(pb.samples, pb.seq_lens, pb.input_ids, pb.loss_mask, hidden.float(),
+                                    batch_id=f"regen-{i}", layer_ids=target.layer_ids))
     return batches
 
 

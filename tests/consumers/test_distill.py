@@ -2,6 +2,8 @@
 reference on a tiny case, final hidden states cross the wire as an optional tensor, and a
 CPU run on a real tiny target's capture trains with it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -62,8 +64,8 @@ def _tiny_final_batches():
     out = []
     for p in pack(rows, token_budget=256, max_batch_size=2):
         got = target.capture(p.input_ids.long(), p.position_ids())
-        out.append(Batch(f"b{len(out)}", p.samples, p.seq_lens, target.layer_ids, 0, p.input_ids, p.loss_mask,
-                         got[:, :n_h].clone(), got[:, n_h:].clone()))
+        out.append(Batch.packed(p.samples, p.seq_lens, p.input_ids, p.loss_mask, got[:, :n_h].clone(),
+                                batch_id=f"b{len(out)}", layer_ids=target.layer_ids, final_hidden=got[:, n_h:].clone()))
     return folder, target, out
 
 
@@ -83,8 +85,7 @@ def _with_teacher(b: Batch, lm_head: torch.Tensor) -> Batch:
     """The stride stream with a teacher that knows it: each token's final state points at
     the next token's LM-head row, so the target's distribution peaks on the right label."""
     nxt = torch.cat([b.input_ids[1:], b.input_ids[-1:]]).long()
-    return Batch(b.batch_id, b.samples, b.seq_lens, b.layer_ids, b.epoch, b.input_ids, b.loss_mask, b.hidden,
-                 0.05 * lm_head[nxt])
+    return replace(b, tensors={**b.tensors, "final_hidden": 0.05 * lm_head[nxt]})
 
 
 @pytest.mark.parametrize("alpha", [0.5, 1.0])
@@ -119,7 +120,7 @@ def test_final_hidden_crosses_the_wire_and_is_required_for_distillation(heads):
                "final_hidden": b.final_hidden.to(torch.bfloat16)}
     msg = codec.decode_batch([bytes(f) for f in codec.encode(header("batch", "20261129T000000Z-abcd", **fields),
                                                                tensors)])
-    got = Batch.from_message(msg, torch.float32)
+    got = msg.owned(torch.float32)
     assert torch.equal(got.final_hidden, b.final_hidden.to(torch.bfloat16).float())
     bad = dict(tensors, final_hidden=b.final_hidden[:, :5].contiguous())
     with pytest.raises(ProtocolError, match="final_hidden must be"):

@@ -14,7 +14,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
+from dflash.consumers.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom
 from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
 from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
 from dflash.runtime.memory import bytes_asked
@@ -79,7 +79,7 @@ def test_split_steps_train_exactly_what_the_unsplit_steps_train(heads, monkeypat
 def test_anchors_and_noise_of_a_sequence_do_not_depend_on_the_split(heads):
     signal = resolve_signal(CFG, heads)
     batch = random_batch(heads.spec, LAYERS, SHAPES[0], seed=5, sample_start=70, epoch=3)
-    parts = micro_batches(batch, 3)
+    parts = batch.split(3)
     whole = make_layout(batch, signal, 11, CPU, "sdpa")
     cut = [a for p in parts for a in make_layout(p, signal, 11, CPU, "sdpa").anchors]
     assert all(torch.equal(a, b) for a, b in zip(whole.anchors, cut)) and len(cut) == 5
@@ -154,21 +154,6 @@ def test_a_transient_oom_ends_the_backoff(heads):
         for step in (1, 2, 3):
             splitter.run(b, _fwd_bwd(model, heads, signal), step)
     assert splitter.heartbeat() == {"oom_backoff": False, "ooms": 1, "micro_batches": 1}
-
-
-def test_micro_batches_are_consecutive_whole_sequences_of_balanced_size(heads):
-    b = random_batch(heads.spec, LAYERS, [10, 50, 10, 10, 20], seed=0, batch_id="x", sample_start=5, epoch=2)
-    for k, want in [(1, [[10, 50, 10, 10, 20]]), (2, [[10, 50], [10, 10, 20]]),
-                    (3, [[10], [50, 10], [10, 20]]), (5, [[10], [50], [10], [10], [20]]),
-                    (9, [[10], [50], [10], [10], [20]])]:
-        parts = micro_batches(b, k)
-        assert [p.seq_lens for p in parts] == want, k
-        assert [s for p in parts for s in p.samples] == b.samples
-        assert {(p.batch_id, p.epoch) for p in parts} == {("x", 2)}
-        assert torch.equal(torch.cat([p.hidden for p in parts]), b.hidden)
-        assert torch.equal(torch.cat([p.input_ids for p in parts]), b.input_ids)
-        assert torch.equal(torch.cat([p.loss_mask for p in parts]), b.loss_mask)
-    assert micro_batches(b, 2)[1].hidden.data_ptr() == b.hidden[60:].data_ptr()  # a view, not a copy
 
 
 def test_a_real_cpu_allocator_failure_counts_as_oom():

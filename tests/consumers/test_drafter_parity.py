@@ -108,8 +108,8 @@ def test_training_and_speculative_block_logits_are_equal(family, tie, tmp_path):
     loss_mask = torch.cat([(torch.arange(L) >= P).to(torch.uint8) for L, P in zip(lens, starts)])
     pos = torch.cat([torch.arange(L) for L in lens])
     hidden = target.capture(ids, pos).float()  # [T, n*D]
-    batch, bad = _prepare(Batch("b0", [0, 1], lens, list(target.layer_ids), 0, ids.to(torch.int32), loss_mask, hidden),
-                          heads, signal)
+    batch, bad = _prepare(Batch.packed([0, 1], lens, ids.to(torch.int32), loss_mask, hidden, batch_id="b0",
+                                       layer_ids=target.layer_ids), heads, signal)
     assert bad is None
     layout = make_layout(batch, signal, cfg.seed, torch.device("cpu"), "sdpa")
     with torch.no_grad():

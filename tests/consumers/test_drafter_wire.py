@@ -1,10 +1,9 @@
-"""Batches as they arrive from the broker: decoded codec messages, read-only, bf16 or fp8."""
+"""Batches as they arrive from the broker: decoded by the codec, read-only, bf16 or fp8."""
 
 import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
-from dflash.consumers.batch import Batch
 from dflash.consumers.train import Hooks, TrainConfig, train
 import pytest
 
@@ -17,10 +16,10 @@ def test_decoded_messages_train_directly_and_fill_the_heartbeat_stats(heads):
     src = [random_batch(heads.spec, LAYERS, [20, 14], seed=i, batch_id=f"p1-{i}", sample_start=2 * i)
            for i in range(4)]
     msgs = [batch_message(b, fp8=i % 2 == 1) for i, b in enumerate(src)]
-    first = Batch.from_message(msgs[0], torch.float32)
+    first = msgs[0].owned(torch.float32)
     first.hidden.add_(1.0)  # a copy: writable, and the frame is untouched
     assert torch.equal(msgs[0].tensors["hidden"].float(), src[0].hidden.to(torch.bfloat16).float())
-    fp8 = Batch.from_message(msgs[1], torch.float32)
+    fp8 = msgs[1].owned(torch.float32)
     assert torch.allclose(fp8.hidden, src[1].hidden, rtol=0.07, atol=0.05)
 
     acked, stats = [], {}

@@ -62,8 +62,8 @@ def test_training_logits_equal_the_reference_inference_paths(gemma):
     feats = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)  # [L, n*D], the capture
     signal = Signal(anchors=4, block_size=B, target_layers=tuple(LAYERS), gamma=4.0, draft_layers=2,
                     mask_token_id=MASK, target=heads.identity)
-    batch = Batch(batch_id="b0", samples=[0], seq_lens=[seq.numel()], layer_ids=LAYERS, epoch=0,
-                  input_ids=seq.to(torch.int32), loss_mask=torch.ones(seq.numel(), dtype=torch.uint8), hidden=feats)
+    batch = Batch.packed([0], [seq.numel()], seq.to(torch.int32), torch.ones(seq.numel(), dtype=torch.uint8), feats,
+                         batch_id="b0", layer_ids=LAYERS)
     exported = Drafter(drafter, B, MASK, LAYERS, heads.spec.num_hidden_layers, {})
     for a in (5, 14, 23):
         layout = build_layout([seq.numel()], [torch.tensor([a])], B, torch.device("cpu"))

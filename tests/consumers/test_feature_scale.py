@@ -27,7 +27,7 @@ def _loud(batch, seed):
     g = torch.Generator().manual_seed(seed)
     for c in LOUD:
         h[:, c] = 1000.0 + torch.randn(h.shape[0], generator=g)
-    return replace(batch, hidden=h)
+    return replace(batch, tensors={**batch.tensors, "hidden": h})
 
 
 def _stream(heads, n):

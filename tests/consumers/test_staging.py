@@ -12,7 +12,6 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
 from dflash.consumers.batch import Batch
-from dflash.consumers.step_oom import micro_batches
 from dflash.consumers import staging
 from dflash.consumers.staging import BatchStager
 from dflash.consumers.train import TrainConfig, train
@@ -31,7 +30,8 @@ def _batches(spec, n, lens=(20, 14)):
 def _same(a: Batch, b: Batch) -> None:
     assert (a.batch_id, a.samples, a.seq_lens, a.layer_ids, a.epoch) == (b.batch_id, b.samples, b.seq_lens,
                                                                            b.layer_ids, b.epoch)
-    for x, y in zip(a.tensors(), b.tensors()):
+    assert list(a.tensors) == list(b.tensors)
+    for x, y in zip(a.tensors.values(), b.tensors.values()):
         assert x.dtype == y.dtype and x.device == y.device and torch.equal(x, y)
 
 
@@ -55,16 +55,17 @@ def _wait_until(cond, timeout=30.0):  # a deadline, not a speed check
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_items_come_in_order_as_from_message_makes_them(heads, dtype):
+def test_items_come_in_order_as_owned_makes_them(heads, dtype):
     src = _batches(heads.spec, 4)
     msgs = [batch_message(src[0]), batch_message(src[1], fp8=True)]
     items = [msgs[0], None, src[2], None, None, msgs[1], src[3]]
     with BatchStager(iter(items), CPU, dtype) as stager:
         got = list(stager)
     assert [g is None for g in got] == [i is None for i in items]
-    _same(got[0], Batch.from_message(msgs[0], dtype))
-    _same(got[5], Batch.from_message(msgs[1], dtype))
-    assert got[2] is src[2] and got[6] is src[3]  # on CPU a Batch passes as it is
+    _same(got[0], msgs[0].owned(dtype))
+    _same(got[5], msgs[1].owned(dtype))
+    # on CPU a batch made here passes as it is: its very tensors
+    assert all(got[i].tensors[k] is b.tensors[k] for i, b in ((2, src[2]), (6, src[3])) for k in b.tensors)
     assert torch.allclose(got[5].hidden.float(), src[1].hidden, rtol=0.07, atol=0.05)  # fp8 dequantised
 
 
@@ -109,7 +110,7 @@ def test_source_and_conversion_errors_are_raised_at_their_position(heads):
 
     stager = BatchStager(iter([batch_message(b[1]), "not a batch", batch_message(b[2])]), CPU, torch.float32)
     assert next(stager).batch_id == "p1-1"
-    with pytest.raises(TypeError, match="expected a batch message, a Batch or None .* got str"):
+    with pytest.raises(TypeError, match="expected a Batch or None .* got str"):
         next(stager)
     stager.close()
 
@@ -160,7 +161,7 @@ def test_staged_batches_never_touch_the_frames(heads):
         staged = list(stager)
     for m, b in zip(msgs, staged):
         frame_views = list(m.tensors.values())
-        for t in b.tensors():
+        for t in b.tensors.values():
             assert all(not _overlaps(t, v) for v in frame_views)
             if t.dtype == torch.uint8:
                 t.bitwise_not_()
@@ -216,12 +217,11 @@ def test_cuda_staging_copies_to_the_device_and_equals_the_cpu_path(heads):
     with BatchStager(iter(items), dev, torch.bfloat16) as stager:
         got = list(stager)
     assert got[1] is None
-    for g, want in ((got[0], Batch.from_message(items[0])), (got[2], Batch.from_message(items[2])),
-                    (got[3], src[2])):
-        assert all(t.device == dev for t in g.tensors())
+    for g, want in ((got[0], items[0].owned()), (got[2], items[2].owned()), (got[3], src[2])):
+        assert all(t.device == dev for t in g.tensors.values())
         _same(g.to(CPU), want)  # fp8 dequantised on the GPU == dequantised on the CPU, bit for bit
     # micro-batching and skip-held selection index the staged tensors on their device
-    parts = micro_batches(got[2], 3)
+    parts = got[2].split(3)
     assert [p.tokens for p in parts] == [300, 200, 100] and all(p.hidden.is_cuda for p in parts)
     picked = got[2].select([0, 2])
-    _same(picked.to(CPU), Batch.from_message(items[2]).select([0, 2]))
+    _same(picked.to(CPU), items[2].owned().select([0, 2]))

@@ -5,6 +5,8 @@ planned, deferred path computes exactly what the direct one does."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,8 +50,8 @@ def test_planned_deferred_loss_equals_the_direct_loss(tmp_path, plan_ahead):
     signal = resolve_signal(cfg, heads)
     batch = rule_batch(heads.spec, list(signal.target_layers), seed=3, n_seqs=3, seq_len=50)
     if plan_ahead:  # as the stager does
-        batch.with_host_facts(batch.input_ids.clone(), batch.loss_mask.clone())
-        batch.plan = plan_step(batch, signal, 7, torch.device("cpu"), "sdpa", count_mask=True)
+        batch = batch.with_host_facts(batch.input_ids.clone(), batch.loss_mask.clone())
+        batch = replace(batch, plan=plan_step(batch, signal, 7, torch.device("cpu"), "sdpa", count_mask=True))
         assert batch.plan.mask_hits == 0
     grads = []
     for path in ("deferred", "direct"):

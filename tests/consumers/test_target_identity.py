@@ -101,8 +101,8 @@ def test_the_consumer_checks_the_runs_target_itself(target_dir, other_dir):
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_batch(heads):
     cfg = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
                       log_position_every=0)
-    bad = random_batch(heads.spec, LAYERS, [16, 8], seed=3, batch_id="p7-12")
-    bad.producer = "east-cuda0-41"  # the header's producer: the batch ID's form is no name (issue 36, finding 7)
+    # the header's producer: the batch ID's form is no name (issue 36, finding 7)
+    bad = replace(random_batch(heads.spec, LAYERS, [16, 8], seed=3, batch_id="p7-12"), producer="east-cuda0-41")
     bad.input_ids[5] = heads.spec.vocab_size + 88  # what another target's tokenizer may emit
     with capture_logs() as logs, pytest.raises(BatchMismatch, match=r"batch p7-12 \(producer east-cuda0-41\) holds "
                                                                      r"token "

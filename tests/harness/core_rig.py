@@ -144,7 +144,7 @@ class Rig:
         while relay is not None:
             took = next((port for port in relay.ports if not self.pipes[port].full), None)
             if took is not None:
-                self.pipes[took].sent.append(bytes(self.frames[relay.batch_id][0]).decode())
+                self.pipes[took].sent.append(relay.batch_id)  # the frames of it went out
                 sent.append(relay)
             relay = self.core.relayed(relay, took, self.now)
         return sent

@@ -9,7 +9,6 @@ import torch
 from dflash.consumers.batch import Batch
 from dflash.consumers.synthetic import as_received, rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
 from dflash.runtime.target_heads import TargetSpec
-from dflash.protocol import messages
 
 MASK_ID = 511  # an unused row of the tiny vocabulary
 
@@ -49,18 +48,18 @@ def random_batch(
     for L in seq_lens:
         mask[start : start + min(prompt, L)] = 0
         start += L
-    return Batch(
+    return Batch.packed(
+        list(range(sample_start, sample_start + len(seq_lens))),
+        seq_lens,
+        torch.randint(0, 500, (T,), generator=g, dtype=torch.int32),
+        mask,
+        torch.randn(T, len(layer_ids) * spec.hidden_size, generator=g),
         batch_id=batch_id,
-        samples=list(range(sample_start, sample_start + len(seq_lens))),
-        seq_lens=list(seq_lens),
-        layer_ids=list(layer_ids),
+        layer_ids=layer_ids,
         epoch=epoch,
-        input_ids=torch.randint(0, 500, (T,), generator=g, dtype=torch.int32),
-        loss_mask=mask,
-        hidden=torch.randn(T, len(layer_ids) * spec.hidden_size, generator=g),
     )
 
 
-def batch_message(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-abcd") -> messages.Batch:
+def batch_message(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-abcd") -> Batch:
     """`b` as a consumer receives it (consumers.synthetic.as_received): read-only frame views."""
     return as_received(b, fp8, run)

@@ -17,8 +17,7 @@ from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import BadRow, open_dataset
 from dflash.producers.producer import LocalWorkSource, Producer
 from dflash.protocol import codec
-from dflash.protocol.fp8 import hidden_from_batch
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 
 RUN = "20261129T154812Z-7f3a"
 
@@ -34,7 +33,7 @@ def make(target, tokenizer, path, source, sink, **kw) -> Producer:
 
 def wire(batch: Batch) -> Batch:
     """Through the real codec, as a consumer's link reads it."""
-    return codec.decode_batch(codec.encode(batch.to_header(RUN), batch.tensors), run=RUN)
+    return codec.decode_batch(codec.encode_batch(batch, RUN), run=RUN)
 
 
 def test_every_sample_once_per_epoch_in_valid_batches(target, tokenizer, tmp_path):
@@ -132,5 +131,5 @@ def test_fp8_encoding_halves_the_hidden_bytes(target, tokenizer, tmp_path):
     a, b = raw[0], fp8[0]
     assert b.hidden_encoding == "fp8_e4m3_rowscale" and b.tensors["hidden"].dtype == torch.float8_e4m3fn
     assert b.tensors["hidden"].nbytes * 4 == a.tensors["hidden"].nbytes  # float32 tiny model: 1/4
-    h_raw, h_fp8 = (hidden_from_batch(m, torch.float32) for m in (a, b))
+    h_raw, h_fp8 = (m.hidden_as(torch.float32) for m in (a, b))
     assert ((h_fp8 - h_raw).norm(dim=1) / h_raw.norm(dim=1)).max() < 0.05

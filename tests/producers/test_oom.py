@@ -8,7 +8,7 @@ import torch
 from structlog.testing import capture_logs
 
 from dflash.producers.capture_oom import OomSplitter, bytes_asked
-from dflash.producers.packing import PackedBatch
+from dflash.protocol.batch import Batch
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -23,7 +23,7 @@ class OomAbove:
         self.target, self.limit, self.times = target, limit, times
         self.calls: list[int] = []
 
-    def __call__(self, b: PackedBatch) -> torch.Tensor:
+    def __call__(self, b: Batch) -> torch.Tensor:
         self.calls.append(b.tokens)
         if b.tokens > self.limit and self.times > 0:
             self.times -= 1
@@ -32,12 +32,11 @@ class OomAbove:
         return self.target.capture(b.input_ids.long(), b.position_ids())
 
 
-def _batch(lens: list[int], vocab: int) -> PackedBatch:
+def _batch(lens: list[int], vocab: int) -> Batch:
     """Samples 0..n-1 packed in this order."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (sum(lens),), generator=g, dtype=torch.int32)
-    return PackedBatch(lease=3, epoch=0, samples=list(range(len(lens))), seq_lens=list(lens),
-                       input_ids=ids, loss_mask=torch.ones(sum(lens), dtype=torch.uint8))
+    return Batch.packed(list(range(len(lens))), lens, ids, torch.ones(sum(lens), dtype=torch.uint8), lease=3)
 
 
 def test_oom_on_first_try_splits_and_retries(target):
@@ -46,7 +45,7 @@ def test_oom_on_first_try_splits_and_retries(target):
     splitter = OomSplitter(fake, CPU)
     with capture_logs() as logs:
         outs = list(splitter.run(batch))
-    assert fake.calls == [90, 50, 40]  # the whole batch, then its two halves
+    assert fake.calls == [90, 50, 40]  # the whole batch, then its two halves (Batch.split(2))
     assert [o.batch.samples for o in outs] == [[0, 1], [2, 3]] and all(o.skipped is None for o in outs)
     whole = target.capture(batch.input_ids.long(), batch.position_ids())
     torch.testing.assert_close(torch.cat([o.hidden for o in outs]), whole, rtol=0, atol=1e-5)

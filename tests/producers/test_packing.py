@@ -74,11 +74,11 @@ def test_pack_respects_budget_and_batch_size_and_keeps_every_sample_once():
     assert len(batches) <= 7
 
 
-def test_split_halves_by_sequence():
-    (b,) = pack([_enc(0, 3), _enc(1, 2), _enc(2, 4)], 100, 10)
-    left, right = b.split()
-    assert left.samples + right.samples == b.samples
+def test_a_packed_batch_splits_in_two_by_whole_sequences():
+    (b,) = pack([_enc(0, 3), _enc(1, 2), _enc(2, 4)], 100, 10, lease=4, epoch=1)
+    left, right = b.split(2)  # the capture's OOM path: about half the tokens each
+    assert left.samples + right.samples == b.samples and (left.lease, right.epoch) == (4, 1)
     assert torch.equal(torch.cat([left.input_ids, right.input_ids]), b.input_ids)
-    assert left.seq_lens + right.seq_lens == b.seq_lens
-    with pytest.raises(ValueError):
-        pack([_enc(0, 3)], 100, 10)[0].split()
+    assert left.seq_lens + right.seq_lens == b.seq_lens == [4, 3, 2]
+    (one,) = pack([_enc(0, 3)], 100, 10)
+    assert one.split(2) == [one]  # one sequence: nothing to split (the OOM path skips it)

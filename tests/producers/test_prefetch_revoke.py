@@ -9,16 +9,16 @@ import time
 import pytest
 import torch
 
-from dflash.producers.packing import PackedBatch
 from dflash.producers.prefetch import Lease, Prefetcher
+from dflash.protocol.batch import Batch
 
 pytestmark = pytest.mark.unit
 
 
-def batches(lease: Lease, per: int) -> list[PackedBatch]:
+def batches(lease: Lease, per: int) -> list[Batch]:
     groups = [lease.samples[i:i + per] for i in range(0, len(lease.samples), per)]
-    return [PackedBatch(lease.lease, lease.epoch, g, [1] * len(g), torch.zeros(len(g), dtype=torch.int32),
-                        torch.zeros(len(g), dtype=torch.uint8)) for g in groups]
+    return [Batch.packed(g, [1] * len(g), torch.zeros(len(g), dtype=torch.int32), torch.zeros(len(g), dtype=torch.uint8),
+                         lease=lease.lease, epoch=lease.epoch) for g in groups]
 
 
 def test_revoke_gives_back_whole_untaken_batches_from_the_end_and_they_never_come_out():

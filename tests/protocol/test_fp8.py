@@ -3,7 +3,7 @@ import torch
 
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8, hidden_from_batch
+from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_fp8_batch_travels_through_codec_and_halves_bytes():
          "hidden_encoding": ENCODING}
     tensors = {"input_ids": torch.zeros(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
                "hidden": q, "hidden_scale": s}
-    out = hidden_from_batch(codec.decode_batch(codec.encode(h, tensors)), torch.float32)
+    out = codec.decode_batch(codec.encode(h, tensors)).hidden_as(torch.float32)
     assert torch.allclose(out, hidden.float(), rtol=0.07, atol=1e-2)
     assert q.numel() * 1 + s.numel() * 4 < 0.55 * hidden.numel() * 2
 
