@@ -8,7 +8,7 @@ target, same prompt token IDs, same dtype.
 --python is an interpreter with the transformers version that package pins (it runs
 bench/reference_worker.py, which imports nothing of this project). Our side is
 tools/eval.py's path: `load_pair` (the export loader), `read_prompts`, `stop_ids`,
-consumers/speculative.py `speculative_greedy` and target-only `greedy`.
+consumers/evaluation/speculative.py `speculative_greedy` and target-only `greedy`.
 
 Prints per prompt and overall: both taus (mean of per-prompt means, as the reference's
 benchmark reports it, and pooled over cycles), whether both decodings are lossless,
@@ -120,7 +120,7 @@ def compare(ours: list[dict], ref: list[dict]) -> dict:
 def main(reference, python, drafter, target, prompts, max_new_tokens, limit, dtype, threads, raw_target_config,
          as_json) -> None:
     """tau of DRAFTER on TARGET in dflash-eval's decoding and in the reference's dflash_generate."""
-    from dflash.consumers.speculative import greedy, speculative_greedy
+    from dflash.consumers.evaluation.speculative import greedy, speculative_greedy
     from dflash.tools.eval import load_pair, read_prompts, stop_ids
 
     if threads:

@@ -15,7 +15,7 @@ import torch
 
 from dflash.broker.dispatch import Queued
 from dflash.broker.inbound import Batch as BrokerBatch
-from dflash.consumers.batch import Batch as DeviceBatch
+from dflash.consumers.training.batch import Batch as DeviceBatch
 from dflash.protocol import codec
 from dflash.protocol.messages import DATA, Batch
 
@@ -65,7 +65,7 @@ def test_the_life_of_a_batch_names_at_most_15_files_that_all_exist():
     files = [f for f, _ in found]
     assert len(set(files)) == len(files), f"a file named twice: {files}"
     assert 0 < len(files) <= MOST_FILES, f"{len(files)} files, at most {MOST_FILES}: {files}"
-    assert files[0].startswith("producers/") and files[-1] == "consumers/train.py", files
+    assert files[0].startswith("producers/") and files[-1] == "consumers/training/train.py", files
     assert all(names for _, names in found), "every step names what in its file does it"
     gone = [x for f, names in found for x in missing(f, names)]
     assert not gone, f"docs/DESIGN.md's life of a batch names what does not exist: {gone}"

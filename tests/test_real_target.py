@@ -15,9 +15,9 @@ import structlog
 import torch
 from structlog.testing import capture_logs
 
-from dflash.consumers.batch import Batch
+from dflash.consumers.training.batch import Batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import TrainConfig, train
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack

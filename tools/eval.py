@@ -31,8 +31,8 @@ from pathlib import Path
 import click
 import torch
 
-from dflash.consumers.export import Drafter, ExportError, check_drafter_target, load_exported
-from dflash.consumers.speculative import Generation, Speculative, TargetGreedy
+from dflash.consumers.export.export import Drafter, ExportError, check_drafter_target, load_exported
+from dflash.consumers.evaluation.speculative import Generation, Speculative, TargetGreedy
 from dflash.decoding.ties import divergence, first_difference, is_tie_flip, TIE_TOLERANCE
 from dflash.runtime.command_line import fail
 from dflash.runtime.progress import progress
@@ -228,7 +228,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def drafter_folder(ref: str, runs_dir: str) -> str:
     """--drafter as a folder: an export or step folder as given, else the checkpoint that
     `latest`, a run ID or a run folder names (as dflash-export resolves it)."""
-    from dflash.consumers.checkpoint import resolve_checkpoint
+    from dflash.consumers.checkpoints.checkpoint import resolve_checkpoint
 
     p = Path(ref)
     if p.is_dir() and ((p / "config.json").is_file() or (p / "state.json").is_file()):
@@ -284,8 +284,8 @@ def run(target, drafter, runs_dir, prompts, max_new_tokens, limit, device, dtype
 def enable_fused(fuse: str, device: torch.device) -> bool:
     """The drafter's fused kernels for decoding (`--fuse`): at batch 1 a cycle is bound by
     kernel launches, and fusion launches fewer; auto takes them where training would."""
-    from dflash.consumers import fused
-    from dflash.consumers.train import auto_compiles
+    from dflash.consumers.drafter import fused
+    from dflash.consumers.training.train import auto_compiles
 
     on = fuse == "on" or (fuse == "auto" and auto_compiles(device))
     fused.enable(on)

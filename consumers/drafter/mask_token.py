@@ -38,7 +38,6 @@ import torch
 
 from dflash.runtime import targets
 from dflash.runtime.logs import get_logger
-
 from dflash.runtime.target_heads import TargetHeads
 
 log = get_logger()

@@ -26,15 +26,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dflash.consumers.checkpoints.record import TrainedRecord
+from dflash.consumers.drafter.loss import empty_stats
+from dflash.consumers.training.batch import Batch
+from dflash.consumers.training.step import batch_loss
 from dflash.protocol.training_signal import Signal
 from dflash.runtime.logs import get_logger
 from dflash.runtime.target_heads import TargetHeads
 
-from .batch import Batch
-from .loss import empty_stats
 from .real_tau import RealTauSet
-from .record import TrainedRecord
-from .step import batch_loss
 
 log = get_logger()
 

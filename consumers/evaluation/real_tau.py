@@ -1,5 +1,5 @@
 """Real acceptance length during training: the training drafter drives greedy speculative
-decoding of the whole target on a few fixed prompts (consumers/speculative.py, the code
+decoding of the whole target on a few fixed prompts (consumers/evaluation/speculative.py, the code
 dflash-eval runs), checked token for token against the target's own greedy output.
 
 A consumer normally holds only the target's embedding and LM head; real tau needs the
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dflash.consumers.export.export import Drafter
 from dflash.decoding.ties import divergence, TIE_TOLERANCE
 
-from .export import Drafter
 from .speculative import Generation, Speculative, TargetGreedy
 
 

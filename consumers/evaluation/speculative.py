@@ -26,13 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.consumers.drafter.model import apply_rope
+from dflash.consumers.export.export import Drafter
 from dflash.decoding.core import Core
 from dflash.decoding.greedy import GreedyDecoder
 from dflash.runtime.hf_compat import cache_kwarg
 from dflash.runtime.target_heads import embed_block
-
-from .export import Drafter
-from .model import apply_rope
 
 
 @dataclass

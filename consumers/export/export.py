@@ -24,16 +24,16 @@ import click
 import torch
 from safetensors.torch import save_file
 
+from dflash.consumers.checkpoints.checkpoint import resolve_checkpoint
+from dflash.consumers.checkpoints.integrity import CheckpointDamaged, load_weights, read_manifest, verify_checkpoint, write_manifest
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, fold_feature_scale
 from dflash.protocol.errors import DFlashError
 from dflash.runtime import targets
 from dflash.runtime.command_line import fail
 from dflash.runtime.run import write_json_atomic
 
 from . import hf_dflash
-from .checkpoint import resolve_checkpoint
 from .export_card import model_card, read_eval_report
-from .integrity import CheckpointDamaged, load_weights, read_manifest, verify_checkpoint, write_manifest
-from .model import DFlashDraft, DrafterConfig, fold_feature_scale
 
 
 class ExportError(DFlashError):
@@ -275,7 +275,7 @@ def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.Pa
 
 def run(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force: bool,
         eval_report: str | None) -> None:
-    """dflash-export (consumers/export_command.py parses its options)."""
+    """dflash-export (consumers/export/export_command.py parses its options)."""
     try:
         report = read_eval_report(eval_report) if eval_report else None
         src = resolve_checkpoint(checkpoint, runs_dir)

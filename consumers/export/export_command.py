@@ -1,5 +1,5 @@
 """dflash-export's command line: the options, parsed before torch is imported (the work is
-consumers/export.py's `run`), so that `--help` answers at once."""
+consumers/export/export.py's `run`), so that `--help` answers at once."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def main(checkpoint: str, out_dir: str, target: str | None, runs_dir: str, force
          eval_report: str | None) -> None:
     """Export CHECKPOINT (a step folder, run folder, run ID or 'latest') to OUT_DIR in the
     layout of the DFlash drafters published on Hugging Face."""
-    from dflash.consumers.export import run
+    from dflash.consumers.export.export import run
 
     run(checkpoint, out_dir, target, runs_dir, force, eval_report)
 

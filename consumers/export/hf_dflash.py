@@ -4,7 +4,7 @@
     AutoModel.from_pretrained(export_dir, trust_remote_code=True)
 
 works with torch and transformers alone (4.57 and 5.x). It therefore imports nothing of
-this project. It computes what consumers/model.py computes (tests hold the two equal), in
+this project. It computes what consumers/drafter/model.py computes (tests hold the two equal), in
 the module names of the published drafters and with the forward signature of the DFlash
 authors' reference `DFlashDraftModel`:
 

@@ -20,12 +20,11 @@ from typing import Iterator
 
 import torch
 
+from dflash.consumers.training.batch import BatchMismatch
+from dflash.consumers.training.train_config import Hooks, TrainState
 from dflash.protocol.messages import Failed
 from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger
-
-from .batch import BatchMismatch
-from .train_config import Hooks, TrainState
 
 log = get_logger()
 

@@ -2,7 +2,7 @@
 its `TrainConfig`), then handed to consumer_process.run. torch is imported only once the
 options are read (the process and what it imports need it), so that `--help` answers at once.
 
-    python -m dflash.consumers.consume_command --target Qwen/Qwen3-8B --broker tcp://host:5555
+    python -m dflash.consumers.process.consume_command --target Qwen/Qwen3-8B --broker tcp://host:5555
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main(**o) -> None:
 
         dial_or_exit(o["broker"], o["curve_keys"], o["curve_name"])  # a wrong --broker said before the target loads
     from .consumer_process import ConsumerConfig, run
-    from .train_config import TrainConfig
+    from dflash.consumers.training.train_config import TrainConfig
 
     train_fields = set(TrainConfig.__dataclass_fields__)
     tcfg = TrainConfig(**{k: v for k, v in o.items() if k in train_fields})

@@ -18,6 +18,12 @@ from pathlib import Path
 import click
 import torch
 
+from dflash.consumers.checkpoints.checkpoint import nothing_to_resume, resolve_checkpoint
+from dflash.consumers.evaluation.live_eval import LiveEval
+from dflash.consumers.evaluation.real_tau import RealTauSet
+from dflash.consumers.parallel.dist import Dist, RankLost, collective_failures_named
+from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.train_config import TrainState
 from dflash.protocol.curve import client_from
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.links import ConsumerLink
@@ -34,8 +40,6 @@ from dflash.runtime.stop import GracefulStop
 from dflash.runtime.target_heads import TargetLoadError, load_target_heads
 
 from .broker_hooks import BrokerHooks, broker_batches, failure, nothing_left_to_train
-from .checkpoint import nothing_to_resume, resolve_checkpoint
-from .dist import Dist, RankLost, collective_failures_named
 from .join import (
     arranged_dist,
     await_run_facts,
@@ -46,12 +50,8 @@ from .join import (
     run_config_of,
     run_layers,
 )
-from .live_eval import LiveEval
 from .quiet import quiet_library_noise
-from .real_tau import RealTauSet
 from .synthetic import synthetic_stream
-from .train import Hooks, TrainConfig, resolve_signal, train
-from .train_config import TrainState
 
 log = get_logger()
 

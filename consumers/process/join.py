@@ -22,17 +22,15 @@ from urllib.parse import urlsplit
 
 import torch
 
+from dflash.consumers.checkpoints.checkpoint import nothing_to_resume, resolve_checkpoint
+from dflash.consumers.parallel.dist import Dist, DistGroup
+from dflash.consumers.parallel.elastic import ElasticDist, replica_name
+from dflash.consumers.training.train_config import TrainConfig
 from dflash.protocol.errors import DFlashError, ProtocolError
 from dflash.protocol.messages import RunConfig, RunFacts, nested
+from dflash.protocol.training_signal import Signal
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import is_run_id
-
-from dflash.protocol.training_signal import Signal
-
-from .checkpoint import nothing_to_resume, resolve_checkpoint
-from .dist import Dist, DistGroup
-from .elastic import ElasticDist, replica_name
-from .train_config import TrainConfig
 
 log = get_logger()
 

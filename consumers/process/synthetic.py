@@ -15,10 +15,9 @@ from typing import Iterator
 
 import torch
 
+from dflash.consumers.training.batch import Batch
 from dflash.protocol import messages
 from dflash.runtime.target_heads import TargetSpec
-
-from .batch import Batch
 
 
 def rule_batch(

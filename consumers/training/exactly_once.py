@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash.consumers.parallel.dist import Dist
 from dflash.runtime.logs import get_logger
 
 from .batch import Batch
-from .dist import Dist
 
 if TYPE_CHECKING:
     from .train_config import TrainState

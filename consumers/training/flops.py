@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash.consumers.drafter.blocks import anchor_seed, sample_anchors
+from dflash.consumers.drafter.model import DrafterConfig
+
 from .batch import Batch
-from .blocks import anchor_seed, sample_anchors
-from .model import DrafterConfig
 
 
 @dataclass(frozen=True)

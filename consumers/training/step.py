@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.consumers.drafter.blocks import BlockLayout, LayoutPlan, anchor_seed, plan_layout, sample_anchors
+from dflash.consumers.drafter.loss import LossStats, block_loss, known_figures
+from dflash.consumers.drafter.mask_token import mask_in_batch
+from dflash.consumers.drafter.model import DFlashDraft
 from dflash.protocol.training_signal import Signal
 from dflash.runtime.target_heads import TargetHeads
 
 from .batch import Batch
-from .blocks import BlockLayout, LayoutPlan, anchor_seed, plan_layout, sample_anchors
-from .loss import LossStats, block_loss, known_figures
-from .mask_token import mask_in_batch
-from .model import DFlashDraft
 
 
 @dataclass

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.consumers.drafter.loss import LossStats
 from dflash.runtime.logs import get_logger
 
 from .batch import Batch
-from .loss import LossStats
 
 log = get_logger()
 

@@ -34,12 +34,12 @@ from typing import Callable
 
 import torch
 
+from dflash.consumers.drafter.loss import LossStats
 from dflash.protocol.errors import DFlashError
 from dflash.runtime.logs import get_logger
 from dflash.runtime.memory import bytes_asked, memory_figures, release
 
 from .batch import Batch
-from .loss import LossStats
 
 log = get_logger()
 

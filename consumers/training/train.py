@@ -30,19 +30,20 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from dflash.consumers.checkpoints.record import TrainedRecord
+from dflash.consumers.drafter import fused
+from dflash.consumers.drafter.loss import LossStats
+from dflash.consumers.drafter.mask_token import mask_in_batch
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, calibrate_features, published_config
+from dflash.consumers.parallel.dist import Dist, DistGroup
 from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
 from dflash.runtime.target_heads import TargetHeads
 
-from . import finite, fused, train_checkpoint
+from . import finite, train_checkpoint
 from .batch import Batch, BatchMismatch
-from .dist import Dist, DistGroup
 from .exactly_once import drop_held, gather_samples, record_samples
-from .loss import LossStats
-from .mask_token import mask_in_batch
-from .model import DFlashDraft, DrafterConfig, calibrate_features, published_config
-from .record import TrainedRecord
 from .staging import BatchStager
 from .step import StepPlan, batch_loss, plan_step
 from .step_metrics import Meter, StepFigures

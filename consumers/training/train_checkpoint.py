@@ -14,13 +14,12 @@ from typing import Protocol
 
 import torch
 
+from dflash.consumers.checkpoints.checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
+from dflash.consumers.checkpoints.record import TrainedRecord
+from dflash.consumers.parallel.dist import DistGroup
+from dflash.protocol.training_signal import Signal
 from dflash.runtime.logs import get_logger
 
-from dflash.protocol.training_signal import Signal
-
-from .checkpoint import check_signal, read_checkpoint, resolve_checkpoint, write_checkpoint
-from .dist import DistGroup
-from .record import TrainedRecord
 from .train_config import TrainConfig, TrainState
 
 log = get_logger()

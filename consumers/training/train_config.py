@@ -14,14 +14,14 @@ from typing import Callable
 
 import torch
 
+from dflash.consumers.checkpoints.record import TrainedRecord
+from dflash.consumers.drafter.loss import LOSSES, default_gamma
+from dflash.consumers.drafter.mask_token import mask_choice
 from dflash.protocol.training_signal import Signal
 from dflash.runtime.target_heads import TargetHeads
 from dflash.runtime.targets import default_layer_ids
 
 from .batch import Batch
-from .loss import LOSSES, default_gamma
-from .mask_token import mask_choice
-from .record import TrainedRecord
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class TrainConfig:
     loss_chunk: int = 2048  # block positions per logits chunk
     attn: str = "auto"  # auto (flex on GPU, sdpa on CPU) | sdpa | flex (block-sparse, compiled on GPU)
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
-    fuse: str = "auto"  # torch.compile the elementwise work (consumers/fused.py): auto (= on GPU) | on | off
+    fuse: str = "auto"  # torch.compile the elementwise work (consumers/drafter/fused.py): auto (= on GPU) | on | off
     # Prepare the next batch (convert it, copy it to the GPU) on a thread while the step
     # runs (staging.py); off: in the training thread between steps, one batch less in memory
     stage_batches: bool = True

@@ -7,9 +7,9 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.batch import Batch, BatchMismatch
-from dflash.consumers.loss import ChunkedCE
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.batch import Batch, BatchMismatch
+from dflash.consumers.drafter.loss import ChunkedCE
+from dflash.consumers.training.train import TrainConfig, train
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch, rule_batch
-from dflash.consumers.loss import block_loss, dpace_weights
-from dflash.consumers.train import TrainConfig, resolve_signal, train
+from dflash.consumers.drafter.loss import block_loss, dpace_weights
+from dflash.consumers.training.train import TrainConfig, resolve_signal, train
 from dflash.protocol.training_signal import SignalMismatch
 
 pytestmark = pytest.mark.unit

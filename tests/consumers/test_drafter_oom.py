@@ -1,7 +1,7 @@
 """OOM in a training step: the step is split into micro-batches with gradient accumulation
 and trains exactly what the unsplit step trains (issue 7).
 
-The OOM is injected in the real loop through DFLASH_TEST_OOM_TOKENS (consumers/step_oom.py):
+The OOM is injected in the real loop through DFLASH_TEST_OOM_TOKENS (consumers/training/step_oom.py):
 a micro-batch above that many tokens raises torch.OutOfMemoryError after its backward, so
 the failed attempt has left its gradients in `.grad`, as a real OOM late in a backward
 does. A real CPU allocator failure checks that such errors are recognised too.
@@ -14,9 +14,9 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
-from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
-from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
+from dflash.consumers.training.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
+from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
 from dflash.runtime.memory import bytes_asked
 
 pytestmark = pytest.mark.unit

@@ -4,8 +4,8 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
-from dflash.consumers.batch import Batch
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.training.batch import Batch
+from dflash.consumers.training.train import Hooks, TrainConfig, train
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,7 @@ packages and package-dir). Every `import` and `from ... import` in a module coun
 depth: inside functions (the lazy imports that keep `--help` fast) and under
 `if TYPE_CHECKING:` (a module that names another's types depends on it). Relative imports
 are resolved against the importing module's package. An edge goes to the deepest project
-module an import names (`from dflash.consumers import train` -> dflash.consumers.train);
+module an import names (`from dflash.consumers import train` -> dflash.consumers.training.train);
 imports of anything outside the project are left out.
 """
 
