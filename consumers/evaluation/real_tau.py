@@ -22,6 +22,7 @@ from torch import nn
 from dflash.consumers.export.export import Drafter
 from dflash.decoding.ties import divergence, TIE_TOLERANCE
 
+from .evaluate import Prompt, prompt_report, read_prompts, stop_ids, summarise
 from .speculative import Generation, Speculative, TargetGreedy
 
 
@@ -30,7 +31,7 @@ class RealTauSet:
     """A loaded target, the prompts and their target-only greedy outputs."""
 
     model: nn.Module
-    prompts: list  # dflash.tools.eval.Prompt
+    prompts: list[Prompt]
     baselines: list[Generation]
     stops: set[int]
     max_new_tokens: int
@@ -44,8 +45,6 @@ class RealTauSet:
         from transformers.utils import logging as hf_logging
 
         from dflash.runtime import targets
-
-        from dflash.tools.eval import read_prompts, stop_ids
 
         t0 = time.monotonic()
         hf_logging.disable_progress_bar()
@@ -78,9 +77,7 @@ class RealTauSet:
 
     def evaluate(self, model: nn.Module, block_size: int, mask_token_id: int, target_layers: list[int]) -> dict:
         """Speculative decoding of every prompt with `model` as the drafter; dflash-eval's
-        report (tools/eval.py `summarise`), target-only timings from the cached baselines."""
-        from dflash.tools.eval import prompt_report, summarise
-
+        report (evaluate.py `summarise`), target-only timings from the cached baselines."""
         num_layers = self.model.config.get_text_config().num_hidden_layers
         drafter = Drafter(model, block_size, mask_token_id, list(target_layers), num_layers, {})
         was_training = model.training

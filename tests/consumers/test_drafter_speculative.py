@@ -16,7 +16,7 @@ from dflash.consumers.evaluation.speculative import Generation, _target_step, gr
 from dflash.runtime.hf_compat import new_cache
 from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.target import load_target
-from dflash.tools.eval import Prompt, prompt_report, summarise
+from dflash.consumers.evaluation.evaluate import Prompt, prompt_report, summarise
 from dflash.tools.eval_command import main
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from dflash.consumers.evaluation.speculative import TargetGreedy
 from dflash.decoding.ties import TIE_TOLERANCE
-from dflash.tools.eval import Prompt, format_report, prompt_report, resolve_tie_tolerance, summarise
+from dflash.consumers.evaluation.evaluate import Prompt, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval import format_report
 from dflash.tools.eval_command import main
 from dflash.tools.families import tiny_model
 
