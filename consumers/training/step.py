@@ -1,12 +1,14 @@
-"""One batch through the drafter: anchors, block inputs, forward, chunked loss.
+"""One batch through the drafter: anchors, block inputs, forward, chunked loss, backward.
 
-Kept apart from the loop (train.py) so the tests and the loop run the very same code.
+`Trainer.step` (train.py) calls `forward_backward`; the rest of this module is what that
+runs. Kept apart from the loop so the tests and the loop run the very same code.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -18,6 +20,40 @@ from dflash.protocol.training_signal import Signal
 from dflash.runtime.target_heads import TargetHeads
 
 from .batch import Batch
+from .step_oom import StepSplitter
+
+
+def forward_backward(
+    model: DFlashDraft,
+    heads: TargetHeads,
+    batch: Batch,
+    signal: Signal,
+    *,
+    seed: int,
+    step: int,
+    noise: float = 0.0,
+    backend: str = "sdpa",
+    loss_chunk: int = 2048,
+    bf16: bool = False,
+    splitter: StepSplitter | None = None,
+) -> LossStats:
+    """Forward and backward of `batch` for optimizer step `step`: d(sum of weighted CE) is
+    added to every `.grad` (the caller divides by the global loss weight once every rank's
+    sums are in). The loss figures stay on the device (`LossStats.read`, loss.py).
+
+    With a `splitter` (step_oom.py) the batch runs in as many micro-batches as memory needs,
+    each part through this same function without one. Raises SequenceTooLarge when one
+    sequence alone does not fit."""
+    if splitter is not None:
+        one_part = partial(forward_backward, model, heads, signal=signal, seed=seed, step=step, noise=noise,
+                           backend=backend, loss_chunk=loss_chunk, bf16=bf16)
+        return splitter.run(batch, one_part, step)
+    with torch.autocast(heads.embed.device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss_sum, stats = batch_loss(model, heads, batch, signal, seed=seed, backend=backend, noise=noise,
+                                     loss_chunk=loss_chunk, step=step, defer=True)
+    if loss_sum is not None:
+        loss_sum.backward()
+    return stats
 
 
 @dataclass

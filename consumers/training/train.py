@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -45,7 +45,7 @@ from . import finite, train_checkpoint
 from .batch import Batch, BatchMismatch
 from .exactly_once import drop_held, gather_samples, record_samples
 from .staging import BatchStager
-from .step import StepPlan, batch_loss, plan_step
+from .step import StepPlan, forward_backward, plan_step
 from .step_metrics import Meter, StepFigures
 from .step_oom import OomInjection, StepSplitter
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at, progress,
@@ -382,10 +382,11 @@ class Trainer:
         noise = noise_at(step, cfg, state.samples, plan)
         if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (model.py)
             self._calibrate(batch)
-        # Forward/backward: this rank's gradient sums, in micro-batches if memory runs out (step_oom.py)
+        # Forward/backward: this rank's gradient sums (step.py), in micro-batches if memory runs out
         self.optimizer.zero_grad(set_to_none=True)
-        stats = _no_loss(self.signal.block_size) if batch is None else \
-            self.splitter.run(batch, self._forward_backward(step, noise), step)
+        stats = _no_loss(self.signal.block_size) if batch is None else forward_backward(
+            self.model, self.heads, batch, self.signal, seed=cfg.seed, step=step, noise=noise,
+            backend=self.backend, loss_chunk=cfg.loss_chunk, bf16=self.bf16, splitter=self.splitter)
         mine = StepFigures.of(batch, stats)
         # All-reduce: every figure in one collective (one rank: none, the figures stay on the
         # device until the read below), then the step's samples and the gradients
@@ -472,22 +473,6 @@ class Trainer:
             self.last_plan = plan
         state.planned_samples = plan.length if plan.by == "samples" else None
         return plan
-
-    def _forward_backward(self, step: int, noise: float) -> Callable[[Batch], LossStats]:
-        """Forward and backward of one (micro-)batch of `step`: d(sum of weighted CE) is
-        added to every `.grad`; the step divides by the global weight once every part is in.
-        The loss figures stay on the device (read once, with the gradient norm: `step`)."""
-        model, heads, signal, cfg, device = self.model, self.heads, self.signal, self.cfg, self.device
-
-        def run(part: Batch) -> LossStats:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                loss_sum, stats = batch_loss(model, heads, part, signal, seed=cfg.seed, backend=self.backend,
-                                             noise=noise, loss_chunk=cfg.loss_chunk, step=step, defer=True)
-            if loss_sum is not None:
-                loss_sum.backward()
-            return stats
-
-        return run
 
     def _ack(self, step: int, batch: Batch) -> None:
         """Tell the broker the weights hold `batch` as of `step` (`ack`)."""
