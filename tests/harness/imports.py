@@ -5,8 +5,9 @@ packages and package-dir). Every `import` and `from ... import` in a module coun
 depth: inside functions (the lazy imports that keep `--help` fast) and under
 `if TYPE_CHECKING:` (a module that names another's types depends on it). Relative imports
 are resolved against the importing module's package. An edge goes to the deepest project
-module an import names (`from dflash.consumers import train` -> dflash.consumers.training.train);
-imports of anything outside the project are left out.
+module an import names (`from dflash.consumers.training import train` ->
+dflash.consumers.training.train); imports of anything outside the project are left out
+(`imported_names` keeps them, for the rules about folders outside the package: bench/, tests/).
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def _base(module: str, is_package: bool, level: int) -> str:
     return base
 
 
-def imports_of(module: str, path: Path, modules) -> list[Import]:
-    """Every project module `module` (source at `path`) imports, one Import per name imported."""
+def imported_names(module: str, path: Path, modules) -> list[tuple[str, int]]:
+    """(absolute dotted name, line) of everything `module` (source at `path`) imports,
+    project or not: `from pkg import name` gives pkg.name where that is a project module,
+    else pkg."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out = []
     for node in ast.walk(tree):
@@ -76,10 +79,17 @@ def imports_of(module: str, path: Path, modules) -> list[Import]:
             names = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names]
         else:
             continue
-        for name in names:
-            target = _deepest(name, modules)
-            if target is not None and target != module:
-                out.append(Import(module, target, node.lineno))
+        out.extend((name, node.lineno) for name in names)
+    return out
+
+
+def imports_of(module: str, path: Path, modules) -> list[Import]:
+    """Every project module `module` (source at `path`) imports, one Import per name imported."""
+    out = []
+    for name, line in imported_names(module, path, modules):
+        target = _deepest(name, modules)
+        if target is not None and target != module:
+            out.append(Import(module, target, line))
     return out
 
 
