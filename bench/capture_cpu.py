@@ -47,7 +47,8 @@ def worker(mode: str, T: int, seq_len: int, reps: int, threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dflash.producers.packing import check_packing, position_ids
-    from dflash.producers.target import Target, default_layer_ids
+    from dflash.producers.target import Target
+    from dflash.runtime.targets import default_layer_ids
     from dflash.tools.tiny import tiny_target
 
     torch.set_num_threads(threads)

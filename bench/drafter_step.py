@@ -32,7 +32,8 @@ from dflash.consumers.drafter.model import DrafterConfig
 from dflash.consumers.training.step import draft_states, make_layout
 from dflash.consumers.process.synthetic import rule_batch, synthetic_stream
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,

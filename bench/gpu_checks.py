@@ -41,11 +41,13 @@ from structlog.testing import capture_logs
 from dflash.consumers.training.batch import Batch
 from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 from dflash.consumers.training.step_oom import micro_batches
-from dflash.consumers.training.staging import FP8_DECODE_ROWS, BatchStager
+from dflash.consumers.training.staging import BatchStager
+from dflash.protocol.fp8 import FP8_DECODE_ROWS
 from dflash.consumers.process.synthetic import as_received, rule_batch
 from dflash.runtime.target_heads import load_target_heads
 from dflash.consumers.training.step import batch_loss
-from dflash.consumers.training.train import TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig, resolve_signal
 from dflash.protocol import messages
 
 LAYERS = [1, 3]

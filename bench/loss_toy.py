@@ -38,7 +38,8 @@ def main(steps, every, seeds, block_size, draft_layers, lr, modulus, max_stride,
 
     from dflash.consumers.evaluation.live_eval import simulated_acceptance
     from dflash.consumers.process.synthetic import rule_batch
-    from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
+    from dflash.consumers.training.train import train
+    from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
     from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 

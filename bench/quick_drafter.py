@@ -67,7 +67,8 @@ def main(target, out, chats, max_new_tokens, epochs, draft_layers, block_size, a
 
     from dflash.consumers.export.export import export_checkpoint
     from dflash.runtime.target_heads import load_target_heads
-    from dflash.consumers.training.train import TrainConfig, train
+    from dflash.consumers.training.train import train
+    from dflash.consumers.training.train_config import TrainConfig
     from dflash.producers.sample_data import CHATS_PATH
     from dflash.producers.target import load_target
 

@@ -107,7 +107,8 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
     from dflash.consumers.evaluation.live_eval import simulated_acceptance
     from dflash.consumers.evaluation.real_tau import RealTauSet
     from dflash.runtime.target_heads import load_target_heads
-    from dflash.consumers.training.train import resolve_signal, train
+    from dflash.consumers.training.train import train
+    from dflash.consumers.training.train_config import resolve_signal
     from dflash.producers.target import load_target
     from structlog.testing import capture_logs
 

@@ -28,9 +28,11 @@ from structlog.testing import capture_logs
 from common import HIDDEN, N_LAYERS, RESULTS, machine, table, write_json
 from dflash.consumers.process.synthetic import rule_batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 from dflash.protocol import codec
-from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8
+from dflash.protocol.codec import FP8_ENCODING as ENCODING
+from dflash.protocol.fp8 import decode_fp8, encode_fp8
 from dflash.protocol.messages import header
 
 LAYERS = [1, 2]

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from dflash.runtime.logs import get_logger
-from dflash.runtime.memory import bytes_asked, bytes_free, release  # noqa: F401  (bytes_asked: part of this module's API)
+from dflash.runtime.memory import bytes_asked, bytes_free, release
 
 from .packing import PackedBatch
 

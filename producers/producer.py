@@ -19,7 +19,8 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from dflash.protocol.fp8 import ENCODING as FP8_ENCODING, encode_fp8
+from dflash.protocol.codec import FP8_ENCODING
+from dflash.protocol.fp8 import encode_fp8
 from dflash.protocol.messages import Batch
 from dflash.runtime.gpu import gpu_figures
 from dflash.runtime.logs import get_logger

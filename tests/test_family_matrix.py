@@ -21,7 +21,8 @@ from structlog.testing import capture_logs
 
 from dflash.consumers.export.export import export_checkpoint
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 from dflash.producers.build import Components, load_components, make_producer
 from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.producer import LocalWorkSource

@@ -7,7 +7,10 @@ from source (tests/harness/imports.py): lazy imports inside functions and TYPE_C
 imports count.
 
 There is no exception: a cycle, a cross-role import, a package module importing a tool or a
-consumers part importing one above it fails, naming the imports that make it."""
+consumers part importing one above it fails, naming the imports that make it. Nor does a
+name come from a module that only imports it (a re-export keeping an old path alive):
+everyone imports it from where it is defined; LEFT_FOR_NOW names the one module still
+re-exporting, and why."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.imports import Import, cycles, import_graph, imported_names, one_cycle, project_modules
+from tests.harness.imports import (Import, cycles, import_graph, imported_names, one_cycle, project_modules,
+                                   reexport_uses)
 
 pytestmark = pytest.mark.unit
 
@@ -41,6 +45,11 @@ CONSUMER_PARTS: dict[str, frozenset[str]] = {
 
 def _role(module: str) -> str | None:
     return next((r for r in ROLES if module == r or module.startswith(r + ".")), None)
+
+# Re-exports not yet removed: module -> why. broker/config.py's are imported by
+# broker/server.py and broker/broker_command.py, which the broker split and the options
+# work are rewriting now (issue 37 leaves them to those branches).
+LEFT_FOR_NOW = {"dflash.broker.config": "CONTROL_MAX_BYTES, parse_bytes: callers in files other branches rewrite"}
 
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -117,6 +126,19 @@ def test_consumers_parts_import_in_layer_order(graph):
                 wrong.append(e)
     assert not wrong, ("consumers/ parts importing a part they may not (CONSUMER_PARTS: drafter/ imports nothing of "
                        "training/ or process/, process/ may import all):\n" + "\n".join(f"  {e}" for e in wrong))
+
+
+def test_no_name_is_imported_through_a_module_that_only_imports_it():
+    found = [r for r in reexport_uses() if r.module not in LEFT_FOR_NOW]
+    assert not found, ("names imported from a module that only re-exports them (import each from the module that "
+                       "defines it, and drop the re-export):\n" + "\n".join(f"  {r}" for r in found))
+
+
+def test_a_reexport_is_found(tmp_path):
+    root = _tree(tmp_path, {"a/x.py": "def f():\n    pass\n", "a/y.py": "from .x import f\nfrom . import x\n",
+                            "b/w.py": "from p.a.y import f\nfrom p.a.y import x\nfrom p.a.x import f as g\n"})
+    found = reexport_uses(root, [root / "b" / "w.py"])
+    assert [(r.where, r.module, r.name) for r in found] == [("b/w.py:1", "p.a.y", "f"), ("b/w.py:2", "p.a.y", "x")]
 
 
 def test_the_layer_rule_catches_an_import_upwards():

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.harness.tiny import MASK_ID
-from dflash.consumers.training.train import TrainConfig, resolve_signal
+from dflash.consumers.training.train_config import TrainConfig, resolve_signal
 
 pytestmark = pytest.mark.unit
 

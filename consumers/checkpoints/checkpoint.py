@@ -35,9 +35,6 @@ from dflash.runtime.run import is_run_id, runs_root, write_json_atomic
 from .integrity import CheckpointDamaged, check_finite, load_weights, verify_checkpoint, write_manifest
 from .record import save_record
 
-__all__ = ["CheckpointDamaged", "check_finite", "check_signal", "load_checkpoint", "load_weights", "newest_checkpoint",
-           "nothing_to_resume", "read_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint", "step_dirs",
-           "verify_checkpoint", "write_checkpoint"]
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 

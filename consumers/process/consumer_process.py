@@ -22,7 +22,8 @@ from dflash.consumers.checkpoints.checkpoint import nothing_to_resume, resolve_c
 from dflash.consumers.evaluation.live_eval import LiveEval
 from dflash.consumers.evaluation.real_tau import RealTauSet
 from dflash.consumers.parallel.dist import Dist, RankLost, collective_failures_named
-from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
 from dflash.consumers.training.train_config import TrainState
 from dflash.protocol.curve import client_from
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected

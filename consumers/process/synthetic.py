@@ -62,7 +62,8 @@ def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local"
     in bf16, or fp8 with per-row scales) and decoded again, so its tensors are read-only
     views of the frames. For tests and benchmarks of the receiving side."""
     from dflash.protocol import codec
-    from dflash.protocol.fp8 import ENCODING, encode_fp8
+    from dflash.protocol.codec import FP8_ENCODING as ENCODING
+    from dflash.protocol.fp8 import encode_fp8
 
     tensors = {"input_ids": b.input_ids, "loss_mask": b.loss_mask}
     encoding = None

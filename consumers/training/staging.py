@@ -46,7 +46,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from dflash.protocol import messages
-from dflash.protocol.fp8 import FP8_DECODE_ROWS  # noqa: F401  (bench/gpu_checks.py reads it here)
 from dflash.runtime.logs import get_logger
 from dflash.runtime.threads import name_this_thread
 

@@ -2,8 +2,8 @@
 `Trainer.step` is one optimizer step, readable top to bottom (schedule, forward/backward,
 all-reduce, commit decision, clip, optimizer step, ack, log, checkpoint, commit);
 `state_dict`/`load_state_dict` are the one form of the state that checkpoints
-(train_checkpoint.py) and elastic heals (elastic.py) carry. Its config, hooks, state and
-schedules are in train_config.py, and importable from here.
+(train_checkpoint.py) and elastic heals (parallel/elastic.py) carry. Its config, hooks,
+state and schedules are in train_config.py.
 
 The loop knows nothing about the network. It takes
   - `batches`: an iterator of `Batch` (or decoded batch messages); it may block while
@@ -51,8 +51,6 @@ from .step_oom import OomInjection, StepSplitter
 from .train_config import (Hooks, Plan, TrainConfig, TrainState, choose_plan, lr_at, noise_at, progress,
                            resolve_signal)
 
-__all__ = ["Hooks", "TrainConfig", "TrainState", "Trainer", "lr_at", "noise_at",
-           "resolve_signal", "train", "START_WAIT_S"]
 
 log = get_logger()
 

@@ -4,7 +4,7 @@ import torch
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.training.batch import Batch
-from dflash.consumers.training.train import TrainConfig
+from dflash.consumers.training.train_config import TrainConfig
 
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,

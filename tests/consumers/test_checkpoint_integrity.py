@@ -11,11 +11,12 @@ from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoints.checkpoint import CheckpointDamaged, verify_checkpoint
+from dflash.consumers.checkpoints.integrity import CheckpointDamaged, verify_checkpoint
 from dflash.consumers.export.export import export_checkpoint, load_exported
 from dflash.consumers.export.export_command import main as export_main
 from dflash.consumers.training.finite import NonFiniteStep
-from dflash.consumers.training.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,8 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.training.batch import Batch, BatchMismatch
 from dflash.consumers.drafter.loss import ChunkedCE
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack

@@ -11,7 +11,8 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch, rule_batch
 from dflash.consumers.drafter.loss import block_loss, dpace_weights
-from dflash.consumers.training.train import TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig, resolve_signal
 from dflash.protocol.training_signal import SignalMismatch
 
 pytestmark = pytest.mark.unit

@@ -19,7 +19,8 @@ from structlog.testing import capture_logs
 from dflash.consumers.export.export import Drafter
 from dflash.consumers.drafter.model import DFlashDraft
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 from dflash.producers.target import load_target
 from dflash.consumers.evaluation.evaluate import Prompt, evaluate, prompt_ids, stop_ids
 from dflash.tools.tiny import MASK_TOKEN, tiny_target

@@ -14,7 +14,8 @@ from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.drafter.blocks import build_layout
 from dflash.consumers.export.export import ExportError, export_checkpoint, load_exported
 from dflash.consumers.export.export_command import main
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

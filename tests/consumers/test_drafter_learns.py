@@ -8,7 +8,8 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.drafter.blocks import build_layout
 from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,8 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.evaluation.live_eval import eval_hook, simulated_acceptance
-from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,8 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.training.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom, micro_batches
 from dflash.consumers.training.step import add_feature_noise, draft_states, forward_backward, make_layout, noise_seed
-from dflash.consumers.training.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
 from dflash.runtime.memory import bytes_asked
 
 pytestmark = pytest.mark.unit

@@ -27,7 +27,8 @@ from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, published
 from dflash.consumers.evaluation.speculative import DraftCache, greedy, speculative_greedy
 from dflash.consumers.training.step import draft_states, make_layout
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.training.train import TrainConfig, _prepare, resolve_signal
+from dflash.consumers.training.train import _prepare
+from dflash.consumers.training.train_config import TrainConfig, resolve_signal
 from dflash.producers.target import load_target
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 

@@ -9,7 +9,8 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
 from dflash.consumers.checkpoints.record import FILE, TrainedRecord
-from dflash.consumers.training.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id
 import pytest
 

@@ -5,7 +5,8 @@ from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
 from dflash.consumers.training.batch import Batch
-from dflash.consumers.training.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 from tests.harness.tiny import MASK_ID, rule_batch
 from dflash.consumers.export.export import export_checkpoint, load_exported
 from dflash.consumers.drafter.model import calibrate_features
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,8 @@ from structlog.testing import capture_logs
 
 from dflash.consumers.training.batch import Batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.training.train import TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig, resolve_signal
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack

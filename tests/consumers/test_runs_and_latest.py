@@ -20,7 +20,8 @@ from dflash.consumers.checkpoints.checkpoint import save_checkpoint, step_dirs
 from dflash.consumers.process.consume_command import main
 from dflash.consumers.process.join import RunConfigMismatch, resume_point
 from dflash.protocol.messages import RunConfig
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 
 from tests.harness.broker import BrokerProc

@@ -15,7 +15,8 @@ from dflash.consumers.training.batch import Batch
 from dflash.consumers.training.step_oom import micro_batches
 from dflash.consumers.training import staging
 from dflash.consumers.training.staging import BatchStager
-from dflash.consumers.training.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

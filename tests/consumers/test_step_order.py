@@ -14,10 +14,12 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoints.checkpoint import read_state, verify_checkpoint
+from dflash.consumers.checkpoints.checkpoint import read_state
+from dflash.consumers.checkpoints.integrity import verify_checkpoint
 from dflash.consumers.training.finite import NonFiniteStep
 from dflash.consumers.checkpoints.record import TrainedRecord
-from dflash.consumers.training.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ from dflash.consumers.drafter.loss import block_loss
 from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 from dflash.consumers.training.step import batch_loss, draft_states, make_layout, plan_step
 from dflash.consumers.process.synthetic import rule_batch
-from dflash.consumers.training.train import TrainConfig, resolve_signal
+from dflash.consumers.training.train_config import TrainConfig, resolve_signal
 from dflash.runtime.target_heads import load_target_heads
 
 pytestmark = pytest.mark.unit

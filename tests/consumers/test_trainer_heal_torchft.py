@@ -12,7 +12,8 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.training.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, TrainConfig
 
 pytestmark = pytest.mark.integration
 

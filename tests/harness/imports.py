@@ -170,3 +170,72 @@ def one_cycle(graph: dict[str, list[Import]], component: list[str]) -> list[Impo
                     nxt.append(edge.target)
         frontier = nxt
     raise AssertionError(f"{component} is not a cycle")
+
+
+def defined_names(path: Path) -> tuple[set[str], set[str]]:
+    """(names a module defines at its top level: def, class, assignment, also under if/try/
+    with; names it imports there)."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+
+    def visit(body):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.Assign):
+                defined.update(x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                defined.add(n.target.id)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                imported.update((a.asname or a.name).split(".")[0] for a in n.names)
+            elif isinstance(n, (ast.If, ast.Try, ast.With)):
+                for field in ("body", "orelse", "finalbody"):
+                    visit(getattr(n, field, None) or [])
+                for h in getattr(n, "handlers", None) or []:
+                    visit(h.body)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return defined, imported - defined
+
+
+@dataclass(frozen=True)
+class Reexport:
+    """`where` (file:line) imports `name` from `module`, which only imports it itself."""
+
+    where: str
+    module: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.module}.{self.name}"
+
+
+def reexport_uses(root: Path = ROOT, files: list[Path] | None = None) -> list[Reexport]:
+    """Every `from dflash.x import name` (in the package, tools, tests, bench) whose `name`
+    dflash.x does not define but imports from elsewhere: an old path kept alive."""
+    modules = project_modules(root)
+    by_path = {p.resolve(): m for m, p in modules.items()}
+    names = {m: defined_names(p) for m, p in modules.items()}
+    if files is None:
+        files = [p for d in ("dflash_ns", *{Path(modules[m]).relative_to(root).parts[0] for m in modules}, "tests",
+                             "bench") for p in sorted((root / d).rglob("*.py"))]
+    out = []
+    for path in files:
+        source = by_path.get(path.resolve())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                if source is None:
+                    continue
+                start = _base(source, path.name == "__init__.py", node.level)
+                origin = ".".join(p for p in (start, node.module) if p)
+            else:
+                origin = node.module or ""
+            if origin not in modules:
+                continue
+            defined, imported = names[origin]
+            for a in node.names:
+                if f"{origin}.{a.name}" not in modules and a.name not in defined and a.name in imported:
+                    out.append(Reexport(f"{path.relative_to(root)}:{node.lineno}", origin, a.name))
+    return out

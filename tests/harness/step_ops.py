@@ -120,7 +120,8 @@ def count_training(folder: Path, *, attn: str = "sdpa", warm: int = 2, steps: in
     of the next batch included). Returns per-step figures and every step's loss."""
     from dflash.consumers.parallel.dist import Dist
     from dflash.consumers.process.synthetic import rule_batch
-    from dflash.consumers.training.train import Hooks, TrainConfig, Trainer, resolve_signal
+    from dflash.consumers.training.train import Trainer
+    from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
     from dflash.runtime.target_heads import load_target_heads
 
     heads = load_target_heads(fake_smol_target(folder), dtype=torch.float32)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from structlog.testing import capture_logs
 
-from dflash.producers.capture_oom import OomSplitter, bytes_asked
+from dflash.producers.capture_oom import OomSplitter
+from dflash.runtime.memory import bytes_asked
 from dflash.producers.packing import PackedBatch
 import pytest
 

@@ -3,7 +3,8 @@ import torch
 
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8, hidden_from_batch
+from dflash.protocol.codec import FP8_ENCODING as ENCODING
+from dflash.protocol.fp8 import decode_fp8, encode_fp8, hidden_from_batch
 
 pytestmark = pytest.mark.unit
 
