@@ -120,7 +120,7 @@ class BlockLayout:
 class LayoutPlan:
     """The host half of a `BlockLayout`: everything derived from the anchors (and the loss
     mask), as CPU tensors, pinned when bound for a GPU. Made on the staging thread
-    (staging.py) while the previous step trains; `to_device` then costs one asynchronous
+    (training/staging.py) while the previous step trains; `to_device` then costs one asynchronous
     copy and no read-back."""
 
     block_size: int

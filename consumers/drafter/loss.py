@@ -222,7 +222,7 @@ def block_loss(
     `defer` leaves the stats' device sums unread (`LossStats.read`).
 
     The caller divides by the global weight (over all ranks): that makes the loss a
-    weighted mean, and data parallel training exact (train.py)."""
+    weighted mean, and data parallel training exact (training/train.py)."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is none of {', '.join(LOSSES)}")
     B = block_size

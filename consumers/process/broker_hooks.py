@@ -83,7 +83,7 @@ class BrokerHooks:
         self.resumed_from = resumed_from  # the checkpoint a new lineage starts from, for the broker's log
         self.stats: dict = {"state": "starting", "rank": rank}
         self.last_commit: tuple[int, str, bool] | None = None  # step, path, sent after stop
-        self.lineage: str | None = None  # of the weights: named in every ack and commit (record.py)
+        self.lineage: str | None = None  # of the weights: named in every ack and commit (checkpoints/record.py)
         self.acked_step: int | None = None  # the newest step acked
         self.hooks = Hooks(on_step=self.on_step, on_checkpoint=self.on_checkpoint, queue=self.queue,
                            progress=self.progress, plan=self.plan, budget_progress=self.budget_progress,

@@ -1,7 +1,7 @@
 """One consumer process, given its `ConsumerConfig`: setup (logging, device, target
 heads), then either the broker's run (`_serve`: its ranks and batches, through
 protocol/links.py ConsumerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
-a run of its own), each handing the batches to the Trainer (train.py).
+a run of its own), each handing the batches to the Trainer (training/train.py).
 
 consume_command.py makes the `ConsumerConfig` from the command line.
 """
@@ -76,7 +76,7 @@ class ConsumerConfig:
     log_level: str = "info"
     curve_keys: str | None = None  # CurveZMQ: keys folder (dflash-keygen), None = plain TCP
     curve_name: str | None = None
-    eval_every: int = 0  # live evaluation every N steps on rank 0 (live_eval.py), 0 = off
+    eval_every: int = 0  # live evaluation every N steps on rank 0 (evaluation/live_eval.py), 0 = off
     eval_prompts: str | None = None  # JSON Lines prompts for real tau (loads the whole target)
     eval_max_new_tokens: int = 64
     eval_limit: int | None = 8

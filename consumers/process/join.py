@@ -9,7 +9,7 @@
 - `check_run_target`, `run_layers`: the welcome's run facts against this drafter (fail
   before training);
 - `arranged_dist`: the data-parallel group the broker arranged (`--consumers N`): elastic
-  (elastic.py, through the broker's torchft lighthouse) or a fixed torch.distributed group.
+  (parallel/elastic.py, through the broker's torchft lighthouse) or a fixed torch.distributed group.
 """
 
 from __future__ import annotations

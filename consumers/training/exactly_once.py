@@ -1,6 +1,6 @@
 """The training loop's side of exactly-once (docs/RELIABILITY.md): leave out samples the
 weights already hold, gather every rank's samples of a step, and add a committed step's
-samples to the record (record.py), which is the truth of what the weights saw.
+samples to the record (checkpoints/record.py), which is the truth of what the weights saw.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def forward_backward(
 ) -> LossStats:
     """Forward and backward of `batch` for optimizer step `step`: d(sum of weighted CE) is
     added to every `.grad` (the caller divides by the global loss weight once every rank's
-    sums are in). The loss figures stay on the device (`LossStats.read`, loss.py).
+    sums are in). The loss figures stay on the device (`LossStats.read`, drafter/loss.py).
 
     With a `splitter` (step_oom.py) the batch runs in as many micro-batches as memory needs,
     each part through this same function without one. Raises SequenceTooLarge when one
@@ -171,7 +171,7 @@ def batch_loss(
 ) -> tuple[torch.Tensor | None, LossStats]:
     """(sum of weighted CE over the batch's block positions, stats). None for the loss
     when the batch has no anchor (all prompts, or sequences shorter than a block).
-    `defer`: the stats' device figures are left unread (`LossStats.read`, loss.py).
+    `defer`: the stats' device figures are left unread (`LossStats.read`, drafter/loss.py).
 
     Every term is per sequence (anchors and noise seeded per sample, attention within a
     sequence, a loss summed over positions): the sums of the batch's parts are the

@@ -2,7 +2,7 @@
 gradients, take the one optimizer step the whole batch would have taken.
 
 Same training signal: a step's loss is a sum of weighted CE over its sequences, divided by
-the global loss weight only after every rank's sums are in (dist.py). Each sequence's
+the global loss weight only after every rank's sums are in (parallel/dist.py). Each sequence's
 terms depend on that sequence alone (anchors and feature noise are seeded per sample,
 attention stays inside a sequence), so the gradients of the micro-batches add up to the
 gradient of the whole batch, and the step after the split is the step without it (up to

@@ -174,7 +174,7 @@ class Trainer:
     def join_or_resume(self, runs_dir: str | Path | None) -> None:
         """Take the state to start from: a running replica's (elastic), else the checkpoint's."""
         dist, state = self.dist, self.state
-        # An elastic group (elastic.py) hands this state to a joining replica, and heals us
+        # An elastic group (parallel/elastic.py) hands this state to a joining replica, and heals us
         # with a healthier one's; the quorum compares steps to decide who heals. The first
         # quorum comes before the resume: a consumer joining a live run is healed from a
         # running one (the checkpoint it was told may be pruned by now, and is older anyway).
@@ -378,7 +378,7 @@ class Trainer:
         # The schedule: its plan (the lr's value needs the step's samples, known below) and the noise
         plan = self._plan(step)
         noise = noise_at(step, cfg, state.samples, plan)
-        if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (model.py)
+        if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (drafter/model.py)
             self._calibrate(batch)
         # Forward/backward: this rank's gradient sums (step.py), in micro-batches if memory runs out
         self.optimizer.zero_grad(set_to_none=True)
@@ -593,7 +593,7 @@ def _prepare(batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMism
 
 def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
     """Warn (once: returns True) when a batch contains the MASK token: the drafter cannot
-    tell that context token from a position to draft (mask_token.py)."""
+    tell that context token from a position to draft (drafter/mask_token.py)."""
     plan = batch.plan
     hits = plan.mask_hits if isinstance(plan, StepPlan) and plan.mask_hits is not None else \
         mask_in_batch(batch.input_ids, signal.mask_token_id)

@@ -1,7 +1,7 @@
 """The trainer's state on disk: its `state_dict()` (train.py, the same form an elastic
 replica serves a joining one) as a checkpoint folder, and back.
 
-The file format is checkpoint.py's. A checkpoint adds what only a later run needs: every
+The file format is checkpoints/checkpoint.py's. A checkpoint adds what only a later run needs: every
 rank's RNG state, the schedule, the run config, the world size. Sending the commit is
 the loop's (train.py), once `save` has returned: this module only writes and reads.
 """
@@ -98,7 +98,7 @@ def read(path: Path, device: torch.device) -> tuple[dict, list[torch.Tensor], di
 
 def resume(t: Trainer, runs_dir) -> None:
     """Take the state of the checkpoint `t.cfg.resume` names; its weights go on as a new
-    lineage (record.py), each rank takes its saved RNG state."""
+    lineage (checkpoints/record.py), each rank takes its saved RNG state."""
     cfg, state, dist = t.cfg, t.state, t.dist
     path = resolve_checkpoint(cfg.resume, runs_dir)
     sd, rng, saved = read(path, t.device)
@@ -109,7 +109,7 @@ def resume(t: Trainer, runs_dir) -> None:
     t.load_state_dict(sd)
     state.resumed_from = str(path)
     state.planned_samples = (saved.get("scheduler") or {}).get("planned_samples")
-    state.record.fork(previous, state.step)  # these weights go on as a new lineage (record.py)
+    state.record.fork(previous, state.step)  # these weights go on as a new lineage (checkpoints/record.py)
     if dist.rank < len(rng):
         _set_rng_state(rng[dist.rank], t.device)
     else:  # more ranks than when saved: a fresh, reproducible stream for the new rank
