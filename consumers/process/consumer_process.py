@@ -23,8 +23,7 @@ from dflash.consumers.evaluation.live_eval import LiveEval
 from dflash.consumers.evaluation.real_tau import RealTauSet
 from dflash.consumers.parallel.dist import Dist, RankLost, collective_failures_named
 from dflash.consumers.training.train import train
-from dflash.consumers.training.train_config import Hooks, TrainConfig, resolve_signal
-from dflash.consumers.training.train_config import TrainState
+from dflash.consumers.training.train_config import Hooks, TrainConfig, TrainState, resolve_signal
 from dflash.protocol.curve import client_from
 from dflash.protocol.errors import BrokerUnreachable, DFlashError, Rejected
 from dflash.protocol.links import ConsumerLink
