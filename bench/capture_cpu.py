@@ -46,8 +46,10 @@ def worker(mode: str, T: int, seq_len: int, reps: int, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.producers.packing import check_packing, position_ids
-    from dflash.producers.target import Target, default_layer_ids
+    from dflash.producers.packing import check_packing
+    from dflash.protocol.batch import position_ids
+    from dflash.producers.target import Target
+    from dflash.runtime.targets import default_layer_ids
     from dflash.tools.tiny import tiny_target
 
     torch.set_num_threads(threads)

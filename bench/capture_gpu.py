@@ -26,8 +26,10 @@ import time
 import click
 import torch
 
-from dflash.producers.packing import check_packing, position_ids
-from dflash.producers.target import Target, default_layer_ids
+from dflash.producers.packing import check_packing
+from dflash.protocol.batch import position_ids
+from dflash.producers.target import Target
+from dflash.runtime.targets import default_layer_ids
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from dflash.protocol.sockets import free_port_block  # noqa: F401  (bench scripts import it from here)
+from dflash.protocol.sockets import free_port_block
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"

@@ -331,7 +331,7 @@ def _run_regen(model, ps: list[list[int]], rows: int, sizes=None, wrap_fill=None
 
 
 def eval_section(model, n: int = 40, new: int = 256) -> dict:
-    from dflash.consumers.speculative import Speculative, TargetGreedy
+    from dflash.consumers.evaluation.speculative import Speculative, TargetGreedy
 
     cfg = model.config
     drafter = _random_drafter(model, 5)
@@ -386,8 +386,8 @@ def cycle_section(model, layers: list[int], reps: int = 200) -> list[dict]:
     """ms per speculative cycle (draft, verify, accept: one graph replay) against the
     target's decode step at batch 1, by drafter depth, with the drafter's elementwise work
     eager and fused (dflash-eval --fuse): what a cycle costs decides the speedup at a tau."""
-    from dflash.consumers import fused
-    from dflash.consumers.speculative import Speculative, TargetGreedy
+    from dflash.consumers.drafter import fused
+    from dflash.consumers.evaluation.speculative import Speculative, TargetGreedy
 
     out = []
     p = prompts(1, 120, 120, model.config.vocab_size, seed=11)[0]
@@ -417,8 +417,8 @@ def cycle_section(model, layers: list[int], reps: int = 200) -> list[dict]:
 
 
 def _random_drafter(model, n_layers: int):
-    from dflash.consumers.export import Drafter
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.export.export import Drafter
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 
     cfg = model.config
     L = cfg.num_hidden_layers

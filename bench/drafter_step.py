@@ -26,13 +26,15 @@ from structlog.testing import capture_logs
 
 from dflash.runtime.gpu import matmul_ceiling_tflops
 
-from dflash.consumers.blocks import build_layout
-from dflash.consumers.flops import step_flops, step_shape
-from dflash.consumers.model import DrafterConfig
-from dflash.consumers.step import draft_states, make_layout
-from dflash.consumers.synthetic import rule_batch, synthetic_stream
+from dflash.consumers.drafter.blocks import build_layout
+from dflash.consumers.training.flops import step_flops, step_shape
+from dflash.consumers.drafter.model import DrafterConfig
+from dflash.consumers.training.step import draft_states, make_layout
+from dflash.consumers.process.synthetic import rule_batch, synthetic_stream
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, resolve_signal
+from dflash.consumers.training.config import TrainConfig
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
@@ -66,7 +68,7 @@ def fake_target(folder: Path, cfg: dict = QWEN3_8B) -> Path:
 
 def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
     """Max |flex - sdpa| / max |sdpa| of the drafter's states on a small packed batch."""
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 
     signal = resolve_signal(cfg, heads)
     torch.manual_seed(0)
@@ -86,7 +88,7 @@ def use_torch_block_mask() -> None:
     """Replace the tile-bounds block mask with torch's create_block_mask of the same rule."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.consumers import blocks
+    from dflash.consumers.drafter import blocks
 
     def element_wise(layout, device):
         T, Q = layout.ctx_pos.shape[0], layout.num_queries

@@ -1,4 +1,4 @@
-"""Checks of the batch stager (consumers/staging.py) on a real device: a plain script (the GPU
+"""Checks of the batch stager (consumers/training/staging.py) on a real device: a plain script (the GPU
 machine has no pytest).
 
     python bench/gpu_checks.py                # cuda:0 when there is a GPU, else the CPU
@@ -12,7 +12,7 @@ Checks (each `ok` true or false, with its figures):
   its device) equal those of the CPU batch;
 - train_loss: one training step of a small drafter (a tiny target from dflash.tools.tiny)
   on a staged batch has the loss of the same step without staging, to 1e-5 relative
-  (bf16 and fp8 messages, through consumers.train exactly as dflash-consume runs it);
+  (bf16 and fp8 messages, through consumers.training.train exactly as dflash-consume runs it);
 - no_reuse_race (CUDA): the main stream is made to lag behind, each staged batch is read
   by a kernel queued behind that lag and freed at once, while the stager copies the next
   batches on its own stream; every checksum must be the batch's own (record_stream keeps
@@ -38,13 +38,16 @@ import traceback
 import torch
 from structlog.testing import capture_logs
 
-from dflash.consumers.batch import Batch
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.staging import FP8_DECODE_ROWS, BatchStager
-from dflash.consumers.synthetic import as_received, rule_batch
+from dflash.protocol.batch import Batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.step import batch_loss
-from dflash.consumers.train import TrainConfig, resolve_signal, train
+from dflash.consumers.training.config import TrainConfig
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.staging import BatchStager
+from dflash.protocol.fp8 import FP8_DECODE_ROWS
+from dflash.consumers.process.synthetic import as_received, rule_batch
+from dflash.consumers.training.step import batch_loss
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import resolve_signal
 
 LAYERS = [1, 3]
 CPU = torch.device("cpu")
@@ -59,7 +62,7 @@ def message(b: Batch, fp8: bool) -> Batch:
 
 
 def small_batch(spec, seed: int, n_seqs: int = 4, seq_len: int = 700) -> Batch:
-    """A learnable batch (consumers.synthetic) of n_seqs x seq_len tokens: 2800 rows by
+    """A learnable batch (consumers.process.synthetic) of n_seqs x seq_len tokens: 2800 rows by
     default, more than one fp8 decode block."""
     return rule_batch(spec, LAYERS, seed=seed, n_seqs=n_seqs, seq_len=seq_len, batch_id=f"p1-{seed}",
                       sample_start=n_seqs * seed)

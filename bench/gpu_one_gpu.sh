@@ -43,7 +43,7 @@ step)
     gpu_install || exit 1
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
   else  # CPU: no drafter step to time; each tree must still import its own code
-    STEP="-c 'import dflash.consumers.train as t, json; print(json.dumps({\"train\": t.__file__}))'"
+    STEP="-c 'import dflash.consumers.training.train as t, json; print(json.dumps({\"train\": t.__file__}))'"
   fi
   if [ -f "$BASELINE_TAR" ]; then  # the tree before, built into its own site folder
     rm -rf "$W/base" "$W/base_site"; mkdir -p "$W/base" && tar xf "$BASELINE_TAR" -C "$W/base" || exit 1

@@ -29,7 +29,7 @@ case "${1:?usage: gpu_quality.sh install|prepare|start|sweep|wait}" in
 install)
   gpu_install || exit 1
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
-  python3 -c "import zmq, structlog, gguf, dflash.consumers.train; print('imports ok')"
+  python3 -c "import zmq, structlog, gguf, dflash.consumers.training.train; print('imports ok')"
   ;;
 prepare)
   gpu_join || exit 1

@@ -8,8 +8,8 @@ prompts are the first user turns of the bundled sample chats (chat template appl
 padded), and three ways of decoding exactly `--new-tokens` tokens are timed:
 
   generate    `model.generate` (greedy, sdpa), what `Regenerator` called before 2026-11-29;
-  loop        `producers.greedy.greedy_batch`, what it calls now: a bare loop over
-              `model(...)` with a KV cache, no logits processors or stopping criteria;
+  loop        `decoding.greedy.greedy_generate`, the decoding core `Regenerator` runs on
+              now: a static KV cache, no logits processors or stopping criteria;
   forward     one decode step's forward alone, CUDA-synchronised: the model's own cost.
 
 One JSON line per (batch, way): ms per decode step and new tokens/s.
@@ -77,7 +77,7 @@ def main(target, gpu, batches, new_tokens) -> None:
     """Time generation the way --regenerate runs it."""
     from transformers import AutoTokenizer
 
-    from dflash.producers.greedy import greedy_batch
+    from dflash.decoding.greedy import greedy_generate
     from dflash.producers.target import load_target, resolve_device
 
     device = resolve_device(gpu if gpu >= 0 else None, "cpu" if gpu < 0 else None)
@@ -92,10 +92,10 @@ def main(target, gpu, batches, new_tokens) -> None:
             ids, att = _left_pad(prompts[:b], pad, device)
             rows = prompts[:b]
             _generate(t.model, ids, att, pad, 4)  # warm-up: kernels, allocator
-            greedy_batch(t.model, rows, pad_id=pad, stop_ids=set(), max_new_tokens=4, device=device)
+            greedy_generate(t.model, rows, max_new_tokens=4, stop_ids=set(), batch_size=len(rows))
             runs = {"generate": lambda: _generate(t.model, ids, att, pad, new_tokens),
-                    "loop": lambda: greedy_batch(t.model, rows, pad_id=pad, stop_ids=set(), max_new_tokens=new_tokens,
-                                                 device=device)}
+                    "loop": lambda: greedy_generate(t.model, rows, max_new_tokens=new_tokens, stop_ids=set(),
+                                                    batch_size=len(rows))}
             for way, fn in runs.items():
                 s = _timed(fn, device)
                 print(json.dumps({**base, "batch": b, "prompt_width": ids.shape[1], "way": way,

@@ -2,10 +2,10 @@
 
     python bench/loss_toy.py --steps 300 --every 50 --seeds 0,1,2 --alphas 0.5,1.0
 
-A tiny random Qwen3 target (tools/tiny.py), the learnable stream of consumers/synthetic.py
+A tiny random Qwen3 target (tools/tiny.py), the learnable stream of consumers/process/synthetic.py
 (each sequence has a hidden stride, carried only by the target features), and for each
-seed and loss a fresh drafter trained by consumers/train.py on the same batches; every
-`--every` steps simulated acceptance (consumers/live_eval.py) on held-out batches of the
+seed and loss a fresh drafter trained by consumers/training/train.py on the same batches; every
+`--every` steps simulated acceptance (consumers/evaluation/live_eval.py) on held-out batches of the
 same stream. A toy: every block position is as learnable as the others, nothing like a
 real target's text. It shows the two losses train the same drafter, and how fast; which
 one gives the better drafter of a real target is for bench/recipe_sweep.py on a GPU.
@@ -36,9 +36,11 @@ import torch
 def main(steps, every, seeds, block_size, draft_layers, lr, modulus, max_stride, alphas, threads) -> None:
     from structlog.testing import capture_logs
 
-    from dflash.consumers.live_eval import simulated_acceptance
-    from dflash.consumers.synthetic import rule_batch
-    from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
+    from dflash.consumers.evaluation.live_eval import simulated_acceptance
+    from dflash.consumers.process.synthetic import rule_batch
+    from dflash.consumers.training.train import train
+    from dflash.consumers.training.train_config import Hooks, resolve_signal
+    from dflash.consumers.training.config import TrainConfig
     from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 

@@ -6,7 +6,7 @@ For checks that need a drafter that accepts something (bench/reference_tau.py) b
 good one: the first `--chats` bundled sample chats get their assistant turns regenerated
 greedily by the target (producers/regenerate.py), are captured and packed as a producer
 does (producers/chat.py, packing.py, Target.capture), and a drafter is trained on them
-for `--epochs` epochs (consumers/train.py), then exported (consumers/export.py). No
+for `--epochs` epochs (consumers/training/train.py), then exported (consumers/export/export.py). No
 broker: the batches go straight into the training loop, as in the consumer tests.
 
 Writes WORK/checkpoints/step-N (training checkpoint), WORK/export (dflash-export layout)
@@ -57,7 +57,8 @@ def regenerated_batches(target, tokenizer, chats: list[dict], cache_dir: Path, *
 @click.option("--anchors", default=32, show_default=True, help="Anchors per sequence.")
 @click.option("--lr", default=3e-3, show_default=True)
 @click.option("--mask-token-id", default=None, type=int,
-              help="Block MASK token ID (default: the tokenizer's <|mask|>; required without one).")
+              help="Block MASK token ID (default: chosen for the target as dflash-consume does, "
+                   "consumers/drafter/mask_token.py).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads.")
 def main(target, out, chats, max_new_tokens, epochs, draft_layers, block_size, anchors, lr, mask_token_id,
          threads) -> None:
@@ -65,9 +66,10 @@ def main(target, out, chats, max_new_tokens, epochs, draft_layers, block_size, a
     from structlog.testing import capture_logs
     from transformers import AutoTokenizer
 
-    from dflash.consumers.export import export_checkpoint
-    from dflash.runtime.target_heads import load_target_heads, tokenizer_mask_id
-    from dflash.consumers.train import TrainConfig, train
+    from dflash.consumers.export.export import export_checkpoint
+    from dflash.runtime.target_heads import load_target_heads
+    from dflash.consumers.training.train import train
+    from dflash.consumers.training.config import TrainConfig
     from dflash.producers.sample_data import CHATS_PATH
     from dflash.producers.target import load_target
 
@@ -75,9 +77,6 @@ def main(target, out, chats, max_new_tokens, epochs, draft_layers, block_size, a
         torch.set_num_threads(threads)
     work = Path(out)
     work.mkdir(parents=True, exist_ok=True)
-    mask = mask_token_id if mask_token_id is not None else tokenizer_mask_id(target)
-    if mask is None:
-        raise click.UsageError(f"{target}: the tokenizer has no <|mask|> token; pass --mask-token-id")
     rows = [json.loads(x) for x in Path(CHATS_PATH).read_text().splitlines()[:chats]]
     (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -88,7 +87,7 @@ def main(target, out, chats, max_new_tokens, epochs, draft_layers, block_size, a
                                   token_budget=2048)
     t_data = time.monotonic() - t0
     cfg = TrainConfig(draft_layers=draft_layers, target_layers=tuple(tgt.layer_ids), block_size=block_size,
-                      anchors=anchors, mask_token_id=mask, lr=lr, warmup=0.05, total_steps=epochs * len(batches),
+                      anchors=anchors, mask_token_id=mask_token_id, lr=lr, warmup=0.05, total_steps=epochs * len(batches),
                       log_position_every=0, save_every=0, seed=0, precision="fp32")
 
     def stream():

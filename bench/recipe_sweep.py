@@ -7,10 +7,10 @@ One process, one GPU, the pipeline's own code: the regenerated answers of an ear
 (the producer's regeneration cache, a SQLite file) are packed as a producer packs them
 (producers/packing.py), captured once by the target (Target.capture, final hidden state
 included for distillation), and each config trains a fresh drafter on the same batches with
-consumers/train.py for `--samples` samples (its lr schedule planned over exactly those).
+consumers/training/train.py for `--samples` samples (its lr schedule planned over exactly those).
 Each drafter is then measured three ways: simulated acceptance on held-back regenerated
-samples (consumers/live_eval.py), and real speculative decoding (dflash-eval's code,
-consumers/real_tau.py) of DIR/indist.jsonl and DIR/heldout.jsonl prompts.
+samples (consumers/evaluation/live_eval.py), and real speculative decoding (dflash-eval's code,
+consumers/evaluation/real_tau.py) of DIR/indist.jsonl and DIR/heldout.jsonl prompts.
 
 A config is comma-separated key=value pairs over TrainConfig fields (`loss=dpace,dpace_alpha=0.5`
 against `loss=ce` compares the losses of docs/TRAINING.md on the same batches), plus `budget` and
@@ -31,7 +31,7 @@ from pathlib import Path
 import click
 import numpy as np
 import torch
-from dflash.consumers.train_config import TrainConfig
+from dflash.consumers.training.config import TrainConfig
 
 _FIELDS = {f.name for f in fields(TrainConfig)}
 
@@ -66,7 +66,7 @@ def read_cache(path: Path, limit: int) -> list:
 
 
 def capture_batches(target, encoded: list, packing: tuple[int, int], tag: str) -> list:
-    from dflash.consumers.batch import Batch
+    from dflash.protocol.batch import Batch
     from dflash.producers.packing import pack
 
     n = len(target.layer_ids) * target.hidden_size
@@ -105,10 +105,11 @@ def first_samples(batches: list, n: int) -> list:
 @click.option("--device", default="cuda", show_default=True, help="cuda, or cpu for a smoke run on a tiny target.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False))
 def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, configs, device, out) -> None:
-    from dflash.consumers.live_eval import simulated_acceptance
-    from dflash.consumers.real_tau import RealTauSet
+    from dflash.consumers.evaluation.live_eval import simulated_acceptance
+    from dflash.consumers.evaluation.real_tau import RealTauSet
     from dflash.runtime.target_heads import load_target_heads
-    from dflash.consumers.train import resolve_signal, train
+    from dflash.consumers.training.train import train
+    from dflash.consumers.training.train_config import resolve_signal
     from dflash.producers.target import load_target
     from structlog.testing import capture_logs
 

@@ -7,8 +7,8 @@ target, same prompt token IDs, same dtype.
 --reference is a checkout of z-lab/dflash (its `dflash/model.py` is used unchanged);
 --python is an interpreter with the transformers version that package pins (it runs
 bench/reference_worker.py, which imports nothing of this project). Our side is
-tools/eval.py's path: `load_pair` (the export loader), `read_prompts`, `stop_ids`,
-consumers/speculative.py `speculative_greedy` and target-only `greedy`.
+dflash-eval's path: tools/eval.py `load_pair` (the export loader), `read_prompts` and
+`stop_ids` (consumers/evaluation/evaluate.py), consumers/evaluation/speculative.py `speculative_greedy` and target-only `greedy`.
 
 Prints per prompt and overall: both taus (mean of per-prompt means, as the reference's
 benchmark reports it, and pooled over cycles), whether both decodings are lossless,
@@ -120,8 +120,9 @@ def compare(ours: list[dict], ref: list[dict]) -> dict:
 def main(reference, python, drafter, target, prompts, max_new_tokens, limit, dtype, threads, raw_target_config,
          as_json) -> None:
     """tau of DRAFTER on TARGET in dflash-eval's decoding and in the reference's dflash_generate."""
-    from dflash.consumers.speculative import greedy, speculative_greedy
-    from dflash.tools.eval import load_pair, read_prompts, stop_ids
+    from dflash.consumers.evaluation.speculative import greedy, speculative_greedy
+    from dflash.consumers.evaluation.evaluate import read_prompts, stop_ids
+    from dflash.tools.eval import load_pair
 
     if threads:
         torch.set_num_threads(threads)

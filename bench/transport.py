@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 import common
-from common import RESULTS, Broker, CpuSampler, batch_tensors, free_port_block, machine, payload_bytes, result, \
-    spawn, table, write_json
-from dflash.protocol.sockets import AUTO_DATA_STREAMS
+from common import RESULTS, Broker, CpuSampler, batch_tensors, machine, payload_bytes, result, spawn, table, write_json
+from dflash.protocol.sockets import AUTO_DATA_STREAMS, free_port_block
 from dflash.runtime.command_line import parse_bytes
 
 PEERS = str(Path(__file__).resolve().parent / "transport_peers.py")

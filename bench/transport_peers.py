@@ -21,7 +21,8 @@ import zmq
 
 from common import HIDDEN, LAYER_IDS, PROFILE_DIR, batch_tensors, payload_bytes
 from dflash.protocol import codec
-from dflash.protocol.messages import Batch, header
+from dflash.protocol.batch import Batch
+from dflash.protocol.fields import header
 from dflash.runtime.alloc import reuse_freed_memory
 from dflash.protocol.sockets import SocketOpts, auto_io_threads, make_socket
 

@@ -5,10 +5,10 @@
 
 1. Bytes per token of a Qwen3-8B capture (5 x 4096) in each encoding.
 2. encode_fp8 / decode_fp8 throughput on this CPU for a 1024-token batch.
-3. The real drafter (consumers.train) trained twice on identical batches, same seed: once
+3. The real drafter (consumers.training.train) trained twice on identical batches, same seed: once
    on what the bf16 wire delivers, once on what the fp8 wire delivers. Batches go through
    codec.encode -> codec.decode exactly as on the wire; train() takes the decoded messages.
-   The stream is consumers.synthetic's learnable one; `outliers` adds a few channels 1000x
+   The stream is consumers.process.synthetic's learnable one; `outliers` adds a few channels 1000x
    larger, like the massive activations of real LLM hidden states, which is the case a
    per-row scale could get wrong (one outlier sets the scale of its whole row). Each pair
    runs for several drafter seeds, so the bf16/fp8 gap reads against seed-to-seed noise.
@@ -26,12 +26,14 @@ import torch
 from structlog.testing import capture_logs
 
 from common import HIDDEN, N_LAYERS, RESULTS, machine, table, write_json
-from dflash.consumers.synthetic import rule_batch
+from dflash.consumers.process.synthetic import rule_batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 from dflash.protocol import codec
-from dflash.protocol.fp8 import ENCODING, decode_fp8, encode_fp8
-from dflash.protocol.messages import header
+from dflash.protocol.fp8 import ENCODING as ENCODING
+from dflash.protocol.fp8 import decode_fp8, encode_fp8
+from dflash.protocol.fields import header
 
 LAYERS = [1, 2]
 MASK_ID = 511

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.protocol.messages import Hello, Message
+from dflash.protocol.messages import Hello
+from dflash.protocol.fields import Message
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ MAX_CHECKPOINT_FILE = 1 << 20  # bytes of state.json / a safetensors header the 
 
 def checkpoint_problem(path: str, step: int, lineage: str) -> str | None:
     """Why `path` on this host is not a finished checkpoint of `step` in `lineage`
-    (consumers/checkpoint.py: manifest.json written last, state.json's step,
+    (consumers/checkpoints/checkpoint.py: manifest.json written last, state.json's step,
     trained.safetensors' lineage), or None. Only regular files are read, and only their
     first MiB: a peer names this path."""
     p = Path(path)

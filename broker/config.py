@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import click
 
-from dflash.protocol.messages import CONTROL_MAX_BYTES, MAX_MESSAGE_BYTES  # noqa: F401  (CONTROL_MAX_BYTES re-exported)
+from dflash.protocol.messages import MAX_MESSAGE_BYTES
 from dflash.runtime.command_line import log_level_setting, parse_bytes, runs_dir_setting, setting
 
 

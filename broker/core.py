@@ -26,9 +26,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from dflash.protocol.messages import (CONTROL_MAX_BYTES, Ack, Bye, Commit, Credit, DatasetFacts, Done, Failed,
-                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release, StatusAsk, StatusReply,
-                                     Stop)
+from dflash.protocol.messages import CONTROL_MAX_BYTES, Ack, Bye, Commit, Credit, DatasetFacts, Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Release, StatusAsk, StatusReply, Stop
+from dflash.protocol.fields import Message
 from dflash.runtime.logs import get_logger
 
 from . import resume, runinfo

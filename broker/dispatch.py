@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 
 from .config import MAX_UNACKED
 

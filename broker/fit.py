@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 
 from .facts import Facts
 from .inbound import Arrival

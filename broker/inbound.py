@@ -15,9 +15,9 @@ import numpy as np
 
 from dflash.protocol import codec, messages
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import (INSTANCE_PROPERTY, PEER_PROPERTY, PROTOCOL_VERSION, Ack, Bye, Commit, Credit,
-                                     Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Message, Release,
-                                     StatusAsk)
+from dflash.protocol.messages import INSTANCE_PROPERTY, PEER_PROPERTY, Ack, Bye, Commit, Credit, Done, Failed, Heartbeat, Hello, LeaseAsk, LineageStart, Release, StatusAsk
+from dflash.protocol.fields import PROTOCOL_VERSION
+from dflash.protocol.fields import Message
 
 from .replies import clip
 

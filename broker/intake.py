@@ -11,7 +11,8 @@ are the server's (it keeps them while the core holds the batch, and relays them 
 
 from __future__ import annotations
 
-from dflash.protocol.messages import Batch, Reject
+from dflash.protocol.messages import Reject
+from dflash.protocol.batch import Batch
 from dflash.runtime.logs import get_logger
 
 from .actions import Outbox

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from dflash.protocol.messages import PROTOCOL_VERSION
+from dflash.protocol.fields import PROTOCOL_VERSION
 from dflash.runtime.logs import get_logger
 from dflash.runtime.run import hostname, iso_utc, write_json_atomic, write_run_json
 

@@ -21,8 +21,8 @@ import zmq
 
 from dflash.protocol import codec, curve
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import (CONTROL_TO_BROKER, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed, Release,
-                                     Heartbeat, Hello, LeaseAsk, LineageStart, Message, StatusAsk)
+from dflash.protocol.messages import CONTROL_TO_BROKER, PRE_HANDSHAKE, Ack, Bye, Commit, Credit, Done, Failed, Release, Heartbeat, Hello, LeaseAsk, LineageStart, StatusAsk
+from dflash.protocol.fields import Message
 from dflash.protocol.sockets import SocketOpts, first_thread, make_socket, readable, recv_frames, send_frames, tcp_endpoint
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger, run_file_error
@@ -30,8 +30,8 @@ from dflash.runtime.run import StorageError
 
 from . import lighthouse, monitor, security
 from .actions import ClosePipes, DropFrames, OpenPipes, Publish, Send
-from .config import (CONTROL_MAX_BYTES, CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig,
-                     data_in_frame_cap)
+from .config import CONTROL_RCVHWM, CONTROL_SNDHWM, DATA_IN_RCVHWM, MAX_CREDIT, BrokerConfig, data_in_frame_cap
+from dflash.protocol.messages import CONTROL_MAX_BYTES
 from .core import BrokerCore
 from .inbound import Arrival, BadBatch, Unreadable, connection, control_message
 from .metrics import MetricsServer

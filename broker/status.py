@@ -17,7 +17,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash.protocol.messages import PROTOCOL_VERSION
+from dflash.protocol.fields import PROTOCOL_VERSION
 from dflash.runtime.logs import get_logger
 
 from .commits import Commits

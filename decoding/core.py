@@ -1,7 +1,7 @@
 """The greedy decoding core shared by `--regenerate`, `dflash-eval` and the live evaluation:
 a static (pre-allocated) KV cache, explicit attention masks, CUDA graphs on a GPU. It owns
 every call of a target's forward made while decoding; the callers (decoding/greedy.py,
-consumers/speculative.py) only schedule.
+consumers/evaluation/speculative.py) only schedule.
 
 Why its own cache: transformers' caches cannot be cropped once a sliding-window layer is
 past its window (speculative decoding must drop rejected drafts), grow one token at a time

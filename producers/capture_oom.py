@@ -22,7 +22,7 @@ import torch
 
 from dflash.protocol.batch import Batch
 from dflash.runtime.logs import get_logger
-from dflash.runtime.memory import bytes_asked, bytes_free, release  # noqa: F401  (bytes_asked: part of this module's API)
+from dflash.runtime.memory import bytes_asked, bytes_free, release
 
 log = get_logger()
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dflash.runtime import targets
-from dflash.runtime.targets import default_layer_ids  # noqa: F401  (the one rule; imported here by callers)
+from dflash.runtime.targets import default_layer_ids
 from dflash.runtime.logs import get_logger
 from dflash.runtime.hf_compat import causal_lm_class, sharded_config
 

@@ -28,16 +28,8 @@ import msgpack
 from .batch import Batch
 from .errors import ProtocolError
 from .fp8 import ENCODING as FP8_ENCODING
-from .messages import (
-    DATA,
-    MAX_HEADER_BYTES,
-    MAX_MESSAGE_BYTES,
-    MAX_NDIM,
-    MAX_TENSORS,
-    MESSAGES,
-    PRE_HANDSHAKE,
-    PROTOCOL_VERSION,
-)
+from .messages import DATA, MAX_HEADER_BYTES, MAX_MESSAGE_BYTES, MAX_NDIM, MAX_TENSORS, MESSAGES, PRE_HANDSHAKE
+from dflash.protocol.fields import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     import torch

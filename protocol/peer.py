@@ -32,8 +32,8 @@ from dflash.runtime.threads import name_this_thread
 from . import codec
 from .curve import CurveClient
 from .errors import BrokerUnreachable, DFlashError, MessageTooLarge, ProtocolError, Rejected, RunMismatch
-from .messages import (CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, MAX_HEADER_BYTES, Bye, Heartbeat, Hello, Message, Reject,
-                       Stop, Welcome)
+from .messages import CONTROL_FROM_BROKER, CONTROL_MAX_BYTES, MAX_HEADER_BYTES, Bye, Heartbeat, Hello, Reject, Stop, Welcome
+from dflash.protocol.fields import Message
 from .sockets import AUTO_DATA_STREAMS, SocketOpts, auto_io_threads, first_thread, make_socket, readable
 
 log = get_logger()

@@ -27,7 +27,7 @@ class Signal:
     draft_layers: int
     mask_token_id: int
     target: dict  # the target's identity (runtime/target_heads.py identity_of; target_id.py compares)
-    # Why this MASK row (consumers/mask_token.py MaskChoice.as_dict): recorded, not compared (the ID is)
+    # Why this MASK row (consumers/drafter/mask_token.py MaskChoice.as_dict): recorded, not compared (the ID is)
     mask_choice: dict | None = None
     # --distill-weight: the share of the target's soft labels in the loss (0: hard labels only)
     distill: float = 0.0

@@ -42,7 +42,6 @@ import torch
 from .load_progress import load_bars
 from .logs import get_logger
 from .progress import progress, ticking
-from .target_arg import looks_like_hub_id, resolve_hub_id  # noqa: F401  (torch-free: --target's check uses them)
 
 log = get_logger()
 

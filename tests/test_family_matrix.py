@@ -19,9 +19,10 @@ import transformers
 from click.testing import CliRunner
 from structlog.testing import capture_logs
 
-from dflash.consumers.export import export_checkpoint
+from dflash.consumers.export.export import export_checkpoint
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 from dflash.producers.build import Components, load_components, make_producer
 from dflash.producers.producer_config import ProducerConfig
 from dflash.producers.producer import LocalWorkSource

@@ -21,8 +21,10 @@ from tests.harness.core_rig import Rig, ledger_states, sent
 from tests.harness.tiny import tiny_dir
 from tests.producers.helpers import chat, write_jsonl
 from dflash.broker.inbound import Arrival
-from dflash.consumers import step
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.training import step
+from dflash.consumers.training.config import TrainConfig
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
 from dflash.producers import producer as producer_module
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import open_dataset
@@ -90,7 +92,7 @@ def test_the_life_of_a_batch_names_at_most_15_files_that_all_exist():
     files = [f for f, _ in found]
     assert len(set(files)) == len(files), f"a file named twice: {files}"
     assert 0 < len(files) <= MOST_FILES, f"{len(files)} files, at most {MOST_FILES}: {files}"
-    assert files[0] == "producers/data.py" and files[-1] == "consumers/train.py", files
+    assert files[0] == "producers/data.py" and files[-1] == "consumers/training/train.py", files
     assert all(names for _, names in found), "every step names what in its file does it"
     gone = [x for f, names in found for x in missing(f, names)]
     assert not gone, f"docs/DESIGN.md's life of a batch names what does not exist: {gone}"

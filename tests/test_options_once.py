@@ -25,7 +25,7 @@ COMMAND_ONLY = {
     "dflash-consume": {"config", "device"},  # --device is made into ConsumerConfig.gpu
 }
 SOURCES = {"dflash-broker": "broker/broker_command.py", "dflash-produce": "producers/produce_command.py",
-           "dflash-consume": "consumers/consume_command.py"}
+           "dflash-consume": "consumers/process/consume_command.py"}
 
 
 def _role(script: str) -> tuple[click.Command, type]:
@@ -37,8 +37,8 @@ def _role(script: str) -> tuple[click.Command, type]:
         from dflash.producers.produce_command import main
         from dflash.producers.producer_config import ProducerConfig as config
     else:
-        from dflash.consumers.consume_command import main
-        from dflash.consumers.consumer_config import ConsumerConfig as config
+        from dflash.consumers.process.consume_command import main
+        from dflash.consumers.process.config import ConsumerConfig as config
     return main, config
 
 
@@ -130,7 +130,8 @@ def test_the_source_scan_sees_a_repeated_default():
 def test_a_setting_written_as_text_holds_the_parsed_value():
     """A size or range is written once, as on the command line; the field holds its value."""
     from dflash.broker.config import BrokerConfig
-    from dflash.consumers.consumer_config import ConsumerConfig, TrainConfig
+    from dflash.consumers.process.config import ConsumerConfig
+    from dflash.consumers.training.config import TrainConfig
 
     broker = _fields(BrokerConfig)
     assert broker["queue_bytes"].default == 4 << 30 and broker["queue_bytes"].metadata[OPTION].text == "4GiB"

@@ -87,7 +87,7 @@ def run(tmp_path_factory, request):
             "--data", str(data), "--token-budget", "256", "--max-length", "256", "--max-batch-size", "2",
             "--lease-size", "8", "--prefetch", "2"], tmp, env))
     for i in range(2):
-        procs.append(_start(f"consumer-{i}", "dflash.consumers.consume_command", [
+        procs.append(_start(f"consumer-{i}", "dflash.consumers.process.consume_command", [
             "--broker", broker, "--runs-dir", runs, "--instance", f"c{i}", "--target", target,
             "--block-size", "4", "--anchors", "16", "--draft-layers", "1", "--lr", "3e-3", "--save-every", "20",
             "--keep", "2", "--log-position-every", "20"], tmp, env))
@@ -138,8 +138,8 @@ def test_every_epoch_sample_is_trained_exactly_once_and_committed(run):
 def test_final_checkpoint_exists_and_loads(run):
     import torch
 
-    from dflash.consumers.checkpoint import load_checkpoint
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.checkpoints.checkpoint import load_checkpoint
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
     from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 

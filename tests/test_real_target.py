@@ -15,9 +15,10 @@ import structlog
 import torch
 from structlog.testing import capture_logs
 
-from dflash.consumers.batch import Batch
+from dflash.protocol.batch import Batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack

@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from tests.harness.tiny import MASK_ID
-from dflash.consumers.train import TrainConfig, resolve_signal
+from dflash.consumers.training.train_config import resolve_signal
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

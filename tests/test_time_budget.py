@@ -68,7 +68,7 @@ def run(tmp_path_factory):
         "producer": ["dflash.producers.produce_command", "--broker", broker, "--runs-dir", runs, "--instance", "p0",
                      "--device", "cpu", "--target", target, "--data", str(data), "--token-budget", "256",
                      "--max-length", "256", "--max-batch-size", "2", "--lease-size", "8", "--prefetch", "2"],
-        "consumer": ["dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
+        "consumer": ["dflash.consumers.process.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
                      "--target", target, "--block-size", "4", "--anchors", "16", "--draft-layers", "1",
                      "--lr", "3e-3", "--min-lr", str(MIN_LR), "--save-every", "50", "--keep", "2",
                      "--log-position-every", "0"],

@@ -34,7 +34,7 @@ def _sample_data() -> Path:
 def _cli(name: str) -> list[str]:
     """Run our console scripts through this interpreter, so the demo works from any venv."""
     module = {"broker": "dflash.broker.broker_command", "produce": "dflash.producers.produce_command",
-              "consume": "dflash.consumers.consume_command"}[name]
+              "consume": "dflash.consumers.process.consume_command"}[name]
     return [sys.executable, "-m", module]
 
 

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from dflash.protocol.links import ConsumerLink, ProducerLink
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 from dflash.runtime.logs import close_logging, setup_logging
 
 SEQ = 3

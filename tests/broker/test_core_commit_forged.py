@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 
 
 def checkpoint(folder, step: int, lineage: str, finished: bool = True):
-    """A checkpoint folder as consumers/checkpoint.py leaves it, as far as the broker reads it:
+    """A checkpoint folder as consumers/checkpoints/checkpoint.py leaves it, as far as the broker reads it:
     state.json's step, trained.safetensors' lineage, manifest.json (written last)."""
     folder.mkdir(parents=True)
     (folder / "state.json").write_text(json.dumps({"step": step}))

@@ -18,7 +18,7 @@ import zmq
 from dflash.protocol import codec
 from dflash.protocol.errors import Rejected
 from dflash.protocol.links import ProducerLink
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 from dflash.runtime.logs import close_logging, setup_logging
 from tests.harness.broker import BrokerProc
 

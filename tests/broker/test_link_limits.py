@@ -23,7 +23,9 @@ import zmq
 from tests.harness.broker import BrokerProc
 from dflash.protocol import codec
 from dflash.protocol.errors import MessageTooLarge, Rejected
-from dflash.protocol.messages import Batch, Grant, Heartbeat, header
+from dflash.protocol.messages import Grant, Heartbeat
+from dflash.protocol.batch import Batch
+from dflash.protocol.fields import header
 from dflash.protocol.links import ProducerLink
 from dflash.runtime.logs import close_logging, setup_logging
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 import zmq
 
-from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_bytes, parse_port_range, usable_cpus
+from dflash.broker.config import BrokerConfig, auto_broker_io_threads, parse_port_range, usable_cpus
+from dflash.runtime.command_line import parse_bytes
 from dflash.broker.dispatch import BatchQueue, Round
 from dflash.broker.leases import LeasePool, StaleBatch
 from dflash.protocol.sample_order import epoch_order

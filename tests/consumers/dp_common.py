@@ -3,8 +3,8 @@
 import torch
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.batch import Batch
-from dflash.consumers.train import TrainConfig
+from dflash.protocol.batch import Batch
+from dflash.consumers.training.config import TrainConfig
 
 LAYERS = [1, 2]
 CFG = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=4, anchors=6, mask_token_id=MASK_ID,

@@ -12,9 +12,10 @@ from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
 from tests.consumers.dp_common import CFG, rank_batches
-from dflash.consumers.dist import Dist
+from dflash.consumers.parallel.dist import Dist
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import Hooks, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
 
 
 def main(target_dir: str, out_dir: str, rank: int, world: int, port: int) -> None:

@@ -11,11 +11,13 @@ from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoint import CheckpointDamaged, verify_checkpoint
-from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.export_command import main as export_main
-from dflash.consumers.finite import NonFiniteStep
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.checkpoints.integrity import CheckpointDamaged, verify_checkpoint
+from dflash.consumers.export.export import export_checkpoint, load_exported
+from dflash.consumers.export.export_command import main as export_main
+from dflash.consumers.training.finite import NonFiniteStep
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -34,7 +34,7 @@ class Consumer:
         self.out = out
         with open(out, "w") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", broker.control, "--target",
+                [sys.executable, "-m", "dflash.consumers.process.consume_command", "--broker", broker.control, "--target",
                  str(target_dir), "--runs-dir", str(broker.runs_dir), "--draft-layers", "1", "--block-size", "4",
                  "--anchors", "6", "--mask-token-id", str(mask_token_id), *extra],
                 stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -213,7 +213,7 @@ def test_batches_of_other_layers_or_another_target_are_refused(target_dir, tmp_p
 
 def test_a_resumed_run_names_the_checkpoint_to_start_from(tmp_path):
     """PROTOCOL.md 8: the newest *commit* of the chain, not a newer checkpoint on disk."""
-    from dflash.consumers.join import RunConfigMismatch, resume_point
+    from dflash.consumers.process.join import RunConfigMismatch, resume_point
     from dflash.protocol.messages import CommitPoint, RunConfig
 
     runs = tmp_path / "runs"

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.harness.tiny import MASK_ID
-from dflash.consumers.consume_command import main
+from dflash.consumers.process.consume_command import main
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,7 @@ def test_bad_input_exits_with_one_line(target_dir, tmp_path):
 @pytest.mark.timeout(120)
 def test_sigterm_finishes_the_step_and_writes_a_final_checkpoint(target_dir, tmp_path):
     runs = tmp_path / "runs"
-    code = "import sys, torch; torch.set_num_threads(1); from dflash.consumers.consume_command import main; main()"
+    code = "import sys, torch; torch.set_num_threads(1); from dflash.consumers.process.consume_command import main; main()"
     p = subprocess.Popen([sys.executable, "-c", code, *_args(target_dir, runs, "--synthetic-batches", "100000",
                                                              "--save-every", "0")],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

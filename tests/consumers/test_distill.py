@@ -9,9 +9,11 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.batch import Batch, BatchMismatch
-from dflash.consumers.loss import ChunkedCE
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.batch import BatchMismatch
+from dflash.protocol.batch import Batch
+from dflash.consumers.drafter.loss import ChunkedCE
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack
@@ -19,7 +21,7 @@ from dflash.producers.sample_data import generate_chats
 from dflash.producers.target import load_target
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import header
+from dflash.protocol.fields import header
 from dflash.runtime.targets import load_tokenizer
 from dflash.tools.tiny import tiny_target
 

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch, rule_batch
-from dflash.consumers.loss import block_loss, dpace_weights
-from dflash.consumers.train import TrainConfig, resolve_signal, train
+from dflash.consumers.drafter.loss import block_loss, dpace_weights
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import resolve_signal
+from dflash.consumers.training.config import TrainConfig
 from dflash.protocol.training_signal import SignalMismatch
 
 pytestmark = pytest.mark.unit

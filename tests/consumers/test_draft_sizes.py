@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.blocks import build_layout
-from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.drafter.blocks import build_layout
+from dflash.consumers.export.export import export_checkpoint, load_exported
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

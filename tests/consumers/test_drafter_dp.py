@@ -10,7 +10,8 @@ from structlog.testing import capture_logs
 
 from tests.consumers.dp_common import CFG, rank_batches, union
 from tests.harness.spawn import child_env, module_argv
-from dflash.consumers.train import Hooks, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
 
 pytestmark = pytest.mark.integration
 

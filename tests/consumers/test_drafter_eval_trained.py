@@ -16,12 +16,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from dflash.consumers.export import Drafter
-from dflash.consumers.model import DFlashDraft
+from dflash.consumers.export.export import Drafter
+from dflash.consumers.drafter.model import DFlashDraft
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 from dflash.producers.target import load_target
-from dflash.tools.eval import Prompt, evaluate, prompt_ids, stop_ids
+from dflash.consumers.evaluation.evaluate import Prompt, evaluate, prompt_ids, stop_ids
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 from tests.consumers.eval_helpers import epochs, regenerated_batches, sample_chats
 

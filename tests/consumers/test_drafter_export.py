@@ -11,10 +11,11 @@ from safetensors import safe_open
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.blocks import build_layout
-from dflash.consumers.export import ExportError, export_checkpoint, load_exported
-from dflash.consumers.export_command import main
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.drafter.blocks import build_layout
+from dflash.consumers.export.export import ExportError, export_checkpoint, load_exported
+from dflash.consumers.export.export_command import main
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -14,11 +14,12 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers import hf_dflash
-from dflash.consumers.blocks import build_layout
-from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.export_command import main
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.export import hf_dflash
+from dflash.consumers.drafter.blocks import build_layout
+from dflash.consumers.export.export import export_checkpoint, load_exported
+from dflash.consumers.export.export_command import main
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

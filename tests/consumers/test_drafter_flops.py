@@ -1,4 +1,4 @@
-"""consumers/flops.py, the numerator of the drafter's MFU, checked against what really runs:
+"""consumers/training/flops.py, the numerator of the drafter's MFU, checked against what really runs:
 torch's FLOP counter over one real training step (forward and backward) for the matrix
 work, and the attention masks the step builds for the attended keys."""
 
@@ -6,11 +6,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.blocks import _seq_mask
+from dflash.consumers.drafter.blocks import _seq_mask
 from dflash.protocol.training_signal import Signal
-from dflash.consumers.flops import StepShape, step_flops, step_shape
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.step import batch_loss, make_layout
+from dflash.consumers.training.flops import StepShape, step_flops, step_shape
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.step import batch_loss, make_layout
 import pytest
 
 pytestmark = pytest.mark.unit

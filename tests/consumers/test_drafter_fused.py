@@ -1,4 +1,4 @@
-"""consumers/fused.py: the torch.compile'd elementwise kernels (dflash-consume --fuse) give
+"""consumers/drafter/fused.py: the torch.compile'd elementwise kernels (dflash-consume --fuse) give
 the same training step as the eager ones: loss, statistics and gradients to rounding."""
 
 import shutil
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers import fused
+from dflash.consumers.drafter import fused
 from dflash.protocol.training_signal import Signal
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.step import batch_loss
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.step import batch_loss
 
 pytestmark = pytest.mark.unit
 

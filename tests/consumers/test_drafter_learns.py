@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.blocks import build_layout
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.drafter.blocks import build_layout
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -4,8 +4,10 @@ held-out simulated acceptance, rising as the drafter learns, equal to an offline
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.live_eval import eval_hook, simulated_acceptance
-from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.evaluation.live_eval import eval_hook, simulated_acceptance
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, resolve_signal
+from dflash.consumers.training.config import TrainConfig
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -35,7 +37,7 @@ def test_eval_events_track_learning_on_held_out_batches(heads):
 def test_live_eval_measures_the_weights_before_they_train_the_batch(heads):
     """`--eval-every`'s hook: every EVERY steps, simulated acceptance of the weights of that
     step on the batch the next step is about to train, published for the heartbeat."""
-    from dflash.consumers.live_eval import LiveEval
+    from dflash.consumers.evaluation.live_eval import LiveEval
 
     cfg = TrainConfig(draft_layers=2, target_layers=tuple(LAYERS), block_size=B, anchors=8, mask_token_id=MASK_ID,
                       lr=3e-3, log_position_every=0)
@@ -59,9 +61,9 @@ def test_live_eval_measures_the_weights_before_they_train_the_batch(heads):
 
 
 def test_live_eval_is_late_not_lost_and_counts_seen_samples(heads):
-    from dflash.consumers.live_eval import LiveEval
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
-    from dflash.consumers.record import TrainedRecord
+    from dflash.consumers.evaluation.live_eval import LiveEval
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.checkpoints.record import TrainedRecord
 
     cfg = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=B, anchors=8, mask_token_id=MASK_ID)
     signal = resolve_signal(cfg, heads)

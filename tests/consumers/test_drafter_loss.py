@@ -5,8 +5,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash.consumers.blocks import anchor_seed, build_layout, sample_anchors
-from dflash.consumers.loss import ChunkedCE, block_loss, default_gamma, position_weights
+from dflash.consumers.drafter.blocks import anchor_seed, build_layout, sample_anchors
+from dflash.consumers.drafter.loss import ChunkedCE, block_loss, default_gamma, position_weights
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.blocks import build_layout
+from dflash.consumers.drafter.blocks import build_layout
 from dflash.protocol.training_signal import Signal
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.step import draft_states
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.step import draft_states
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """OOM in a training step: the step is split into micro-batches with gradient accumulation
 and trains exactly what the unsplit step trains (issue 7).
 
-The OOM is injected in the real loop through DFLASH_TEST_OOM_TOKENS (consumers/step_oom.py):
+The OOM is injected in the real loop through DFLASH_TEST_OOM_TOKENS (consumers/training/step_oom.py):
 a micro-batch above that many tokens raises torch.OutOfMemoryError after its backward, so
 the failed attempt has left its gradients in `.grad`, as a real OOM late in a backward
 does. A real CPU allocator failure checks that such errors are recognised too.
@@ -14,9 +14,11 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom
-from dflash.consumers.step import add_feature_noise, batch_loss, draft_states, make_layout, noise_seed
-from dflash.consumers.train import Hooks, TrainConfig, resolve_signal, train
+from dflash.consumers.training.config import TrainConfig
+from dflash.consumers.training.step_oom import OomInjection, SequenceTooLarge, StepSplitter, is_oom
+from dflash.consumers.training.step import add_feature_noise, draft_states, forward_backward, make_layout, noise_seed
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks, resolve_signal
 from dflash.runtime.memory import bytes_asked
 
 pytestmark = pytest.mark.unit
@@ -116,27 +118,17 @@ def test_a_sequence_that_does_not_fit_alone_is_named(heads, monkeypatch):
     assert oom["log_level"] == "error" and oom["splits"] == 2
 
 
-def _fwd_bwd(model, heads, signal):
-    def run(part):
-        loss_sum, stats = batch_loss(model, heads, part, signal, seed=0)
-        loss_sum.backward()
-        return stats
-
-    return run
-
-
 def test_the_split_is_remembered_and_relaxed_after_good_steps(heads):
     signal = resolve_signal(CFG, heads)
     model = train(replace(CFG, max_steps=0), heads, []).model
     params = list(model.parameters())
     splitter = StepSplitter(params, CPU, relax_after=2, inject=OomInjection(above_tokens=60))
-    fwd_bwd = _fwd_bwd(model, heads, signal)
     batches = [random_batch(heads.spec, LAYERS, [25, 25, 26, 9], seed=i, sample_start=10 * i) for i in range(4)]
     with capture_logs() as logs:
         for step, b in enumerate(batches, 1):
             for p in params:
                 p.grad = None
-            stats = splitter.run(b, fwd_bwd, step)
+            stats = forward_backward(model, heads, b, signal, seed=0, step=step, splitter=splitter)
             assert stats.weight > 0 and stats.blocks > 0
     seen = [(e["event"], e["step"], e["splits"]) for e in logs]
     assert seen == [("train.oom_split", 1, 2),  # 85 tokens fail, 2 x ~43 pass
@@ -152,7 +144,7 @@ def test_a_transient_oom_ends_the_backoff(heads):
     b = random_batch(heads.spec, LAYERS, [25, 25, 26, 9], seed=0)
     with capture_logs():
         for step in (1, 2, 3):
-            splitter.run(b, _fwd_bwd(model, heads, signal), step)
+            forward_backward(model, heads, b, signal, seed=0, step=step, splitter=splitter)
     assert splitter.heartbeat() == {"oom_backoff": False, "ooms": 1, "micro_batches": 1}
 
 

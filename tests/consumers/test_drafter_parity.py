@@ -20,14 +20,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.consumers.batch import Batch
-from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.loss import block_loss
-from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-from dflash.consumers.speculative import DraftCache, greedy, speculative_greedy
-from dflash.consumers.step import draft_states, make_layout
+from dflash.protocol.batch import Batch
+from dflash.consumers.export.export import export_checkpoint, load_exported
+from dflash.consumers.drafter.loss import block_loss
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, published_config
+from dflash.consumers.evaluation.speculative import DraftCache, greedy, speculative_greedy
+from dflash.consumers.training.step import draft_states, make_layout
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, _prepare, resolve_signal
+from dflash.consumers.training.train import _prepare
+from dflash.consumers.training.train_config import resolve_signal
+from dflash.consumers.training.config import TrainConfig
 from dflash.producers.target import load_target
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 

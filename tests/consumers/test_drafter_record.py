@@ -1,4 +1,4 @@
-"""The checkpoint knows what it holds (consumers/record.py): every (epoch, sample) the
+"""The checkpoint knows what it holds (consumers/checkpoints/record.py): every (epoch, sample) the
 weights were trained on, counted by the training loop itself, cumulative over resumes."""
 
 from dataclasses import replace
@@ -8,8 +8,10 @@ from safetensors.numpy import load_file
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.record import FILE, TrainedRecord
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.checkpoints.record import FILE, TrainedRecord
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
+from dflash.consumers.training.config import TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id
 import pytest
 

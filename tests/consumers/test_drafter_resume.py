@@ -9,9 +9,11 @@ from safetensors.torch import load_file
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoint import resolve_checkpoint
+from dflash.consumers.checkpoints.checkpoint import resolve_checkpoint
 from dflash.protocol.training_signal import SignalMismatch
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
+from dflash.consumers.training.config import TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.unit
@@ -99,7 +101,7 @@ def test_a_joiner_whose_checkpoint_was_pruned_after_the_stream_ended_trains_noth
     import threading
     from types import SimpleNamespace
 
-    from dflash.consumers.broker_hooks import nothing_left_to_train
+    from dflash.consumers.process.broker_hooks import nothing_left_to_train
 
     gone = tmp_path / "runs" / "r" / "checkpoints" / "step-140"
     with pytest.raises(FileNotFoundError) as err:

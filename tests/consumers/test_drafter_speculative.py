@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from dflash.consumers.blocks import build_layout
-from dflash.consumers.export import Drafter, export_checkpoint
-from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
-from dflash.consumers.speculative import Generation, _target_step, greedy, propose, speculative_greedy
+from dflash.consumers.drafter.blocks import build_layout
+from dflash.consumers.export.export import Drafter, export_checkpoint
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, published_config
+from dflash.consumers.evaluation.speculative import Generation, _target_step, greedy, propose, speculative_greedy
 from dflash.runtime.hf_compat import new_cache
 from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.target import load_target
-from dflash.tools.eval import Prompt, prompt_report, summarise
+from dflash.consumers.evaluation.evaluate import Prompt, prompt_report, summarise
 from dflash.tools.eval_command import main
 from dflash.tools.tiny import MASK_TOKEN, tiny_target
 
@@ -134,7 +134,7 @@ def test_eval_cli_reports_and_checks_every_prompt(setup, tmp_path):
 def test_fused_drafter_drafts_the_same_and_stays_lossless(setup):
     """dflash-eval --fuse: the drafter's norms, RoPE and SwiGLU compiled make the same
     proposals (so the same tau) and the output stays the target's greedy output."""
-    from dflash.consumers import fused
+    from dflash.consumers.drafter import fused
     from dflash.tools.eval import enable_fused
 
     _path, target, tok, drafter = setup

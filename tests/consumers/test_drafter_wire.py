@@ -4,7 +4,9 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.training.config import TrainConfig
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from dflash.consumers.batch import Batch
-from dflash.consumers.blocks import build_layout
+from dflash.protocol.batch import Batch
+from dflash.consumers.drafter.blocks import build_layout
 from dflash.protocol.training_signal import Signal
-from dflash.consumers.export import Drafter
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.speculative import propose
-from dflash.consumers.step import draft_states
+from dflash.consumers.export.export import Drafter
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.evaluation.speculative import propose
+from dflash.consumers.training.step import draft_states
 from dflash.runtime.target_heads import embed_block, load_target_heads
 from tests.harness.families import HIDDEN, VOCAB, family_target
 

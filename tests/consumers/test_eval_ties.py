@@ -9,9 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.consumers.speculative import TargetGreedy
+from dflash.consumers.evaluation.speculative import TargetGreedy
 from dflash.decoding.ties import TIE_TOLERANCE
-from dflash.tools.eval import Prompt, format_report, prompt_report, resolve_tie_tolerance, summarise
+from dflash.consumers.evaluation.evaluate import Prompt, prompt_report, resolve_tie_tolerance, summarise
+from dflash.tools.eval import format_report
 from dflash.tools.eval_command import main
 from dflash.tools.families import tiny_model
 
@@ -34,7 +35,7 @@ def _twin_setup():
 
 def _spec_like(base, tokens):
     """The speculative side of a report: its tokens as given (figures as a decode reports)."""
-    from dflash.consumers.speculative import Generation
+    from dflash.consumers.evaluation.speculative import Generation
 
     return Generation(tokens, base.seconds / 2, [2] * (len(tokens) // 2), len(tokens), len(tokens) // 2)
 
@@ -89,7 +90,7 @@ def pair(tmp_path_factory):
     """A tiny target folder and a random drafter checkpoint for it."""
     from safetensors.torch import save_file
 
-    from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, published_config
     from dflash.runtime.target_heads import TargetSpec
     from dflash.tools.tiny import MASK_TOKEN, tiny_target
     from transformers import AutoTokenizer

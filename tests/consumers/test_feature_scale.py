@@ -10,9 +10,10 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, rule_batch
-from dflash.consumers.export import export_checkpoint, load_exported
-from dflash.consumers.model import calibrate_features
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.export.export import export_checkpoint, load_exported
+from dflash.consumers.drafter.model import calibrate_features
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 
@@ -84,7 +85,7 @@ def test_export_folds_the_factors_into_fc(heads, tmp_path):
 
 
 def test_a_quiet_column_is_raised_at_most_tenfold():
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 
     model = DFlashDraft(DrafterConfig(hidden_size=4, intermediate_size=8, num_attention_heads=1,
                                       num_key_value_heads=1, head_dim=4, num_layers=1, num_features=1))

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.harness.tiny import MASK_ID
-from dflash.consumers.consume_command import main
+from dflash.consumers.process.consume_command import main
 
 from tests.harness.hub_cache import put_in_hub_cache
 

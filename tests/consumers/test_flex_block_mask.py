@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from dflash.consumers.blocks import FLEX_BLOCK, _flex_block_mask, _mask_mod, build_layout, sample_anchors
+from dflash.consumers.drafter.blocks import FLEX_BLOCK, _flex_block_mask, _mask_mod, build_layout, sample_anchors
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")

@@ -68,7 +68,7 @@ def live_run(tmp_path_factory):
                                   "--token-budget", "256", "--max-length", "256", "--max-batch-size", "2",
                                   "--lease-size", "8", "--prefetch", "2", "--regenerate", "--max-new-tokens",
                                   str(REGEN_NEW), "--regen-cache", str(tmp / "regen")], tmp / "producer.out", env)
-    group.start("consumer", py + ["dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
+    group.start("consumer", py + ["dflash.consumers.process.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
                                   "--target", target, "--block-size", str(B), "--anchors", "16", "--draft-layers",
                                   "1", "--lr", "3e-3", "--save-every", "0", "--eval-every", str(EVERY),
                                   "--eval-prompts", str(tmp / "prompts.jsonl"), "--eval-max-new-tokens", str(NEW)],

@@ -1,4 +1,4 @@
-"""The MASK row is chosen for any vocabulary (consumers/mask_token.py): real tiny targets
+"""The MASK row is chosen for any vocabulary (consumers/drafter/mask_token.py): real tiny targets
 of three families start training without --mask-token-id, on batches their own producer
 path made, and the row is never a pad/eos/bos/unk token nor in the data."""
 
@@ -6,9 +6,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from dflash.consumers.batch import Batch
+from dflash.protocol.batch import Batch
 from dflash.runtime.target_heads import load_target_heads
-from dflash.consumers.train import TrainConfig, resolve_signal, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import resolve_signal
+from dflash.consumers.training.config import TrainConfig
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row
 from dflash.producers.packing import pack

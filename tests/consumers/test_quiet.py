@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler
 
-from dflash.consumers.quiet import quiet_library_noise
+from dflash.consumers.process.quiet import quiet_library_noise
 import pytest
 
 pytestmark = pytest.mark.integration

@@ -16,11 +16,12 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoint import save_checkpoint, step_dirs
-from dflash.consumers.consume_command import main
-from dflash.consumers.join import RunConfigMismatch, resume_point
+from dflash.consumers.checkpoints.checkpoint import save_checkpoint, step_dirs
+from dflash.consumers.process.consume_command import main
+from dflash.consumers.process.join import RunConfigMismatch, resume_point
 from dflash.protocol.messages import RunConfig
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id, point_latest
 
 from tests.harness.broker import BrokerProc
@@ -82,7 +83,7 @@ def test_latest_moves_only_forward_and_a_local_run_never_takes_it_from_a_broker_
 
 
 def test_pruning_never_deletes_the_checkpoint_just_written(heads, tmp_path):
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 
     root = tmp_path / "checkpoints"
     model = DFlashDraft(DrafterConfig.from_target(heads.spec, 1, len(LAYERS)))

@@ -9,8 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from tests.harness.tiny import MASK_ID
-from dflash.consumers.consume_command import main
-from dflash.consumers.train_config import Plan, TrainConfig, choose_plan, lr_at
+from dflash.consumers.process.consume_command import main
+from dflash.consumers.training.train_config import Plan, choose_plan, lr_at
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ reached its window), with accepted and rejected drafts on both sides of the wind
 import pytest
 import torch
 
-from dflash.consumers.export import Drafter
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.speculative import Speculative, TargetGreedy
+from dflash.consumers.export.export import Drafter
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.evaluation.speculative import Speculative, TargetGreedy
 from dflash.tools.families import FAMILIES, WINDOW, tiny_model
 
 pytestmark = pytest.mark.unit

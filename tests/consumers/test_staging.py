@@ -1,4 +1,4 @@
-"""The batch stager (consumers/staging.py): the next batch is prepared on a thread, one item
+"""The batch stager (consumers/training/staging.py): the next batch is prepared on a thread, one item
 ahead, in order, with the source's errors and end where they happened; and the loop trains
 the very same thing with or without it."""
 
@@ -11,10 +11,11 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch
-from dflash.consumers.batch import Batch
-from dflash.consumers import staging
-from dflash.consumers.staging import BatchStager
-from dflash.consumers.train import TrainConfig, train
+from dflash.protocol.batch import Batch
+from dflash.consumers.training.config import TrainConfig
+from dflash.consumers.training import staging
+from dflash.consumers.training.staging import BatchStager
+from dflash.consumers.training.train import train
 
 pytestmark = pytest.mark.unit
 

@@ -14,10 +14,13 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoint import read_state, verify_checkpoint
-from dflash.consumers.finite import NonFiniteStep
-from dflash.consumers.record import TrainedRecord
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.checkpoints.checkpoint import read_state
+from dflash.consumers.checkpoints.integrity import verify_checkpoint
+from dflash.consumers.training.finite import NonFiniteStep
+from dflash.consumers.checkpoints.record import TrainedRecord
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
+from dflash.consumers.training.config import TrainConfig
 from dflash.runtime.run import make_run_dir, new_run_id
 
 pytestmark = pytest.mark.unit
@@ -115,8 +118,8 @@ def test_a_step_with_a_non_finite_loss_is_neither_acked_nor_committed(heads, tmp
 def test_a_trainer_healed_with_anothers_state_dict_steps_as_it_does(heads):
     """The state a heal carries (`state_dict`, the same form a checkpoint writes) is all the
     next step depends on: after taking it, a fresh trainer's next step equals the source's."""
-    from dflash.consumers.dist import Dist
-    from dflash.consumers.train import Trainer
+    from dflash.consumers.parallel.dist import Dist
+    from dflash.consumers.training.train import Trainer
 
     batches = _batches(heads.spec, 4)
     a = Trainer(CFG, heads, Dist(), Hooks(), None, None)
@@ -143,8 +146,8 @@ def test_a_trainer_healed_with_anothers_state_dict_steps_as_it_does(heads):
 
 def test_a_heal_from_another_signal_is_refused(heads):
     from dflash.protocol.training_signal import SignalMismatch
-    from dflash.consumers.dist import Dist
-    from dflash.consumers.train import Trainer
+    from dflash.consumers.parallel.dist import Dist
+    from dflash.consumers.training.train import Trainer
 
     a = Trainer(replace(CFG, anchors=5), heads, Dist(), Hooks(), None, None)
     b = Trainer(CFG, heads, Dist(), Hooks(), None, None)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from tests.harness.step_ops import count_training, fake_smol_target
-from dflash.consumers.loss import block_loss
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.step import batch_loss, draft_states, make_layout, plan_step
-from dflash.consumers.synthetic import rule_batch
-from dflash.consumers.train import TrainConfig, resolve_signal
+from dflash.consumers.drafter.loss import block_loss
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.step import batch_loss, draft_states, make_layout, plan_step
+from dflash.consumers.process.synthetic import rule_batch
+from dflash.consumers.training.train_config import resolve_signal
+from dflash.consumers.training.config import TrainConfig
 from dflash.runtime.target_heads import load_target_heads
 
 pytestmark = pytest.mark.unit

@@ -9,8 +9,8 @@ from safetensors import safe_open
 
 from tests.harness.tiny import random_batch
 from dflash.protocol.training_signal import Signal
-from dflash.consumers.model import DFlashDraft, DrafterConfig
-from dflash.consumers.step import batch_loss
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
+from dflash.consumers.training.step import batch_loss
 from dflash.runtime.target_heads import TargetLoadError, identity_of, load_target_heads
 from tests.harness.families import HEADS, HIDDEN, LAYERS, VOCAB, family_target
 

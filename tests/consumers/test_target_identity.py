@@ -13,12 +13,13 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, batch_message, random_batch, tiny_target
-from dflash.consumers.batch import BatchMismatch
-from dflash.consumers.export import ExportError, check_drafter_target, export_checkpoint
-from dflash.consumers.join import RunConfigMismatch, check_run_target
+from dflash.consumers.training.batch import BatchMismatch
+from dflash.consumers.export.export import ExportError, check_drafter_target, export_checkpoint
+from dflash.consumers.process.join import RunConfigMismatch, check_run_target
 from dflash.protocol.messages import RunConfig
 from dflash.runtime.target_heads import identity_of, load_target_heads
-from dflash.consumers.train import TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.config import TrainConfig
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Rejected
 from tests.harness.broker import BrokerProc
@@ -116,7 +117,7 @@ def test_a_bad_batch_ends_the_run_after_the_checkpoint_and_commit_of_what_was_tr
     """Issue 29 item 2: what the steps before a bad batch trained is committed before the
     consumer leaves on it, so the run keeps it (no lost job) and the next consumer starts
     there; the error then names the batch and what is wrong with it, for the broker."""
-    from dflash.consumers.train import Hooks
+    from dflash.consumers.training.train_config import Hooks
 
     cfg = TrainConfig(draft_layers=1, target_layers=tuple(LAYERS), block_size=4, anchors=4, mask_token_id=MASK_ID,
                       log_position_every=0, save_every=0)

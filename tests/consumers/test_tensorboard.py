@@ -10,7 +10,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from dflash.consumers.consume_command import main
+from dflash.consumers.process.consume_command import main
 from dflash.tools.tiny import tiny_target
 
 pytestmark = pytest.mark.unit

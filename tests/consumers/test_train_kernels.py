@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from structlog.testing import capture_logs
 
-from dflash.consumers.train import auto_compiles
+from dflash.consumers.training.train import auto_compiles
 import pytest
 
 pytestmark = pytest.mark.unit

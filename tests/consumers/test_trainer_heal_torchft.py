@@ -12,7 +12,9 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.train import Hooks, TrainConfig, train
+from dflash.consumers.training.train import train
+from dflash.consumers.training.train_config import Hooks
+from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +56,7 @@ def _wait(pred, timeout_s: float, what: str, errors: list):
 @pytest.mark.timeout(400)
 def test_a_late_replica_is_healed_with_the_running_ones_state_and_both_train_one_model(heads):
     from dflash.broker import lighthouse
-    from dflash.consumers.elastic import ElasticDist, replica_name
+    from dflash.consumers.parallel.elastic import ElasticDist, replica_name
 
     torch.set_num_threads(1)
     lh = lighthouse.start("127.0.0.1", 0, "127.0.0.1", timeout_s=20)

@@ -20,7 +20,8 @@ from dflash.broker.dispatch import Queued
 from dflash.broker.inbound import Arrival, Unreadable, control_message
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import CONTROL_TO_BROKER, Batch
+from dflash.protocol.messages import CONTROL_TO_BROKER
+from dflash.protocol.batch import Batch
 
 RUN = "run-core-test"
 N = 8  # samples in the dataset

@@ -5,8 +5,9 @@ packages and package-dir). Every `import` and `from ... import` in a module coun
 depth: inside functions (the lazy imports that keep `--help` fast) and under
 `if TYPE_CHECKING:` (a module that names another's types depends on it). Relative imports
 are resolved against the importing module's package. An edge goes to the deepest project
-module an import names (`from dflash.consumers import train` -> dflash.consumers.train);
-imports of anything outside the project are left out.
+module an import names (`from dflash.consumers.training import train` ->
+dflash.consumers.training.train); imports of anything outside the project are left out
+(`imported_names` keeps them, for the rules about folders outside the package: bench/, tests/).
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def _base(module: str, is_package: bool, level: int) -> str:
     return base
 
 
-def imports_of(module: str, path: Path, modules) -> list[Import]:
-    """Every project module `module` (source at `path`) imports, one Import per name imported."""
+def imported_names(module: str, path: Path, modules) -> list[tuple[str, int]]:
+    """(absolute dotted name, line) of everything `module` (source at `path`) imports,
+    project or not: `from pkg import name` gives pkg.name where that is a project module,
+    else pkg."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out = []
     for node in ast.walk(tree):
@@ -76,10 +79,17 @@ def imports_of(module: str, path: Path, modules) -> list[Import]:
             names = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names]
         else:
             continue
-        for name in names:
-            target = _deepest(name, modules)
-            if target is not None and target != module:
-                out.append(Import(module, target, node.lineno))
+        out.extend((name, node.lineno) for name in names)
+    return out
+
+
+def imports_of(module: str, path: Path, modules) -> list[Import]:
+    """Every project module `module` (source at `path`) imports, one Import per name imported."""
+    out = []
+    for name, line in imported_names(module, path, modules):
+        target = _deepest(name, modules)
+        if target is not None and target != module:
+            out.append(Import(module, target, line))
     return out
 
 
@@ -160,3 +170,72 @@ def one_cycle(graph: dict[str, list[Import]], component: list[str]) -> list[Impo
                     nxt.append(edge.target)
         frontier = nxt
     raise AssertionError(f"{component} is not a cycle")
+
+
+def defined_names(path: Path) -> tuple[set[str], set[str]]:
+    """(names a module defines at its top level: def, class, assignment, also under if/try/
+    with; names it imports there)."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+
+    def visit(body):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.Assign):
+                defined.update(x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name))
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                defined.add(n.target.id)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                imported.update((a.asname or a.name).split(".")[0] for a in n.names)
+            elif isinstance(n, (ast.If, ast.Try, ast.With)):
+                for field in ("body", "orelse", "finalbody"):
+                    visit(getattr(n, field, None) or [])
+                for h in getattr(n, "handlers", None) or []:
+                    visit(h.body)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return defined, imported - defined
+
+
+@dataclass(frozen=True)
+class Reexport:
+    """`where` (file:line) imports `name` from `module`, which only imports it itself."""
+
+    where: str
+    module: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.module}.{self.name}"
+
+
+def reexport_uses(root: Path = ROOT, files: list[Path] | None = None) -> list[Reexport]:
+    """Every `from dflash.x import name` (in the package, tools, tests, bench) whose `name`
+    dflash.x does not define but imports from elsewhere: an old path kept alive."""
+    modules = project_modules(root)
+    by_path = {p.resolve(): m for m, p in modules.items()}
+    names = {m: defined_names(p) for m, p in modules.items()}
+    if files is None:
+        files = [p for d in ("dflash_ns", *{Path(modules[m]).relative_to(root).parts[0] for m in modules}, "tests",
+                             "bench") for p in sorted((root / d).rglob("*.py"))]
+    out = []
+    for path in files:
+        source = by_path.get(path.resolve())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                if source is None:
+                    continue
+                start = _base(source, path.name == "__init__.py", node.level)
+                origin = ".".join(p for p in (start, node.module) if p)
+            else:
+                origin = node.module or ""
+            if origin not in modules:
+                continue
+            defined, imported = names[origin]
+            for a in node.names:
+                if f"{origin}.{a.name}" not in modules and a.name not in defined and a.name in imported:
+                    out.append(Reexport(f"{path.relative_to(root)}:{node.lineno}", origin, a.name))
+    return out

@@ -118,9 +118,11 @@ def count_training(folder: Path, *, attn: str = "sdpa", warm: int = 2, steps: in
     a new sequence length every batch (as bench/drafter_step.py --vary), and count what the
     last `steps` steps dispatch, from the end of one step to the end of the next (the fetch
     of the next batch included). Returns per-step figures and every step's loss."""
-    from dflash.consumers.dist import Dist
-    from dflash.consumers.synthetic import rule_batch
-    from dflash.consumers.train import Hooks, TrainConfig, Trainer, resolve_signal
+    from dflash.consumers.parallel.dist import Dist
+    from dflash.consumers.process.synthetic import rule_batch
+    from dflash.consumers.training.train import Trainer
+    from dflash.consumers.training.train_config import Hooks, resolve_signal
+    from dflash.consumers.training.config import TrainConfig
     from dflash.runtime.target_heads import load_target_heads
 
     heads = load_target_heads(fake_smol_target(folder), dtype=torch.float32)

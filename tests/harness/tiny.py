@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.consumers.batch import Batch
-from dflash.consumers.synthetic import as_received, rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
+from dflash.protocol.batch import Batch
+from dflash.consumers.process.synthetic import as_received, rule_batch  # noqa: F401  (the learnable stream, shared with the CLI)
 from dflash.runtime.target_heads import TargetSpec
 
 MASK_ID = 511  # an unused row of the tiny vocabulary
@@ -61,5 +61,5 @@ def random_batch(
 
 
 def batch_message(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-abcd") -> Batch:
-    """`b` as a consumer receives it (consumers.synthetic.as_received): read-only frame views."""
+    """`b` as a consumer receives it (consumers.process.synthetic.as_received): read-only frame views."""
     return as_received(b, fp8, run)

@@ -59,7 +59,7 @@ def test_training_across_three_network_namespaces(hosts, tmp_path):
         "producer": [sys.executable, "-m", "dflash.producers.produce_command", "--broker", f"tcp://{b}:{PORT}",
                      "--device", "cpu", "--target", str(target), "--data", str(data), "--max-length", "512",
                      "--token-budget", "2048", "--instance", "nsP", *common],
-        "consumer": [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", f"tcp://{b}:{PORT}",
+        "consumer": [sys.executable, "-m", "dflash.consumers.process.consume_command", "--broker", f"tcp://{b}:{PORT}",
                      "--target", str(target), "--block-size", "8", "--anchors", "32", "--draft-layers", "1",
                      "--instance", "nsC", *common],
     }

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from structlog.testing import capture_logs
 
-from dflash.producers.capture_oom import OomSplitter, bytes_asked
+from dflash.producers.capture_oom import OomSplitter
 from dflash.protocol.batch import Batch
+from dflash.runtime.memory import bytes_asked
 import pytest
 
 pytestmark = pytest.mark.unit

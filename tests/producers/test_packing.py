@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dflash.producers.chat import Encoded
-from dflash.producers.packing import PackingError, check_packing, pack, position_ids
+from dflash.producers.packing import PackingError, check_packing, pack
+from dflash.protocol.batch import position_ids
 from dflash.producers.target import load_target
 
 pytestmark = pytest.mark.unit

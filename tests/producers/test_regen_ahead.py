@@ -25,7 +25,7 @@ from dflash.producers.producer import LocalWorkSource, Producer
 from dflash.producers.regen_ahead import Claims, RegenAhead
 from dflash.producers.regenerate import RegenCache, Regenerator
 from dflash.producers.target import load_target
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 
 pytestmark = pytest.mark.integration
 

@@ -57,7 +57,7 @@ def _run(tmp: Path, ahead: int) -> tuple[list[dict], list[dict], Path]:
                                   "--lease-size", str(LEASE), "--prefetch", "2", "--regenerate", "--max-new-tokens",
                                   str(NEW), "--regen-batch-size", str(REGEN_ROWS), "--regen-ahead", str(ahead),
                                   "--regen-cache", str(tmp / "regen")], tmp / "producer.out", env)
-    group.start("consumer", py + ["dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
+    group.start("consumer", py + ["dflash.consumers.process.consume_command", "--broker", broker, "--runs-dir", runs, "--instance", "c0",
                                   "--target", target, "--block-size", "16", "--anchors", "64", "--draft-layers", "4",
                                   "--save-every", "0"], tmp / "consumer.out", env)
     try:

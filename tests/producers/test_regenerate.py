@@ -196,20 +196,20 @@ def test_generation_runs_with_sdpa_and_capture_keeps_its_attention(tiny, tokeniz
 
 
 def test_batched_greedy_loop_equals_generate_row_by_row(tiny, tokenizer, reference):
-    """The bare decode loop (producers/greedy.py) gives every row, left padded in a batch of
-    different lengths, exactly what HF generate() gives for that row alone, stopping each row
-    at its own first stop token."""
-    from dflash.producers.greedy import greedy_batch
+    """The decoding core's batched greedy generation (decoding/greedy.py) gives every row, in
+    a batch of different lengths, exactly what HF generate() gives for that row alone,
+    stopping each row at its own first stop token."""
+    from dflash.decoding.greedy import greedy_generate
 
     target = load_target(str(tiny), None, device=CPU, full=True)
     prompts = [tokenizer(t)["input_ids"] for t in ("Count from 1 to 9.", "Hi", "What is the capital of a country?")]
     free = [reference_greedy(reference, p, 12, set()) for p in prompts]
     stops = {free[1][3]}  # row 1 must stop early, at its 4th token; the others go on unless they emit it too
-    got = greedy_batch(target.model, prompts, pad_id=0, stop_ids=stops, max_new_tokens=12, device=CPU)
+    got = greedy_generate(target.model, prompts, max_new_tokens=12, stop_ids=stops, batch_size=len(prompts))
     want = [reference_greedy(reference, p, 12, stops) for p in prompts]
     assert got == want
     assert len(got[1]) <= 4 and got[1][-1] in stops
-    assert greedy_batch(target.model, prompts, pad_id=0, stop_ids=stops, max_new_tokens=1, device=CPU) == \
+    assert greedy_generate(target.model, prompts, max_new_tokens=1, stop_ids=stops, batch_size=len(prompts)) == \
         [w[:1] for w in want]
 
 

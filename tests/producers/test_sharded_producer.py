@@ -141,7 +141,7 @@ def test_a_run_with_a_sharded_producer_trains_to_the_end(tmp_path):
                                 runs, "--instance", "tp0", "--device", "cpu", "--target", target, "--data", str(data),
                                 "--token-budget", "256", "--max-length", "256", "--max-batch-size", "4",
                                 "--lease-size", "8", "--prefetch", "2"))
-    start("consumer", [sys.executable, "-m", "dflash.consumers.consume_command", "--broker", broker, "--runs-dir", runs,
+    start("consumer", [sys.executable, "-m", "dflash.consumers.process.consume_command", "--broker", broker, "--runs-dir", runs,
                        "--instance", "c0", "--target", target, "--block-size", "4", "--anchors", "16",
                        "--draft-layers", "1", "--lr", "3e-3", "--save-every", "1000", "--log-position-every", "0"])
     codes = _wait(procs, 330)

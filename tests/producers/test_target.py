@@ -11,7 +11,8 @@ import torch
 from tests.harness.tiny import tiny_dir
 from torch.profiler import ProfilerActivity, profile
 
-from dflash.producers.target import TargetError, default_layer_ids, load_target, parse_layer_ids
+from dflash.producers.target import TargetError, load_target, parse_layer_ids
+from dflash.runtime.targets import default_layer_ids
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import zmq
 
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import header
+from dflash.protocol.fields import header
 
 pytestmark = pytest.mark.integration
 

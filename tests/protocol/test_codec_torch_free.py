@@ -14,7 +14,7 @@ import torch
 
 from dflash.protocol import codec
 from dflash.protocol.errors import ProtocolError
-from dflash.protocol.messages import header
+from dflash.protocol.fields import header
 
 pytestmark = pytest.mark.unit
 

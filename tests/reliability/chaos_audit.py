@@ -1,6 +1,6 @@
 """Exactly-once, read from what a chain of runs left on disk: each run's ledger (the
 broker's account) and the final checkpoint's record of what its weights were trained on
-(consumers/record.py, the training loop's own account). The two are independent: the
+(consumers/checkpoints/record.py, the training loop's own account). The two are independent: the
 ledger is written by the broker from acks and commits, the record by the consumers from
 the batches they stepped on.
 """
@@ -55,7 +55,7 @@ def final_commit(runs: Path, chain: list[str]) -> tuple[str, int, str] | None:
 
 
 def audit(runs: Path, chain: list[str], epochs: int, n: int) -> Audit:
-    from dflash.consumers.record import TrainedRecord
+    from dflash.consumers.checkpoints.record import TrainedRecord
 
     a = Audit({(e, s) for e in range(epochs) for s in range(n)})
     before: set = set()

@@ -109,7 +109,7 @@ class Pipeline:
 
     def start_consumer(self, name: str) -> subprocess.Popen:
         # No --resume: in a resumed run the broker names the checkpoint (PROTOCOL.md 8).
-        return self._spawn(name, "dflash.consumers.consume_command", [
+        return self._spawn(name, "dflash.consumers.process.consume_command", [
             "--broker", self.control, "--runs-dir", str(self.runs), "--instance", name, "--target", self.target,
             "--block-size", "8", "--anchors", "48", "--draft-layers", "1", "--lr", "3e-3", "--save-every", str(self.save_every),
             "--log-position-every", "0"])

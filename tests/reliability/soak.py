@@ -153,7 +153,7 @@ def _load_check(checkpoint: Path, out: Path, target: str) -> tuple[bool, str | N
     """Export the final checkpoint and load the export back, as a user would."""
     import torch
 
-    from dflash.consumers.export import export_checkpoint, load_exported
+    from dflash.consumers.export.export import export_checkpoint, load_exported
 
     try:
         drafter = load_exported(export_checkpoint(checkpoint, out / "export", target=target, overwrite=True))

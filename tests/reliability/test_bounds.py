@@ -13,7 +13,8 @@ from tests.harness.wait import wait_until
 from tests.reliability.zmtp_raw import RawZmtp
 
 from tests.harness.fakes import FakeConsumer, FakeProducer, Pumping, Rejected, batch_frames
-from dflash.broker.config import CONTROL_MAX_BYTES, data_in_frame_cap
+from dflash.broker.config import data_in_frame_cap
+from dflash.protocol.messages import CONTROL_MAX_BYTES
 from dflash.broker.leases import MAX_OPEN_LEASES
 from dflash.broker.replies import LogGate
 

@@ -81,8 +81,8 @@ def _loads(path) -> None:
 
     import torch
 
-    from dflash.consumers.checkpoint import load_checkpoint
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.checkpoints.checkpoint import load_checkpoint
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
     from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 

@@ -1,7 +1,7 @@
 """A consumer that runs out of memory splits its steps into micro-batches and the run goes
 on (issue 7): the real CPU pipeline of test_chaos.py (broker, producer, consumer as
 processes on loopback), the consumer's OOMs injected in its real training loop with
-DFLASH_TEST_OOM_TOKENS (consumers/step_oom.py). The run completes, every (epoch, sample) is
+DFLASH_TEST_OOM_TOKENS (consumers/training/step_oom.py). The run completes, every (epoch, sample) is
 trained exactly once and committed, and the consumer's log says what happened.
 """
 

@@ -255,7 +255,7 @@ def test_real_producer_and_consumer_train_over_curve_and_a_keyless_producer_is_r
     keyless = start("dflash.producers.produce_command", *produce, "--instance", "nokey")
     procs = [start("dflash.producers.produce_command", *produce, "--instance", "p", "--curve-keys", str(keys),
                    "--curve-name", "good-p"),
-             start("dflash.consumers.consume_command", "--target", target, "--block-size", "8", "--anchors", "32",
+             start("dflash.consumers.process.consume_command", "--target", target, "--block-size", "8", "--anchors", "32",
                    "--draft-layers", "1", "--instance", "c", "--curve-keys", str(keys), "--curve-name", "good-c")]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from tests.reliability.chaos_audit import audit
 
-from dflash.consumers.join import ELASTIC_COLLECTIVE_TIMEOUT_S
+from dflash.consumers.process.join import ELASTIC_COLLECTIVE_TIMEOUT_S
 from tests.reliability.chaos_pipeline import Pipeline
 
 pytestmark = pytest.mark.integration
@@ -181,8 +181,8 @@ def _loads(path: Path) -> None:
     """The final checkpoint loads into a drafter with the consumer's own loader."""
     import torch
 
-    from dflash.consumers.checkpoint import load_checkpoint
-    from dflash.consumers.model import DFlashDraft, DrafterConfig
+    from dflash.consumers.checkpoints.checkpoint import load_checkpoint
+    from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
     from dflash.runtime.target_heads import load_target_heads
     from dflash.tools.tiny import tiny_target
 

@@ -99,7 +99,7 @@ def test_a_forged_commit_is_refused_and_every_sample_is_committed_once_and_in_th
         procs = [spawn("dflash.producers.produce_command", "--device", "cpu", "--target", target, "--data",
                        str(_data(tmp_path)), "--max-length", "512", "--token-budget", "512", "--max-batch-size", "2",
                        "--instance", "p", *auth("good-p")),
-                 spawn("dflash.consumers.consume_command", "--target", target, "--block-size", "8", "--anchors",
+                 spawn("dflash.consumers.process.consume_command", "--target", target, "--block-size", "8", "--anchors",
                        "32", "--draft-layers", "1", "--save-every", "2", "--instance", "c", *auth("good-c"))]
         forger = Forger(b.control, keys if curve else None, "good-p" if curve else None)  # a producer's key
         try:

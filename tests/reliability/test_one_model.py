@@ -26,7 +26,7 @@ def test_a_second_consumer_of_a_run_without_ranks_is_refused_naming_the_option(b
     first = FakeConsumer(b.control, "first", config={"signal": SIGNAL})
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     env.update(OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "dflash.consumers.consume_command", "--broker", b.control, "--target",
+    proc = subprocess.run([sys.executable, "-m", "dflash.consumers.process.consume_command", "--broker", b.control, "--target",
                            str(tiny_target()), "--runs-dir", str(b.runs_dir), "--draft-layers", "1",
                            "--block-size", "4", "--instance", "second"],
                           capture_output=True, text=True, env=env, timeout=120)

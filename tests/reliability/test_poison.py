@@ -74,7 +74,7 @@ def consumer(b: BrokerProc, target, out: Path) -> subprocess.Popen:
 
     mask = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     with open(out, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "dflash.consumers.consume_command", "--broker", b.control, "--target",
+        return subprocess.Popen([sys.executable, "-m", "dflash.consumers.process.consume_command", "--broker", b.control, "--target",
                                  str(target), "--runs-dir", str(b.runs_dir), "--instance", out.stem, "--draft-layers",
                                  "1", "--block-size", "4", "--anchors", "6", "--mask-token-id", str(mask)],
                                 stdout=f, stderr=subprocess.STDOUT, env=_env())

@@ -17,7 +17,7 @@ from dflash.broker.leases import LeasePool
 from dflash.protocol.sample_order import epoch_order
 from dflash.broker.ledger import Ledger
 from dflash.broker.dispatch import Queued
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ KILL_AFTER_COMMIT = """
 import os, signal, sys
 from dflash.broker.dispatch import Queued
 from dflash.broker.ledger import Ledger
-from dflash.protocol.messages import Batch
+from dflash.protocol.batch import Batch
 led = Ledger(sys.argv[1])
 led.set_meta(run_id="20260101T000000Z-aaaa")
 b = Queued(Batch("p1-1", "p1", 1, 0, [4, 5], [4, 4], [1]), nbytes=64, queued_at=0.0, deliveries=1)

@@ -59,7 +59,7 @@ def _other_commands_variables(mine: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def run_with_logs(tmp_path_factory):
     """A real (local, synthetic) consumer run: its logs have train.step lines."""
-    from dflash.consumers.consume_command import main as consume
+    from dflash.consumers.process.consume_command import main as consume
     from dflash.tools.tiny import tiny_target
 
     runs = tmp_path_factory.mktemp("env") / "runs"

@@ -11,7 +11,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from dflash.consumers.consume_command import main as consume_main
+from dflash.consumers.process.consume_command import main as consume_main
 from dflash.producers.produce_command import main as produce_main
 from dflash.tools.eval_command import main as eval_main
 from dflash.tools.tiny import tiny_target

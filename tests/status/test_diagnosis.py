@@ -152,7 +152,7 @@ def test_oom_backoff_names_the_peer_and_its_memory():
     assert d["code"] == "oom_backoff" and d["limited_by"] == "targets"
     assert "target p3 (h-gpu3) is in OOM backoff" in d["text"] and "(2 times)" in d["text"]
     assert "GPU 3: 94.0 of 96.0 GiB used" in d["text"] and "--token-budget" in d["suggestion"]
-    # a drafter's backoff (consumers/step_oom.py): its steps run in micro-batches
+    # a drafter's backoff (consumers/training/step_oom.py): its steps run in micro-batches
     cons = [consumer(i, 7 * K) for i in range(3)]
     cons[1].update(oom_backoff=True, stats={"ooms": 1})
     d = diagnose(status([producer(i, 4 * K) for i in range(5)], cons))

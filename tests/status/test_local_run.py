@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.consume_command import main; main()"
+CONSUME = "import torch; torch.set_num_threads(1); from dflash.consumers.process.consume_command import main; main()"
 
 
 def mask_id(target) -> int:

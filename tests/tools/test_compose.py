@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dflash.broker.broker_command import main as broker_main
-from dflash.consumers.consume_command import main as consume_main
+from dflash.consumers.process.consume_command import main as consume_main
 from dflash.producers.produce_command import main as produce_main
 
 pytestmark = pytest.mark.integration

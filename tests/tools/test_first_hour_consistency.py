@@ -20,7 +20,7 @@ CLEAN = {k: None for k in os.environ if k.startswith("DFLASH_")}
 
 
 def test_eval_takes_latest_as_export_does(tmp_path):
-    from dflash.consumers.consume_command import main as consume
+    from dflash.consumers.process.consume_command import main as consume
     from dflash.tools.eval_command import main as evaluate
 
     target, runs = tiny_target(), tmp_path / "runs"

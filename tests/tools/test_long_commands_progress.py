@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.consumers.model import DFlashDraft, DrafterConfig, published_config
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, published_config
 from dflash.runtime.target_heads import TargetSpec
 from dflash.producers.sample_data import CHATS_PATH
 from dflash.runtime.targets import load_config

@@ -20,7 +20,7 @@ CLEAN = {k: None for k in os.environ if k.startswith("DFLASH_")}
 
 
 def _consume(runs, *extra):
-    from dflash.consumers.consume_command import main as consume
+    from dflash.consumers.process.consume_command import main as consume
 
     r = CliRunner().invoke(consume, ["--target", str(tiny_target()), "--runs-dir", str(runs), "--draft-layers", "1",
                                      "--block-size", "4", "--anchors", "4", "--synthetic-seq-len", "32",

@@ -28,7 +28,7 @@ from dflash.producers.data import open_dataset
 from dflash.decoding.greedy import GreedyDecoder, Job, Sampler, greedy_generate
 from dflash.runtime.targets import load_causal_lm, load_tokenizer
 from dflash.tools import real_target
-from dflash.tools.eval import prompt_ids, read_prompts
+from dflash.consumers.evaluation.evaluate import prompt_ids, read_prompts
 from dflash.tools.near_dup import NearDupIndex, jaccard, shingles
 from dflash.tools.prompt_families import FAMILIES, FamilySpecError, on_family, parse_families, split_count
 from dflash.tools.prompt_writer import PromptError, PromptWriter, Written, judge, turn_end_ids, user_turn

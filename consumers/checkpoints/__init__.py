@@ -1,0 +1,1 @@
+"""Checkpoint folders: atomic save and resume, integrity (hashes, finite weights), the record of what was trained."""

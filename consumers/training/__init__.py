@@ -1,0 +1,1 @@
+"""The training loop: `Trainer` and its one `step()`, the step, batches staged on the device, its config and state."""

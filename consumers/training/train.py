@@ -1,0 +1,609 @@
+"""The drafter training loop: `Trainer` holds one run's model, optimizer and state;
+`Trainer.step` is one optimizer step, readable top to bottom (schedule, forward/backward,
+all-reduce, commit decision, clip, optimizer step, ack, log, checkpoint, commit);
+`state_dict`/`load_state_dict` are the one form of the state that checkpoints
+(train_checkpoint.py) and elastic heals (parallel/elastic.py) carry. Its config, hooks,
+state and schedules are in train_config.py.
+
+The loop knows nothing about the network. It takes
+  - `batches`: an iterator of `Batch` (made here, or as the link read it); it may block while
+    waiting for data, yields None for "nothing arrived in time" (this rank takes an empty
+    step if another rank has a batch), and ends (StopIteration) at the end of the stream;
+    it is read one item ahead on a thread that converts the next batch and copies it to
+    the device while the current step runs (staging.py; `stage_batches` off: not);
+  - `Hooks`: `on_step(step, batch_ids)` after the optimizer step that used those batches
+    (the broker `ack`), `on_checkpoint(step, path)` on rank 0 once a checkpoint is durable
+    (the broker `commit`), both called by the loop itself; `queue()` for the queue
+    figures to log, `progress()` for the run's sample counts (epoch fraction, ETA),
+    `stop` to end early.
+Every rank runs this same loop; ranks agree each step on whether anyone still has data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from dflash.consumers.checkpoints.record import TrainedRecord
+from dflash.consumers.drafter import fused
+from dflash.consumers.drafter.loss import LossStats
+from dflash.consumers.drafter.mask_token import mask_in_batch
+from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, calibrate_features, published_config
+from dflash.consumers.parallel.dist import Dist, DistGroup
+from dflash.protocol.training_signal import SignalMismatch, signal_differences
+from dflash.runtime.gcpause import freeze_setup
+from dflash.runtime.logs import get_logger
+from dflash.runtime.target_heads import TargetHeads
+
+from . import finite, train_checkpoint
+from .batch import BatchMismatch, check_fit
+from dflash.protocol.batch import Batch
+from .exactly_once import drop_held, gather_samples, record_samples
+from .staging import BatchStager
+from .step import StepPlan, forward_backward, plan_step
+from .step_metrics import Meter, StepFigures
+from .step_oom import OomInjection, StepSplitter
+from .train_config import Hooks, Plan, TrainState, choose_plan, lr_at, noise_at, progress, resolve_signal
+from dflash.consumers.training.config import TrainConfig
+
+
+log = get_logger()
+
+# Elastic start: while every rank of the quorum is new (none has stepped) and fewer than
+# the broker's --consumers N have joined, ranks wait this long for the rest before the
+# first step, as a fixed group does; afterwards a joiner never holds the others up.
+START_WAIT_S = 60.0
+# How often ranks that hold their batches meet while they wait for the rest at the start
+# (without it they spun through quorums as fast as the lighthouse answered).
+START_POLL_S = 0.5
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(
+    cfg: TrainConfig,
+    heads: TargetHeads,
+    batches: Iterable,
+    *,
+    dist: DistGroup | None = None,
+    ckpt_root: Path | None = None,
+    runs_dir: str | Path | None = None,
+    run_config: dict | None = None,
+    hooks: Hooks | None = None,
+) -> TrainState:
+    """Train until the stream ends, `max_steps`, or `hooks.stop`. Returns the final state.
+
+    Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
+    another drafter: after the checkpoint of the steps before it), ValueError (bad config)."""
+    trainer = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
+    trainer.join_or_resume(runs_dir)
+    trainer.announce()
+    return trainer.run(batches)
+
+
+# What the ranks agreed a step is (Trainer.agree).
+_STEP, _SKIP, _END = "step", "skip", "end"
+
+
+class Trainer:
+    """One run's model, optimizer and loop state: `run` is the loop, `step` one optimizer
+    step, `state_dict`/`load_state_dict` the state a checkpoint or a heal carries."""
+
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, dist: DistGroup, hooks: Hooks,
+                 ckpt_root: Path | None, run_config: dict | None):
+        self.cfg, self.heads, self.dist, self.hooks = cfg, heads, dist, hooks
+        self.ckpt_root, self.run_config = ckpt_root, run_config
+        self.device = device = heads.embed.device
+        self.signal = resolve_signal(cfg, heads)
+        # auto = flex and fused kernels on GPU, much faster than SDPA even with a new batch
+        # shape every step (docs/BENCHMARKS.md); the first step compiles. On CPU, or where
+        # nothing can be compiled: SDPA, eager.
+        compiled = "auto" in (cfg.attn, cfg.fuse) and auto_compiles(device)  # asked (and warned) only for auto
+        self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if compiled else "sdpa")
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        fused.enable(cfg.fuse == "on" or (cfg.fuse == "auto" and compiled))
+        self._build_model()
+        self.state = TrainState()
+        torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
+        self.quorum_begun = False  # the next step's quorum was begun already (elastic, before the resume)
+        self.mask_warned = False  # a batch held the MASK token (warned once)
+
+    def _build_model(self) -> None:
+        cfg, device = self.cfg, self.device
+        # Model: fp32 master weights, same init on every rank, then rank 0's copy everywhere.
+        torch.manual_seed(cfg.seed)
+        self.mcfg = DrafterConfig.from_target(self.heads.spec, cfg.draft_layers, len(self.signal.target_layers))
+        self.model = DFlashDraft(self.mcfg).to(device)
+        self.dist.broadcast_params(self.model)
+        self.params = list(self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           fused=device.type == "cuda")
+        self.splitter = StepSplitter(self.params, device, inject=OomInjection.from_env())
+        signal = self.signal  # config.json of every checkpoint
+        self.drafter_json = published_config(self.mcfg, self.heads.spec, block_size=signal.block_size,
+                                             mask_token_id=signal.mask_token_id,
+                                             target_layer_ids=list(signal.target_layers))
+
+    # ------------------------------------------------ the state (checkpoints and heals)
+
+    def state_dict(self) -> dict:
+        """Everything the next step depends on, in one form: an elastic replica serves it
+        to a joining one (torchft sends it before our next optimizer step: the tensors are
+        the live ones), and a checkpoint writes it to disk (train_checkpoint.py)."""
+        s = self.state
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "signal": self.signal.as_dict(),
+                "counters": {"step": s.step, "tokens": s.tokens, "samples": s.samples, "epoch": s.epoch,
+                             "saved_step": s.saved_step},
+                "record": s.record.to_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Take a `state_dict()` (a healthy replica's, or a checkpoint's) in place; the
+        caller has compared its signal with ours."""
+        state, c = self.state, sd["counters"]
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        state.step, state.tokens, state.samples, state.epoch = c["step"], c["tokens"], c["samples"], c["epoch"]
+        state.saved_step = c["saved_step"]
+        state.record = TrainedRecord.from_state(sd["record"])
+
+    def _heal(self, sd: dict) -> None:
+        """Heal (elastic): replace our state with a healthy replica's. Raises SignalMismatch
+        when it trains another signal (this consumer was started with other options)."""
+        diffs = signal_differences(sd["signal"], self.signal)
+        if diffs:
+            raise SignalMismatch(f"the running consumers train another signal ({'; '.join(diffs)}): start every "
+                                 "consumer of a run with the same training options")
+        before = self.state.step
+        self.load_state_dict(sd)
+        state = self.state
+        # torchft heals every replica but one at each quorum until a first step is taken
+        # (init_sync): log the heals that change something.
+        level = log.info if state.step != before else log.debug
+        level("train.healed", step=state.step, previous_step=before, samples=state.samples,
+              record_samples=state.record.count(), rank=self.dist.rank)
+
+    # ------------------------------------------------ before the first step
+
+    def join_or_resume(self, runs_dir: str | Path | None) -> None:
+        """Take the state to start from: a running replica's (elastic), else the checkpoint's."""
+        dist, state = self.dist, self.state
+        # An elastic group (parallel/elastic.py) hands this state to a joining replica, and heals us
+        # with a healthier one's; the quorum compares steps to decide who heals. The first
+        # quorum comes before the resume: a consumer joining a live run is healed from a
+        # running one (the checkpoint it was told may be pruned by now, and is older anyway).
+        dist.register_state(self.state_dict, self._heal)
+        self.quorum_begun = dist.elastic
+        if self.quorum_begun:
+            dist.begin_step()
+        if not dist.elastic:  # a fixed group's ranks are one set of weights: rank 0's lineage
+            state.record.lineage = dist.broadcast_str(state.record.lineage)
+        if dist.elastic and state.step == 0 and self.hooks.resume_point is not None:  # not healed: the newest commit
+            self.cfg = replace(self.cfg, resume=self.hooks.resume_point() or self.cfg.resume)
+        if self.cfg.resume and state.step == 0:  # not healed to a live step
+            train_checkpoint.resume(self, runs_dir)
+            dist.set_step(state.step)
+        self.lineage_told = None
+        self._tell_lineage()
+
+    def _tell_lineage(self) -> None:
+        """Hand the hooks the record when it is another one (the start, a heal)."""
+        if self.state.record is not self.lineage_told and self.hooks.on_lineage is not None:
+            self.hooks.on_lineage(self.state.record)
+        self.lineage_told = self.state.record
+
+    def announce(self) -> None:
+        """The `train.start` line, once the state to start from is taken."""
+        freeze_setup()  # the model, optimizer and their imports: no full GC pass over them (gcpause.py)
+        signal, dist, state = self.signal, self.dist, self.state
+        # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
+        log.info("train.start", rank=dist.arranged_rank, world_size=dist.world_size,
+                 device=str(self.device), attn=self.backend,
+                 bf16=self.bf16, params=sum(p.numel() for p in self.params), signal=signal.as_dict(),
+                 elastic=dist.elastic, resumed_from=state.resumed_from, step=state.step, config=self.run_config)
+
+    # ------------------------------------------------ the loop
+
+    def run(self, batches: Iterable) -> TrainState:
+        """Step until the end. Each pass issues the same collectives in the same order on
+        every rank (quorum, agreement, then the step's own): gloo, NCCL and torchft match
+        collectives by order, so a phase skipped on one rank only would hang the others."""
+        cfg = self.cfg
+        self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
+        # The schedule's plan: a resumed run continues its checkpoint's (train_config.choose_plan)
+        self.start_samples, self.saved_plan, self.last_plan = self.state.samples, self.state.planned_samples, None
+        self.broker_plan: int | None = None  # the broker's plan as the ranks agreed it (agree)
+        self.broker_progress: float | None = None  # --time-budget: its clock's progress, agreed the same way
+        self.last_lr, self.last_progress = None, None  # of the newest step: train.end says if it annealed
+        # The next batch is converted and copied to the device while this one trains.
+        stager = BatchStager(batches, self.device, self.heads.embed.dtype, prepare=self._plan_ahead) \
+            if cfg.stage_batches else None
+        self.source: Iterator = stager if stager is not None else iter(batches)
+        self.exhausted, self.started = False, time.monotonic()
+        self.waited_s, self.reported_at = 0.0, self.started  # waiting for batches since the last step line
+        self.bad: BatchMismatch | None = None  # a batch no rank could train: the run ends on it
+        self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
+        self.stepped_here = False  # this process took a step (the startup wait ends)
+        try:
+            self._loop()
+        finally:
+            if stager is not None:
+                stager.close()
+        state = self.finish()
+        if self.bad is not None:  # checkpointed and committed first: what was trained stays
+            raise self.bad
+        return state
+
+    def _loop(self) -> None:
+        cfg, state = self.cfg, self.state
+        # Stop before fetching: a fetched batch that is never trained is never acked (nor is
+        # the one the stager read ahead: `bye` returns both to the broker's queue).
+        while not self._at_max_steps():
+            batch, bad, want_stop = self.fetch()
+            self.begin_quorum()
+            self._tell_lineage()  # a heal replaced the record: acks name the healer's lineage
+            if batch is not None and cfg.skip_held:  # after a heal: the record may hold it now
+                kept = drop_held(batch, state)
+                if kept is None:  # the weights hold all of it: acked at once, no batch at all
+                    self._ack(state.step, batch)
+                batch = kept
+            agreed = self.agree(batch, bad, want_stop)
+            if agreed == _END:
+                break
+            if agreed == _STEP:
+                self.step(batch)
+
+    def _plan_ahead(self, batch: Batch) -> Batch:
+        """On the stager's thread: `batch` with the step's host-side work (step.py `plan_step`),
+        done while the previous step trains. A batch that does not fit gets no plan: the
+        training thread checks it and meets the error where it always does (fetch)."""
+        try:
+            check_fit(batch, list(self.signal.target_layers), self.heads.spec.hidden_size, self.heads.spec.vocab_size)
+        except BatchMismatch:
+            return batch
+        return replace(batch, plan=plan_step(batch, self.signal, self.cfg.seed, self.device, self.backend,
+                                             count_mask=True))
+
+    def _at_max_steps(self) -> bool:
+        if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
+            self.state.end_reason = "max_steps"
+            return True
+        return False
+
+    def _stop_asked(self) -> bool:
+        return self.hooks.stop is not None and self.hooks.stop.is_set()
+
+    def fetch(self) -> tuple[Batch | None, BatchMismatch | None, bool]:
+        """This rank's batch for the next step (a dropped step's first), checked against the
+        signal; the mismatch if it does not fit; whether a stop was asked."""
+        want_stop = self._stop_asked()
+        batch, bad, self.held = self.held, None, None
+        if batch is None and not self.exhausted and not want_stop:
+            t0 = time.monotonic()
+            try:
+                batch = next(self.source)  # None: nothing arrived in time (the source waited)
+            except StopIteration:
+                self.exhausted = True
+            self.waited_s += time.monotonic() - t0  # the step line's wait_s: starved or not
+            # A stop asked while we waited (a signal, the broker's shutdown) counts now, so
+            # the stream a shutdown ends is not taken for its natural end.
+            want_stop = self._stop_asked()
+        if batch is not None:
+            batch, bad = _prepare(batch, self.heads, self.signal)
+        if batch is not None and not self.mask_warned:
+            self.mask_warned = _mask_in_data(batch, self.signal, self.state.step + 1, self.dist.rank)
+        return batch, bad, want_stop
+
+    def begin_quorum(self) -> None:
+        if not self.quorum_begun:  # elastic: the quorum; a replica behind the others is healed here
+            self.dist.begin_step()
+        self.quorum_begun = False
+
+    def agree(self, batch: Batch | None, bad: BatchMismatch | None, want_stop: bool) -> str:
+        """What this step is, the same on every rank: _STEP, _SKIP (wait or retry) or _END."""
+        dist, state, hooks = self.dist, self.state, self.hooks
+        # Every rank takes part in every step (one small collective first): stop when one
+        # rank was asked to or every rank's stream ended; a rank without a batch takes an
+        # empty step while another has one; nobody steps while nobody has data. A bad
+        # batch on any rank ends every rank, so none is left waiting in a collective.
+        starting = not self.stepped_here and time.monotonic() - self.started < START_WAIT_S
+        # An elastic rank signalled alone leaves; the group stops only when the broker says so,
+        # or when every rank was signalled (the last one checkpoints and commits as any stop).
+        leaving = want_stop and dist.elastic and hooks.leave is not None and hooks.leave()
+        # The broker's plan as every rank will use it: the mean of what the heartbeats of the
+        # ranks with a batch said, so that a re-plan that reached the ranks at different steps
+        # moves none of them alone (each rank steps its optimizer with the lr the plan gives).
+        # Asked only with a batch in hand: the dataset's size is known by then, and the first
+        # ask waits for the heartbeat that carries it (broker_hooks.plan)
+        plan = hooks.plan() if hooks.plan is not None and batch is not None else None
+        # --time-budget: the lr follows the broker's clock, the same way (the mean of the ranks')
+        when = hooks.budget_progress() if hooks.budget_progress is not None and batch is not None else None
+        have, stops, ended, bads, n_starting, n_leaving, plans, planned, whens, timed = dist.all_sum(
+            [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving,
+             plan or 0, plan is not None, when or 0.0, when is not None])
+        self.broker_plan = round(plans / planned) if planned > 0 else None
+        self.broker_progress = whens / timed if timed > 0 else None
+        if _step_failed(dist):  # a rank went away: nothing was decided, try again
+            self.held = _dropped(batch, state, dist, "quorum")
+            return _SKIP
+        if bads > 0:  # ends here, like a stop: the checkpoint and commit of what was trained, then raise
+            self.bad = bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
+            state.end_reason = "bad_batch"
+            return _END
+        if 0 < n_leaving < dist.world_size and stops == 0:
+            return self._leave(batch, leaving)
+        if want_stop:
+            log.warning("train.stopping", step=state.step, rank=dist.rank)
+        if stops > 0 or n_leaving or ended == dist.world_size:
+            state.end_reason = "stop" if stops > 0 or n_leaving else "end_of_stream"
+            return _END
+        if have == 0 or _short_at_start(dist, n_starting):
+            if batch is not None:  # waiting for ranks with a batch in hand: no source wait, so sleep
+                time.sleep(START_POLL_S)
+            self.held = batch
+            if hooks.stats is not None:
+                hooks.stats["state"] = "waiting"
+            return _SKIP
+        return _STEP
+
+    def _leave(self, batch: Batch | None, leaving: bool) -> str:
+        """Ranks leave the group between two steps (nobody steps now: their batches will not
+        be in this step's collectives). A leaver ends without a checkpoint (the others hold
+        the same weights and commit them) and leaves the quorum at once; the others keep
+        their batch and meet again without it once the lighthouse sees it gone."""
+        state, dist = self.state, self.dist
+        if not leaving:
+            self.held = batch
+            return _SKIP
+        log.warning("train.leaving", step=state.step, rank=dist.rank, world_size=dist.world_size)
+        state.end_reason = "left"
+        dist.close()  # stop heartbeating to the lighthouse: the next quorum forms without us
+        return _END
+
+    def step(self, batch: Batch | None) -> None:
+        """One optimizer step with every rank, in the order things happen; none at all if a
+        collective of it fails (elastic). The ack goes out once the optimizer step is taken,
+        the commit once the checkpoint is on disk."""
+        cfg, dist, state, hooks = self.cfg, self.dist, self.state, self.hooks
+        if batch is not None:
+            state.epoch = batch.epoch
+        if hooks.before_step is not None:  # e.g. live evaluation, on weights that have not seen the batch
+            hooks.before_step(state.step, self.model, batch, state.record, state.samples)
+        step = state.step + 1
+        # The schedule: its plan (the lr's value needs the step's samples, known below) and the noise
+        plan = self._plan(step)
+        noise = noise_at(step, cfg, state.samples, plan)
+        if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (drafter/model.py)
+            self._calibrate(batch)
+        # Forward/backward: this rank's gradient sums (step.py), in micro-batches if memory runs out
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = _no_loss(self.signal.block_size) if batch is None else forward_backward(
+            self.model, self.heads, batch, self.signal, seed=cfg.seed, step=step, noise=noise,
+            backend=self.backend, loss_chunk=cfg.loss_chunk, bf16=self.bf16, splitter=self.splitter)
+        mine = StepFigures.of(batch, stats)
+        # All-reduce: every figure in one collective (one rank: none, the figures stay on the
+        # device until the read below), then the step's samples and the gradients
+        total = mine.summed(dist)
+        lr = lr_at(step, cfg, state.samples + int(total.samples), plan)  # its own samples included
+        self.last_lr, self.last_progress = lr, progress(plan, step, state.samples + int(total.samples))
+        pairs = None
+        if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
+            pairs = gather_samples(dist, batch, int(total.samples))
+            dist.sum_grads(self.params)
+        # The commit decision (elastic: a collective failed; dropped on every rank that saw it)
+        if not dist.commit():
+            self.held = _dropped(batch, state, dist, "step")
+            return
+        self.stepped_here = True
+        record_samples(state, dist, pairs, step)
+        # Clip and the optimizer step on the averaged gradients (every rank sees the same
+        # weight: all step or all skip); a non-finite loss or norm stops the run (finite.py)
+        batch_id = batch.batch_id if batch is not None else None
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        norm = None
+        if total.weight > 0:  # the weight is known on the host (step.py plans it): no read-back
+            torch._foreach_div_([p.grad for p in self.params], total.weight)  # one kernel launch, not one a tensor
+            norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        # The step's one read-back: the loss figures left on the device, with the norm
+        grad_norm = total.read(norm)
+        finite.check_step(step, total.loss_sum, None, batch_id, dist.rank)
+        if norm is not None:
+            finite.check_step(step, total.loss_sum, grad_norm, batch_id, dist.rank)
+            self.optimizer.step()
+        state.step, state.tokens, state.samples = step, state.tokens + int(total.tokens), \
+            state.samples + int(total.samples)
+        if batch is not None:  # the ack: the batch is in the weights now
+            self._ack(step, batch)
+        if hooks.after_step is not None:
+            hooks.after_step(step, self.model)
+        self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)  # the log line
+        if self.ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
+            self._commit(self._save())  # the checkpoint on disk, then its commit
+
+    def _calibrate(self, batch: Batch | None) -> None:
+        """feature_scale from the first step's batches of every rank (the same on each)."""
+        width = self.model.feature_scale.numel()
+        sumsq, count = torch.zeros(width, dtype=torch.float64), 0
+        if batch is not None:  # in row chunks: no fp32 copy of a whole large batch on the GPU
+            h, count = batch.hidden, batch.hidden.shape[0]
+            sumsq = sum((h[i:i + 4096].float().pow(2).sum(0).double() for i in range(0, count, 4096)),
+                        sumsq.to(h.device)).cpu()
+        summed = self.dist.all_sum([*sumsq.tolist(), float(count)])
+        calibrate_features(self.model, torch.tensor(summed[:width]), float(summed[width]))
+        scale = self.model.feature_scale
+        log.info("train.feature_scale", tokens=int(summed[width]), min=round(float(scale.min()), 6),
+                 median=round(float(scale.median()), 6), max=round(float(scale.max()), 6), rank=self.dist.rank)
+
+    def _dataset_samples(self) -> int | None:
+        """The broker's epochs x samples less those skipped (its heartbeat), or None."""
+        stats = self.hooks.progress() if self.hooks.progress is not None else {}
+        total = stats.get("samples_total")
+        return max(1, int(total) - int(stats.get("samples_skipped") or 0)) if total else None
+
+    def _plan(self, step: int) -> Plan:
+        """The schedule's plan for `step` (train_config.choose_plan); a new one is logged."""
+        state, hooks = self.state, self.hooks
+        stream = None if hooks.stream_samples is None else self.start_samples + hooks.stream_samples
+        plan = choose_plan(self.cfg, broker=self.broker_plan, checkpoint=self.saved_plan, stream=stream,
+                           time=self.broker_progress, dataset=self._dataset_samples())
+        last = self.last_plan
+        if last is not None and plan.by == last.by == "time":  # moves with the broker's clock: logged once
+            self.last_plan, state.planned_samples = plan, None
+            return plan
+        if last is not None and (plan.by, plan.length, plan.source) == (last.by, last.length, last.source):
+            plan = last  # unchanged: it keeps where it started from
+        elif last is not None and plan.by == last.by == "samples" and plan.source == last.source == "broker":
+            plan = last.moved_to(plan, state.samples)  # the broker re-planned (--time-budget)
+        if plan != self.last_plan:
+            fields = dict(step=step, samples=state.samples, **plan.as_dict(), lr=self.cfg.lr, min_lr=self.cfg.min_lr,
+                          warmup=self.cfg.warmup, rank=self.dist.rank)
+            if plan.by == "constant":
+                log.warning("train.schedule", **fields, hint="give --total-samples (or --total-steps) for warmup "
+                            "and cosine decay; with a broker the plan is its epochs x samples")
+            else:
+                log.info("train.schedule", **fields)
+            self.last_plan = plan
+        state.planned_samples = plan.length if plan.by == "samples" else None
+        return plan
+
+    def _ack(self, step: int, batch: Batch) -> None:
+        """Tell the broker the weights hold `batch` as of `step` (`ack`)."""
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(step, [batch.batch_id])
+
+    def _report(self, step: int, batch: Batch | None, total: StepFigures, mine: StepFigures, *, lr: float,
+                noise: float, grad_norm: float) -> None:
+        """The step's log line (metrics.Meter) and the heartbeat figures in `hooks.stats`."""
+        state, hooks, dist, splitter = self.state, self.hooks, self.dist, self.splitter
+        now = time.monotonic()
+        waited, wall = self.waited_s, now - self.reported_at
+        self.waited_s, self.reported_at = 0.0, now
+        line = self.meter.log_step(step, total, mine, lr=lr, noise=noise, grad_norm=grad_norm, samples=state.samples,
+                                   wait_s=waited, wall_s=wall,
+                                   tokens_seen=state.tokens, epoch=state.epoch,
+                                   queue=hooks.queue() if hooks.queue else {},
+                                   progress=hooks.progress() if hooks.progress else None, rank=dist.rank,
+                                   micro_batches=splitter.last_splits if batch is not None else 0, ooms=splitter.ooms)
+        if hooks.on_metrics is not None and dist.rank == 0:
+            hooks.on_metrics(step, line)
+        if hooks.stats is not None:
+            hooks.stats.update({k: line[k] for k in ("step", "loss", "acc", "streak", "tokens_per_s", "batches_per_s")},
+                               state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())
+
+    def _save(self) -> Path | None:
+        """A checkpoint of this step (every rank takes part): its folder on rank 0, else None."""
+        return train_checkpoint.save(self, self.ckpt_root)
+
+    def _commit(self, path: Path | None) -> None:
+        """Rank 0 commits the checkpoint just written (`commit`); then every rank waits, so
+        that nobody runs ahead of a checkpoint that may still fail."""
+        if path is not None and self.hooks.on_checkpoint is not None:
+            self.hooks.on_checkpoint(self.state.step, path)
+        self.dist.barrier()
+
+    def finish(self) -> TrainState:
+        """The last checkpoint (if steps came after the newest), the end line, the state."""
+        state = self.state
+        if self.ckpt_root is not None and state.step > state.saved_step and state.end_reason != "left":
+            self._commit(self._save())
+        p, lr = self.last_progress, self.last_lr
+        log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank,
+                 samples=state.samples, lr=lr, progress=None if p is None else round(p, 6))
+        if p is not None and p < 1.0 and state.end_reason in ("stop", "bad_batch"):
+            # Stopped before its plan was trained (a signal, the broker's shutdown, a bad batch):
+            # the weights keep a lr that never annealed, and the log says so
+            log.warning("train.unannealed", reason=state.end_reason, step=state.step, samples=state.samples,
+                        planned_samples=state.planned_samples, progress=round(p, 6), lr=lr, min_lr=self.cfg.min_lr,
+                        rank=self.dist.rank, hint="these weights were saved before the lr schedule reached "
+                        "--min-lr: resume the run (dflash-broker --resume RUN) to train the rest of its plan")
+        state.model = self.model
+        return state
+
+
+# ---------------------------------------------------------------- helpers of a step
+
+
+def auto_compiles(device: torch.device) -> bool:
+    """Whether `--attn auto` / `--fuse auto` take the compiled kernels: on a GPU where
+    torch.compile can build them. Triton builds a small C launcher with the host's C
+    compiler, so a GPU container without one would fail at the first step: there the
+    eager kernels are taken instead, with a warning."""
+    if device.type != "cuda":
+        return False
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        log.warning("train.compile_unavailable", device=str(device), attn="sdpa", fuse="off",
+                    hint="install a C compiler (e.g. gcc) for flex attention and fused kernels: much faster "
+                         "steps on a GPU (docs/BENCHMARKS.md)")
+    return compiler is not None
+
+
+def _no_loss(block_size: int) -> LossStats:
+    """The loss figures of an empty step (this rank has no batch)."""
+    return LossStats(pos_correct=[0] * (block_size - 1), pos_valid=[0] * (block_size - 1))
+
+
+def _step_failed(dist: DistGroup) -> bool:
+    """True when a collective of this step failed (elastic: a peer went away). torchft is
+    told (should_commit answers False), so the next quorum rebuilds the group."""
+    if dist.intact():
+        return False
+    dist.commit()
+    return True
+
+
+def _dropped(batch: Batch | None, state: TrainState, dist: DistGroup, at: str) -> Batch | None:
+    """Log a dropped step; return our batch, trained again in the next step (not acked:
+    nothing of it reached the weights or the record here)."""
+    log.warning("train.step_dropped", step=state.step + 1, at=at, rank=dist.rank, world_size=dist.world_size,
+                batch_id=batch.batch_id if batch is not None else None,
+                samples=len(batch.samples) if batch is not None else 0, error=dist.error())
+    return batch
+
+
+def _short_at_start(dist: DistGroup, n_starting: float) -> bool:
+    """Elastic start: every rank of the quorum is new and not all N have joined yet."""
+    return dist.elastic and n_starting == dist.world_size and dist.world_size < dist.max_world
+
+
+def _prepare(batch: Batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
+    """The batch checked against this drafter's signal, or the mismatch. Raises TypeError
+    for anything but a `Batch` (a batch source yielding the wrong thing).
+
+    A batch of other target layers (or width) is a misconfigured run, not a bad message:
+    training on it would silently learn the wrong thing, so the caller stops every rank."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"expected a Batch or None from the batch source, got {type(batch).__name__}")
+    if batch.frames:  # as the link read it, not staged (staging.py does this on its thread)
+        batch = batch.owned(heads.embed.dtype)  # a copy: frames are read-only
+    try:
+        check_fit(batch, list(signal.target_layers), heads.spec.hidden_size, heads.spec.vocab_size)
+        if signal.distill > 0 and batch.final_hidden is None:
+            raise BatchMismatch(f"batch {batch.batch_id} has no final_hidden, which --distill-weight needs: start "
+                                "the producers with --final-hidden")
+    except BatchMismatch as e:
+        log.error("train.batch_mismatch", batch_id=batch.batch_id, error=str(e), layer_ids=batch.layer_ids,
+                  target_layers=list(signal.target_layers), width=int(batch.hidden.shape[1]))
+        return None, e
+    return batch, None
+
+
+def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
+    """Warn (once: returns True) when a batch contains the MASK token: the drafter cannot
+    tell that context token from a position to draft (drafter/mask_token.py)."""
+    plan = batch.plan
+    hits = plan.mask_hits if isinstance(plan, StepPlan) and plan.mask_hits is not None else \
+        mask_in_batch(batch.input_ids, signal.mask_token_id)
+    if hits:
+        log.warning("train.mask_in_data", step=step, rank=rank, batch_id=batch.batch_id,
+                    mask_token_id=signal.mask_token_id, tokens=hits, rule=(signal.mask_choice or {}).get("rule"),
+                    hint="choose another --mask-token-id: a row the data never contains")
+    return bool(hits)
