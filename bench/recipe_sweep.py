@@ -146,7 +146,7 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
             for e in range(epochs):
                 for b in bs:
                     yield replace(b, batch_id=f"{b.batch_id}-e{e}", epoch=e,
-                                  final_hidden=b.final_hidden if distill else None)
+                                  tensors={k: v for k, v in b.tensors.items() if distill or k != "final_hidden"})
 
         sync()
         t1 = time.monotonic()

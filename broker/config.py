@@ -201,14 +201,7 @@ class BrokerConfig:
 
     def check(self) -> None:
         """Raises ValueError with a one-line reason if the values cannot work together."""
-        lo, hi = self.data_out_ports
-        ports = [self.port, self.data_in_port, lo, hi]
-        if not all(0 < p < 65536 for p in ports):
-            raise ValueError(f"ports must lie in 1..65535, got {ports}")
-        if lo > hi:
-            raise ValueError(f"--data-out-ports {lo}-{hi}: first port above last")
-        if lo <= self.port <= hi or lo <= self.data_in_port <= hi or self.port == self.data_in_port:
-            raise ValueError("--port, --data-in-port and --data-out-ports must not overlap")
+        self._check_ports()
         if self.epochs < 1 or self.lease_size < 1 or self.queue_bytes < 1:
             raise ValueError("--epochs, --lease-size and --queue-bytes must be positive")
         if not 0 < self.max_message_bytes <= MAX_MESSAGE_BYTES:
@@ -227,6 +220,21 @@ class BrokerConfig:
             raise ValueError(f"--time-budget {self.time_budget}: must be a positive duration")
         if self.quarantine_after < 1:
             raise ValueError("--quarantine-after must be >= 1")
+        if not 0 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"--io-threads {self.io_threads}: use 1..{MAX_IO_THREADS} (0 = auto)")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
+            raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
+
+    def _check_ports(self) -> None:
+        """check()'s part for the ports and the data streams they carry."""
+        lo, hi = self.data_out_ports
+        ports = [self.port, self.data_in_port, lo, hi]
+        if not all(0 < p < 65536 for p in ports):
+            raise ValueError(f"ports must lie in 1..65535, got {ports}")
+        if lo > hi:
+            raise ValueError(f"--data-out-ports {lo}-{hi}: first port above last")
+        if lo <= self.port <= hi or lo <= self.data_in_port <= hi or self.port == self.data_in_port:
+            raise ValueError("--port, --data-in-port and --data-out-ports must not overlap")
         if self.metrics_port and (not 0 < self.metrics_port < 65536
                                   or self.metrics_port in (self.port, self.data_in_port)
                                   or lo <= self.metrics_port <= hi):
@@ -234,15 +242,11 @@ class BrokerConfig:
                              "outside the other ports (0 = off)")
         if not 0 <= self.lighthouse_port < 65536:
             raise ValueError(f"--lighthouse-port {self.lighthouse_port}: use 1..65535 (0 = any free port)")
-        if not 0 <= self.io_threads <= MAX_IO_THREADS:
-            raise ValueError(f"--io-threads {self.io_threads}: use 1..{MAX_IO_THREADS} (0 = auto)")
         if not 0 <= self.data_streams <= MAX_DATA_STREAMS:
             raise ValueError(f"--data-streams {self.data_streams}: use 1..{MAX_DATA_STREAMS} (0 = auto)")
         if self.data_streams > hi - lo + 1:
             raise ValueError(f"--data-streams {self.data_streams} needs that many ports per consumer; "
                              f"--data-out-ports {lo}-{hi} has {hi - lo + 1}")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.instance):
-            raise ValueError(f"--instance {self.instance!r}: use letters, digits, '.', '_', '-'")
 
     def ack_deadline(self, slowest_gap_s: float) -> float:
         """Seconds a consumer may hold delivered batches without an ack: --ack-timeout-s, or

@@ -14,7 +14,6 @@ import pytest
 from dflash.broker.inbound import Arrival
 from dflash.broker.phase import Phase
 from dflash.protocol import codec
-from dflash.protocol.messages import DATA
 from tests.harness.core_rig import RUN, Rig, codes, ledger_states, sent
 from tests.harness.fakes import batch_frames
 
@@ -30,8 +29,8 @@ def real_batch(producer: str, lease: int, samples: list[int], *, width: int = 8,
                           width=width)
     if ids_plus:  # token IDs moved past the vocabulary
         frames[1] = array("i", [x + ids_plus for x in array("i", frames[1])]).tobytes()
-    msg = codec.decode(frames, allowed=DATA, run=RUN, views=False)
-    return Arrival.read(msg.header, frames, msg.payload_bytes()), frames
+    header = codec.unpack_header(frames[0])
+    return Arrival.read(codec.decode_batch(frames, run=RUN, views=False, parsed=header), header, frames), frames
 
 
 def bad_rows(core) -> list[tuple]:
