@@ -1,12 +1,7 @@
 """What the broker core asks its server to do (the core decides, server.py does).
 
-The core holds no socket and no frame: its parts write what is to be done into one
-`Outbox`, and each entry point of the core returns what was written, in order, for the
-server to carry out. The server owns every socket (control, data in, each consumer's
-pipes by port) and the frames of every batch the core holds (by batch ID). Two actions
-need an answer, which the server gives the core as data: `OpenPipes` (the ports that
-bound, to `BrokerCore.on_pipes`), and relaying a batch (which pipe took it, to
-`BrokerCore.relayed`).
+Parts write into one `Outbox`; each entry point returns its actions in order. `OpenPipes` and a
+`Relay` are answered as data (`BrokerCore.on_pipes`, `BrokerCore.relayed`).
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ class Send:
 
 @dataclass(frozen=True)
 class Joining:
-    """A consumer's hello that passed every check but its pipes: what the core needs to
-    finish it once they are bound (the server hands it back untouched)."""
+    """A consumer's hello that passed every check but its pipes, handed back once they are bound."""
 
     identity: bytes
     hello: Hello
@@ -48,9 +42,7 @@ class Joining:
 
 @dataclass(frozen=True)
 class OpenPipes:
-    """Bind a joining consumer's data-out pipes: of `ports`, in order, the first
-    `len(threads)` that bind, the k-th on I/O thread `threads[k]` (an affinity mask); then
-    hand the ports that bound, in order, to `BrokerCore.on_pipes` with this action."""
+    """Bind the first `len(threads)` of `ports` that bind, the k-th on I/O thread `threads[k]`."""
 
     ports: tuple[int, ...]
     threads: tuple[int, ...]
@@ -83,10 +75,7 @@ Action = Send | OpenPipes | ClosePipes | DropFrames | Publish
 
 @dataclass(frozen=True)
 class Relay:
-    """Dispatch's pick (`BrokerCore.dispatch`, not an outbox action): send batch
-    `batch_id`'s frames to consumer `consumer` on the first of its pipes, on `ports` in
-    this order, that takes them now without blocking. The server answers
-    `BrokerCore.relayed` with the port that took them, or None."""
+    """Dispatch's pick (not an outbox action): send `batch_id`'s frames on the first of `ports` that takes them."""
 
     consumer: str
     batch_id: str

@@ -1,10 +1,5 @@
-"""dflash-broker's command line: the options of the frozen `BrokerConfig`'s fields (config.py
-declares each once), made into one (and the parent run a `--resume` names), then handed to
-broker_process.run. The server is imported only once the options are read, so that `--help`
-answers at once.
-
-    python -m dflash.broker.broker_command --epochs 6 --consumers 2
-"""
+"""dflash-broker's command line: `BrokerConfig`'s options made into one and handed to broker_process.run
+(the server is imported only after parsing, so `--help` answers at once)."""
 
 from __future__ import annotations
 
@@ -34,8 +29,7 @@ def main(**opts) -> None:
 
 
 def broker_config(opts: dict):
-    """(BrokerConfig, the resumed parent run or None) of the command's options; a bad option
-    exits 2 with a one-line reason naming it."""
+    """(BrokerConfig, the resumed parent or None); a bad option exits 2 with a one-line reason."""
     from dflash.protocol import curve
     from dflash.runtime.command_line import fail
 

@@ -1,26 +1,9 @@
-"""--time-budget: a run that ends when the user's time ends (docs/TRAINING.md "A recipe for
-a time budget").
+"""--time-budget: a run that ends when the user's time ends (docs/TRAINING.md "A recipe for a time budget").
 
-The budget counts from the broker's start. From the pace samples are trained at, the
-broker plans how many samples the run trains, in the same count as `samples.done` (trained,
-committed, skipped, quarantined and inherited samples):
-
-    planned = done + rate x (time left - reserve)
-
-never below what is leased already (a lease is not taken back: its samples will be
-trained), never above the dataset's epochs x samples (then the run ends as without a
-budget). The lease pool leases nothing past the plan, so end of stream comes when the plan
-is trained; consumers anneal their lr to min-lr over the plan (its heartbeat's
-`planned_samples`), so the last planned sample is trained at min-lr. The reserve leaves time
-for the end: the final checkpoint, its commit, the export.
-
-Until training has gone on for one re-plan period there is no pace to plan from
-(warm-up): consumers are told the dataset's plan, and the pool leases at most `lead`
-samples ahead of what is done (the leases the producers may hold open at once), so
-producers cannot fill the queue with more than the budget may train. A stall (no sample trained in the rate's window) plans nothing more:
-what is leased is trained when training resumes, and the status ETA is unknown.
-
-Pure arithmetic: every call takes `now` from its caller (the core's injected clock).
+planned = done + rate x (time left - reserve), never below what is leased (a lease is not taken
+back), never above the dataset; nothing is leased past the plan and consumers anneal their lr
+over it. Before a pace is known (warm-up) the pool leases at most `lead` ahead of what is done.
+Pure arithmetic: every call takes `now` from its caller.
 """
 
 from __future__ import annotations
@@ -32,8 +15,7 @@ from dataclasses import dataclass
 # Re-plan at most this often; a shorter budget re-plans every tenth of itself (at least 1 s).
 EVERY_MAX_S = 30.0
 EVERY_MIN_S = 1.0
-# The reserve for the end of the run (final checkpoint, commit, export, peers leaving):
-# a twentieth of the budget, within these bounds.
+# The reserve for the end (final checkpoint, commit, export): a twentieth of the budget, within these.
 RESERVE_MIN_S, RESERVE_MAX_S = 5.0, 120.0
 # The pace a plan is made from: samples trained over at least this long (or since the first)
 RATE_WINDOW_S = 60.0
@@ -42,8 +24,7 @@ _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\
 
 
 def parse_duration(text: str | float | int) -> float:
-    """'600', '600s', '10m', '1h30m', '1h2m3s' -> seconds. Raises ValueError saying what
-    forms are accepted."""
+    """'600', '600s', '10m', '1h30m', '1h2m3s' -> seconds; ValueError names the accepted forms."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
     else:
@@ -98,11 +79,9 @@ class Budget:
         self.count = 0  # samples trained so far, as last observed
         self.high = 0.0  # the schedule progress told so far (progress never falls)
         self.count_at_plan = 0  # `count` when the last plan was made
-        # samples.done and the dataset's epochs x samples, as last seen: a dataset trained
-        # before the deadline ends the run, and the schedule must end with it
+        # samples.done and the dataset's size: a dataset trained before the deadline ends the schedule too
         self.dataset_done, self.dataset_total = 0, 0
-        # (time, samples trained so far) about once a second: the rate is over RATE_WINDOW_S
-        # or more, so a burst of acks after a stall does not read as a fast pace
+        # (time, trained) about once a second: a burst of acks after a stall must not read as a fast pace
         self.marks: deque[tuple[float, int]] = deque()
 
     @property
@@ -110,13 +89,12 @@ class Budget:
         return self.last.planned_samples if self.last is not None else None
 
     def observe(self, now: float, trained: int) -> None:
-        """`trained`: samples trained so far (a count that never falls); the first one
-        starts the warm-up's clock."""
+        """`trained`: samples trained so far (never falls); the first one starts the warm-up's clock."""
         if self.first_trained_at is None:
             if trained <= 0:
                 return
             self.first_trained_at, self.next_at = now, now + self.every_s
-            # the first acks' samples are not in the pace: how long they took is not known
+            # the first acks are not in the pace: how long they took is not known
             self.marks.append((now, trained))
         if now - self.marks[-1][0] >= 1.0:
             self.marks.append((now, trained))
@@ -125,23 +103,19 @@ class Budget:
         self.count = trained
 
     def rate(self, now: float) -> float:
-        """Samples trained per second since the oldest mark (the window's start, or the
-        first sample trained); 0 before any."""
+        """Samples trained per second since the oldest mark; 0 before any."""
         if not self.marks or now <= self.marks[0][0]:
             return 0.0
         return max(0, self.count - self.marks[0][1]) / (now - self.marks[0][0])
 
     def due(self, now: float) -> bool:
-        """A re-plan is due; in the warm-up also once the reserve begins (training started too
-        late for a pace to be measured: the plan is then what is leased)."""
+        """A re-plan is due; in the warm-up also once the reserve begins (too late to measure a pace)."""
         if self.last is None and now >= self.deadline - self.reserve_s:
             return True
         return self.next_at is not None and now >= self.next_at
 
     def plan(self, now: float, *, done: int, leased: int, total: int, rate: float, reason: str | None = None) -> PlanFigures:
-        """Plan from `rate` samples/s: `done` samples so far, `leased` (done or leased: the
-        least the plan can be), `total` the dataset's epochs x samples. The next re-plan is
-        one period on."""
+        """Plan from `rate` samples/s; `leased` is the least the plan can be, `total` the most."""
         left = self.deadline - now
         room = max(0.0, left - self.reserve_s)
         rate = max(0.0, rate)
@@ -157,19 +131,14 @@ class Budget:
         return self.last
 
     def _share(self, t: float) -> float:
-        """The share of the training window gone at `t`: from the first sample trained to the
-        deadline less the reserve."""
+        """The share of the training window (first sample trained to deadline less reserve) gone at `t`."""
         window = self.deadline - self.reserve_s - self.first_trained_at
         return 1.0 if window <= 0 else min(1.0, max(0.0, (t - self.first_trained_at) / window))
 
     def progress(self, now: float) -> float:
-        """The consumers' schedule progress, 0..1 and never falling: the share of the
-        training window gone (0 before the first sample trained); once the last plan is made
-        (no re-plan is due before the window ends) at least that plan's share trained, so its
-        last sample is trained at progress 1 even if it comes early; and at least the share of
-        the dataset's epochs x samples done, for a run whose epochs end before its deadline.
-        Not samples over the plan all along: a plan made from an early, slower pace is trained long before the
-        deadline, which left the rest of a run at min-lr."""
+        """The consumers' schedule progress, 0..1, never falling: the share of the window gone, or more
+        once the last plan is made or the dataset nears its end (not samples over the plan: an early,
+        slow plan would leave the rest of the run at min-lr)."""
         if self.first_trained_at is None:
             return 0.0
         p = self._share(now)
@@ -184,8 +153,7 @@ class Budget:
         return self.high
 
     def lease_limit(self, done: int, lead: int) -> int | None:
-        """The most samples (in samples.done's count) that may be leased now: the plan, or
-        in the warm-up `lead` ahead of what is done."""
+        """The most samples that may be leased now: the plan, or in the warm-up `lead` ahead of done."""
         if self.last is not None:
             return self.last.planned_samples
         return done + max(1, lead)
@@ -195,8 +163,7 @@ class Budget:
         return self.last is not None and self.last.planned_samples >= total
 
     def eta_s(self, now: float, done: int, total: int | None, rate: float) -> float | None:
-        """Seconds until the plan is trained (the reserve after it not counted); None while
-        nothing is trained per second (stalled) or nothing is planned."""
+        """Seconds until the plan is trained; None when stalled or nothing is planned."""
         target = self.planned if self.planned is not None else total
         if target is None or rate <= 0:
             return None

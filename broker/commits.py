@@ -1,16 +1,9 @@
-"""The core's part for what training did (PROTOCOL.md 4.5): batches acked (trained, not yet
-committed), commits of exactly what a checkpoint's weights hold, acks that come after the
-commit that holds them, and lineages: a consumer that starts new weights sends what they do
-not hold back to be made again, and weights left behind are refused (lineage.py says which
-batches a lineage's weights hold).
+"""The core's part for what training did (PROTOCOL.md 4.5): acks, commits of exactly what a
+checkpoint's weights hold, late acks, and lineages (new weights send back what they do not hold).
 
-Who may commit (PROTOCOL.md 4.5 "Who may send commit"): a commit moves what it names to
-`committed` for good, so `refusal` checks it first: it must come from a consumer session
-that speaks for its lineage (started it with `lineage`, or acked naming it), for a step that
-session has acked (or started the lineage at), and name a finished checkpoint of that step
-and lineage where the broker can read the path (`checkpoint_problem`). The broker learns that
-it shares the consumers' filesystem from the first commit whose checkpoint it finds there
-(or the resumed commit's); from then on a path it cannot find is refused too.
+A commit is final, so `refusal` checks it first: it must come from a session that speaks for its
+lineage, for a step it acked, naming a finished checkpoint of that step where the broker can read
+it; once a checkpoint was found on this host, a path it cannot find is refused too.
 """
 
 from __future__ import annotations
@@ -42,10 +35,8 @@ MAX_CHECKPOINT_FILE = 1 << 20  # bytes of state.json / a safetensors header the 
 
 
 def checkpoint_problem(path: str, step: int, lineage: str) -> str | None:
-    """Why `path` on this host is not a finished checkpoint of `step` in `lineage`
-    (consumers/checkpoints/checkpoint.py: manifest.json written last, state.json's step,
-    trained.safetensors' lineage), or None. Only regular files are read, and only their
-    first MiB: a peer names this path."""
+    """Why `path` is not a finished checkpoint of `step` in `lineage`, or None; reads only the first MiB of
+    regular files, since a peer names this path."""
     p = Path(path)
     for name in ("manifest.json", "state.json"):
         try:
@@ -93,16 +84,14 @@ def _record_lineage(path: Path) -> str | None:
 class Commits:
     def __init__(self, run_id: str, ledger: Ledger, work: Work, shared_disk: bool = False):
         self.run_id, self.ledger, self.work = run_id, ledger, work
-        # True once a commit's checkpoint was found on this host: the consumers' checkpoints
-        # are on a filesystem the broker reads, so a commit naming a path it lacks is refused
+        # True once a checkpoint was found on this host: from then on a missing path is refused
         self.shared_disk = shared_disk
         self.lineages = Lineages()  # whose weights hold what
         self.trained: dict[str, TrainedBatch] = {}  # acked, not yet committed, by batch ID
         self.rate_samples = RateMeter(window_s=60.0)  # samples acked per second: the ETA
 
     def superseded(self, c: ConsumerSession, what: str, lineage: str, step: int) -> str | None:
-        """Why `c`'s ack or commit of (`lineage`, `step`) must be refused (its weights were
-        left behind by a newer lineage: its session ends), logged; else None."""
+        """Why `c`'s ack or commit must be refused (a newer lineage left its weights behind), else None."""
         kept = self.lineages.refused(lineage, step)
         if kept is None:
             return None
@@ -113,10 +102,8 @@ class Commits:
                 "longer the run's: start this consumer again (it joins the running ones)")
 
     def acked(self, c: ConsumerSession, batches: list[Queued], lineage: str, step: int, now: float) -> None:
-        """`c` trained `batches` at `step` of `lineage`'s weights; those a commit already holds
-        (another rank's ack after rank 0's commit) are committed at once. The step is what
-        `c` may commit up to (`refusal`): an ack of batches it was sent makes it a consumer of
-        `lineage`; then an ack with none (a rank that had no batch that step) moves it on too."""
+        """`c` trained `batches` at `step` of `lineage`; those a commit already holds are committed at once.
+        An ack of batches makes `c` speak for `lineage` up to `step`."""
         if batches or lineage in c.lineage_steps:
             _speaks_for(c, lineage, step)
         for q in batches:
@@ -130,9 +117,8 @@ class Commits:
                 self.commit_late(c, step, late, last)
 
     def commit_late(self, c: ConsumerSession, step: int, late: list[TrainedBatch], last: tuple[int, str]) -> None:
-        """An ack that comes after the commit whose checkpoint holds it (PROTOCOL.md 4.5: each
-        rank acks on its own connection): committed now, not at the next commit (a crash in
-        between would train them twice)."""
+        """An ack after the commit that holds it (ranks ack apart): committed now, or a crash before the
+        next commit would train them twice."""
         batches = [t.queued for t in late]
         n = self.ledger.committed_late(batches)
         for q in batches:
@@ -141,8 +127,7 @@ class Commits:
                  batch_ids=[q.batch_id for q in batches[:16]], samples=n, committed=self.ledger.counts["committed"])
 
     def refusal(self, c: ConsumerSession, m: Commit, lineage: str) -> tuple[str, str] | None:
-        """(why, reason) when `c` may not commit `m` (module docstring), else None. `why` is
-        one of not_lineage_consumer, ahead_of_acks, no_checkpoint, not_a_checkpoint."""
+        """(why, reason) when `c` may not commit `m` (module docstring), else None."""
         name = repr(lineage) if lineage else "\"\" (none named)"
         if lineage not in c.lineage_steps:
             return "not_lineage_consumer", (f"commit of lineage {name} from {c.id}, which neither started that lineage "
@@ -164,8 +149,7 @@ class Commits:
         return None
 
     def started_by(self, c: ConsumerSession, m: LineageStart) -> None:
-        """`c` announced lineage `m.lineage` (new, or again: each rank of a group does): it
-        may commit it from the step the lineage started at (as recorded, whatever `m` says)."""
+        """`c` announced lineage `m.lineage`: it may commit it from the step the lineage started at."""
         lineage = m.lineage[:MAX_LINEAGE]
         if self.lineages.known(lineage):
             _speaks_for(c, lineage, self.lineages.parent[lineage][1])
@@ -182,8 +166,7 @@ class Commits:
                  committed=self.ledger.counts["committed"], lineage=lineage or None, trained_left=len(self.trained))
 
     def stale_start(self, c: ConsumerSession, m: LineageStart) -> str | None:
-        """Why `c`'s new lineage cannot be the run's (its weights would miss the newest
-        commit: its session ends), logged as broker.lineage_stale; else None."""
+        """Why `c`'s new lineage cannot be the run's (its weights would miss the newest commit), else None."""
         lineage, parent, step = m.lineage[:MAX_LINEAGE], _parent(m), m.step
         last = self.ledger.last_commit
         if self.lineages.known(lineage) or last is None:
@@ -198,9 +181,8 @@ class Commits:
                 "(it then starts from the newest commit)")
 
     def start(self, c: ConsumerSession, m: LineageStart) -> int | None:
-        """A consumer starts a new lineage (fresh, or from a checkpoint): what was trained that
-        its weights do not hold goes back to the lease pool, to be made and trained again.
-        Returns the samples sent back, or None when the lineage was known already."""
+        """A consumer starts a new lineage: what its weights do not hold goes back to the lease pool.
+        Returns the samples sent back, or None for a known lineage."""
         lineage, parent, step = m.lineage[:MAX_LINEAGE], _parent(m), m.step
         if self.lineages.known(lineage):
             log.debug("broker.lineage_again", peer=c.id, lineage=lineage)

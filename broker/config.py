@@ -13,8 +13,7 @@ from dflash.runtime.command_line import log_level_setting, parse_bytes, runs_dir
 
 
 def __getattr__(name: str):
-    """The socket constants, imported when first asked for: the broker core (core.py) imports
-    this module and must not import ZeroMQ (tests and the CLI import them here)."""
+    """The socket constants, imported lazily: core.py imports this module and must not import ZeroMQ."""
     if name in ("AUTO_DATA_STREAMS", "AUTO_TWO_IO_CPUS", "usable_cpus"):
         from dflash.protocol import sockets
 
@@ -22,52 +21,34 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Credit a consumer may hold (PROTOCOL.md 4.5) and how many delivered-but-unacked
-# batches the broker keeps for one consumer: both bound what the broker holds in memory
-# for a consumer that takes batches and never acks them.
+# Credit a consumer may hold (PROTOCOL.md 4.5) and unacked batches kept for it: bounds on a consumer that never acks.
 MAX_CREDIT = 64
 MAX_UNACKED = 2 * MAX_CREDIT
 
 
 def data_in_frame_cap(max_message_bytes: int) -> int:
-    """ZMQ_MAXMSGSIZE of data in: twice --max-message-bytes, not the limit itself. libzmq
-    drops a frame over its cap by closing the connection, with nothing to say why (its
-    monitor's disconnect event is the same as a producer exiting, and the message is
-    gone), and the producer's PUSH reconnects unaware. Under the cap the broker reads the
-    header, so a batch over the limit is logged with its producer, size and limit and that
-    producer is told (intake.too_large); the cap stays a bound on what one frame can make
-    the broker allocate. Our ProducerLink never sends over the limit (it checks first)."""
+    """ZMQ_MAXMSGSIZE of data in: twice --max-message-bytes, since libzmq drops a frame over its cap
+    silently by closing the connection; under it the broker can read and refuse it, saying why."""
     return 2 * max_message_bytes
 
 
-# Control messages ZeroMQ may queue per connection, each way. Normal traffic is a few
-# small messages per second per peer; the bound is what a peer that floods (or never
-# reads its replies) can make the broker hold: RCVHWM x CONTROL_MAX_BYTES in, SNDHWM x
-# one reply out. A full in-pipe stops ZeroMQ reading that TCP connection: backpressure,
-# not loss.
+# Control messages queued per connection each way: bounds what a flooding peer makes the broker hold
+# (a full in-pipe stops ZeroMQ reading that connection: backpressure, not loss).
 CONTROL_RCVHWM = 100
 CONTROL_SNDHWM = 1000
-# Largest `hello.config` kept for a session (as JSON): sessions are bounded in number
-# (--max-peers) and each keeps its config, so each must be small.
+# Largest `hello.config` kept per session (as JSON): each of --max-peers sessions keeps one.
 MAX_HELLO_CONFIG_BYTES = 64 * 1024
-# Messages a producer's pipe may hold inside the broker's ZeroMQ before TCP pushes back.
-# Small because one message can be ~1 GiB: the broker's memory is the byte-bounded
-# queue plus at most this many messages per producer connection (--data-streams of them).
+# Messages a producer connection may hold inside ZeroMQ before TCP pushes back: small, as one can be ~1 GiB.
 DATA_IN_RCVHWM = 2
-# The relay copies every byte twice (TCP in, TCP out), and one ZeroMQ I/O thread doing
-# both saturates one core (docs/BENCHMARKS.md, transport). With two, data-in runs on
-# one thread and the consumers' pipes on the other(s) (ZMQ_AFFINITY). One consumer's
-# batches travel on one connection, so one thread; with several consumers their pipes
-# spread over the threads after the first, up to MAX_AUTO_OUT_THREADS of them, one per 8
-# usable cores (a thread never idle-spins: an unused one costs nothing).
+# The relay copies every byte twice, which saturates one I/O thread's core: data in and the
+# consumers' pipes get threads of their own (ZMQ_AFFINITY); an unused thread costs nothing.
 MAX_IO_THREADS = 16
 MAX_DATA_STREAMS = 8
 MAX_AUTO_OUT_THREADS = 4
 
 
 def auto_broker_io_threads(cpus: int) -> int:
-    """1 below AUTO_TWO_IO_CPUS cores (on 2 cores a second thread is slower: docs/BENCHMARKS.md), else the
-    first thread plus one per 8 cores for the consumers' pipes (at most MAX_AUTO_OUT_THREADS)."""
+    """1 below AUTO_TWO_IO_CPUS cores (a second thread is slower there), else 1 + one per 8 cores."""
     from dflash.protocol.sockets import AUTO_TWO_IO_CPUS
 
     if cpus < AUTO_TWO_IO_CPUS:
@@ -114,7 +95,6 @@ class BrokerConfig:
     runs_dir: str = runs_dir_setting()
     instance: str = setting("main", help="This broker's name: its log is runs/<run_id>/logs/broker-<instance>.jsonl.")
     epochs: int = setting(1, help="Passes over the dataset; each epoch has its own shuffled order.")
-    # seconds from the broker's start the run must end within (budget.py)
     time_budget: float | None = setting(
         None, type=Duration(), metavar="DURATION",
         help="End the run within this time from the broker's start (600, 600s, 10m, 1h30m): the broker plans the "
@@ -131,13 +111,11 @@ class BrokerConfig:
     heartbeat_s: float = setting(1.0, help="Seconds between heartbeats the broker sends and expects.")
     timeout_s: float = setting(
         10.0, help="A peer silent this long is declared lost and its work requeued (keep it above one batch transfer).")
-    # no ack this long while holding batches: lost (0 = auto, ack_deadline)
     ack_timeout_s: float = setting(
         0.0, help="A consumer holding delivered batches that acks none for this long is declared lost and its "
                   "batches requeued (it heartbeats, so --timeout-s does not catch it). 0: auto, the larger of 120 s, "
                   "12 x --timeout-s and 4 x that consumer's slowest gap between two acks.")
     lease_size: int = setting(256, help="Most samples handed to a producer per lease.")
-    # consumers that fail on one batch before it is quarantined (quarantine.py)
     quarantine_after: int = setting(
         2, help="A batch that this many consumers fail on (each reports it and leaves) is quarantined: its samples "
                 "are made again once, and set aside, counted by reason, if their new batch fails as well "
@@ -148,7 +126,6 @@ class BrokerConfig:
         0, help="Data-parallel ranks: consumers get ranks 0..N-1 in hello order (a lost rank's number goes to the "
                 "next to join). With N >= 2 and --elastic, N is the most at once and training goes on while at "
                 "least one is left. 0 = do not arrange ranks.")
-    # consumers (--consumers N >= 2) train elastically through a torchft lighthouse
     elastic: bool = setting(
         True, help="With --consumers N >= 2: run a torchft lighthouse so consumers train elastically (a dead one is "
                    "left out, a restarted one rejoins and is healed: docs/RELIABILITY.md section 8). --no-elastic: one "
@@ -177,7 +154,6 @@ class BrokerConfig:
              "in the run folder); WANDB_MODE=offline writes them locally only. Needs the wandb extra.")
     metrics_port: int = setting(0, help="Serve the status map as Prometheus text on http://BIND:PORT/metrics (0 = off).")
     log_level: str = log_level_setting()
-    # live sessions (producers + consumers): what a hello flood can make us hold
     max_peers: int = setting(
         256, help="Most live producer+consumer sessions; more hellos are refused ('full'). Bounds what a flood "
                   "of hellos can make the broker hold.")
@@ -249,10 +225,8 @@ class BrokerConfig:
                              f"--data-out-ports {lo}-{hi} has {hi - lo + 1}")
 
     def ack_deadline(self, slowest_gap_s: float) -> float:
-        """Seconds a consumer may hold delivered batches without an ack: --ack-timeout-s, or
-        auto: above the consumers' own waits (an elastic start waits up to 60 s for the
-        other ranks, a quorum 60 s, a first GPU step compiles for about a minute), scaled
-        with --timeout-s, and never below 4 of that consumer's slowest steps so far."""
+        """Seconds a consumer may hold batches without an ack: --ack-timeout-s, or auto: above the
+        consumers' own waits (rank start, quorum, first compile), and 4 of its slowest steps."""
         if self.ack_timeout_s:
             return self.ack_timeout_s
         return max(120.0, 12 * self.timeout_s, 4 * slowest_gap_s)
@@ -264,9 +238,7 @@ class BrokerConfig:
         return self.io_threads or auto_broker_io_threads(usable_cpus())
 
     def stream_count(self, threads: int) -> int:
-        """--data-streams, or auto: one per I/O thread the broker has for that direction
-        (batches in, or the consumers' pipes), at most AUTO_DATA_STREAMS; one where there is
-        a single thread (a second stream would only take turns on it)."""
+        """--data-streams, or auto: one per I/O thread of that direction, at most AUTO_DATA_STREAMS."""
         from dflash.protocol.sockets import AUTO_DATA_STREAMS
 
         return self.data_streams or max(1, min(AUTO_DATA_STREAMS, threads))

@@ -1,24 +1,8 @@
-"""The broker's state machine without sockets (as vLLM's EngineCore beside EngineCoreProc).
+"""The broker's state machine without sockets: `BrokerCore` and what a message means across its parts.
 
-`BrokerCore` holds the run as a few parts, each the owner of its rules:
-
-- sessions.py `Sessions`: who is connected (hello, welcome, pipes, ranks, heartbeats, who
-  went silent or stopped acking);
-- work.py `Work` and intake.py `Intake`: work leases and the batches that come back for them;
-- delivery.py `Delivery`: the shared queue, dispatch by credit, acks, requeues, quarantine;
-- commits.py `Commits`: what was trained and what a checkpoint commits (lineages);
-- facts.py `RunFacts`: the run's target and dataset; phase.py `Lifecycle`: how the run ends;
-- status.py `StatusMap`: the status map, progress lines and the broker's heartbeat figures.
-
-Each entry point takes one typed message (protocol/messages.py, or inbound.py's `Unreadable`,
-`Arrival` and `BadBatch`) and `now`, the server's monotonic clock: no part reads a clock of its own,
-so tests drive the core with an injected one (tests/broker/test_core.py). Parts write what
-is to be done into one outbox (actions.py); each entry point returns those actions for the
-server (server.py) to carry out. The core holds no socket and no frame: it names a
-consumer's pipes by port and a batch by its ID, and what the server did comes back as data
-(the ports that bound, `on_pipes`; the pipe that took a batch, `relayed`). Only the core
-knows every part: it does what a message means across them (a session that ends gives back
-its leases or batches).
+Each entry point takes one typed message and `now` (the server's clock, so tests inject one) and
+returns the actions (actions.py) its parts decided for server.py to carry out; the core names pipes
+by port and batches by ID, never holding a socket or a frame.
 """
 
 from __future__ import annotations
@@ -54,8 +38,7 @@ from .work import Work
 
 log = get_logger()
 
-# Timers run at most this often. At thousands of small batches a second the loop turns
-# once per message, and the timer checks would cost as much as the message itself.
+# Timers run at most this often: the loop turns once per message, and checking them each time costs as much.
 TICK_S = 0.005
 
 UNKNOWN_PEER = ("this connection has no live session (never said hello, was declared lost, or its connection was "
@@ -64,9 +47,7 @@ UNKNOWN_PEER = ("this connection has no live session (never said hello, was decl
 
 
 def entry(fn):
-    """An entry point: returns the actions its parts decided. If it raises (the server logs
-    broker.internal_error), what it decided goes out with the next entry's actions, as the
-    old loop had sent it before the error."""
+    """An entry point: returns the actions its parts decided (after a raise, with the next entry's)."""
 
     @functools.wraps(fn)
     def run(self, *args, **kwargs) -> list[Action]:
@@ -80,10 +61,7 @@ class BrokerCore:
     def __init__(self, cfg: BrokerConfig, run_id: str, run_dir: Path, hostname: str, *, now: float, wall: float,
                  parent: Parent | None = None, pipe_threads: list[int] | None = None, streams: int = 1,
                  producer_streams: int = 1):
-        """`now` and `wall`: the monotonic and the wall clock at this moment; `pipe_threads`
-        are the I/O threads (affinity masks) a consumer's pipes may take; `streams` pipes per
-        consumer, `producer_streams` connections per producer; `parent` the run this one
-        resumes (resume.py)."""
+        """`now`/`wall`: monotonic and wall clock; `pipe_threads`: I/O threads a consumer's pipes may take."""
         self.cfg, self.run_id, self.run_dir = cfg, run_id, Path(run_dir)
         advertise = cfg.host_to_advertise(hostname)
         self.endpoints = endpoints(cfg, advertise)
@@ -103,7 +81,6 @@ class BrokerCore:
         self.delivery = Delivery(cfg.queue_bytes, ledger, self.work, self.poison, self.replies, self.out, now)
         self.intake = Intake(cfg, self.facts, self.work, self.delivery, ledger, self.poison, self.replies, self.out)
         resumed = (parent.resumed_from or {}).get("checkpoint") if parent is not None else None
-        # a resumed run whose newest commit is on this host's disk: its checkpoints are readable here
         self.commits = Commits(run_id, ledger, self.work,
                                shared_disk=isinstance(resumed, str) and Path(resumed).is_absolute()
                                and Path(resumed).is_dir())
@@ -116,7 +93,6 @@ class BrokerCore:
         self.last_tick = now
         self.beat, self.progress = Every(cfg.heartbeat_s, now), Every(cfg.progress_s, now)
         self.publish_status = bool(cfg.metrics_port)  # the --metrics-port endpoint wants the map
-        # --time-budget: the plan of samples to train by the deadline (budget.py)
         self.budget = Budget(cfg.time_budget, now) if cfg.time_budget else None
         self.status.budget = self.budget
 
@@ -129,7 +105,7 @@ class BrokerCore:
 
     @property
     def reading(self) -> bool:
-        """Whether the queue has room, so that data in is read (a full broker stops reading)."""
+        """Whether the queue has room: a full broker stops reading data in."""
         return self.delivery.queue.has_room()
 
     @property
@@ -194,15 +170,13 @@ class BrokerCore:
 
     @entry
     def on_hello(self, identity: bytes, m: Hello, now: float, key: str | None = None) -> None:
-        """`key`: the authorised Curve key's name this connection used (None without Curve).
-        A consumer's hello that passes its checks returns `OpenPipes`: it goes on in `on_pipes`."""
+        """`key`: the Curve key's name (None without Curve); a consumer's hello goes on in `on_pipes`."""
         self.sessions.heard(identity, m.type, now)
         self.sessions.hello(identity, m, key, now)
 
     @entry
     def on_pipes(self, opened: OpenPipes, ports: list[int]) -> None:
-        """The server carried out `opened`: `ports` are those that bound, in order (the
-        consumer's hello is welcomed, or refused `full` and those ports closed again)."""
+        """The server carried out `opened`: `ports` are those that bound, in order."""
         self.sessions.pipes_bound(opened.joining, opened.threads, ports)
 
     @entry
@@ -294,8 +268,7 @@ class BrokerCore:
 
     @entry
     def on_failed(self, identity: bytes, m: Failed, now: float) -> None:
-        """A peer stops on an error and says why before its `bye` (PROTOCOL.md 4.2); a
-        consumer's `bad_batch` counts against that batch (delivery.failed_on)."""
+        """A peer stops on an error (PROTOCOL.md 4.2); a consumer's `bad_batch` counts against that batch."""
         p = self._session(identity, m, now)
         if p is None:
             return
@@ -308,9 +281,7 @@ class BrokerCore:
             log.warning("broker.peer_failed", **p.describe(), **failure.fields(), **batch)
 
     def _session(self, identity: bytes, m: Message, now: float, role: type[Session] = Session):
-        """The live session that sent `m` (any message counts as a sign of life), if it may
-        send it; else the sender is refused (`unknown_peer`, or `bad_message` for a message
-        of the other role) and None is returned."""
+        """The live session that sent `m` if it may send it; else the sender is refused and None returned."""
         p = self.sessions.heard(identity, m.type, now)
         if p is None:
             self.replies.refuse(identity, "unknown_peer", UNKNOWN_PEER, m.raw, now)
@@ -336,13 +307,11 @@ class BrokerCore:
         self.replies.log_bad("data_in", bad.sender, bad.reason, now, **connection_fields(bad.conn))
 
     def dispatch(self, now: float) -> Relay | None:
-        """Start a round of dispatch (PROTOCOL.md 4.5): the first queued batch to relay to a
-        consumer with credit, or None. The server answers each with `relayed`."""
+        """The first queued batch to relay to a consumer with credit (PROTOCOL.md 4.5), or None."""
         return self.delivery.dispatch(self.sessions.table.consumers(), now, draining=self.life.phase is Phase.DRAINING)
 
     def relayed(self, relay: Relay, port: int | None, now: float) -> Relay | None:
-        """`relay` went out on the consumer's pipe on `port` (None: no pipe of it could take
-        it now, so it stays queued); returns the next batch to relay, or None."""
+        """`relay` went out on `port` (None: no pipe took it, it stays queued); returns the next, or None."""
         return self.delivery.relayed(relay, port, now)
 
     # ------------------------------------------------------------ time and signals
@@ -358,7 +327,6 @@ class BrokerCore:
             return
         if life.signal is not None and (life.phase in (Phase.RUNNING, Phase.JOB_LOST)
                                         or (life.phase is Phase.ENDING and life.signals > 1)):
-            # (a first signal during end of stream changes nothing: the run is ending anyway)
             self._shutdown(f"signal {life.signal}", now)
         if life.phase is Phase.DRAINING and self._drained(now):
             return
@@ -404,10 +372,8 @@ class BrokerCore:
         self.sessions.log_gone(p, silent_s)
 
     def _current_consumer(self, identity: bytes, m: Ack | Commit, now: float) -> tuple[ConsumerSession, str] | None:
-        """The consumer that sent an ack or commit, and the lineage it speaks for; None when
-        the sender may not send it (refused by _session), or when newer weights left its
-        lineage behind: then it is refused and its session ends (its batches in flight go back
-        to the queue)."""
+        """The consumer that sent an ack or commit and its lineage; None when refused (a superseded
+        lineage also ends the session)."""
         c = self._session(identity, m, now, ConsumerSession)
         if c is None:
             return None
@@ -420,12 +386,8 @@ class BrokerCore:
         return None
 
     def _check_job(self, c: ConsumerSession, state: str, reason: str) -> None:
-        """The last consumer is gone before end of stream while samples are trained and not
-        committed: those lived only in the weights that went with the job. This run cannot
-        make them again (their batches are gone once acked), so consumers joining it now would
-        skip them; they are refused (`job_lost`) and the run must be resumed, which makes again
-        everything not committed. After a clean stop (everything committed) consumers may join
-        and start from the newest commit (sessions.welcome)."""
+        """The last consumer left with trained, uncommitted samples: they lived only in its weights and
+        their batches are gone, so the run refuses joiners (`job_lost`) until it is resumed."""
         trained, life = self.ledger.counts["trained"], self.life
         if life.phase is Phase.RUNNING and life.job_lost is None and trained > 0 and not self.sessions.table.consumers():
             life.job_lost = JobLost(c.id, state, reason, trained)
@@ -437,15 +399,13 @@ class BrokerCore:
     # ------------------------------------------------------------ the time budget
 
     def _budget_plan(self, now: float) -> None:
-        """--time-budget (budget.py): re-plan when due, or when everything planned is trained
-        before the deadline (so the run is not ended by a plan the pace has outgrown); the
-        lease pool leases nothing past the plan."""
+        """--time-budget: re-plan when due or when the plan is trained early; nothing is leased past it."""
         budget, pool = self.budget, self.work.pool
         if budget is None or not pool.known or self.life.phase not in (Phase.RUNNING, Phase.JOB_LOST):
             return
         c = self.ledger.counts
         inherited = c.get("inherited", 0)
-        budget.observe(now, self.commits.rate_samples.total)  # samples acked so far
+        budget.observe(now, self.commits.rate_samples.total)
         done = c["trained"] + c["committed"] + c["skipped"] + c["quarantined"] + inherited
         budget.dataset_done, budget.dataset_total = done, pool.n_samples * self.cfg.epochs
         drained = (budget.last is not None and pool.finished() and pool.capped and not self.delivery.queue
@@ -476,7 +436,6 @@ class BrokerCore:
                 life.phase = Phase.ENDING
         elif life.phase is Phase.ENDING and not any(pid in table.by_id for pid in life.end.told):
             self.ledger.flush()
-            # `nothing_to_train` when it trained nothing
             outcome, why = runinfo.end_of_stream_outcome(self.ledger, self.work.pool)
             log.info("broker.stop", reason="end_of_stream", outcome=outcome)
             life.finish(outcome, why)
@@ -489,13 +448,8 @@ class BrokerCore:
             self.out.send(p.identity, Stop(reason))
 
     def _shutdown(self, cause: str, now: float) -> None:
-        """SIGINT/SIGTERM: tell every live peer to stop, then drain (PROTOCOL.md 4.6).
-
-        Consumers answer `stop {shutdown}` by finishing their step, writing a checkpoint
-        and committing it: the broker must still be here to record that commit, or the
-        samples trained since the last one are made and trained again after resume. So it
-        keeps serving acks, commits and byes (sending no batch, granting no lease) until
-        every peer has left or was lost, at most --drain-s; a second signal ends the wait."""
+        """SIGINT/SIGTERM: tell peers to stop, then drain (PROTOCOL.md 4.6): consumers commit a checkpoint
+        on stop, so serve acks and commits until all left, --drain-s passed or a second signal came."""
         self._stop_all("shutdown")
         end = self.life.end
         end.deadline, end.cause = now + self.cfg.drain_s, cause
@@ -518,8 +472,7 @@ class BrokerCore:
 
     @entry
     def close(self) -> None:
-        """The broker stops: every consumer's pipes close (the actions returned), and the
-        ledger is written and closed."""
+        """The broker stops: every consumer's pipes close and the ledger is written and closed."""
         self.sessions.close_pipes()
         self.ledger.close()
 

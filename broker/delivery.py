@@ -1,9 +1,5 @@
-"""The core's part for batches between intake and training (PROTOCOL.md 4.5): the shared
-queue, dispatch by credit, acks that free what consumers trained, a lost consumer's batches
-requeued, and a batch consumers keep failing on quarantined (quarantine.py's rule).
-
-The queue and the dispatch rule are dispatch.py's; this part adds the ledger rows, the
-rates the status map shows, and what a consumer session counts of its batches.
+"""The core's part for batches between intake and training (PROTOCOL.md 4.5): dispatch by credit,
+acks, a lost consumer's batches requeued, and quarantine; dispatch.py keeps the queue and the rule.
 """
 
 from __future__ import annotations
@@ -46,9 +42,7 @@ class Delivery:
         c.credit = min(MAX_CREDIT, c.credit + n)
 
     def dispatch(self, consumers: list[ConsumerSession], now: float, draining: bool) -> Relay | None:
-        """Start a round of dispatch by credit (dispatch.Round): the first batch to relay, or
-        None (none while `draining`: stopping consumers train nothing more, the batches stay
-        here). The server answers each with `relayed`."""
+        """Start a round of dispatch: the first batch to relay, or None (always while `draining`)."""
         self.pick = None
         if draining:
             self.round, self.blocked = None, False
@@ -57,9 +51,7 @@ class Delivery:
         return self.next_pick(now)
 
     def relayed(self, relay: Relay, port: int | None, now: float) -> Relay | None:
-        """The server's answer to `relay`, the pick in hand: the port whose pipe took the
-        batch, or None (none could now: that consumer sits out the round). Returns the next
-        batch to relay, or None when the round is over."""
+        """The port that took `relay` (None: that consumer sits the round out); returns the next, or None."""
         if self.pick is None or self.pick[0] is not relay:
             raise ValueError(f"{relay} is not the batch this round picked")
         _, c, q = self.pick
@@ -84,7 +76,6 @@ class Delivery:
             return self.pick[0]
         queue, consumers = self.queue, self.round.consumers
         self.round = self.pick = None
-        # Batches left while a consumer wants one: its pipe refused (not connected yet).
         self.blocked = bool(queue) and any(wants_batch(c) for c in consumers)
         for c in consumers:  # how long a consumer has had credit and no batch
             hungry = c.credit > 0 and not queue
@@ -94,8 +85,7 @@ class Delivery:
         return None
 
     def acked(self, c: ConsumerSession, batch_ids: list, step: int, now: float) -> list[Queued]:
-        """The batches of `batch_ids` that `c` held: no longer the broker's to hold or send
-        (the server lets their frames go). An ID it does not hold is logged (broker.ack_unknown)."""
+        """The batches of `batch_ids` that `c` held, let go; an ID it does not hold is logged."""
         unknown, trained = [], []
         for bid in batch_ids:
             q = c.in_flight.pop(bid, None) if isinstance(bid, str) else None
@@ -126,9 +116,8 @@ class Delivery:
         return ConsumerHeld(len(back), [x.batch_id for x in back[:16]], c.credit, c.delivered, c.acked, c.rank)
 
     def failed_on(self, c: ConsumerSession, batch_id: str, fault: str, reason: str) -> dict:
-        """Consumer `c` reports that it cannot train `batch_id` (and is leaving): count it
-        against the batch, and quarantine the batch once `--quarantine-after` consumers have.
-        Returns what the log line says of it: `batch_held`, `batch_failures`, `quarantined`."""
+        """`c` cannot train `batch_id`: count it against the batch, quarantined after --quarantine-after
+        consumers. Returns the log line's fields."""
         q = c.in_flight.get(batch_id)
         if q is None:  # not delivered to this consumer, or acked: nothing to count against
             return {"batch_held": False}

@@ -1,20 +1,9 @@
 """What limits the run's throughput now, in one line, and what to do about it.
 
-`diagnose(status)` is a pure function of the status map (docs/LOGS.md, docs/STATUS.md):
-the broker fills `status.diagnosis` with it, tests feed it hand-written maps. Checks run
-most urgent first and the first that fires wins: the run is stopping, the training job is
-lost, a peer stopped on an error (and said why), a peer was lost, a role has nobody, an OOM
-backoff, an idle GPU with work waiting, then the balance between targets (producers) and
-drafters (consumers), where starved drafters may be the leases' doing, not the targets'.
-In the field (docs/DESIGN.md incident 6) throughput fell to a quarter with two drafter GPUs
-idle and nothing said why; this is the line that says why.
-
-Balance: the queue tells which side waits. Drafters with credit and an empty queue wait
-for targets; a full queue (producers blocked on send) waits for drafters, and a queue
-that grows while no drafter waits soon will. A side that waits a fraction w of the time
-could go 1/(1-w) times faster, so its capacity is its measured rate / (1-w); the
-suggestion moves whole GPUs between the sides to maximise min(targets' supply, drafters'
-demand), assuming the GPUs are alike.
+`diagnose(status)` is a pure function of the status map (docs/STATUS.md); checks run most urgent
+first and the first that fires wins, ending with the balance between targets and drafters. A side
+waiting a fraction w of the time could go 1/(1-w) times faster; the suggestion moves whole GPUs to
+maximise min(targets' supply, drafters' demand).
 """
 
 from __future__ import annotations
@@ -39,30 +28,22 @@ def diagnose(st: dict) -> dict:
     raise AssertionError("_balance always answers")
 
 
-# A bottleneck must hold this long before it replaces the one reported: on a shared GPU the
-# balance codes flapped between five codes in three minutes. The broker holds for HOLD_TICKS
-# of its --progress-s ticks (30 s by default). Only changes between bottlenecks wait; the
-# run's phases and alarms (starting, a lost peer, an OOM, stopping...) are said at once.
+# A new bottleneck must hold this long (HOLD_TICKS --progress-s ticks) before it replaces the one
+# reported, or balance codes flap; phases and alarms are said at once.
 HOLD_TICKS = 3
 HOLD_S = 30.0
 HELD = frozenset({"balanced", "drafters_starved", "lease_starved", "targets_backed_up", "queue_growing", "gpu_idle"})
 
 
 class Steady:
-    """The diagnosis with hysteresis: `update(d, now)` returns the one to report. A new code
-    is reported once it has been diagnosed for `hold_s` without a break (a change to or
-    from a code outside HELD, and the first diagnosis, at once); until then the previous report stands, with `pending`
-    {code, for_s} saying what is coming. While the code stays, its text is the newest. The
-    hold runs from when the reported code stopped being diagnosed, whichever codes came
-    since, so a report outlives its situation by at most `hold_s`."""
+    """The diagnosis with hysteresis: a HELD code replaces the report after `hold_s` (the old one
+    stands meanwhile, with `pending`), so a report outlives its situation by at most `hold_s`."""
 
     def __init__(self, hold_s: float = HOLD_S):
         self.hold_s = hold_s
         self.reported: dict | None = None
-        # when the reported code was last not diagnosed after being so: the hold runs from
-        # there, whatever came instead. Timed per new code, two codes taking turns (a queue
-        # emptied, drafters now starved, now balanced) reset it at each turn, and a report of
-        # "queue full (59 batches)" stood for minutes over an empty queue.
+        # since when the reported code is no longer diagnosed (timed per new code, codes taking turns
+        # would reset it and a stale report would stand)
         self.absent_since: float | None = None
 
     def update(self, d: dict, now: float) -> dict:
@@ -96,8 +77,7 @@ def _stopping(st: dict) -> dict | None:
 
 
 def _job_lost(st: dict) -> dict | None:
-    """The training job died with uncommitted work: the run cannot go on (a restarted
-    consumer is refused), so no "restart it", only the resume."""
+    """The training job died with uncommitted work: only a resume helps, not a restart."""
     lost = st.get("job_lost")
     if not isinstance(lost, dict) or (st.get("broker") or {}).get("state") == "stopping":
         return None
@@ -108,8 +88,7 @@ def _job_lost(st: dict) -> dict | None:
 
 
 def _remake_waits(st: dict) -> dict | None:
-    """Samples of quarantined batches wait to be made again and no target is connected:
-    the run cannot finish until one is started, whatever else went wrong before."""
+    """Quarantined batches' samples wait to be remade and no target is connected to make them."""
     s, bad = st.get("samples") or {}, (st.get("bad_batches") or {}).get("quarantined") or {}
     remade = sum(_num(row.get("remade"), 0) for row in bad.values() if isinstance(row, dict))
     pending = int(_num(s.get("pending"), 0))
@@ -121,9 +100,8 @@ def _remake_waits(st: dict) -> dict | None:
 
 
 def _failed(st: dict) -> dict | None:
-    """A peer that stopped on an error and said why (its `failed`, or the broker refused its
-    batch), not made up for by a newer peer of its role: its cause and fix, not "start one".
-    Said while recent, and for as long as its role has no live peer at all (the run waits)."""
+    """A peer that stopped on an error and said why, not replaced: its cause and fix. Said while
+    recent, or while its role has no live peer."""
     peers = st.get("peers") or []
     failed = [g for g in st.get("gone") or [] if isinstance(g.get("failure"), dict)
               and (_num(g.get("ago_s"), 0.0) <= RECENT_LOSS_S or not _live(st, g.get("role")))]
@@ -167,9 +145,7 @@ def _lost(st: dict) -> dict | None:
 
 
 def _not_replaced(lost: list[dict], peers: list[dict]) -> list[dict]:
-    """The losses no live peer has made up for: a peer of the same role under the same
-    name, or one that connected after the loss (a restarted peer has a new default name,
-    <host>-<device>-<pid>). Each newcomer makes up for one loss, the latest first."""
+    """Losses no live peer made up for (same role and name, or each newcomer since for one loss)."""
     newcomers = {role: sorted(_num(p.get("connected_s"), float("inf")) for p in peers if p.get("role") == role)
                  for role in {g.get("role") for g in lost}}
     names = {(p.get("role"), p.get("instance")) for p in peers}
@@ -240,8 +216,7 @@ def _idle(st: dict) -> dict | None:
 
 
 def _idle_with_work(p: dict, q: dict) -> bool:
-    """Idle although work is there for it (an idle GPU waiting for the other side is
-    the balance's business, not this check's)."""
+    """Idle although work is there for it (waiting on the other side is the balance's business)."""
     util = p.get("gpu_util")
     if p.get("role") == "consumer":
         if p.get("waiting_s") is not None or p.get("state") == "stopping":
@@ -257,9 +232,7 @@ def _balance(st: dict) -> dict:
     d = _balance_of(st)
     shared = _shared_gpus(st)
     if shared and d["code"] != "starting":
-        # Targets and drafters on one GPU take turns on it: each side's rate is its share of
-        # that GPU, and its waits are the other's turns, so "add drafter GPUs" or "move a GPU"
-        # misreads them. What applies is a GPU of its own for one side.
+        # sides sharing a GPU take turns, so their rates and waits are shares of it: moving GPUs misreads them
         where = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
         d = {**d, "suggestion": (f"targets and drafters share GPU {where}: they take turns on it, so their rates "
                                  "and waits are shares of one GPU, not what either side could do; give one side "
@@ -268,8 +241,7 @@ def _balance(st: dict) -> dict:
 
 
 def _shared_gpus(st: dict) -> list[str]:
-    """'host:gpu' of every GPU that a live producer and a live consumer both name (their
-    hello's host and gpu)."""
+    """'host:gpu' of every GPU that a live producer and a live consumer both name."""
     def gpus(role: str) -> set[tuple[str, int]]:
         return {(str(p.get("host")), p["gpu"]) for p in _live(st, role)
                 if isinstance(p.get("gpu"), int) and not isinstance(p.get("gpu"), bool)}
@@ -298,8 +270,7 @@ def _balance_of(st: dict) -> dict:
                 f"{waiting} of {len(cons)} drafters waiting now ({wait:.0%} of the last 10 s); "
                 f"targets make {_tok(supply)}")
         return result("drafters_starved", text, _suggest(len(prod), p_cap, len(cons), c_cap, "targets", _gpus(st)), "targets")
-    # "queue full" only of a queue that holds batches now: full_frac is the last 10 s, and a
-    # queue the drafters emptied since is not backing targets up
+    # full_frac is the last 10 s: a queue emptied since is not backing targets up
     if q.get("reading") is False or (full >= WAITS and q.get("batches")):
         text = (f"drafters limit throughput: targets backed up, queue full ({q.get('batches', 0)} batches, "
                 f"oldest {_dur(q.get('oldest_age_s'))}), targets blocked on send {full:.0%} of the last 10 s, "
@@ -317,8 +288,7 @@ def _balance_of(st: dict) -> dict:
 
 
 def _lease_starved(st: dict, prod: list[dict]) -> dict | None:
-    """Drafters wait and some targets hold no lease while nothing is left to lease: the work
-    left is leased to the others, so more targets (or cores) would find none either."""
+    """Drafters wait and idle targets find nothing left to lease: more targets would not help."""
     s = st.get("samples") or {}
     idle = [p for p in prod if p.get("leases_open") == 0]
     if not idle or s.get("pending") != 0 or not s.get("leased"):
@@ -337,9 +307,8 @@ def _lease_starved(st: dict, prod: list[dict]) -> dict | None:
 
 
 def best_move(n_targets: int, target_rate: float, n_drafters: int, drafter_rate: float) -> tuple[int, float, float]:
-    """GPUs to move from targets to drafters (negative: the other way) maximising the
-    pipeline's rate min(targets' supply, drafters' demand), GPUs alike, at least one of
-    each kept; returns (k, rate now, rate after). Ties go to the smaller move."""
+    """(k, rate now, rate after): k GPUs to move from targets to drafters (negative: back) maximising
+    min(supply, demand), keeping one of each; ties go to the smaller move."""
     def rate(k: int) -> float:
         return min((n_targets - k) * target_rate, (n_drafters + k) * drafter_rate)
 
@@ -377,8 +346,7 @@ def _wait(c: dict) -> float:
 
 
 def _straggler(cons: list[dict]) -> str:
-    """"; slowest drafter c2 (gpu6) at 0.4 Ktok/s (the others' median 2.1 Ktok/s)" when
-    one lags: in data-parallel training every rank waits for the slowest each step."""
+    """The slowest drafter when it lags: in data-parallel training every rank waits for it."""
     if len(cons) < 2:
         return ""
     by_rate = sorted(cons, key=lambda c: _num(c.get("tokens_per_s"), 0.0))

@@ -1,10 +1,7 @@
 """Demand-driven dispatch: one shared queue bounded in bytes, credit per consumer.
 
-The rule (PROTOCOL.md 4.5, 5): a batch goes to a consumer only against its credit; when
-several consumers have credit, the one served least recently gets the oldest batch; a
-batch returned by a lost consumer goes back to the front. This is what fixes the field's
-static round-robin assignment (docs/DESIGN.md incident 1): a slow consumer never holds
-batches it has not asked for, so a fast one never waits behind it.
+A batch goes only against credit, to the consumer served least recently (PROTOCOL.md 4.5), so a
+slow consumer never holds batches it did not ask for and a fast one never waits behind it.
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ from .config import MAX_UNACKED
 
 @dataclass(eq=False)
 class Queued:
-    """A validated batch the broker holds (queued, or delivered and not yet acked): the batch
-    as it came (its typed header and its frames, relayed as they are) and, beside it, the
-    broker's own bookkeeping."""
+    """A validated batch the broker holds (queued, or delivered and not yet acked), with its bookkeeping."""
 
     batch: Batch
     nbytes: int  # header and tensor frames: what the queue's byte bound counts
@@ -46,12 +41,8 @@ class Consumer(Protocol):
 
 
 class BatchQueue:
-    """FIFO of batches, bounded in bytes: `has_room` is what the loop polls data-in on.
-
-    The bound covers every batch the broker holds: queued (`bytes`) and delivered but not
-    yet acked (`in_flight_bytes`, kept for redelivery). Otherwise consumers that take
-    batches and never ack would let the broker hold far more than `capacity`.
-    """
+    """FIFO of batches bounded in bytes, in flight included (or consumers that never ack would let the
+    broker hold far more than `capacity`); the loop reads data in while `has_room`."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
@@ -63,8 +54,7 @@ class BatchQueue:
         return len(self._q)
 
     def has_room(self) -> bool:
-        # Room for the next read: one message may overshoot by its own size, never more,
-        # because the loop stops reading data-in as soon as this turns False.
+        # one message may overshoot by its own size: the loop stops reading as soon as this is False
         return self.bytes + self.in_flight_bytes < self.capacity
 
     def push(self, b: Queued) -> None:
@@ -100,7 +90,6 @@ class BatchQueue:
     def oldest_age(self, now: float) -> float:
         if not self._q:
             return 0.0
-        # The head is the oldest: new batches go to the back, returned (older) ones to the front.
         return now - self._q[0].queued_at
 
 
@@ -112,15 +101,8 @@ def wants_batch(c: Consumer) -> bool:
 
 
 class Round:
-    """One round of dispatch: queued batches handed out against credit.
-
-    `offer()` names the next pair: of the consumers that want a batch, the one served
-    least recently, and the batch at the head of the queue. The server tries a
-    non-blocking send to that consumer's pipes; `took` records that one did (the batch is
-    that consumer's, in flight), `refused` that none could take it now (not connected yet,
-    or full): the batch stays at the head of the queue and that consumer sits out the
-    round. The round ends when the queue is empty or nobody wants a batch.
-    """
+    """One round of dispatch: `offer()` pairs the least recently served consumer with the head batch;
+    `took` records the send, `refused` keeps the batch at the head and that consumer sits the round out."""
 
     def __init__(self, queue: BatchQueue, consumers: Iterable[Consumer]):
         self.queue, self.consumers = queue, list(consumers)

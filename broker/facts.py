@@ -1,11 +1,5 @@
-"""The run's facts: its target (name, identity, layers, hidden width, vocabulary) and its
-dataset, fixed by the first producer that states them (PROTOCOL.md 4.1), or inherited from
-the run a resumed one continues.
-
-`Facts` is the typed value; `RunFacts` is the core's part that holds it, judges what a
-producer or consumer states against it, and records a change (the ledger's meta, run.json,
-`broker.run_facts`) and, once the dataset's size is known, sizes the lease pool. What the
-facts mean for one batch is fit.py's.
+"""The run's facts: its target and dataset, fixed by the first producer that states them
+(PROTOCOL.md 4.1) or inherited on resume. `RunFacts` judges peers against them and records changes.
 """
 
 from __future__ import annotations
@@ -26,16 +20,14 @@ from .statements import ConsumerStatement, ProducerStatement
 log = get_logger()
 
 FACT_KEYS = ("target", "layer_ids", "hidden_size")  # a later producer must state these as the run has them
-# Kept once known: target_id is checked by target_mismatch, vocab_size against the run's when
-# a producer states it (intake checks token IDs with it).
+# kept once known: target_id checked by target_mismatch, vocab_size by intake's token ID check
 KEPT_KEYS = ("target_id", "vocab_size")
 COUNT_KEYS = ("hidden_size", "vocab_size")  # facts that must be positive counts when stated
 
 
 @dataclass(frozen=True)
 class Facts:
-    """What the run knows of its target and dataset; None where nobody stated it yet. Values
-    are as their producer sent them (the rules below check the ones that must be counts)."""
+    """What the run knows of its target and dataset, as sent; None where nobody stated it yet."""
 
     dataset: DatasetFacts | None = None
     target: object = None
@@ -106,9 +98,7 @@ class RunFacts:
         self.facts, self.ledger, self.run_dir, self.pool = facts, ledger, run_dir, pool
 
     def target_mismatch(self, said: ProducerStatement | ConsumerStatement, consumers: list[ConsumerSession]) -> str | None:
-        """Why this peer's target is not the run's, or None. The run's `target_id` is fixed by
-        its first producer; before one came, a producer is checked against the live
-        consumers' targets (a consumer states its own in `config.signal.target`)."""
+        """Why this peer's target is not the run's, or None; before any producer, against live consumers'."""
         if isinstance(said, ProducerStatement):
             role, mine = "producer", said.target_id
             if self.facts.target_id is not None:

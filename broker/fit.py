@@ -1,14 +1,5 @@
-"""Whether a batch fits the run's target: checked at intake, against the run's facts.
-
-The codec checks a batch against itself (its tensors agree with its header and with each
-other, PROTOCOL.md 4.4). This checks it against what the broker knows of the run's
-target, as its producers stated it in their hellos (PROTOCOL.md 4.1): the layer IDs, the
-hidden width (`len(layer_ids) x hidden_size`) and the vocabulary (every token ID in
-`0..vocab_size-1`). A batch that does not fit makes every consumer that gets it fail, and
-requeued it would fail the next one: it is refused before it is queued (intake.py).
-
-The one tensor it needs, `input_ids`, the server read in place as it came (inbound.py
-`token_ids`: its smallest and largest value); a fact nobody stated is not checked.
+"""Whether a batch fits the run's target (layer IDs, hidden width, vocabulary): checked at intake,
+as a misfit batch would fail every consumer it is requeued to. A fact nobody stated is not checked.
 """
 
 from __future__ import annotations
@@ -49,8 +40,7 @@ def misfit(facts: Facts, a: Arrival) -> Misfit | None:
 
 
 def tensor_specs(m: Batch) -> dict[str, dict]:
-    """Tensor name -> its spec in the header, as the codec passed it; empty for a batch
-    built without its header (tests of the core)."""
+    """Tensor name -> its header spec; empty for a batch built without its header."""
     specs = m.raw.get("tensors") if isinstance(m.raw, dict) else None
     if not isinstance(specs, list):
         return {}

@@ -1,8 +1,4 @@
-"""The rules of a `hello` that need no session table (PROTOCOL.md 4.1): what a hello must
-be, whether it comes from the very process of a live session, whether a consumer would
-train a second model into the run, and the rendezvous rank 0 offers. sessions.py applies
-them in order, with the run's own checks, before it spends a peer ID.
-"""
+"""The rules of a `hello` that need no session table (PROTOCOL.md 4.1); sessions.py applies them."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from .statements import ConsumerStatement
 
 
 def malformed(m: Hello) -> tuple[str, dict] | None:
-    """Why hello `m` cannot be read at all (answered `bad_message`), with the header the
-    reject echoes; None when it can."""
+    """Why hello `m` cannot be read at all, with the header to echo; None when it can."""
     h = m.raw
     if m.role not in ("producer", "consumer"):
         return f"role {m.role!r}: hello is for 'producer' or 'consumer'", h
@@ -29,19 +24,14 @@ def malformed(m: Hello) -> tuple[str, dict] | None:
 
 
 def same_process(p: Session, m: Hello, key: str | None) -> bool:
-    """Whether a hello comes from the very process of live session `p`, on a new
-    connection: same role and instance, host and pid, and the same Curve key. A DEALER
-    that reconnects (ZeroMQ closed its connection, e.g. for a frame over the control limit)
-    gets a new ROUTER identity unless it set one, and its old connection is gone: a pid
-    lives on one host once, so that session cannot be answering anyone else."""
+    """Whether a hello comes from live session `p`'s very process on a new connection (same host, pid
+    and Curve key): a reconnected DEALER gets a new ROUTER identity."""
     return m.host == p.host and m.pid == p.pid and isinstance(m.pid, int) and p.curve_key == key
 
 
 def second_model(said: ConsumerStatement, consumers: list[ConsumerSession]) -> ConsumerSession | None:
-    """With --consumers 0 the broker arranges no ranks, so a run trains one model: a live
-    drafter trainer (its hello carries config.signal) that a new one would not train with.
-    Ranks the consumers arranged themselves (config.group {rank, world_size}, the same
-    world_size, distinct ranks) are one model. Returns that live consumer, or None."""
+    """With --consumers 0 a run trains one model: the live trainer a new one would not train with
+    (self-arranged ranks of one group are one model), or None."""
     if not said.trains:  # not a drafter trainer (a data client, a test's fake)
         return None
     mine = said.group
@@ -70,8 +60,5 @@ def dist_endpoint(addr) -> str | None:
 
 
 def pipe_thread(threads: list[int], in_use: list[int]) -> int:
-    """The I/O thread (an affinity mask) for a new data stream: of the broker's pipe
-    threads, the one fewest open streams use. One thread per stream, chosen here: given the
-    whole mask, libzmq counted each pipe's idle listener as load and put every connection
-    on one thread (seen in bench/scaling.py with several I/O threads)."""
+    """The pipe thread fewest streams use: given the whole mask, libzmq put every connection on one thread."""
     return min(threads, key=in_use.count)

@@ -1,10 +1,5 @@
-"""What reaches the broker core, as typed values: each control message as its
-protocol/messages.py type (or, when the core must refuse it before any session is looked
-up, an `Unreadable` saying why), and each batch on data in as an `Arrival`: its typed
-`Batch` and what the server read off its frames. The frames stay with the server.
-
-`control_message` is the first step of PROTOCOL.md 3's order after the header parsed: the
-version, the run, the codec's own checks, then the typed parse. The core takes it from there.
+"""What reaches the broker core, as typed values: control messages (or an `Unreadable` saying why
+one is refused), and each batch on data in as an `Arrival` without its frames, which stay with the server.
 """
 
 from __future__ import annotations
@@ -29,9 +24,7 @@ TO_BROKER: dict[str, type[Message]] = {
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A control message the broker refuses whoever sent it: `code` (`version`,
-    `run_mismatch`, or `bad_message` for a header that did not parse or failed the codec's
-    checks), `reason`, and its `header` when that parsed (a reject echoes it)."""
+    """A control message refused whoever sent it (`version`, `run_mismatch`, `bad_message`)."""
 
     code: str
     reason: str
@@ -44,8 +37,7 @@ class Unreadable:
 
 
 def control_message(h: dict, error: str | None, run_id: str) -> Message | Unreadable:
-    """The typed message of control header `h` (parsed), or why the broker refuses it:
-    `error` is the codec's refusal of the message, if any; `run_id` the broker's run."""
+    """The typed message of control header `h`, or why it is refused (`error`: the codec's refusal)."""
     if h.get("v") != PROTOCOL_VERSION:
         return Unreadable("version", f"protocol version {h.get('v')!r} is not supported: this broker speaks "
                           f"version {PROTOCOL_VERSION}; upgrade or downgrade dflash", h)
@@ -65,8 +57,7 @@ def control_message(h: dict, error: str | None, run_id: str) -> Message | Unread
 
 @dataclass(frozen=True)
 class TokenIds:
-    """The smallest and largest of a batch's `input_ids` (int32): what fit.py checks
-    against the run's vocabulary."""
+    """The smallest and largest of a batch's `input_ids`: fit.py checks them against the vocabulary."""
 
     lo: int
     hi: int
@@ -74,9 +65,8 @@ class TokenIds:
 
 @dataclass(frozen=True)
 class Arrival:
-    """A `batch` on data in as the core sees it: its header as the typed `Batch` (no
-    tensors: the broker relays the frames unread) and what the server read off its frames.
-    The frames themselves stay with the server (server.py keeps them by batch ID)."""
+    """A `batch` on data in as the core sees it: the typed `Batch` without tensors, and what the server
+    read off its frames."""
 
     batch: messages.Batch
     payload_bytes: int  # the tensor frames' bytes
@@ -86,15 +76,13 @@ class Arrival:
 
     @classmethod
     def read(cls, batch: messages.Batch, header: dict, frames: list) -> "Arrival":
-        """The arrival of `batch`, decoded without views from `frames` (`header`, parsed):
-        the core gets it without its frames, which stay with the server."""
+        """The arrival of `batch` decoded from `frames`, without the frames."""
         return cls(replace(batch, frames=[]), codec.payload_bytes(frames), len(frames[0]), connection(frames[0]),
                    token_ids(header, frames))
 
 
 def token_ids(header: dict, frames: list) -> TokenIds | None:
-    """The range of the `input_ids` tensor of a batch the codec passed, read in place
-    (numpy over the frame's memory: no copy, no torch); None without a non-empty one."""
+    """The range of the batch's `input_ids`, read in place with numpy (no copy, no torch); None if empty."""
     for i, spec in enumerate(header.get("tensors") or ()):
         if spec.get("name") == "input_ids":
             frame = frames[1 + i]
@@ -105,9 +93,7 @@ def token_ids(header: dict, frames: list) -> TokenIds | None:
 
 @dataclass(frozen=True)
 class BadBatch:
-    """A data-in message the codec refused: `sender` as the server names it (its `producer`
-    field if the header parsed, else its connection's peer ID or address), `reason`, and the
-    connection it came on (`connection`)."""
+    """A data-in message the codec refused: who sent it, why, and the connection it came on."""
 
     sender: str
     reason: str
@@ -115,9 +101,7 @@ class BadBatch:
 
 
 def connection(frame) -> dict:
-    """What ZeroMQ knows of the connection a data-in frame came on: `address` (the sender's
-    IP: all producers of one host share it), `key` (the Curve key's name), and what the sender
-    said it is, `peer` and `instance` (its ZMTP metadata). Missing ones are left out."""
+    """What ZeroMQ knows of a data-in frame's connection: address, Curve key, and ZMTP peer/instance."""
     out = {}
     for name, prop in (("address", "Peer-Address"), ("key", "User-Id"), ("peer", PEER_PROPERTY),
                        ("instance", INSTANCE_PROPERTY)):

@@ -1,12 +1,8 @@
 """Batches arriving on data in (PROTOCOL.md 4.4): validate, accept or drop, enqueue.
 
-`Intake` is the core's part for data in. A batch is accepted only from a live producer,
-for a lease it still holds, carrying only samples of that lease not yet received. Anything else is dropped as stale: that is how a
-producer declared lost cannot put a sample in twice. A batch that does not fit the run's
-target (fit.py) is refused and counted (quarantine.py); its producer is told and its session
-ends only when the batch came on that producer's own connection (its ZMTP metadata and Curve
-key), since the `producer` field alone is anyone's to write. The frames of an accepted batch
-are the server's (it keeps them while the core holds the batch, and relays them as they came).
+Only a live producer's batch for a lease it holds, with samples not yet received, is accepted;
+the rest is stale, so a producer declared lost cannot put a sample in twice. A misfit batch ends
+its producer's session only when it came on that producer's own connection (`producer` is anyone's to write).
 """
 
 from __future__ import annotations
@@ -37,14 +33,12 @@ class Intake:
                  poison: Poison, replies: Replies, out: Outbox):
         self.cfg, self.facts, self.work, self.delivery = cfg, facts, work, delivery
         self.ledger, self.poison, self.replies, self.out = ledger, poison, replies, out
-        # every batch ID accepted in this run (its ledger row's key): another batch under one
-        # would replace that row, and with it the record of what the first one carried
+        # batch IDs accepted in this run: a reused one would overwrite the first's ledger row
         self.accepted_ids: set[str] = set()
 
     def accept(self, a: Arrival, named: Session | None, now: float) -> str | None:
-        """One batch the codec passed (server.py decodes it); `named` the live session its
-        `producer` field names, if any. Never raises on bad input. Returns why the named
-        producer's session must end (it sent a batch that does not fit the run), else None."""
+        """One batch the codec passed; `named`: the session its `producer` names. Returns why that
+        session must end (a misfit batch), else None; never raises on bad input."""
         m = a.batch
         if a.payload_bytes > self.cfg.max_message_bytes:
             return self.too_large(m, a.payload_bytes, named, now)
@@ -65,8 +59,7 @@ class Intake:
         except StaleBatch as e:
             return self.stale(a, named, str(e), now)
         p.last_seen = now  # data counts as a sign of life too
-        # The header counts too: unknown fields are allowed, so a header may be up to 1 MiB
-        # for a few bytes of tensors, and the queue's byte bound must see what it holds.
+        # the header counts too: with unknown fields allowed it may outweigh the tensors
         q = Queued(m, a.payload_bytes + a.header_bytes, now)
         self.delivery.push(q, now)
         self.accepted_ids.add(m.batch_id)
@@ -79,10 +72,8 @@ class Intake:
         return None
 
     def too_large(self, m: Batch, payload: int, named: Session | None, now: float) -> None:
-        """A batch of `payload` tensor bytes, over --max-message-bytes: dropped, logged
-        (broker.batch_too_large) and its producer, if it has a live session, told by `reject
-        {code: too_large}` naming the batch: it would go on making batches the broker drops,
-        holding their leases."""
+        """A batch over --max-message-bytes: dropped, logged, and its live producer told (`too_large`) so it
+        stops making batches the broker drops."""
         limit = self.cfg.max_message_bytes
         producer, batch_id = clip(m.producer, 64), clip(m.batch_id, 64)
         ok, suppressed = self.replies.allow(f"too_large:{producer}", now)
@@ -96,11 +87,8 @@ class Intake:
                 "too_large", answers={"type": "batch", "batch_id": batch_id}), now)
 
     def rejected(self, a: Arrival, p: ProducerSession, bad: Misfit, now: float, code: str = "bad_batch") -> str | None:
-        """A batch naming live producer `p` that does not fit the run (or, `code`
-        duplicate_batch_id, reuses a batch ID): dropped, counted, logged
-        (broker.batch_rejected). If it came on `p`'s own connection, `p` is told (`reject
-        {code}`) and its session ends: its leases go back to the pool for other producers,
-        as a producer that lies about its target would make every batch wrong."""
+        """A batch from `p` that does not fit the run (or reuses a batch ID): dropped, counted, logged; on
+        `p`'s own connection `p` is told and its session ends, as every batch it makes would be wrong."""
         m, conn = a.batch, a.conn
         own = from_own_connection(p, conn)
         self.poison.count("rejected", bad.fault, len(m.samples))
@@ -143,6 +131,5 @@ class Intake:
 
 
 def from_own_connection(p: ProducerSession, conn: dict) -> bool:
-    """Whether a data-in message came on producer `p`'s own connection: its ZMTP metadata
-    names `p` and, with Curve, its key is the one `p` joined with."""
+    """Whether a data-in message came on `p`'s own connection (ZMTP metadata, and Curve key if any)."""
     return conn.get("peer") == p.id and (p.curve_key is None or conn.get("key") == p.curve_key)

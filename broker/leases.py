@@ -1,12 +1,7 @@
 """Work leases: which samples each producer makes, epoch by epoch (PROTOCOL.md 4.3).
 
-Each epoch visits every sample once, in an order shuffled from (`--seed`, epoch) so a
-run is reproducible. Producers lease ranges of that order; a lease is complete once
-every sample in it has arrived in a batch or was reported skipped. Samples of a lost
-producer's leases go back to the *front* of the pool so they are made next.
-
-A resumed run (resume.py) passes the samples its parent runs committed: each epoch's
-order is the same shuffle with those left out, so a resume neither repeats nor skips.
+Producers lease ranges of each epoch's order (shuffled from --seed and epoch; a resume leaves out
+what its parents committed). Samples given back go to the *front* of the pool, made next.
 """
 
 from __future__ import annotations
@@ -16,8 +11,7 @@ from dataclasses import dataclass
 
 from dflash.protocol.sample_order import epoch_order
 
-# A producer holding this many unfinished leases gets "ask again later": one producer
-# cannot drain the pool ahead of what it can make.
+# Open leases per producer: one producer cannot drain the pool ahead of what it can make.
 MAX_OPEN_LEASES = 4
 
 
@@ -38,11 +32,7 @@ class Lease:
 
 
 class LeasePool:
-    """The samples still to make and the leases out. Not thread-safe: the loop owns it.
-
-    `committed`: epoch -> bitmap (one byte per sample, 1 = committed by an earlier run
-    of the chain); those samples are never leased again.
-    """
+    """The samples still to make and the leases out; `committed`: epoch -> bitmap of samples never leased again."""
 
     def __init__(self, epochs: int, seed: int, n_samples: int | None = None,
                  committed: dict[int, bytearray] | None = None):
@@ -54,8 +44,7 @@ class LeasePool:
         self._order: list[int] = []
         self._cursor = 0
         self._returned: deque[tuple[int, int]] = deque()  # (epoch, sample), leased first
-        # Samples taken from the epochs' orders (not counting ones given back and leased again)
-        # and the most that may be (--time-budget's plan, budget.py); None: the whole dataset
+        # samples taken from the epochs' orders, and the most that may be (--time-budget's plan)
         self.taken = 0
         self.limit: int | None = None
         self.open: dict[int, Lease] = {}
@@ -64,9 +53,7 @@ class LeasePool:
             self.set_dataset(n_samples)
 
     def set_dataset(self, n_samples: int) -> None:
-        """Fix the dataset size (from --num-samples or the first producer's hello).
-
-        Raises ValueError if a committed bitmap does not have `n_samples` entries."""
+        """Fix the dataset size; ValueError if a committed bitmap has another size."""
         if any(len(m) != n_samples for m in self.committed.values()):
             raise ValueError(f"committed samples were recorded for another dataset size than {n_samples}")
         self.n_samples = n_samples
@@ -114,12 +101,8 @@ class LeasePool:
         return [le for le in self.open.values() if le.producer == producer]
 
     def share(self, producers: int) -> int:
-        """The most samples one lease may take now: what is left to lease in the run, split
-        over the live `producers`. Leases of --lease-size each let the first producer of a
-        small dataset take all of it while the others got nothing; a share leaves work for
-        every live producer, and shrinks the last leases of a run so that its tail spreads
-        too. (A producer that joins once everything is leased finds nothing: the broker
-        cannot keep work back for producers it does not know of.)"""
+        """The most samples one lease may take now: what is left split over the live `producers`,
+        so the first producer of a small dataset cannot take all of it and the tail spreads."""
         return max(1, -(-self.pending() // max(1, producers)))
 
     def grant(self, producer: str, want: int) -> Lease | None:
@@ -141,8 +124,7 @@ class LeasePool:
             while self._returned and len(out) < want and self._returned[0][0] == epoch:
                 out.append(self._returned.popleft()[1])
             return epoch, out
-        # `while`: on a resume, whole epochs may have been committed already.
-        # (Not past the limit: an epoch is started by the lease that takes its first sample.)
+        # `while`: a resume may have committed whole epochs; an epoch starts only within the limit
         while self._cursor >= len(self._order) and self.epoch + 1 < self.epochs and self._fresh(1):
             self.epoch += 1
             self._order, self._cursor = self._order_of(self.epoch), 0
@@ -187,9 +169,8 @@ class LeasePool:
         return back
 
     def to_split(self, asker: str, can_revoke, now: float, wait_s: float) -> Lease | None:
-        """The open lease of another producer (one `can_revoke(producer)` says answers
-        `revoke`) with the most samples still to come, at least 2, none revoked in the last
-        `wait_s` seconds: part of it may move to `asker`, who has nothing. None if no such lease."""
+        """Another revocable producer's open lease with the most samples to come (>= 2, none revoked in
+        `wait_s`): part of it may move to `asker`, who has nothing. None if none."""
         best = None
         for le in self.open.values():
             if le.producer == asker or len(le.outstanding) < 2 or not can_revoke(le.producer):
@@ -201,8 +182,7 @@ class LeasePool:
         return best
 
     def give_up(self, lease: Lease, samples: list) -> list[int]:
-        """Samples of `lease` its producer will not make (its `release`): those still
-        outstanding leave the lease for the front of the pool, in the lease's order."""
+        """Samples its producer will not make (`release`): the outstanding ones go to the pool's front."""
         named = {s for s in samples if isinstance(s, int)}
         back = [s for s in lease.samples if s in named and s in lease.outstanding]
         lease.outstanding.difference_update(back)
@@ -211,8 +191,7 @@ class LeasePool:
         return back
 
     def rewind(self, epoch: int, samples: list[int]) -> None:
-        """Samples already made and trained go back to the front of the pool: the weights
-        that trained them were left behind (broker/lineage.py), so they are made again."""
+        """Trained samples whose weights were left behind (lineage.py) go to the pool's front."""
         self._returned.extendleft((epoch, s) for s in reversed(samples))
 
     def release(self, producer: str) -> list[tuple[Lease, list[int]]]:
@@ -222,9 +201,8 @@ class LeasePool:
         return out[::-1]  # ...so the oldest ends up at the very front; report oldest first
 
     def hold_clocks(self, dt: float) -> None:
-        """Stop the `done` clocks for `dt` seconds: while the broker is not reading data
-        in (queue full), a lease's last batches wait in the producer's pipe through no
-        fault of its own."""
+        """Stop the `done` clocks for `dt`: with the queue full, a lease's last batches wait through no
+        fault of their producer's."""
         for le in self.open.values():
             if le.done_at is not None:
                 le.done_at += dt

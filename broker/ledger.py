@@ -1,27 +1,9 @@
 """The sample ledger: where every (epoch, sample) of the run stands, in SQLite (WAL).
 
-States (PROTOCOL.md 7): pending -> leased -> produced -> delivered -> trained ->
-committed, or skipped. Losses move back: leased -> pending (lost producer), delivered ->
-produced (lost consumer). A quarantined batch (quarantine.py) moves its samples delivered ->
-pending (made again), or delivered -> quarantined (set aside for good, with the reason);
-`bad_batches` keeps one row per batch refused at intake or quarantined. Pending rows are not written: an epoch's order is a function
-of (seed, epoch, n_samples), kept in `epochs`, so a resume (resume.py) recomputes it and
-makes again every sample whose row is missing or not `committed`.
-
-`samples` holds what THIS run did. A resumed run starts with `inherited`: every sample
-its parent runs committed, with the run that committed it. A resumed run's ledger alone
-therefore says what the whole chain has committed; the runs' `samples` tables are
-disjoint in their committed rows (that is the exactly-once check).
-
-Writes are queued and flushed in one transaction every `flush_s` or `max_ops` rows, so the
-broker keeps up with thousands of samples per second; a `commit` flushes at once. A flush is
-written by a thread of its own (`dflash-ledger`), in order, while the loop goes on: SQLite
-lets go of the GIL while it writes, and a flush in the loop stalled every producer and
-consumer of the broker (a flush takes longer than their buffers hold of small batches). WAL
-with synchronous=NORMAL survives a crash of the broker process: what was flushed is
-there; what was not flushed (at most `flush_s` of transitions) is at worst made again.
-A commit's transaction is written with synchronous=FULL (fsync): the checkpoint it
-names is on disk, so a power cut must not forget that its samples are in it.
+States (PROTOCOL.md 7): pending -> leased -> produced -> delivered -> trained -> committed, or
+skipped or quarantined; pending rows are not written (resume.py recomputes an epoch's order).
+`inherited` holds what parent runs committed. Writes are batched and flushed by a thread of its
+own so the loop never stalls on SQLite; a commit is written at once with fsync (synchronous=FULL).
 """
 
 from __future__ import annotations
@@ -82,8 +64,7 @@ _SQL = {
     "pending": "UPDATE samples SET state='pending', lease=NULL, producer=NULL, updated=? WHERE epoch=? AND sample=?",
     "skipped": "UPDATE samples SET state='skipped', reason=?, updated=? WHERE epoch=? AND sample=?",
     "quarantined": "UPDATE samples SET state='quarantined', reason=?, updated=? WHERE epoch=? AND sample=?",
-    # One statement for every write of a batch's row (arrival and each move after it), so
-    # a flush sends a run of them through one executemany.
+    # one statement for every write of a batch's row, so a flush sends them through one executemany
     "batch": (
         "INSERT INTO batches(batch_id, producer, lease, epoch, n_samples, tokens, nbytes, state, consumer, step,"
         " deliveries, received, updated) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(batch_id) DO UPDATE SET"
@@ -121,22 +102,19 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
-        # Every use of `db` from here on runs on this one thread, in the order submitted.
+        # from here on `db` is used only on this thread, in the order submitted
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-ledger",
                                           initializer=name_this_thread, initargs=("dflash-ledger",))
         self._writes: deque[Future] = deque()  # flushes handed over, not yet seen done
         self._ops: list[tuple[str, tuple]] = []  # in order: leases, peers, samples leased/pending/skipped
-        # A batch row and a sample's state row are written whole at each move (arrival,
-        # delivery, ack), so only the last write before a flush counts: kept by key, at
-        # thousands of batches a second a batch's six writes become two. (A sample's state
-        # moves only after its lease row, so writing these after `_ops` keeps the order.)
+        # Rows written whole at each move: only the last before a flush counts, so keep them by key
+        # (written after `_ops`: a sample's state moves only after its lease row).
         self._batches: dict[str, tuple] = {}
         self._states: dict[tuple[int, int], tuple] = {}
         self._last_flush = clock()
         self.counts: Counter[str] = Counter()
         self.flush_seconds = 0.0  # total time spent writing, for the status map
-        # (step, checkpoint) of this run's newest commit: a later ack of a step <= it is
-        # committed on arrival (committed_late)
+        # (step, checkpoint) of the newest commit: a later ack of a step <= it commits at once
         self.last_commit: tuple[int, str] | None = None
         self.broken: str | None = None  # why a write failed (StorageError): nothing more is written
 
@@ -151,9 +129,8 @@ class Ledger:
         return {k: json.loads(v) for k, v in rows}
 
     def inherit(self, rows: Iterable[tuple[int, int, str, int | None]], **meta) -> int:
-        """Record (epoch, sample, run, step) committed by earlier runs, and `meta`, in ONE
-        transaction: a ledger with a parent but without its inherited rows would make
-        those samples again if it were resumed in turn. Returns the rows written."""
+        """Record (epoch, sample, run, step) committed by earlier runs, and `meta`, in ONE transaction
+        (without its inherited rows a resumed ledger would make them again). Returns the rows written."""
         def write() -> int:
             with self.db:
                 self.db.execute("BEGIN")
@@ -213,9 +190,8 @@ class Ledger:
         self._move("delivered", "trained", len(q.batch.samples))
 
     def committed(self, step: int, checkpoint: str, peer: str, batches: list | None = None) -> int:
-        """`batches` (dispatch.Queued, acked), or without them every sample trained at
-        a step <= `step` -> committed, and the commit recorded. Written at once (after
-        every queued transition: the `trained` rows it moves)."""
+        """`batches` (or every sample trained at a step <= `step`) -> committed, and the commit
+        recorded; written at once, after every queued transition."""
         if batches is None:
             n = self._now(self._durably, self._commit_rows, step, checkpoint, peer, time.time())
         else:
@@ -226,21 +202,14 @@ class Ledger:
         return n
 
     def committed_late(self, batches: list) -> int:
-        """Batches (dispatch.Queued) just acked by `trained` at a step <= this run's
-        last commit -> committed. Returns the samples moved.
-
-        Each rank acks on its own connection, so another rank's ack of step N can come
-        after rank 0's commit of N; the checkpoint of N holds those samples all the same.
-        Left `trained`, a crash before the next commit would make them again: trained
-        twice. Written at once and fsync'd, like a commit."""
+        """Batches acked at a step <= the last commit -> committed, fsync'd: another rank's ack of step N
+        can follow rank 0's commit of N, whose checkpoint holds them. Returns the samples moved."""
         n = self._now(self._durably, self._commit_batches, batches, None, time.time())
         self._move("trained", "committed", n)
         return n
 
     def rewound(self, q) -> None:
-        """trained -> pending: the weights that trained batch `q` (dispatch.Queued) were
-        left behind by a consumer that restarted from an older checkpoint (broker/lineage.py);
-        its samples are leased, made and trained again."""
+        """trained -> pending: a consumer restarted from a checkpoint older than `q`'s training (lineage.py)."""
         now = time.time()
         self._batch_row(q, "rewound", None, None, now)
         b = q.batch
@@ -250,16 +219,12 @@ class Ledger:
         self.counts["trained"] -= len(b.samples)
 
     def rejected(self, b, fault: str, reason: str) -> None:
-        """Batch `b` (a messages.Batch: batch_id, producer, lease, epoch, samples) was
-        refused at intake: a row in `bad_batches`; its samples' states do not move (they
-        were never received)."""
+        """Batch `b` was refused at intake: a `bad_batches` row; its samples' states do not move."""
         self._op("bad_batch", (b.batch_id, b.producer, b.lease, b.epoch, len(b.samples), "rejected", fault, reason,
                                0, 0, time.time()))
 
     def quarantined(self, q, remade: list[int], aside: list[int], fault: str, reason: str) -> None:
-        """Delivered batch `q` (dispatch.Queued) was quarantined: samples `remade` ->
-        pending (made again), samples `aside` -> quarantined (with `reason`), and its row in
-        `bad_batches`."""
+        """Batch `q` was quarantined: `remade` -> pending, `aside` -> quarantined, and a `bad_batches` row."""
         now = time.time()
         self._batch_row(q, "quarantined", None, None, now)
         b = q.batch
@@ -281,8 +246,7 @@ class Ledger:
             self.db.execute("PRAGMA synchronous=NORMAL")  # the rest may be made again
 
     def _commit_batches(self, batches: list, commit: tuple | None, now: float) -> int:
-        """Batches acked (state `trained`) -> committed, by primary key (no scan of the
-        samples table), and the commit's row when `commit` is (step, checkpoint, peer)."""
+        """Acked batches -> committed by primary key (no table scan), and the commit's row if given."""
         with self.db:
             self.db.execute("BEGIN")
             n = 0
@@ -312,8 +276,7 @@ class Ledger:
         self._op("peer", (p.id, p.role, p.instance, p.host, p.pid, p.gpu, time.time()))
 
     def skip_reasons(self) -> dict[str, int]:
-        """Skipped samples of this run, and those set aside as poison, by reason (the part
-        before its first ':'), once flushed: what a run that trained nothing tells its operator."""
+        """Skipped and quarantined samples by reason (before its first ':'), once flushed."""
         rows = self._now(lambda: self.db.execute(
             "SELECT reason, COUNT(*) FROM samples WHERE state IN ('skipped', 'quarantined') GROUP BY reason").fetchall())
         out: dict[str, int] = {}
@@ -368,8 +331,7 @@ class Ledger:
             self.flush()
 
     def flush(self) -> None:
-        """Hand every queued transition to the writer thread: one transaction, in order.
-        Returns at once; an error of an earlier write is raised here."""
+        """Hand every queued transition to the writer thread as one transaction; raises an earlier write's error."""
         self._last_flush = self._clock()
         if self.broken is not None:
             raise StorageError(self.broken)
@@ -378,9 +340,7 @@ class Ledger:
         if not (self._ops or self._batches or self._states):
             return
         ops, self._ops = self._ops, []
-        # Grouped by table, in order within each: every statement writes one table, so
-        # this is the same end state, in a few long executemany runs instead of one per
-        # transition.
+        # grouped by table (each statement writes one), in order within each: few long executemany runs
         ops.sort(key=lambda op: _TABLE[op[0]])
         ops += [("batch", r) for r in self._batches.values()]
         ops += [("sample_state", r) for r in self._states.values()]
@@ -399,8 +359,7 @@ class Ledger:
         return self._result(self._writer.submit(fn, *args))
 
     def _result(self, fut: Future):
-        """A write's result; a write the disk refused (full, quota, I/O error) raises
-        StorageError: the ledger cannot go on, and the broker stops saying so."""
+        """A write's result; a write the disk refused raises StorageError and the broker stops."""
         if self.broken is not None:
             raise StorageError(self.broken)
         try:

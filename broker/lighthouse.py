@@ -1,12 +1,5 @@
-"""The torchft lighthouse of an elastic consumer job (docs/RELIABILITY.md section 8).
-
-With `--consumers N` (N >= 2) the broker runs one (torchft's Rust server, on its own
-threads inside the broker process): every consumer's
-torchft Manager meets the others there each step (a quorum), so a consumer that dies is
-left out of the next step and one that (re)joins is let in and healed. Its address goes
-to consumers in `welcome` (run_config.lighthouse). It holds no training state: when the
-broker dies, the consumers stop anyway (the broker is lost) and a resumed run starts a new
-lighthouse.
+"""The torchft lighthouse of an elastic consumer job (docs/RELIABILITY.md section 8): consumers meet
+there each step, so a dead one is left out and a rejoining one healed. It holds no training state.
 """
 
 from __future__ import annotations
@@ -18,8 +11,7 @@ from dflash.runtime.logs import get_logger
 
 log = get_logger()
 
-# How long the lighthouse waits for a replica that heartbeats but has not asked to join
-# before it forms a quorum without it (a slow starter joins the next one and is healed).
+# Wait for a heartbeating replica to join before forming a quorum without it (it joins the next).
 JOIN_TIMEOUT_MS = 30_000
 
 
@@ -32,12 +24,8 @@ class Lighthouse:
 
 
 def start(bind: str, port: int, advertise: str, timeout_s: float) -> Lighthouse | None:
-    """A lighthouse bound to `bind:port` (0: any free port), or None when torchft cannot
-    run here (logged: consumers then form a fixed group, as without elastic).
-    `timeout_s`: a replica silent this long is left out of quorums (the broker's --timeout-s)."""
-    # torchft's Rust side logs every quorum request and answer at INFO on stderr (thousands
-    # of lines a minute while a consumer waits); our own lines say what matters. An
-    # operator's RUST_LOG wins.
+    """A lighthouse on `bind:port`, or None (logged) when torchft cannot run here."""
+    # torchft's Rust side logs every quorum request at INFO; an operator's RUST_LOG wins
     os.environ.setdefault("RUST_LOG", "warn")
     try:
         from torchft._torchft import LighthouseServer

@@ -1,24 +1,8 @@
-"""Lineages: which trained samples a committing checkpoint's weights actually hold
-(PROTOCOL.md 4.5, docs/RELIABILITY.md 3).
+"""Lineages: which trained samples a committing checkpoint's weights actually hold (PROTOCOL.md 4.5).
 
-A **lineage** is one history of weights: a consumer that starts fresh or from a checkpoint
-starts a new one (and says so with `lineage {lineage, parent, step}`: it continues
-`parent`'s weights as of `step`, or nothing when `parent` is nil); a consumer healed from a
-running one, or a rank of the same data-parallel group, shares that one's lineage and sends
-it in every `ack` and `commit`. `step` in `ack` and `commit` counts the optimizer steps of
-the lineage's weights, a child continuing its parent's count.
-
-A checkpoint of lineage L at step N holds exactly: L's own samples acked at a step <= N,
-and, walking up the parents, those of each ancestor acked at a step <= the step its child
-forked from it. The broker commits only those (`holds`). When a new lineage starts from a
-checkpoint, everything trained that it does not hold goes back to the lease pool (made
-and trained again), and the lineages it leaves behind are **superseded**: an ack or commit
-from one of them for a step past the fork is refused (`reject lineage_superseded`), so a
-consumer still training on weights nobody will keep stops instead of doing work that is
-thrown away.
-
-Peers that never name a lineage all share the lineage "" (the step then counts one job's
-optimizer steps, as it always did).
+A lineage is one history of weights, started fresh or from `parent` at `step`. A checkpoint of L
+at step N holds L's samples acked at a step <= N and each ancestor's up to the step its child forked
+at; lineages a new one leaves behind are superseded, so weights nobody keeps stop training.
 """
 
 from __future__ import annotations
@@ -33,8 +17,7 @@ MAX_LINEAGE = 128  # characters of a lineage name kept (peers choose them)
 
 @dataclass
 class TrainedBatch:
-    """An acked, not yet committed batch (its frames let go): what a commit or a rewind
-    needs of it."""
+    """An acked, not yet committed batch: what a commit or a rewind needs of it."""
 
     queued: Queued
     lineage: str
@@ -67,14 +50,12 @@ class Lineages:
         return cap is not None and t.step <= cap
 
     def refused(self, lineage: str, step: int) -> int | None:
-        """The last kept step when an ack or commit of (`lineage`, `step`) comes from
-        weights nobody keeps (superseded past that step), else None."""
+        """The last kept step when (`lineage`, `step`) is superseded, else None."""
         last = self.superseded.get(lineage)
         return last if last is not None and step > last else None
 
     def start(self, lineage: str, parent: str | None, step: int) -> bool:
-        """Record that `lineage` starts from `parent` at `step` (None: from nothing).
-        Returns False if it was known already (a repeated announcement: nothing changes)."""
+        """Record that `lineage` starts from `parent` at `step`; False if it was known already."""
         if lineage in self.parent:
             return False
         if parent == lineage:

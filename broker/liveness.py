@@ -1,7 +1,5 @@
-"""Liveness and pacing: who went silent, when to beat, how fast things move, and how
-often a noisy peer may make us log (zguide ppqueue: constants up front, one check per
-tick). Every reading takes `now` (monotonic seconds) from its caller: the broker core has
-no clock of its own, so tests drive it with an injected one."""
+"""Liveness and pacing: who went silent, when to beat, how fast things move, and how often a noisy
+peer may make us log. Every reading takes `now` from its caller, so tests inject a clock."""
 
 from __future__ import annotations
 
@@ -34,10 +32,7 @@ class Every:
 
 
 class RateMeter:
-    """Events per second over about the last `window_s`, in bounded memory.
-
-    Keeps one mark (slot start, count before the slot) per window/slots seconds.
-    """
+    """Events per second over about the last `window_s`, in bounded memory (one mark per slot)."""
 
     def __init__(self, window_s: float = 10.0, slots: int = 32):
         self.window = window_s
@@ -58,12 +53,8 @@ class RateMeter:
 
 
 class RateLimit:
-    """At most `per_s` events per key per second; counts what it suppressed.
-
-    `allow(key)` -> (allowed, suppressed_since_last_allowed). Keys are bounded: the
-    oldest is forgotten when more than `max_keys` are tracked (a flood from many
-    identities cannot grow it).
-    """
+    """At most `per_s` events per key per second; `allow` -> (allowed, suppressed since). At most
+    `max_keys` keys, so a flood of identities cannot grow it."""
 
     def __init__(self, per_s: float = 5.0, max_keys: int = 1024):
         self.per_s, self.max_keys = per_s, max_keys
@@ -86,9 +77,7 @@ class RateLimit:
 
 
 class TimeShare:
-    """Fraction of the last `window_s` seconds a condition held (a consumer starved, the
-    queue full), in bounded memory. The loop calls `update(held, now)` every turn; the
-    time since the previous call counts under the state given then."""
+    """Fraction of the last `window_s` a condition held; time since the last `update` counts under its state."""
 
     def __init__(self, now: float, window_s: float = 10.0, slots: int = 20):
         self.window, self.slot = window_s, window_s / slots
@@ -112,8 +101,7 @@ class TimeShare:
 
 
 class WallClock:
-    """Wall-clock times (for the status map and run records) read off the monotonic `now`
-    the core is given: the wall time and monotonic time of one moment, then `at(now)`."""
+    """Wall-clock times read off the monotonic `now` the core is given."""
 
     def __init__(self, wall: float, now: float):
         self.wall0, self.now0 = wall, now

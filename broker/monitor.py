@@ -1,14 +1,7 @@
 """Connections that fail ZeroMQ's handshake, from its socket monitor: logged, never silent.
 
-A client that cannot complete the ZMTP handshake never gets a message through, so the
-broker's message handling never sees it: plain TCP against a Curve broker (or Curve
-against a plain one) fails on the security mechanism, and a client holding another
-broker's public key fails on the cryptography. ZeroMQ tells only the socket's monitor
-(zmq_socket_monitor: HANDSHAKE_FAILED_* events); the server reads the monitor in its loop
-and this module turns each failure into a `broker.handshake_failed` line with what it most
-likely means. (A key the broker's authorised folder lacks fails later, at ZAP, and is
-logged by the authenticator as `broker.curve_denied`.) Without ZeroMQ's draft API the
-event carries the bound endpoint, not the client's address.
+Such a client (mismatched Curve, another broker's key) never gets a message through; only the
+monitor sees it, and each failure becomes a `broker.handshake_failed` line saying what it likely means.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ MAX_EVENTS = 64  # read per turn: a client that retries every 100 ms cannot hold
 
 
 def watch(sock: zmq.Socket) -> zmq.Socket:
-    """The monitor (a PAIR socket) of `sock`'s handshake failures; close it after
-    `sock.disable_monitor()`."""
+    """The monitor of `sock`'s handshake failures; close it after `sock.disable_monitor()`."""
     return sock.get_monitor_socket(EVENTS)
 
 

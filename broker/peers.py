@@ -1,9 +1,5 @@
-"""Peer sessions: one per producer or consumer that said `hello` and got `welcome`, a type
-for each role, and the table of them.
-
-Peer IDs (`p1`, `c1`, ...) are handed out in order and never reused within a run, so a
-log line naming `c2` means one process. Instance names are unique among live peers of a
-role: two processes claiming the same name would make logs and status ambiguous.
+"""Peer sessions: one per producer or consumer that got `welcome`, a type for each role, and their
+table. Peer IDs are never reused within a run, so a log line naming `c2` means one process.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ LOST_HISTORY = 32  # lost/left peers kept for the status map
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a peer stopped: its `failed` message (PROTOCOL.md 4.2), or the broker's refusal of
-    its batch (code bad_batch). Shown in the status map's `gone[].failure`."""
+    """Why a peer stopped: its `failed` message, or the broker's refusal of its batch."""
 
     code: str | None
     reason: str | None
@@ -58,9 +53,7 @@ class ConsumerHeld:
 
 @dataclass(eq=False)
 class Pipes:
-    """A consumer's data-out streams (the server's PUSH sockets, bound on these ports): per
-    stream its I/O thread (an affinity mask), port and endpoint; `next` is the stream the
-    next batch tries first."""
+    """A consumer's data-out streams: per stream its I/O thread, port and endpoint; `next` is tried first."""
 
     threads: list[int]
     ports: list[int]
@@ -79,8 +72,7 @@ class Pipes:
 
 @dataclass(eq=False, kw_only=True)
 class Session:
-    """What every live peer has: who it is, when it was last heard, its heartbeat figures, and
-    (once gone) how it went."""
+    """Who a peer is, when it was last heard, its heartbeat figures, and (once gone) how it went."""
 
     role: ClassVar[str]
     id: str
@@ -135,10 +127,8 @@ class ConsumerSession(Session):
     wait_share: TimeShare  # how much of the last 10 s it waited
     delivered: int = 0
     acked: int = 0
-    # lineage -> the highest step this session acked of it (or started it at): what it may commit
-    lineage_steps: dict[str, int] = field(default_factory=dict)
-    # The ack deadline's clock: the later of its latest ack and the delivery that gave it
-    # batches while it held none; and its slowest gap between two acks so far.
+    lineage_steps: dict[str, int] = field(default_factory=dict)  # lineage -> highest step it may commit
+    # the ack deadline's clock (latest ack, or delivery to an empty hand) and its slowest ack gap
     progress_at: float
     slowest_ack_gap: float = 0.0
 

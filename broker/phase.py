@@ -1,6 +1,4 @@
-"""The run's phase and how it ends (PROTOCOL.md 4.6): one enum instead of loose flags, and
-`Lifecycle`, the core's part that holds them (the core moves it; sessions read it to refuse
-consumers of a lost job and to tell a late joiner to stop)."""
+"""The run's phase and how it ends (PROTOCOL.md 4.6): the `Phase` enum and `Lifecycle`, the core's part holding them."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ class JobLost:
 
 @dataclass
 class Lifecycle:
-    """The run's phase, how it ends once peers are told to stop, a lost job, and the signals
-    the server saw (acted on at the next tick)."""
+    """The run's phase, its end, a lost job, and the signals seen (acted on at the next tick)."""
 
     phase: Phase = Phase.RUNNING
     end: RunEnd | None = None  # set once peers are told to stop

@@ -1,30 +1,15 @@
-"""Poison batches: batches the run cannot use, and what becomes of their samples.
+"""Poison batches: batches the run cannot use, and what becomes of their samples (docs/RELIABILITY.md).
 
-A batch is bad in one of two ways (docs/RELIABILITY.md, "Poison batches"):
-
-- It does not fit the run's target (fit.py): refused at intake (`rejected`), never queued.
-  Its samples were never received, so they stay in their lease: the producer's correct
-  copy is still accepted, and a lease that never gets one goes back to the pool.
-- Consumers fail on it in a way the broker cannot see: each one that does says so
-  (`failed {code: bad_batch, batch_id}`, PROTOCOL.md 4.2) and leaves; the batch goes back
-  to the front of the queue for the next consumer. After `--quarantine-after` reports it is
-  taken out (`quarantined`) and never delivered again. Its samples go back to the lease
-  pool to be made once more (the bad copy may be a liar's, or corrupt in transit, while the
-  producer's own copy was dropped as stale); a sample whose new batch is quarantined too is
-  set aside for good (ledger state `quarantined`, with the reason). So one batch cannot
-  block a run, and no sample is dropped without a count or trained twice.
-
-`Poison` keeps the counts by fault (status map `bad_batches`, run.json, the ledger's
-`bad_batches` table) and how often each sample was quarantined; intake.py refuses, and
-delivery.py quarantines, by its rule.
+A misfit batch is refused at intake, its samples left in their lease. A batch --quarantine-after
+consumers fail on is quarantined: its samples are made once more, then set aside for good, so one
+batch cannot block a run and no sample is dropped uncounted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-# How often a sample's batch may be quarantined before the sample is set aside: once made
-# again, since the first bad copy need not be the producer's fault.
+# Quarantines of a sample's batch before it is set aside: the first bad copy need not be the producer's fault.
 REMAKES = 1
 
 

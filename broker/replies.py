@@ -1,7 +1,5 @@
-"""Refusals: `reject` answers and the log lines that go with them, both rate-limited (per
-sender, and log lines also per kind) and clipped, so a flood of bad messages cannot become
-a log storm or a send storm. `Replies` is the core's part that owns both limits; every
-other part asks it before a warning a peer can cause (`allow`)."""
+"""Refusals: `reject` answers and their log lines, rate-limited and clipped so a flood of bad
+messages cannot become a log or send storm; every part asks `Replies.allow` first."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ MAX_REASON = 300  # reasons quote what the peer sent (a type, a run ID): never l
 
 
 def clip(x, n: int = 128):
-    """A header value fit for a log line: short strings and numbers as they are, longer
-    strings cut, anything else by its type name (a peer chooses these values)."""
+    """A peer-chosen header value fit for a log line: long strings cut, non-scalars by type name."""
     if x is None or isinstance(x, (bool, int, float)):
         return x
     if isinstance(x, str):
@@ -33,13 +30,8 @@ def clip(x, n: int = 128):
 
 
 class LogGate:
-    """Rate limit of the warning lines a peer can cause, per sender AND per kind.
-
-    Keys are "kind:sender" (e.g. "bad:control:c3", "stale:p1"). A per-sender limit alone
-    is not enough: senders name themselves (ROUTER identities, a batch's `producer`
-    field), so a flood of invented names would pass it. `allow` returns (allowed,
-    suppressed): the lines of that kind left out since the last one logged.
-    """
+    """Rate limit of warning lines per "kind:sender" AND per kind (senders name themselves, so invented
+    names would pass a per-sender limit); `allow` -> (allowed, suppressed since the last)."""
 
     def __init__(self, now: float, per_sender: float = SENDER_LINES_PER_S, per_kind: float = KIND_LINES_PER_S,
                  report_s: float = 5.0):
@@ -55,8 +47,7 @@ class LogGate:
         return False, 0
 
     def report(self, now: float, force: bool = False) -> None:
-        """Every `report_s` (or now, if `force`), log what was suppressed and not yet
-        counted in a later line: after a burst no line of its kind may follow."""
+        """Every `report_s` (or if `force`), log what was suppressed: no later line may count it."""
         if self._suppressed and (self._report.due(now) or force):
             log.warning("broker.log_suppressed", counts=dict(self._suppressed), total=sum(self._suppressed.values()))
             self._suppressed.clear()
@@ -67,8 +58,7 @@ ECHO_FIELDS = ("type", "step", "lease", "want", "credit", "checkpoint")
 
 
 def answers(h: dict | None) -> dict | None:
-    """What a reject answers: the refused message's type and identifying fields (clipped),
-    the first batch IDs of an ack; None if its header did not parse."""
+    """The refused message's type and identifying fields (clipped); None if its header did not parse."""
     if not isinstance(h, dict) or "type" not in h:
         return None
     out = {k: clip(h[k], 64) for k in ECHO_FIELDS if k in h}
@@ -79,16 +69,14 @@ def answers(h: dict | None) -> dict | None:
 
 
 class Replies:
-    """`reject` answers and the warning lines a peer can cause, rate-limited (the core's part
-    for refusals: every other part refuses through it)."""
+    """`reject` answers and the warning lines a peer can cause, rate-limited."""
 
     def __init__(self, out: Outbox, now: float):
         self.out = out
         self.gate, self.replies = LogGate(now), RateLimit(3.0)
 
     def allow(self, key: str, now: float) -> tuple[bool, int]:
-        """Whether a warning line of `key` ("kind:sender") may be logged now, and how many of
-        its kind were left out since the last one (LogGate)."""
+        """(may log `key` now, how many of its kind were left out since)."""
         return self.gate.allow(key, now)
 
     def reply(self, identity: bytes, msg: Reject, now: float) -> None:
@@ -110,15 +98,13 @@ class Replies:
             self.out.send(identity, Reject(reason, code, answers(h)))
 
     def bad_message(self, identity: bytes, who: str, reason: str, h: dict | None, now: float) -> None:
-        """A control message failed validation: log it, answer `reject {code: bad_message}`
-        (with `answers` when its header parsed)."""
+        """A control message failed validation: log it and answer `reject {code: bad_message}`."""
         self.log_bad("control", who, reason, now)
         if self.replies.allow(identity.hex(), now)[0]:
             self.out.send(identity, Reject(f"bad message: {reason}", "bad_message", answers(h)))
 
     def log_bad(self, socket: str, who: str, reason: str, now: float, **conn) -> None:
-        """broker.bad_message, rate-limited by LogGate, with a suppressed count; `conn`: on data
-        in, the connection it came on (intake.connection_fields)."""
+        """broker.bad_message, rate-limited; `conn`: on data in, the connection it came on."""
         who = clip(who)
         ok, suppressed = self.gate.allow(f"bad:{socket}:{who}", now)
         if ok:

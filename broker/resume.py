@@ -1,25 +1,9 @@
 """`dflash-broker --resume RUN`: what a new run takes over from the run it continues.
 
-A resumed run gets a NEW run ID and its own run folder and ledger; nothing of the parent
-run is written (docs/DESIGN.md incident 5). From the parent it takes:
-
-- the order of work: `seed`, `epochs` (may be raised, never lowered), and the run's
-  facts (target, layer IDs, hidden size, dataset), which its producers must match;
-- the committed state: every (epoch, sample) committed in the parent's ledger or
-  inherited by it. Those are never leased again; everything else (pending, leased,
-  produced, delivered, trained but not committed, skipped) is made again. Each epoch's
-  shuffle is the parent's, with the committed samples left out;
-- `resumed_from`: the newest commit of the chain (run, step, checkpoint). Consumers of
-  the new run must load that checkpoint: a newer one on disk holds samples the ledger
-  does not count as committed, and those are about to be trained again.
-
-The parent's ledger is read from a copy (database plus WAL) in a temporary folder, so a
-broker that was SIGKILLed leaves its files exactly as they were.
-
-A run that another run resumed already is refused (naming that run, and the end of the
-chain to resume instead): a second resume would make again, into a second drafter, every
-sample the first one trained after the parent's last commit. `again=True`
-(`--force-resume`) branches off it anyway.
+A resumed run gets a NEW run ID, folder and ledger and writes nothing of the parent's. It takes
+the parent's seed, epochs and facts, every committed (epoch, sample) (never leased again; the rest
+is made again), and `resumed_from`, the chain's newest commit, which consumers must load. The
+parent's ledger is read from a copy. A run resumed already is refused unless `again`.
 """
 
 from __future__ import annotations
@@ -62,8 +46,7 @@ class Parent:
 
 
 def load(ref: str, runs_dir: str | os.PathLike | None = None, *, again: bool = False) -> Parent:
-    """Read the run `ref` (a run ID, a run folder, or 'latest'). Raises ResumeError, also
-    for a run that was resumed already unless `again`."""
+    """Read the run `ref` (a run ID, a run folder, or 'latest'); raises ResumeError."""
     try:
         run_dir = resolve_run(ref, runs_dir)
     except FileNotFoundError as e:
@@ -114,8 +97,7 @@ def _refuse_if_running(info: dict) -> None:
 
 
 def _refuse_if_resumed(run_dir: Path, run_id: str) -> None:
-    """A run continued by another holds nothing that run has not inherited: resuming it
-    again would train again what the first continuation trained (a second drafter)."""
+    """Resuming a run again would train again, into a second drafter, what its continuation trained."""
     kids = resumed_by(run_dir)
     if not kids:
         return
@@ -145,8 +127,7 @@ def _is_zombie(pid: int) -> bool:
 
 
 def _copy_db(src: Path, tmp: Path) -> Path:
-    """Copy the database and its WAL (the un-checkpointed tail) but not the -shm index,
-    which SQLite rebuilds from the WAL."""
+    """Copy the database and its WAL, not the -shm index (SQLite rebuilds it)."""
     dst = tmp / src.name
     shutil.copyfile(src, dst)
     wal = src.with_name(src.name + "-wal")
@@ -161,7 +142,6 @@ def _read(db: sqlite3.Connection, run_dir: Path, info: dict) -> Parent:
     if meta.get("run_id") not in (None, run_id):
         raise ResumeError(f"{run_dir}: ledger belongs to run {meta['run_id']}, run.json to {run_id}")
     if info.get("parent_run") and meta.get("parent_run") != info["parent_run"]:
-        # run.json is written after the inherited rows: this cannot happen short of tampering
         raise ResumeError(f"{run_dir}: run.json names parent {info['parent_run']} but the ledger does not")
     facts = info.get("facts") or meta.get("facts") or {}
     n = (facts.get("dataset") or {}).get("n_samples", cfg.get("num_samples"))
@@ -219,11 +199,8 @@ def inherit(ledger, parent: Parent) -> int:
 
 
 def effective_config(cfg, parent: Parent, explicit: set[str]):
-    """`cfg` (a BrokerConfig) with the parent's seed, epochs and dataset size filled in.
-
-    `explicit`: the option names the user gave (command line, env, config file); those
-    must agree with the parent (check_config). Raises ResumeError, also when nothing is
-    left to train."""
+    """`cfg` with the parent's seed, epochs and dataset size; options in `explicit` must agree with it.
+    Raises ResumeError, also when nothing is left to train."""
     check_config(parent, *(getattr(cfg, k) if k in explicit else None for k in ("seed", "epochs", "num_samples")))
     epochs = cfg.epochs if "epochs" in explicit else parent.epochs
     n = parent.n_samples if parent.n_samples is not None else cfg.num_samples

@@ -1,8 +1,4 @@
-"""run.json: what a run is (config, versions, host, start, parent) and how it ended.
-
-Written atomically each time (write to a temp file, then rename), so a reader never sees
-half a file and a crash leaves the previous version.
-"""
+"""run.json: what a run is (config, versions, host, start, parent) and how it ended, written atomically."""
 
 from __future__ import annotations
 
@@ -42,10 +38,7 @@ def finish(run_dir: Path, outcome: str, wall: float, **fields) -> None:
 
 
 def end_of_stream_outcome(ledger: Ledger, pool: LeasePool) -> tuple[str, str | None]:
-    """The outcome of a run that reached end of stream: `completed`, or `nothing_to_train`
-    with why when no sample was trained in it or inherited (an empty dataset, or every
-    sample skipped by its producer): such a run did nothing, and an exit 0 saying
-    "every sample trained" hid that. Logs `broker.nothing_to_train`."""
+    """`completed`, or `nothing_to_train` with why (logged) when no sample was trained or inherited."""
     counts = ledger.counts
     if counts["trained"] + counts["committed"] + counts["inherited"] > 0:
         return "completed", None

@@ -28,8 +28,7 @@ def setup(curve_keys: str | None, ctx: zmq.Context):
 
 
 def _denied_logger():
-    """broker.curve_denied, rate-limited: the authenticator thread calls it for every
-    refused connection attempt, and a refused client reconnects again and again."""
+    """broker.curve_denied, rate-limited: a refused client reconnects again and again."""
     gate = LogGate(time.monotonic())  # used by the authenticator thread only
 
     def denied(key: str) -> None:
@@ -42,8 +41,7 @@ def _denied_logger():
 
 
 def warn_if_open(bind: str, curve_on: bool) -> None:
-    """Without Curve anyone who reaches the ports can read and inject data: say so when the
-    broker listens on more than loopback."""
+    """Warn when the broker listens beyond loopback without Curve."""
     if not curve_on and bind not in LOOPBACK:
         log.warning("broker.insecure", bind=bind,
                     reason="CurveZMQ is off and the broker listens beyond loopback: anyone who reaches its ports "

@@ -4,13 +4,8 @@
     data in  PULL    <- batches from producers (read only while the queue has room)
     data out PUSH x consumers -> one pipe each, sent only against that consumer's credit
 
-Here: every socket (control, data in, each consumer's pipes by port) and the frames of
-every batch the core holds (by batch ID), of which this module is the only owner; the
-poller, the I/O thread affinity, decoding what comes in into the core's typed messages,
-carrying out the actions the core returns (actions.py), the relay of the batches the core
-picks, and reading the sockets' monitors for failed handshakes (monitor.py). Everything
-runs on one thread, so nothing is locked. Every send is NOBLOCK: a slow or dead peer never
-stalls the loop.
+It alone owns every socket and every held batch's frames; one thread, so nothing is locked, and
+every send is NOBLOCK so a slow or dead peer never stalls the loop.
 """
 
 from __future__ import annotations
@@ -48,11 +43,9 @@ RECHECK_MS = 50  # before dropping a silent peer, how long to wait for what is o
 
 class Broker:
     def __init__(self, cfg: BrokerConfig, run_id: str, run_dir, hostname: str, parent: Parent | None = None):
-        """Bind the control and data-in sockets. Raises zmq.ZMQError (e.g. a port in use),
-        CurveKeyError (with --curve-keys: a key file missing)."""
+        """Bind the control and data-in sockets; raises zmq.ZMQError (a port in use) or CurveKeyError."""
         self.cfg = cfg
         self.io_threads = cfg.io_thread_count()
-        # Data connections per consumer and per producer: one per I/O thread of that direction.
         self.streams = cfg.stream_count(bin(self.out_affinity).count("1"))
         self.producer_streams = cfg.stream_count(bin(self.in_affinity).count("1"))
         self.signal: str | None = None  # set by the signal handler, handed to the core by the loop
@@ -60,15 +53,12 @@ class Broker:
         self.curve = self.auth = self.control = self.data_in = self.metrics = self.lighthouse = None
         self.ctx = None
         self.monitors: dict = {}  # monitor socket -> (the socket it watches, its name): handshake failures
-        # The consumers' data-out PUSH sockets by port, bound and closed as the core says
-        # (OpenPipes, ClosePipes); and by batch ID the frames each batch the core holds
-        # (queued or in flight) came in, relayed as they are and let go when the core says
-        # (DropFrames). The core names pipes and batches, never holds them.
+        # consumers' PUSH sockets by port, and each held batch's frames by ID: the core only names them
         self.pipes: dict[int, zmq.Socket] = {}
         self.frames: dict[str, list] = {}
         self.handshakes = monitor.HandshakeLog(curve=bool(cfg.curve_keys))
         self.send_gate = LogGate(time.monotonic())  # broker.send_failed lines, rate-limited
-        # The core first: its ledger (a resume's inherited rows) is on disk before any socket exists.
+        # the core first: a resume's inherited rows are on disk before any socket exists
         self.core = BrokerCore(cfg, run_id, run_dir, hostname, now=time.monotonic(), wall=time.time(), parent=parent,
                                pipe_threads=self.pipe_threads, streams=self.streams,
                                producer_streams=self.producer_streams)
@@ -105,13 +95,8 @@ class Broker:
     endpoints = property(lambda self: self.core.endpoints)
     outcome_why = property(lambda self: self.core.outcome_why)
 
-    # I/O threads by role (ZMQ_AFFINITY masks; 0 = any, with one thread). libzmq puts a new
-    # connection on the least loaded thread of its socket's mask, counting every socket
-    # there, so control (a connection per peer) shares a thread with data only where there
-    # are two: then control and batches in on the first, the consumers' pipes on the second.
-    # From three up control has the first alone, batches in the next (n-1)//2, pipes the
-    # rest: with many producers, one thread for batches in became the relay's limit
-    # (docs/BENCHMARKS.md, scaling).
+    # I/O threads by role (ZMQ_AFFINITY masks): with two, control and batches in share the first;
+    # from three, control has the first alone, batches in the next (n-1)//2, pipes the rest.
 
     @property
     def control_affinity(self) -> int:
@@ -148,8 +133,7 @@ class Broker:
             poller.register(mon, zmq.POLLIN)
         core = self.core
         while not core.done:
-            # zguide lbbroker: read producers only while the queue has room. A full
-            # broker stops reading, the producers' PUSH pipes fill, their sends block.
+            # backpressure: a full broker stops reading, so the producers' sends block
             poller.modify(self.data_in, zmq.POLLIN if core.reading else 0)
             events = dict(poller.poll(BLOCKED_POLL_MS if core.blocked else POLL_MS))
             if self.control in events:
@@ -171,9 +155,8 @@ class Broker:
         return core.outcome
 
     def tick(self, now: float) -> None:
-        """The core's timers. `now` may be seconds later than the poll that found the control
-        socket empty (the loop stalled: descheduled on a loaded host, a GC pass, a slow disk):
-        what peers sent meanwhile is read first, so a peer that kept talking is not dropped."""
+        """The core's timers; after a stalled loop, what peers sent meanwhile is read first so a peer
+        that kept talking is not dropped as silent."""
         core = self.core
         if core.silent(now) and self.control.poll(RECHECK_MS):
             self._drain(self.control, self._control)
@@ -199,8 +182,7 @@ class Broker:
                 return
 
     def _control(self, frames: list) -> None:
-        """One control message: its typed message (or why it is refused) to the core's entry
-        point for its type, which validates the rest in PROTOCOL.md 3's order."""
+        """One control message, typed (or why it is refused), to the core's entry point for its type."""
         identity, frames, now = frames[0].bytes, frames[1:], time.monotonic()
         try:
             if not frames:
@@ -218,8 +200,7 @@ class Broker:
         self.do(self._deliver(identity, msg, now, frames[0]))
 
     def _deliver(self, identity: bytes, msg: Message | Unreadable, now: float, header_frame=None) -> list:
-        """The core's entry point for `msg`'s type; `header_frame` (a hello's) names the Curve
-        key its connection authenticated with."""
+        """The core's entry point for `msg`'s type; a hello's `header_frame` names its Curve key."""
         core = self.core
         match msg:
             case Unreadable():
@@ -268,8 +249,7 @@ class Broker:
                 self.frames[batch_id] = frames
 
     def _dispatch(self, now: float) -> None:
-        """Relay the batches the core picks, each on the first of its consumer's pipes that
-        takes it now (the core is told which, or that none could)."""
+        """Relay the batches the core picks, each on the first of its consumer's pipes that takes it."""
         core = self.core
         relay = core.dispatch(now)
         while relay is not None:
@@ -319,7 +299,6 @@ class Broker:
 
     def send(self, identity: bytes, msg: Message) -> None:
         """Send a control message; a full or gone peer loses it (logged), we never block."""
-        # welcome carries `run` as a field of its own; reject/status_reply carry none
         run = None if msg.type in PRE_HANDSHAKE else self.core.run_id
         frames = [identity, *codec.encode(msg.to_header(run))]
         try:
@@ -355,11 +334,9 @@ class Broker:
 
 
 def send_first(pipes: list[tuple[int, zmq.Socket]], frames: list) -> int | None:
-    """Send `frames` on the first of `pipes` (port, PUSH socket) that takes them now; the
-    port of the one that did, or None (none did: the batch stays queued)."""
+    """Send `frames` on the first of `pipes` that takes them now: its port, or None (stays queued)."""
     for port, sock in pipes:
         try:
-            # The very frames that came in, tensor buffers untouched (copy=False).
             send_frames(sock, frames, zmq.NOBLOCK)
         except zmq.Again:  # not connected (yet), or full: try the next stream
             continue
@@ -368,9 +345,8 @@ def send_first(pipes: list[tuple[int, zmq.Socket]], frames: list) -> int | None:
 
 
 def sender(frames: list) -> str:
-    """Who sent this data message, for log lines: its `producer` field if the header
-    parses, else the peer ID its connection's metadata names (PROTOCOL.md 1), else the TCP
-    peer address ZeroMQ reports for the frame (every producer of a host shares it)."""
+    """Who sent this data message, for log lines: its `producer` field, else the connection's peer ID,
+    else its TCP address."""
     try:
         prod = codec.unpack_header(frames[0]).get("producer")
         if isinstance(prod, str) and prod:

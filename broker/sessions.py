@@ -1,14 +1,6 @@
 """The core's part for peer sessions (PROTOCOL.md 4.1, 4.2): `hello` -> `welcome` or
-`reject`, a process that reconnects, consumers' data pipes and ranks, heartbeats and
-`failed`, who went silent or stopped acking, and a session's end.
-
-A hello is checked in order: what it must be (handshake.py), a retried hello on the same
-connection, the session bound (--max-peers), instance names unique among live peers of a
-role (or the same process reconnected), a lost job's consumers, the target (facts.py), the
-producer's dataset and facts, one model per run, a consumer's rank and data-out pipes (the
-server binds them and hands back the ports that bound: `pipes_bound`). Only then is a peer
-ID spent. What a session held when it ends is the other parts' to give back; this part
-closes its pipes (by port: the server holds them), records and logs its end.
+`reject`, reconnects, consumers' data pipes and ranks, heartbeats and `failed`, who went
+silent or stopped acking, and a session's end. A peer ID is spent only once every check passed.
 """
 
 from __future__ import annotations
@@ -36,8 +28,7 @@ _SCALAR = (bool, int, float, type(None))
 
 
 def sanitize_stats(stats: dict) -> dict:
-    """Keep what a status map can carry: <=48 short keys of scalars, short strings, or
-    small flat lists/maps of numbers. A peer cannot make the reply huge or nested."""
+    """Keep what a status map can carry (few short keys, flat values): a peer cannot make it huge or nested."""
     out = {}
     for k, v in list(stats.items())[:48]:
         if not isinstance(k, str) or len(k) > 64:
@@ -59,9 +50,7 @@ class Sessions:
     def __init__(self, cfg: BrokerConfig, run_id: str, data_in: str, *, advertise: str, streams: int,
                  producer_streams: int, pipe_threads: list[int], facts: RunFacts, ledger: Ledger,
                  life: Lifecycle, parent: Parent | None, replies: Replies, out: Outbox, wall: WallClock):
-        """`data_in` the endpoint producers send batches to; `streams` pipes per consumer,
-        `producer_streams` connections per producer; a consumer's pipes go on the I/O threads
-        of `pipe_threads` (affinity masks)."""
+        """`streams` pipes per consumer, on the I/O threads of `pipe_threads` (affinity masks)."""
         self.cfg, self.run_id, self.data_in, self.advertise = cfg, run_id, data_in, advertise
         self.streams, self.producer_streams = streams, producer_streams
         self.pipe_threads = pipe_threads
@@ -74,8 +63,7 @@ class Sessions:
         self.peer_messages = 0  # control messages other than status asks, refused ones included
 
     def heard(self, identity: bytes, type_: object, now: float) -> Session | None:
-        """A control message came from `identity` (of `type_`, as it claimed): any message of a
-        live session counts as a heartbeat. Returns that session, if any."""
+        """A control message came from `identity`: any message of a live session counts as a heartbeat."""
         if type_ != "status":
             self.peer_messages += 1  # someone tried to take part (a run nobody tried is empty: broker_process)
         p = self.table.by_identity.get(identity)
@@ -126,8 +114,7 @@ class Sessions:
         self.joined(p, m, key)
 
     def consumer_hello(self, identity: bytes, m: Hello, said: ConsumerStatement, key: str | None, now: float) -> None:
-        """A consumer's hello past the checks every role's goes through: one model per run,
-        its rank, then its data-out pipes, which the server binds (`pipes_bound` goes on)."""
+        """A consumer's hello past the common checks: one model per run, its rank, then its pipes."""
         table = self.table
         rival = None if self.cfg.consumers else second_model(said, table.consumers())
         if rival is not None:
@@ -146,8 +133,7 @@ class Sessions:
         self.out.open_pipes(ports, threads, Joining(identity, m, key, rank, now))
 
     def pipes_bound(self, j: Joining, threads: tuple[int, ...], ports: list[int]) -> None:
-        """The server bound `ports` (in order, on `threads`) for consumer hello `j`: too few,
-        and it is refused (what did bind is closed again); else its session starts."""
+        """The server bound `ports` for consumer hello `j`: too few and it is refused, else its session starts."""
         m, now = j.hello, j.now
         lo, hi = self.cfg.data_out_ports
         if j.identity in self.table.by_identity:  # its hello was answered already: nothing to bind for
@@ -185,15 +171,12 @@ class Sessions:
             self.out.send(p.identity, Stop(end.reason))
 
     def takes_over(self, said: ConsumerStatement) -> bool:
-        """An elastic run's consumer that announces its lineage (config.lineages) may join after
-        the job died: starting from the newest commit, its `lineage` message sends what only the
-        dead weights held back to the lease pool (commits.py), and the producers are still
-        there to make it (an elastic run keeps them until end of stream)."""
+        """An elastic consumer that announces lineages may join after the job died: its `lineage` message
+        sends what only the dead weights held back to the lease pool."""
         return self.lighthouse is not None and said.lineages
 
     def reconnected(self, p: Session, identity: bytes) -> None:
-        """Move session `p` to its new connection (same peer ID, leases, credit, pipes) and
-        welcome it again; logged as broker.peer_reconnected."""
+        """Move session `p` to its new connection (same ID, leases, credit, pipes) and welcome it again."""
         old = p.identity
         self.table.move(p, identity)
         log.warning("broker.peer_reconnected", **p.describe(), old_identity=old.hex()[:64],
@@ -217,8 +200,7 @@ class Sessions:
                 ranks = {"rank": p.rank, "world_size": self.cfg.consumers, "dist": self.dist,
                          "lighthouse": self.lighthouse}
         else:
-            # The same endpoint once per connection to open: their batches in spread over the
-            # broker's I/O threads for batches in (one thread is a ceiling: docs/BENCHMARKS.md).
+            # one endpoint per connection to open, so batches in spread over the I/O threads
             data = {"data_in": self.data_in, "data_streams": [self.data_in] * self.producer_streams}
         ds = facts.dataset
         run_config = RunConfig(
@@ -231,14 +213,9 @@ class Sessions:
                                           run_config=run_config, **data))
 
     def pipe_plan(self) -> tuple[list[int], list[int]]:
-        """A new consumer's data streams: the free ports of the range to bind, in the order
-        to try them (the first `streams` that bind are its pipes), and the I/O thread of
-        each of its `streams` pipes (the least used first).
-
-        Ports rotate through the range rather than reusing the lowest: a consumer declared
-        lost but still running reconnects to its old ports, and must not find someone
-        else's batches there.
-        """
+        """Free ports to try in order and the I/O thread of each pipe. Ports rotate rather than reuse the
+        lowest: a consumer declared lost but running reconnects to its old ports and must not find
+        someone else's batches there."""
         lo, hi = self.cfg.data_out_ports
         n = hi - lo + 1
         consumers = self.table.consumers()
@@ -256,8 +233,7 @@ class Sessions:
         p.stats, p.stats_at = sanitize_stats(m.stats), self.wall.at(now)
 
     def failed(self, p: Session, m: Failed) -> Failure:
-        """A peer stops on an error and says why before its `bye` (PROTOCOL.md 4.2): kept for
-        the status map and the diagnosis."""
+        """A peer stops on an error (PROTOCOL.md 4.2): kept for the status map and the diagnosis."""
         p.failure = Failure(clip(m.code, 64), clip(m.reason, MAX_REASON), clip(m.hint, MAX_REASON),
                             clip(m.source, 256), clip(m.batch_id, 64), clip(m.fault, 64))
         return p.failure
@@ -271,9 +247,8 @@ class Sessions:
                 if now - p.last_seen > t]
 
     def overdue_acks(self, now: float) -> list[tuple[ConsumerSession, str]]:
-        """Consumers that hold delivered batches and acked none within their deadline (each
-        heartbeats, so it is not silent: hung in a step, or a client that never acks). Each
-        would hold its batches forever and block end of stream; logged broker.ack_overdue."""
+        """Consumers holding batches that acked none within their deadline: alive but hung, they would
+        hold their batches forever and block end of stream."""
         out = []
         for c in self.table.consumers():
             if not c.in_flight:

@@ -1,9 +1,6 @@
 """What a peer states in its `hello.config` (PROTOCOL.md 4.1), read once into typed fields.
 
-The config is a map the peer chose: these readers never raise. A value is kept as the peer
-sent it (a string where a count belongs, say); the rules that judge it (facts.py for a
-producer's target and dataset, handshake.py for a consumer's group) name it in their
-refusal. Only the log line quotes the raw map (handshake.brief).
+The readers never raise and keep values as sent, so the rules that judge them can quote them.
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ProducerStatement:
-    """A producer's target and dataset: `target`, `target_id`, `layer_ids`, `hidden_size`,
-    `vocab_size`, and `dataset` {n_samples, fingerprint} (each None where it says nothing)."""
+    """A producer's target and dataset (each None where it says nothing)."""
 
     target: object = None
     target_id: object = None
@@ -42,9 +38,7 @@ class Group:
 
 @dataclass(frozen=True)
 class ConsumerStatement:
-    """A consumer's hello: whether it trains a drafter (it states a training `signal`), that
-    signal's `target` identity, its `group` (ranks arranged outside the broker), whether it
-    announces `lineages`, and the rendezvous `dist_addr` it offers as rank 0."""
+    """A consumer's hello: whether it trains (states a `signal`), its target, group, lineages and dist_addr."""
 
     trains: bool = False
     target: object = None

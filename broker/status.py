@@ -1,13 +1,6 @@
-"""The status map (`status_reply.status`, `dflash-status --json`), the periodic
-`broker.progress` line, and the figures the broker's heartbeat tells its peers. Fields are
-listed in docs/LOGS.md ("status map"). `StatusMap` is the core's part that reads every other
-part (and changes none).
-
-Rich on purpose: `diagnosis.diagnose` says what limits throughput from this map alone
-(idle consumers, a full queue, a lost peer, an idle GPU), so per-peer figures are the ones
-its heartbeats report plus what the broker measures itself. The heartbeat figures every
-row shows are also copied to the row's top level (null when a peer does not report
-them), so scripts read one fixed shape.
+"""The status map (`status_reply.status`, `dflash-status --json`), the periodic `broker.progress`
+line, and the broker's heartbeat figures (fields in docs/LOGS.md). `StatusMap` reads every other
+part and changes none; the map is rich so `diagnosis.diagnose` can work from it alone.
 """
 
 from __future__ import annotations
@@ -49,7 +42,6 @@ class StatusMap:
         self.sessions, self.work, self.delivery, self.commits = sessions, work, delivery, commits
         self.facts, self.life, self.ledger, self.poison, self.wall = facts, life, ledger, poison, wall
         self.started_mono = now
-        # hysteresis across ticks and asks: a new bottleneck holds for HOLD_TICKS progress ticks
         self.steady = Steady(HOLD_TICKS * cfg.progress_s)
         self.last_diagnosis: str | None = None  # logged as broker.diagnosis when it changes
         self.metric_sink = None  # --tensorboard / --wandb (runtime/sinks.py)
@@ -65,23 +57,19 @@ class StatusMap:
             "leased": c["leased"], "produced": c["produced"], "delivered": c["delivered"],
             "trained": c["trained"], "committed": c["committed"], "skipped": c["skipped"],
             "quarantined": c["quarantined"],  # set aside as poison (quarantine.py): never trained
-            # committed by the runs a resumed run continues: never leased here
             "inherited": c.get("inherited", 0),
             "done": c["trained"] + c["committed"] + c["skipped"] + c["quarantined"] + c.get("inherited", 0),
             "epoch": pool.epoch, "epochs": self.cfg.epochs, "n_samples": n,
         }
 
     def planned_samples(self) -> int | None:
-        """What the run plans to train, in samples.done's count (the heartbeat's
-        `planned_samples`): --time-budget's plan once made, else epochs x samples."""
+        """What the run plans to train: --time-budget's plan once made, else epochs x samples."""
         total = self.samples()["total"]
         planned = self.budget.planned if self.budget is not None else None
         return total if planned is None or total is None else min(total, planned)
 
     def progress(self, now: float) -> dict:
-        """Where the run stands and when it should end, from the pace of the last minute;
-        with --time-budget, against its plan (`budget`). The ETA is null while nothing is
-        trained per second (a stall), never a finite guess."""
+        """Where the run stands and when it should end; the ETA is null while stalled, never a guess."""
         s = self.samples()
         sps = self.commits.rate_samples.rate(now)
         target = self.planned_samples()
@@ -145,7 +133,6 @@ class StatusMap:
 
     def build(self, now: float) -> dict:
         life, queue, consumers = self.life, self.delivery.queue, self.sessions.table.consumers()
-        # job_lost: the training job died with uncommitted work; new consumers are refused
         state = "stopping" if life.end is not None else "job_lost" if life.phase is Phase.JOB_LOST else "running"
         in_flight, in_flight_bytes = self.delivery.in_flight(consumers)
         rates = self.delivery
@@ -207,8 +194,7 @@ class StatusMap:
         }
 
     def log_progress(self, now: float) -> None:
-        """The `broker.progress` line, with the diagnosis; and `broker.diagnosis` when the
-        diagnosis changes, so the logs say when and why throughput changed."""
+        """The `broker.progress` line, and `broker.diagnosis` when the diagnosis changes."""
         st = self.build(now)
         d, p = st["diagnosis"], st["progress"]
         fields = self.progress_fields(now)
@@ -234,15 +220,12 @@ class StatusMap:
             # a consumer that restarts from a checkpoint takes this one, newer than its welcome's
             "last_commit": self.commits.last_commit(),
         }
-        # Run progress, so consumers can log the epoch fraction and an ETA from what
-        # only the broker knows (PROTOCOL.md 4.2); None until a producer fixed n_samples.
+        # run progress only the broker knows; quarantined samples count as skipped (never trained)
         s = self.samples()
-        # Samples set aside as poison count as skipped: never trained, out of a consumer's schedule.
         stats.update(samples_total=s["total"], samples_done=s["done"],
                      samples_skipped=s["skipped"] + s["quarantined"], n_samples=s["n_samples"], epoch=s["epoch"],
                      epochs=s["epochs"])
-        # The run's facts its first producer fixed: a consumer that joined before any producer
-        # waits for the target layers here rather than guess them (PROTOCOL.md 4.2).
+        # a consumer that joined before any producer waits here for the target layers
         stats["run_facts"] = self.facts.facts.heartbeat()
         return stats
 
@@ -254,11 +237,8 @@ def _iso(t: float | None) -> str | None:
 
 
 def trained_figures(s: dict) -> dict:
-    """What a person reads as progress, from `samples`: samples trained and committed over
-    the whole resume chain (inherited ones are trained and committed), so they agree with
-    `fraction` and with "every sample trained"; and the epoch training is in, by samples
-    done (0-based), not the epoch leases come from: producers run ahead of training, by a
-    whole epoch on a small dataset."""
+    """Progress as a person reads it: trained and committed over the whole resume chain, and the epoch
+    training is in by samples done (producers run ahead of it)."""
     n, done = s["n_samples"], s["done"]
     epoch = min(s["epochs"] - 1, done // n) if n else s["epoch"]
     return {"trained": s["trained"] + s["committed"] + s["inherited"], "committed": s["committed"] + s["inherited"],

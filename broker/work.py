@@ -1,7 +1,5 @@
-"""The core's part for work leases (PROTOCOL.md 4.3): `lease` -> `grant`, `done`, leases
-whose samples never came, a lost producer's leases given back, and samples sent back to be
-made again. The order of work is leases.py's `LeasePool`; this part adds the ledger rows and
-the log lines of each move.
+"""The core's part for work leases (PROTOCOL.md 4.3): grants, `done`, incomplete and given-back
+leases; leases.py's `LeasePool` keeps the order, this part the ledger rows and log lines.
 """
 
 from __future__ import annotations
@@ -24,17 +22,13 @@ class Work:
         self.cfg, self.pool, self.ledger = cfg, pool, ledger
 
     def grant(self, p: ProducerSession, m: LeaseAsk, producers: int, ending: bool, elastic: bool) -> Grant:
-        """The answer to `p`'s lease ask: a share of what is left (`producers` live), or an
-        empty grant (`end` once there is nothing more to make: the run is `ending`, or every
-        sample is made and no `elastic` consumer may send samples back to the pool)."""
+        """`p`'s grant: a share of what is left, or empty (`end` once nothing more can be asked for)."""
         pool = self.pool
         epoch_before = pool.epoch
         size = min(m.want, self.cfg.lease_size, pool.share(producers))
         lease = None if ending else pool.grant(p.id, size)
         if lease is None:
-            # Elastic consumers may restart the training from a checkpoint, sending samples
-            # already made back to the pool (commits.py): producers stay until end of stream.
-            # (Nor while only --time-budget's plan keeps samples back: a re-plan may grow it.)
+            # not the end while elastic consumers may send samples back, or a re-plan may grow the budget
             end = ending or (pool.finished() and not pool.capped and not elastic)
             return Grant(0, pool.epoch, [], end, retry_ms=RETRY_MS)
         if pool.epoch != epoch_before or lease.id == 1:
@@ -47,9 +41,8 @@ class Work:
 
     def split_for(self, asker: ProducerSession, producers: dict[str, ProducerSession],
                   now: float) -> tuple[ProducerSession, Revoke] | None:
-        """`asker` holds no lease and the pool has nothing: ask the producer of the open lease
-        with most left to make to give back up to half of what it has not started (`revoke`,
-        answered by `release`, `released`). Returns (that producer, the message), or None."""
+        """`asker` has nothing and the pool is empty: (the producer of the biggest open lease, a `revoke`
+        of half of it), or None."""
         if self.pool.pending() or self.pool.open_leases(asker.id):
             return None
         lease = self.pool.to_split(asker.id, lambda pid: pid in producers and producers[pid].said.revoke, now,
@@ -63,8 +56,7 @@ class Work:
         return producers[lease.producer], Revoke(lease.id, n)
 
     def released(self, p: ProducerSession, m: Release) -> None:
-        """`p` will not make `m.samples` of its lease `m.lease`: they go to the front of the
-        pool, for the producer that asked with nothing (its next ask)."""
+        """`p` will not make `m.samples` of its lease: they go to the front of the pool."""
         lease = self.pool.open.get(m.lease)
         if lease is None or lease.producer != p.id:
             log.debug("broker.release_ignored", peer=p.id, lease=m.lease)
@@ -78,11 +70,9 @@ class Work:
         self.finish(lease)
 
     def done(self, p: ProducerSession, m: Done, now: float) -> None:
-        """`p` made what it could of a lease: its skipped samples are recorded, and the lease
-        closes once its last batch is in (or after the timeout, `incomplete`)."""
+        """`p` made what it could of a lease: skips recorded; it closes once its last batch is in."""
         lease = self.pool.open.get(m.lease)
         if lease is None or lease.producer != p.id:
-            # Already complete (every sample arrived before `done`), or not this producer's.
             log.debug("broker.done_ignored", peer=p.id, lease=m.lease)
             return
         skipped = self.pool.skip(lease, m.skipped)
@@ -118,6 +108,5 @@ class Work:
         return ProducerHeld([le.id for le, _ in returned], sum(len(x) for _, x in returned), p.batches_in)
 
     def remake(self, epoch: int, samples: list[int]) -> None:
-        """Samples already made go back to the front of the pool, to be made again (a rewound
-        lineage, a quarantined batch): the ledger row moves are the caller's."""
+        """Samples go back to the front of the pool to be made again; the caller moves the ledger rows."""
         self.pool.rewind(epoch, samples)

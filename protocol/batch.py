@@ -1,21 +1,9 @@
-"""The batch: whole sequences packed back to back, one type from a producer's packing to
-a consumer's optimizer step (docs/DESIGN.md "The life of a batch").
+"""The batch: whole sequences packed back to back, one type from a producer's packing to a
+consumer's optimizer step (docs/DESIGN.md "The life of a batch").
 
-Its fields are the `batch` message's header (PROTOCOL.md 5); beside them are its tensors
-by name, each [T, ...] with T = sum(seq_lens):
-
-- packed (producers/packing.py): `input_ids` int32 [T] and `loss_mask` uint8 [T]; no batch
-  ID, producer or layers yet;
-- captured (producers/producer.py): named, with `hidden` [T, n*H] on the host (fp8 with
-  `hidden_scale` [T, n] under `fp8_e4m3_rowscale`) and, with --final-hidden, `final_hidden` [T, H];
-- read off the wire (codec.decode_batch): the same tensors as read-only views of the
-  ZeroMQ frames, which it keeps in `frames`; the broker makes no views and relays the frames;
-- ready to train (`owned`): tensors of its own on the training device, hidden dequantised.
-
-`select` keeps some of its sequences and `split` cuts it into consecutive parts: what the
-consumer's exactly-once drops and both out-of-memory paths (the producer's capture, the
-consumer's step) do to a batch. torch is imported where a tensor is made: the broker
-holds batches without it.
+Its fields are the `batch` header (PROTOCOL.md 5); beside them its tensors, each [T, ...] with
+T = sum(seq_lens): packed, captured, read off the wire as views of the frames, or `owned` to train.
+torch is imported where a tensor is made: the broker holds batches without it.
 """
 
 from dataclasses import dataclass, replace
@@ -43,9 +31,7 @@ class Batch(Message):
     hidden_encoding: str | None = optional()  # raw when absent, else fp8.ENCODING
     tensors: dict = local(default_factory=dict, repr=False, compare=False)
     frames: list = local(default_factory=list, repr=False, compare=False)  # what `tensors` are views of
-    # A consumer's host-side facts, made by its stager off the training thread
-    # (consumers/staging.py) so that a step reads nothing back from the GPU: CPU copies of
-    # input_ids and loss_mask, the token-ID range, and the step's plan (consumers/step.py).
+    # host-side facts made off the training thread, so a step reads nothing back from the GPU
     host_input_ids: "torch.Tensor | None" = local(default=None, repr=False, compare=False)
     host_loss_mask: "torch.Tensor | None" = local(default=None, repr=False, compare=False)
     id_range: tuple | None = local(default=None, compare=False)
@@ -56,8 +42,7 @@ class Batch(Message):
                hidden: "torch.Tensor | None" = None, *, lease: int = 0, epoch: int = 0, batch_id: str = "",
                producer: str = "", layer_ids: Iterable[int] = (),
                final_hidden: "torch.Tensor | None" = None) -> "Batch":
-        """A batch made here, not read off the wire: a producer's packed sequences, or (given
-        `hidden`) a batch to train on as it is (the synthetic stream, tests)."""
+        """A batch made here, not read off the wire: packed sequences, or with `hidden` one to train on."""
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask}
         if hidden is not None:
             tensors["hidden"] = hidden
@@ -88,16 +73,13 @@ class Batch(Message):
 
     @property
     def final_hidden(self) -> "torch.Tensor | None":
-        """[T, H]: the target's last hidden state after its final norm (the LM head's input),
-        sent by producers run with --final-hidden: the soft labels of --distill-weight."""
+        """[T, H]: the target's LM-head input (--final-hidden), the soft labels of --distill-weight."""
         return self.tensors.get("final_hidden")
 
     # ------------------------------------------------------------ some of its sequences
 
     def select(self, keep: Iterable[int]) -> "Batch":
-        """The same batch (its ID, lease and epoch) with only its sequences at indices `keep`,
-        in that order. Consecutive sequences are views of its tensors, others copies; each
-        on the device its tensor is on."""
+        """The same batch with only its sequences at indices `keep` (views where consecutive, else copies)."""
         keep = list(keep)
         starts = [0]
         for n in self.seq_lens:
@@ -125,9 +107,7 @@ class Batch(Message):
                        id_range=None, plan=None)
 
     def split(self, k: int) -> list["Batch"]:
-        """This batch as k parts of whole consecutive sequences, about T/k tokens each (k is
-        capped at the number of sequences: no part is empty, no sequence is cut). The parts'
-        tensors are views of this batch's. `split(1)` is [self], with what was made for it."""
+        """This batch as up to k non-empty parts of whole consecutive sequences, about T/k tokens each (views)."""
         lens = self.seq_lens
         n, total = len(lens), sum(lens)
         k = max(1, min(k, n))
@@ -156,10 +136,8 @@ class Batch(Message):
         return replace(self, tensors={name: t.to(device) for name, t in self.tensors.items()})
 
     def owned(self, hidden_dtype: "torch.dtype | None" = None, device: "torch.device | None" = None) -> "Batch":
-        """The batch to train on: tensors of its own, never views of the frames (read-only,
-        and gone once this is made), on `device` if given (the copy there is the only copy),
-        else copies on the host; hidden states (and final_hidden) as `hidden_dtype` (bfloat16
-        if None), fp8 dequantised where they arrive."""
+        """The batch to train on: tensors of its own (never views of the read-only frames), on `device`
+        if given, hidden states as `hidden_dtype` (bfloat16 if None)."""
         import torch
 
         dtype = hidden_dtype or torch.bfloat16
@@ -178,10 +156,8 @@ class Batch(Message):
         return replace(self, hidden_encoding=None, tensors=tensors, frames=[])
 
     def hidden_as(self, dtype: "torch.dtype", device: "torch.device | None" = None) -> "torch.Tensor":
-        """The hidden states as `dtype` (on `device`, else where they are), whatever encoding
-        travelled (`hidden_encoding`). fp8 moves to the device as fp8 plus scales (half the
-        bytes of bf16) and is dequantised there, FP8_DECODE_ROWS rows at a time. Raw hidden
-        states of that dtype and device come back as the very tensor."""
+        """The hidden states as `dtype` on `device`; fp8 travels to the device as fp8 (half the bytes)
+        and is dequantised there in chunks."""
         import torch
 
         def move(x: "torch.Tensor") -> "torch.Tensor":
@@ -197,8 +173,7 @@ class Batch(Message):
         return out
 
     def with_host_facts(self, input_ids: "torch.Tensor", loss_mask: "torch.Tensor") -> "Batch":
-        """This batch with its host-side facts from CPU `input_ids` and `loss_mask` (its own,
-        or those of the frames it was made from)."""
+        """This batch with its host-side facts from CPU `input_ids` and `loss_mask`."""
         id_range = None
         if input_ids.numel():
             import torch

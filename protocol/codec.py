@@ -1,19 +1,8 @@
 """The one codec: msgpack header frame + raw little-endian tensor frames, zero-copy.
 
-Send side: each tensor's bytes go out as their own frame without a Python copy (a
-non-contiguous tensor is made contiguous first, the only copy). Receive side: frames are
-taken with ``copy=False`` and tensors are ``torch.frombuffer`` views of the ZeroMQ frame
-memory; the decoded message keeps those frames (`frames`) as long as it lives.
-
-Every decode validates before anything is used (docs/PROTOCOL.md "Validation"): a
-receiver gets either a well-formed message or a `ProtocolError` naming the reason: a
-control message as a `Message` (header and tensors), a batch straight as its one type,
-batch.py's `Batch` (`decode_batch`; `encode_batch` is its inverse).
-
-Validation needs no torch (dtypes are checked by wire name and item size): the broker
-validates and relays without importing it. torch is imported on first use, where a
-tensor is made or read (decode with views, encode of tensors, `DTYPES`); ZeroMQ only by
-`send` and `recv`, the two that touch a socket.
+Tensors go out as their own frames and come back as ``torch.frombuffer`` views of the received
+frames. Every decode validates first (docs/PROTOCOL.md "Validation"): a well-formed message or a
+`ProtocolError`. Validation needs no torch, so the broker relays without importing it.
 """
 
 from __future__ import annotations
@@ -37,8 +26,7 @@ if TYPE_CHECKING:
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is LE
     raise ImportError("dflash wire format is little-endian; big-endian hosts unsupported")
 
-# The dtype whitelist: wire name -> bytes per element. Names are torch's own (the
-# torch-typed tables, DTYPES and DTYPE_NAMES, are made from it on first use).
+# The dtype whitelist: wire name (torch's own) -> bytes per element.
 ITEMSIZES: dict[str, int] = {
     "bfloat16": 2,
     "float16": 2,
@@ -66,8 +54,7 @@ def _torch():
 
 
 def __getattr__(name: str):
-    """DTYPES (wire name -> torch dtype), DTYPE_NAMES (its inverse), HIDDEN_DTYPES: made
-    when first asked for, so that importing the codec does not import torch."""
+    """DTYPES, DTYPE_NAMES, HIDDEN_DTYPES: made when first asked for, so importing the codec skips torch."""
     if name in ("DTYPES", "DTYPE_NAMES"):
         return _torch()[1 if name == "DTYPES" else 2]
     if name == "HIDDEN_DTYPES":
@@ -102,8 +89,7 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    # A uint8 view reinterprets the bytes (this is how bfloat16 and float8 travel: numpy
-    # has no such dtypes). The numpy array keeps `t`'s storage alive until ZeroMQ is done.
+    # a uint8 view (numpy has no bf16/fp8); the array keeps `t`'s storage alive until ZeroMQ is done
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -227,8 +213,7 @@ def _tensor_specs(h: dict, n_frames: int) -> list[tuple[str, str, tuple[int, ...
 
 
 def _shape_elements(shape) -> int:
-    """Elements of a valid shape (a list of at most MAX_NDIM ints in 0..2**40), else -1.
-    (`d.__class__ is int`: msgpack gives plain ints; a bool is not a dimension.)"""
+    """Elements of a valid shape (at most MAX_NDIM plain ints in 0..2**40; a bool is not one), else -1."""
     if shape.__class__ is not list or len(shape) > MAX_NDIM:
         return -1
     n = 1
@@ -239,10 +224,8 @@ def _shape_elements(shape) -> int:
     return n
 
 
-# ZeroMQ frames are read-only, and receivers treat tensors as read-only (PROTOCOL.md), so
-# torch's "buffer is not writable" warning says nothing here. One targeted filter, set
-# once: `warnings.catch_warnings()` per view costs time per tensor and is not thread-safe
-# (the consumer's I/O thread decodes while the training thread runs).
+# Received tensors are read-only by rule, so torch's warning says nothing; one global filter, as
+# catch_warnings() per view is slow and not thread-safe.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
@@ -262,21 +245,15 @@ def decode(
     views: bool = True,
     parsed: dict | None = None,
 ) -> Message:
-    """Validate and decode a multipart message. Raises ProtocolError (with `peer`).
-
-    `views=False` validates exactly as much (header, every frame's size against its spec,
-    the batch rules) but makes no tensor views: the broker relays frames it never reads,
-    and three views cost more than the rest of the checks together. `parsed` is frame 0
-    already parsed by `unpack_header` (the broker's control socket reads it first)."""
+    """Validate and decode a multipart message; raises ProtocolError (with `peer`). `views=False` checks
+    as much but makes no tensor views (the broker relays unread); `parsed`: frame 0 already parsed."""
     h, tensors = _checked(frames, allowed, run, peer, views, parsed)
     return Message(h, tensors, list(frames))
 
 
 def decode_batch(frames: Sequence[Any], *, run: str | None = None, peer: str | None = None,
                  views: bool = True, parsed: dict | None = None) -> Batch:
-    """A `batch` message, checked as `decode` checks it, as its one type: its tensors
-    read-only views of `frames` (which it keeps), none with `views=False` (the broker).
-    `parsed` as for `decode`. Raises ProtocolError (with `peer`)."""
+    """A `batch` message, checked as `decode` checks it, as a `Batch` keeping `frames`."""
     h, tensors = _checked(frames, DATA, run, peer, views, parsed)
     try:
         return Batch.from_header(h, tensors=tensors, frames=list(frames))
@@ -287,8 +264,7 @@ def decode_batch(frames: Sequence[Any], *, run: str | None = None, peer: str | N
 
 def _checked(frames: Sequence[Any], allowed: frozenset[str] | None, run: str | None, peer: str | None,
              views: bool, parsed: dict | None) -> tuple[dict, dict]:
-    """(header, tensors by name) of a valid message (no tensors unless `views`); every
-    refusal a ProtocolError naming `peer`."""
+    """(header, tensors by name) of a valid message; every refusal a ProtocolError naming `peer`."""
     try:
         if not frames:
             raise ProtocolError("empty message")
@@ -325,9 +301,7 @@ HIDDEN_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 
 def check_batch(h: dict, t: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """A batch's tensors agree with each other and with its header (PROTOCOL.md "batch").
-    `t` maps each tensor's name to its (wire dtype name, shape) as the header declares
-    them. (Messages say "torch.<name>", as they did when these were torch dtypes.)"""
+    """A batch's tensors (`t`: name -> (wire dtype, shape)) agree with each other and its header."""
     for name in ("input_ids", "loss_mask", "hidden"):
         if name not in t:
             raise ProtocolError(f"batch: missing tensor {name!r}")

@@ -1,17 +1,7 @@
-"""How much credit a consumer grants: its inbox, bounded in batches and in bytes.
+"""How much credit a consumer grants: its inbox, bounded in batches and in bytes (PROTOCOL.md 4.5).
 
-Credit is the consumer's promise of room (PROTOCOL.md 4.5): the broker sends a batch only
-against it, so what the consumer grants is what it may be sent. Two bounds decide it:
-
-- at least `min_batches` (2): one batch to train while the next arrives;
-- more while batches are small, up to `max_bytes` of them (never above `max_batches`):
-  the credit must cover the round trip credit -> broker -> batch. With 640 MiB batches
-  two are plenty; with 1 MiB batches two let the round trip, not the wire, set the rate
-  (bench/transport.py at small credits, docs/BENCHMARKS.md).
-
-The window follows the largest of the recent batches, so a mix of sizes is bounded by
-its biggest. Credit is granted in lumps of a quarter window (at least one batch): with a
-deep window the broker reads a credit message every few batches, not one per batch.
+At least `min_batches`; more while batches are small (up to `max_bytes` of the largest recent ones),
+so the credit covers the round trip. Granted in lumps of a quarter window, not one per batch.
 """
 
 from __future__ import annotations
@@ -39,16 +29,12 @@ class CreditWindow:
             self.window = min(self.max_batches, max(self.min_batches, fits))
 
     def would_grant(self, held: int) -> bool:
-        """Whether `to_grant(held)` would grant now (reads only: safe from another thread,
-        where the answer may be a turn stale; the owner checks again after every event)."""
+        """Whether `to_grant(held)` would grant now (read-only: safe, if a turn stale, from another thread)."""
         return self.window - self.outstanding - held >= max(1, self.window // 4)
 
     def to_grant(self, held: int) -> int:
-        """Credit to send now, with `held` batches received and not yet taken out.
-
-        0 until a quarter window is free. Credit given cannot be taken back: after the
-        window shrank (bigger batches), what was promised may still come, and nothing more
-        is granted until what is held and promised fits the window again."""
+        """Credit to send now, `held` batches waiting: 0 until a quarter window is free (credit given
+        cannot be taken back, so a shrunk window waits for what was promised)."""
         if not self.would_grant(held):
             return 0
         free = self.window - self.outstanding - held

@@ -1,18 +1,7 @@
 """CurveZMQ: every connection encrypted, every peer authenticated by its public key.
 
-Off by default (loopback runs). On with `--curve-keys DIR` on every role. A keys folder,
-as `dflash-keygen` writes it:
-
-    DIR/broker.key            the broker's public key: every peer needs it
-    DIR/broker.key_secret     the broker's keypair: the broker's host only
-    DIR/NAME.key_secret       a peer's keypair (`--curve-name NAME`): that peer's host only
-    DIR/authorized/NAME.key   public keys the broker accepts: one per peer (or per host)
-
-Every broker socket (control, data in, each data out) is a CURVE server; ZAP (ZeroMQ's
-authentication protocol, served by pyzmq's ThreadAuthenticator in the broker process)
-accepts a connection only if its client key is in `authorized/`. Keys added to or
-removed from that folder count from the next connection on. docs/SECURITY.md has the
-threat model.
+On with `--curve-keys DIR` (made by `dflash-keygen`: broker.key, broker.key_secret, NAME.key_secret,
+authorized/NAME.key). ZAP admits a client only if its key is in `authorized/` (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -94,8 +83,7 @@ def server_keys(keys_dir: str | os.PathLike) -> CurveServer:
 
 
 def client_keys(keys_dir: str | os.PathLike, name: str | None = None) -> CurveClient:
-    """A peer's keys: DIR/broker.key and DIR/NAME.key_secret (NAME defaults to this host's
-    name). Raises CurveKeyError."""
+    """A peer's keys: DIR/broker.key and DIR/NAME.key_secret (NAME: this host's). Raises CurveKeyError."""
     d = Path(keys_dir)
     name = name or socket.gethostname()
     server_public, _ = _load(d / f"{BROKER_NAME}.key", secret=False)
@@ -104,11 +92,7 @@ def client_keys(keys_dir: str | os.PathLike, name: str | None = None) -> CurveCl
 
 
 class KeyRing:
-    """ZAP credentials provider: is this client key in the authorised folder?
-
-    Called by the authenticator thread for each new connection. The folder is re-read
-    when its modification time changes, so keys can be added or revoked while the broker
-    runs. Denials are logged (rate-limited: a scanner must not become a log storm)."""
+    """ZAP credentials provider: is this client key in the authorised folder (re-read when it changes)?"""
 
     def __init__(self, folder: Path, on_denied: Callable[[str], None] | None = None):
         self.folder = folder
@@ -117,8 +101,7 @@ class KeyRing:
         self.names: dict[bytes, str] = {}  # z85 public key -> file name without .key
 
     def _reload(self) -> None:
-        # A listing per new connection: cheap, and catches files replaced in place, which
-        # the folder's own mtime would not.
+        # a listing per connection catches files replaced in place, which the folder's mtime would not
         try:
             files = sorted(self.folder.glob("*.key"))
             seen = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
@@ -145,8 +128,7 @@ class KeyRing:
 
 
 class _Authenticator(ThreadAuthenticator):
-    """ThreadAuthenticator whose User-Id is the key's name in the authorised folder, so
-    the broker can say which key a peer used."""
+    """ThreadAuthenticator whose User-Id is the key's name, so the broker can say which key a peer used."""
 
     keyring: KeyRing
 
@@ -157,9 +139,8 @@ class _Authenticator(ThreadAuthenticator):
 
 def start_authenticator(ctx: zmq.Context, server: CurveServer,
                         on_denied: Callable[[str], None] | None = None) -> ThreadAuthenticator:
-    """Serve ZAP for every CURVE server socket of `ctx`. Start it BEFORE binding: libzmq
-    lets every client in while no ZAP handler runs. Stop it after closing the sockets.
-    Raises RuntimeError if the thread does not start."""
+    """Serve ZAP for `ctx`'s CURVE server sockets. Start it BEFORE binding: libzmq lets every client
+    in while no ZAP handler runs."""
     auth = _Authenticator(ctx)
     auth.keyring = KeyRing(server.authorized, on_denied)
     auth.start()

@@ -15,9 +15,7 @@ class ProtocolError(DFlashError):
 
 
 class MessageTooLarge(DFlashError):
-    """A message over the receiver's limit, refused by its sender before it leaves: over
-    the limit, the receiver's ZeroMQ closes the connection and the message is gone
-    without a word to either side (PROTOCOL.md 3)."""
+    """A message over the receiver's limit, refused before it leaves: the receiver's ZeroMQ would drop it silently."""
 
 
 class BrokerUnreachable(DFlashError):

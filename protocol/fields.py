@@ -1,11 +1,7 @@
-"""Typed msgpack maps: how every message type (messages.py, batch.py) declares its fields,
-and how a received header is checked and parsed into one, or one is sent.
+"""Typed msgpack maps: how every message type declares its fields, and how a header is checked and parsed.
 
-A message is a frozen dataclass: required fields first (no default; the annotation is the
-msgpack type a receiver accepts), then optional ones (`optional()`: a default, and the rules
-for parsing and sending), then what a receiver keeps beside the header (`local()`: never on
-the wire). docs/PROTOCOL.md's tables mirror the message types
-(tests/protocol/test_protocol_doc.py). Unknown header fields are ignored (forward compatible).
+A message is a frozen dataclass: required fields (annotation = accepted msgpack type), then
+`optional()` ones, then `local()` ones never on the wire. Unknown header fields are ignored.
 """
 
 from dataclasses import Field, dataclass, field, fields
@@ -15,15 +11,13 @@ from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 
-# A required field's annotation -> the python types a received value may have
-# (a msgpack int is a valid float; a bool is never an int: checked apart).
+# annotation -> accepted python types (an int is a valid float; a bool is never an int)
 _WIRE_TYPES = {str: (str,), int: (int,), float: (int, float), bool: (bool,), list: (list,), dict: (dict,)}
 
 
 def optional(default=None, *, factory=None, parse=None, nil: bool = False):
-    """An optional field. Received, it is `parse(value)` when present (as it came without
-    `parse`), else the default. Sent, it is left out while None, unless `nil`: then it
-    goes out as nil too (the fields PROTOCOL.md says are nil when unknown)."""
+    """An optional field: received, `parse(value)` when present, else the default; sent, left out
+    while None unless `nil`."""
     meta = {"optional": True, "parse": parse, "nil": nil}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -45,8 +39,7 @@ def _is(value, types: tuple[type, ...]) -> bool:
 
 
 def typed(*types: type, each: tuple[type, ...] | None = None):
-    """An optional field's parse: the value as it came if nil or one of `types` (and, for a
-    list, each element one of `each`); anything else is refused, naming what it is."""
+    """An optional field's parse accepting nil or one of `types` (a list's elements of `each`)."""
     def parse(value):
         if value is None:
             return None
@@ -74,10 +67,7 @@ def nested(cls: "type[Fields]"):
 
 @dataclass(frozen=True)
 class Fields:
-    """A typed msgpack map: a message's header (`Message`), or a map inside one (welcome's
-    `run_config`). `raw` is the map it was parsed from ({} when built here): what a
-    `reject` echoes and log lines quote. A field whose value is a `Fields` goes on the wire
-    as its own map."""
+    """A typed msgpack map: a message's header, or a map inside one; `raw` is the map it was parsed from."""
 
     where: ClassVar[str] = ""  # how errors name this map ("" inside another: that one names it)
     raw: dict = field(default_factory=dict, repr=False, compare=False, kw_only=True)
@@ -98,8 +88,7 @@ class Fields:
 
     @classmethod
     def check(cls, h: dict) -> None:
-        """Raise ProtocolError unless every required field is in `h` with an accepted type
-        (and, for a list of `items(...)`, every element of it)."""
+        """Raise ProtocolError unless every required field is in `h` with an accepted type."""
         plan = _plan(cls)
         for name, types in plan.required.items():
             val = h.get(name, _MISSING)
@@ -114,12 +103,9 @@ class Fields:
 
     @classmethod
     def from_header(cls, h: dict, **extra):
-        """The map `h` as this type, checked as `check` does, each optional field present
-        parsed (a parse that refuses its value names the field); `extra`: the fields kept
-        beside the wire's (`local`: a batch's tensors and frames)."""
+        """The map `h` as this type, checked and parsed; `extra`: the `local` fields."""
         cls.check(h)
         plan = _plan(cls)
-        # required fields positionally (they come first), optional ones only when present
         kw = {name: cls._parse(name, parse, h[name]) if parse else h[name] for name, parse in plan.optional
               if name in h}
         return cls(*[h[name] for name in plan.required], **kw, **extra, raw=h)
@@ -143,8 +129,7 @@ class Fields:
 
 @dataclass(frozen=True)
 class Message(Fields):
-    """One header's fields. The envelope (`v`, `type`, the run ID after the handshake,
-    `tensors`) is the codec's and `to_header`'s, not a field."""
+    """One header's fields; the envelope (`v`, `type`, `run`, `tensors`) is not a field."""
 
     type: ClassVar[str] = ""
 
@@ -160,8 +145,8 @@ class Message(Fields):
 
 
 class _Plan:
-    """What `check`, `from_header` and `fields` need of a message class, worked out once
-    (dataclasses.fields on every message was most of the broker's cost per batch)."""
+    """What `check`, `from_header` and `fields` need of a class, worked out once: dataclasses.fields
+    per message was most of the broker's cost per batch."""
 
     def __init__(self, cls: type[Fields]):
         wire = cls.wire_fields()

@@ -1,10 +1,7 @@
 """Optional fp8 wire encoding of hidden states (`hidden_encoding: fp8_e4m3_rowscale`).
 
-Each row of each layer's slice gets its own float32 scale so that its largest magnitude
-maps to the top of the E4M3 range: value = fp8 * scale. Halves the bytes per token
-against bf16 (H + 4 bytes per layer and token instead of 2H).
-
-torch is imported where a tensor is made: the codec and the broker read `ENCODING` without it.
+Each row of each layer's slice gets a float32 scale mapping its largest magnitude to E4M3's top
+(value = fp8 * scale): half the bytes of bf16. torch is imported only where a tensor is made.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ if TYPE_CHECKING:
 
 ENCODING = "fp8_e4m3_rowscale"  # the batch header's `hidden_encoding` of fp8 hidden states
 
-# Dequantised this many rows at a time: the float32 temporaries of a whole 12,288-token
-# batch would take 2 GB next to a running step on the GPU; of 2048 rows, 170 MB.
+# Dequantised this many rows at a time: a whole batch's float32 temporaries would crowd a running step.
 FP8_DECODE_ROWS = 2048
 
 

@@ -1,11 +1,6 @@
-"""Each role's link to the broker: the base (peer.py `PeerLink`: I/O thread, control
-socket, handshake, heartbeats, liveness, close) plus that role's data side and calls.
-
-- `ProducerLink`: `request_lease()`, `push_batch()` (blocks while the outbox is full: that
-  is the backpressure from the broker), `lease_done()`; one PUSH socket, flushed on close.
-- `ConsumerLink`: `next_batch()` (credit is granted for free room in the inbox: credit.py),
-  `ack()`, `commit()`, and `stopped` once the broker signals end of stream; one PULL per
-  data stream the broker opened.
+"""Each role's link to the broker: peer.py's `PeerLink` plus that role's data side and calls.
+`ProducerLink.push_batch` blocks while the outbox is full (the broker's backpressure);
+`ConsumerLink.next_batch` grants credit for free room in its inbox (credit.py).
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ MAX_AUTO_CREDIT = 16  # the deepest inbox small batches get (credit.py); the bro
 
 
 class ProducerLink(PeerLink):
-    """A producer's link: leases asked and done on the control socket, batches out through
-    a bounded outbox that the I/O thread flushes to one PUSH socket."""
+    """A producer's link: leases on the control socket, batches out through a bounded outbox."""
 
     role = "producer"
 
@@ -43,18 +37,13 @@ class ProducerLink(PeerLink):
         self._outbox: queue.Queue = queue.Queue(maxsize=max(1, outbox_batches))
         self._grants: queue.Queue = queue.Queue()
         self._pending_batch: list | None = None  # frames a full PUSH pipe refused, sent next turn
-        # (lease, n) -> the samples of up to n of that lease given back (called on the I/O
-        # thread, quickly); None: nothing is ever given back
+        # (lease, n) -> up to n samples of that lease given back, called on the I/O thread
         self.on_revoke: Callable[[int, int], list[int]] | None = None
 
     def _open_data(self) -> list:
-        # A tiny send HWM: memory stays bounded and backpressure reaches the producer
-        # as soon as the broker stops reading. One PUSH, connected once per data stream
-        # the broker asks for (the same endpoint again: a TCP connection each, which
-        # libzmq puts on the least busy I/O thread of the mask); batches take them in turn.
+        # A tiny send HWM, so backpressure reaches the producer as soon as the broker stops reading;
+        # one PUSH connected once per data stream, naming us in its metadata (PROTOCOL.md 1).
         endpoints = self.welcome.streams(self.welcome.data_in)
-        # The connection names us (PROTOCOL.md 1): the broker can tell which producer sent a
-        # message even when its header does not parse, and that a batch naming us is ours.
         named = ((PEER_PROPERTY, self.peer_id), (INSTANCE_PROPERTY, self.instance))
         sock = make_socket(self._ctx, zmq.PUSH, endpoints[0], bind=False,
                            opts=SocketOpts(sndhwm=1, linger_ms=-1, curve=self.curve,
@@ -70,8 +59,7 @@ class ProducerLink(PeerLink):
             time.sleep(0.01)
 
     def _data_linger_ms(self, flush_timeout_s: float) -> int:
-        # Deliver what ZeroMQ still holds before saying bye, so the broker does not return
-        # leases whose batches are merely in transit.
+        # deliver what ZeroMQ holds before bye, or the broker returns leases whose batches are in transit
         return int(flush_timeout_s * 1000)
 
     # ------------------------------------------------------------ caller API
@@ -89,8 +77,7 @@ class ProducerLink(PeerLink):
                     raise TimeoutError(f"no grant from the broker within {timeout_s}s") from None
 
     def push_batch(self, batch: Batch, timeout_s: float | None = None) -> None:
-        """Queue one batch for the broker; blocks while the outbox is full. Its `producer`
-        must be this link's peer ID (the broker refuses a batch that names another peer)."""
+        """Queue one batch naming this link's peer ID; blocks while the outbox is full."""
         if batch.producer != self.peer_id:
             raise ValueError(f"batch {batch.batch_id} names producer {batch.producer!r}, this link is {self.peer_id!r}")
         frames = codec.encode_batch(batch, self.run_id)
@@ -107,8 +94,7 @@ class ProducerLink(PeerLink):
                     raise TimeoutError("outbox still full: the broker is not reading") from None
 
     def _check_size(self, batch_id: str, frames: list) -> None:
-        """Refuse a batch over the broker's limits (its welcome's `max_message_bytes`) before
-        it leaves: sent, it would be dropped or refused at the broker, its samples lost."""
+        """Refuse a batch over the broker's limits before it leaves: the broker would drop it."""
         run_config = self.welcome.run_config
         limit = run_config.max_message_bytes if run_config is not None else self.max_message_bytes
         payload = codec.payload_bytes(frames)
@@ -127,8 +113,7 @@ class ProducerLink(PeerLink):
     # ------------------------------------------------------------ I/O thread
 
     def _before_poll(self, poller: zmq.Poller) -> None:
-        # A batch the full pipe refused: wake the moment the pipe has room again,
-        # not at the next heartbeat tick (that capped a producer's batch rate).
+        # a refused batch: wake when the pipe has room, not at the next heartbeat tick
         poller.modify(self._data, zmq.POLLOUT if self._pending_batch is not None else 0)
 
     def _turn(self, events: dict) -> None:
@@ -161,8 +146,7 @@ class ProducerLink(PeerLink):
 
 
 class ConsumerLink(PeerLink):
-    """A consumer's link: batches in on one PULL per data stream into an inbox bounded by
-    the credit it grants; acks and commits out on the control socket."""
+    """A consumer's link: batches in on one PULL per data stream into an inbox bounded by its credit."""
 
     role = "consumer"
 
@@ -170,18 +154,15 @@ class ConsumerLink(PeerLink):
                  **kw):
         super().__init__(broker, instance, **kw)
         self._inbox: queue.Queue = queue.Queue()  # bounded by the credit we grant
-        # Sized once the welcome says the broker's max_credit (_open_data).
         self._inbox_bounds = (inbox_batches, inbox_bytes)
         self._credit: CreditWindow | None = None
 
     def _open_data(self) -> list:
-        # The I/O thread grants the first credit on its first turn.
         run_config = self.welcome.run_config  # the broker's cap on credit, if it says one
         most = min(MAX_AUTO_CREDIT, run_config.max_credit if run_config is not None else MAX_AUTO_CREDIT)
         self._credit = CreditWindow(self._inbox_bounds[0], self._inbox_bounds[1], max_batches=most)
         self._wake()  # so the I/O thread's first poll returns at once and grants it
-        # One PULL per data stream the broker opened for us (PROTOCOL.md 4.1), each on an
-        # I/O thread of its own while there are threads; a broker that names none has one.
+        # one PULL per data stream the broker opened, each on an I/O thread of its own while there are any
         endpoints = self.welcome.streams(self.welcome.data_out)
         socks = []
         try:
@@ -214,14 +195,12 @@ class ConsumerLink(PeerLink):
                 continue
             if self._credit.would_grant(self._inbox.qsize()):
                 self._wake()  # room for a lump of credit: the I/O thread grants it now
-            # Decoded here, in the caller's thread, not on the I/O thread: at thousands of
-            # small batches a second that thread was a relay's busiest.
+            # decoded on the caller's thread: the I/O thread was the busiest at many small batches
             try:
                 return codec.decode_batch(frames, run=self.run_id, peer="broker")
             except ProtocolError as e:
                 log.error("link.bad_message", reason=e.reason, peer="broker")
 
-    # (no lineage, or "", is sent as none: the broker's default lineage)
     def ack(self, batch_ids: list[str], step: int, lineage: str | None = None) -> None:
         self.send_control(Ack(list(batch_ids), int(step), lineage or None))
 

@@ -1,9 +1,5 @@
 """Every message type with its required and optional fields, and the wire limits (PROTOCOL.md is normative).
-
-A message is a msgpack map (the header) followed by zero or more raw tensor frames
-described in order by ``header["tensors"]``. This module only knows headers; the codec
-(codec.py) knows frames.
-"""
+This module knows headers only; codec.py knows frames."""
 
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -18,16 +14,11 @@ MAX_HEADER_BYTES = 1 << 20  # 1 MiB: a batch header lists sample IDs, nothing bu
 MAX_TENSORS = 16
 MAX_NDIM = 8
 MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: docs/DESIGN.md keeps one message well under this
-# ZMQ_MAXMSGSIZE on both ends of the control socket: the header limit plus framing margin
-# (a control message is a header only, so this is the largest frame either side accepts).
+# ZMQ_MAXMSGSIZE of the control socket: a control message is a header only, plus framing margin
 CONTROL_MAX_BYTES = MAX_HEADER_BYTES + 64 * 1024
 
-# ZMTP metadata properties a producer's data-in connection announces (PROTOCOL.md 1): its
-# peer ID and instance name, so that the broker can name the sender of any message on it.
+# ZMTP metadata a producer's data-in connection announces (PROTOCOL.md 1), naming the sender
 PEER_PROPERTY, INSTANCE_PROPERTY = "X-Peer", "X-Instance"
-
-# Every message type, one frozen dataclass each, declared as fields.py says. The data
-# plane's one type, `Batch`, is batch.py's: it also carries a batch's tensors.
 
 # ---------------------------------------------------------------- control, peer -> broker
 
@@ -65,8 +56,7 @@ class Done(Message):
 
 @dataclass(frozen=True)
 class Release(Message):
-    """`release {lease, samples}`: a producer's answer to `revoke`: the samples of its lease
-    it will not make (none started), for the broker to lease to another producer."""
+    """`release {lease, samples}`: a producer's answer to `revoke`, the samples it will not make."""
 
     type: ClassVar[str] = "release"
     lease: int
@@ -112,12 +102,10 @@ class Heartbeat(Message):
 
     type: ClassVar[str] = "heartbeat"
     stats: dict
-    # broker -> peer: the samples the run plans to train, in samples.done's count (the lr
-    # schedule's length: --time-budget's plan, else epochs x samples); nil until known
+    # broker -> peer: the samples the run plans to train (the lr schedule's length); nil until known
     planned_samples: int | None = optional(parse=typed(int))
-    # broker -> peer, --time-budget only: the share of the run's training time gone, by the
-    # broker's clock (0 at the first trained sample, 1 at the deadline less the reserve): the
-    # lr schedule's progress, so that it anneals at the deadline whatever the pace did
+    # broker -> peer, --time-budget only: the lr schedule's progress by the broker's clock, so it
+    # anneals at the deadline whatever the pace did
     budget_progress: float | None = optional(parse=typed(float, int))
 
 
@@ -129,9 +117,7 @@ class Bye(Message):
 
 @dataclass(frozen=True)
 class Failed(Message):
-    """`failed {code, reason, ...}`: a peer that stops on an error says why, just before its
-    `bye` (PROTOCOL.md 4.2): the broker's status and diagnosis show the cause and the fix
-    instead of an unexplained departure, and a consumer names the batch that failed it."""
+    """`failed {code, reason, ...}`: a peer that stops on an error says why before its `bye` (PROTOCOL.md 4.2)."""
 
     type: ClassVar[str] = "failed"
     code: str  # bad_row (producer), bad_batch (consumer), error (anything else)
@@ -154,9 +140,7 @@ class StatusAsk(Message):
 
 @dataclass(frozen=True)
 class Revoke(Message):
-    """`revoke {lease, n}`: to a producer that said `config.revoke: true`, while another
-    producer has nothing to make: give back up to `n` samples of `lease` not started, from
-    its end (answered by `release`)."""
+    """`revoke {lease, n}`: give back up to `n` unstarted samples of `lease` for an idle producer."""
 
     type: ClassVar[str] = "revoke"
     lease: int
@@ -182,8 +166,7 @@ class CommitPoint(Fields):
 
 @dataclass(frozen=True)
 class RunFacts(Fields):
-    """The facts a run's first producer fixes, each nil until then: in `run_config`, and in
-    the broker's heartbeat (`stats.run_facts`) for a consumer that joined before any producer."""
+    """The facts a run's first producer fixes, nil until then (also in the heartbeat's `stats.run_facts`)."""
 
     layer_ids: list | None = optional(parse=typed(list, each=(int,)))
     hidden_size: int | None = optional(parse=typed(int))
@@ -193,34 +176,28 @@ class RunFacts(Fields):
 
 @dataclass(frozen=True)
 class RunConfig(Fields):
-    """`welcome.run_config`: the run's fixed facts (PROTOCOL.md 4.1). The broker builds it,
-    producers and consumers parse it; what a field means is in PROTOCOL.md's table."""
+    """`welcome.run_config`: the run's fixed facts (PROTOCOL.md 4.1 says what each field means)."""
 
     epochs: int
     seed: int
     lease_size: int
     max_message_bytes: int
     max_credit: int
-    # the run's facts, absent until its first producer fixed them
     target: str | None = optional(parse=typed(str))
     target_id: dict | None = optional(parse=typed(dict))
     layer_ids: list | None = optional(parse=typed(list, each=(int,)))
     hidden_size: int | None = optional(parse=typed(int))
     vocab_size: int | None = optional(parse=typed(int))
     dataset: DatasetFacts | None = optional(parse=nested(DatasetFacts))
-    # a resumed run: its parent, and (also in any run that recorded a commit) where to start
     parent_run: str | None = optional(parse=typed(str))
     resumed_from: CommitPoint | None = optional(parse=nested(CommitPoint))
-    # consumers, where the broker arranges data-parallel ranks
     rank: int | None = optional(parse=typed(int))
     world_size: int | None = optional(parse=typed(int))
     dist: str | None = optional(parse=typed(str))
     lighthouse: str | None = optional(parse=typed(str))
 
     def fields(self) -> dict:
-        """As Fields.fields, but nil, not absent, where a field applies and is unknown
-        (PROTOCOL.md 4.1): a resumed run's `resumed_from` (its chain committed nothing), and
-        `dist` where ranks are arranged (rank 0 offered no rendezvous)."""
+        """As Fields.fields, but nil, not absent, where a field applies and is unknown (PROTOCOL.md 4.1)."""
         out = super().fields()
         if self.parent_run is not None:
             out.setdefault("resumed_from", None)
@@ -229,8 +206,7 @@ class RunConfig(Fields):
         return out
 
     def names_start(self) -> bool:
-        """Whether the broker names the checkpoint to start from (`resumed_from`: None means
-        none): a resumed run always does, any other run once it recorded a commit."""
+        """Whether the broker names the checkpoint to start from (a resumed run, or one with a commit)."""
         return self.parent_run is not None or self.resumed_from is not None
 
     def with_facts(self, facts: RunFacts) -> "RunConfig":
@@ -252,9 +228,7 @@ class Welcome(Message):
     run_config: RunConfig | None = optional(parse=nested(RunConfig))
 
     def streams(self, single: str | None) -> list[str]:
-        """The data endpoints to connect: `data_streams`, else the one `single` endpoint
-        (`data_in` or `data_out`) a broker that names no streams sends. Raises ProtocolError
-        when there is neither."""
+        """The data endpoints to connect: `data_streams`, else `single`; ProtocolError when neither."""
         if self.data_streams:
             return list(self.data_streams)
         if single is None:

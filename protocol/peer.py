@@ -1,14 +1,8 @@
 """The client side of the protocol: what a producer's and a consumer's link share.
 
-`PeerLink` owns every socket of a peer in one background I/O thread (ZeroMQ sockets are
-not thread-safe, and the GPU loop must never wait on the network): the control socket,
-the handshake, heartbeats, liveness (`BrokerLost`), a failure's report (`failed`) and
-close. Each role's link is a subclass in links.py (`ProducerLink`, `ConsumerLink`) that
-adds its data sockets and the calls its loop makes; the training or capture loop talks to
-it through bounded queues.
-
-Failures surface as exceptions on the next call: `BrokerUnreachable` (no handshake),
-`Rejected` (the broker refused us), `BrokerLost` (silent past the timeout).
+`PeerLink` owns every socket of a peer in one background I/O thread (ZeroMQ sockets are not
+thread-safe, and the GPU loop must never wait on the network); links.py adds each role's data side.
+Failures surface as exceptions on the next call (`BrokerUnreachable`, `Rejected`, `BrokerLost`).
 """
 
 from __future__ import annotations
@@ -43,31 +37,22 @@ class BrokerLost(DFlashError):
     """The broker went silent for longer than the liveness timeout."""
 
 
-# How long a peer that seems to have heard nothing for `timeout_s` looks at the control
-# socket once more before calling the broker lost (broker_silent).
 RECHECK_MS = 100
 
 
 def broker_silent(ctl: zmq.Socket, now: float, last_rx: float, timeout_s: float, recheck_ms: int = RECHECK_MS) -> bool:
-    """True when nothing came from the broker for `timeout_s` and nothing is waiting on `ctl`
-    either. The poll that found `ctl` empty may be seconds older than `now`: the I/O thread
-    was descheduled, or waited for the GIL the training thread held, on a loaded host. A
-    broker that kept sending meanwhile has messages waiting: it is not lost."""
+    """True when nothing came from the broker for `timeout_s` and nothing waits on `ctl` either: the
+    last poll may be seconds old (a descheduled thread, the GIL), and a broker that kept sending is not lost."""
     return now - last_rx > timeout_s and not ctl.poll(recheck_ms, zmq.POLLIN)
 
 
-# After the broker is lost, how long the process's own thread gets to notice (on its next
-# call into the link) and exit by itself before exit_when_stuck ends it.
+# After the broker is lost, how long the main thread gets to notice and exit before exit_when_stuck does.
 LOST_GRACE_S = 1.0
 
 
 def exit_when_stuck(role: str, grace_s: float = LOST_GRACE_S) -> Callable[[Exception], None]:
-    """A link's `on_lost`: if the process is still running `grace_s` after the broker was
-    lost (its main thread blocked elsewhere: an elastic consumer in a torchft quorum with the
-    broker's lighthouse gone, a producer in a long forward), log `event` with the error,
-    write the one `error:` line on stderr and exit 1. PROTOCOL.md 4.2: a peer that finds the
-    broker silent for `timeout_s` exits, and says why as its last word. `role`: producer or
-    consumer (the event is `produce.broker_lost` or `consume.broker_lost`)."""
+    """A link's `on_lost`: if the process still runs `grace_s` after the broker was lost (its main thread
+    blocked elsewhere), log `<role>.broker_lost` and exit 1 saying why (PROTOCOL.md 4.2)."""
     def on_lost(error: Exception) -> None:
         def later() -> None:
             time.sleep(grace_s)
@@ -85,9 +70,8 @@ def exit_when_stuck(role: str, grace_s: float = LOST_GRACE_S) -> Callable[[Excep
 
 
 def exit_broker_lost(error: Exception) -> None:
-    """Exit 1 now, `error:` and the reason as the last line on stderr, logs flushed: after
-    the broker is lost nothing is left to hand back, and the interpreter's own teardown
-    (library threads and exit handlers) took seconds beyond --timeout-s."""
+    """Exit 1 now with `error:` as the last stderr line, logs flushed: the interpreter's teardown took
+    seconds, and with the broker lost nothing is left to hand back."""
     try:
         close_logging()
         sys.stdout.flush()
@@ -98,11 +82,8 @@ def exit_broker_lost(error: Exception) -> None:
 
 
 class PeerLink(ABC):
-    """A link to the broker on an I/O thread of its own; subclasses add one role's data side.
-
-    A subclass sets `role` (the hello's role; it names the I/O thread and the routing ID),
-    opens its data sockets once welcome (`_open_data`) and does its share of each I/O turn
-    (`_turn`); the hooks left as they are here do nothing for a role that needs nothing."""
+    """A link to the broker on an I/O thread of its own; subclasses set `role`, open their data sockets
+    (`_open_data`) and do their share of each I/O turn (`_turn`)."""
 
     role: str  # "producer" or "consumer": set by each subclass
 
@@ -136,9 +117,7 @@ class PeerLink(ABC):
         self.stop_reason: str | None = None  # the `stop`'s reason: end_of_stream or shutdown
         self.error: Exception | None = None
         self.on_lost = on_lost  # called on the I/O thread once the broker is lost (exit_when_stuck)
-        # ZeroMQ I/O threads of this link's own context (0 = auto, where cores are to spare:
-        # control on one, and one per data connection, AUTO_DATA_STREAMS: the most a broker
-        # opens by itself).
+        # 0 = auto: control on one I/O thread and one per data connection, where cores are to spare
         self._io_threads = io_threads or auto_io_threads(AUTO_DATA_STREAMS)
         self._ctx: zmq.Context | None = None  # made in start(), ended in close()
         self._control_out: queue.Queue = queue.Queue()  # small messages; never blocks callers
@@ -158,14 +137,9 @@ class PeerLink(ABC):
         return self.welcome.peer
 
     def start(self) -> Welcome:
-        """Handshake, then start the I/O thread. Returns the broker's welcome.
-
-        Raises BrokerUnreachable, Rejected (RunMismatch for another run's ID)."""
+        """Handshake, then start the I/O thread; returns the welcome. Raises BrokerUnreachable, Rejected."""
         self._ctx = zmq.Context(io_threads=self._io_threads)
-        # A routing ID of our own: when ZeroMQ closes and reopens the control connection (a
-        # network reset), the broker's ROUTER knows it by the same identity, so the session
-        # goes on; without one it gets a new identity and every later message is refused
-        # `unknown_peer` (a message sent meanwhile would be lost). Unique per link.
+        # our own routing ID: after a reconnect the broker's ROUTER knows us by it, so the session goes on
         ctl = make_socket(self._ctx, zmq.DEALER, self.broker, bind=False, identity=self.routing_id,
                           opts=SocketOpts(maxmsgsize=CONTROL_MAX_BYTES, curve=self.curve,
                                           affinity=first_thread(self._io_threads)))
@@ -212,8 +186,7 @@ class PeerLink(ABC):
         """The role's data sockets, connected to the welcome's endpoints (the first is `_data`)."""
 
     def close(self, reason: str = "done", flush_timeout_s: float = 60.0) -> None:
-        """Flush what the role still holds (a producer's batches), say `bye`, stop the I/O
-        thread, close sockets."""
+        """Flush what the role still holds, say `bye`, stop the I/O thread, close sockets."""
         if self._thread is None:
             return
         self._wait_flushed(time.monotonic() + flush_timeout_s)
@@ -221,11 +194,9 @@ class PeerLink(ABC):
         self._wake()
         self._thread.join(timeout=flush_timeout_s)
         if self.error is None and not self._thread.is_alive():
-            # The thread may have left its loop before sending what was queued just
-            # before close (a last ack or commit): the socket is ours now, send it.
+            # what was queued just before close (a last ack or commit) may be unsent: the socket is ours now
             self._flush_control()
         self._thread = None
-        # (after a failure nothing waits: the broker is gone or refused us, and term would wait)
         linger = self._data_linger_ms(flush_timeout_s) if self.error is None else 0
         for sock in self._streams:
             sock.close(linger=linger)
@@ -241,12 +212,10 @@ class PeerLink(ABC):
         log.info("link.closed", reason=reason)
 
     def _wait_flushed(self, deadline: float) -> None:
-        """Before close stops the I/O thread: wait (until `deadline`, or a failure) for what
-        it still has to send. Nothing, unless the role queues data of its own."""
+        """Wait (until `deadline`) for what the I/O thread still has to send; a no-op unless the role queues data."""
 
     def _data_linger_ms(self, flush_timeout_s: float) -> int:
-        """How long closing a data socket may wait to deliver what ZeroMQ holds: no time,
-        unless the role sends data."""
+        """How long closing a data socket may wait to deliver what ZeroMQ holds (0 unless the role sends)."""
         return 0
 
     # ------------------------------------------------------------ caller API
@@ -262,8 +231,7 @@ class PeerLink(ABC):
             pass
 
     def send_control(self, msg: Message) -> None:
-        """Queue a control message. Raises MessageTooLarge for one over the control limit:
-        refused here, since the broker's ZeroMQ would close the connection and drop it."""
+        """Queue a control message; MessageTooLarge over the control limit (the broker's ZeroMQ would drop it)."""
         self._check()
         h = msg.to_header(self.run_id)
         n = len(codec.encode(h)[0])
@@ -274,9 +242,7 @@ class PeerLink(ABC):
         self._wake()
 
     def report_failure(self, msg: Message) -> None:
-        """Queue a `failed` (PROTOCOL.md 4.2): why this peer stops, sent ahead of the `bye`
-        that close() sends. A link that failed itself (the broker lost, or it refused us)
-        has nobody to tell: then nothing is sent (nor raised: the caller is already failing)."""
+        """Queue a `failed` (PROTOCOL.md 4.2) ahead of close()'s `bye`; a failed link sends and raises nothing."""
         try:
             self.send_control(msg)
         except DFlashError:
@@ -332,8 +298,7 @@ class PeerLink(ABC):
 
     @abstractmethod
     def _turn(self, events: dict) -> None:
-        """The role's share of one I/O turn, after control messages were read: its data, and
-        `_flush_control()` (the order is the role's: a consumer's credit goes first)."""
+        """The role's share of one I/O turn: its data and `_flush_control()`, in the role's order."""
 
     def _on_control(self, msg: codec.Message) -> None:
         if msg.type == "heartbeat":
@@ -368,18 +333,14 @@ class PeerLink(ABC):
 
 
 def from_broker(cls: type[Message], header: dict):
-    """The broker's message `header` as `cls`, with the validation the broker gives what it
-    receives (protocol/messages.py); a bad one is a ProtocolError naming the broker."""
+    """The broker's message `header` as `cls`, validated; a bad one is a ProtocolError naming the broker."""
     try:
         return cls.from_header(header)
     except ProtocolError as e:
         raise ProtocolError(e.reason, peer="broker") from None
 
 
-# How long a peer's start-up dial waits for a broker that refuses or drops its connection:
-# a broker started beside it (a compose file's depends_on does not wait for the port, tests
-# start both at once) may take many seconds to import and bind on a loaded host; a wrong
-# port is still said before anything loads, and a host that does not resolve at once.
+# A broker started beside its peer may take many seconds to bind on a loaded host.
 DIAL_TIMEOUT_S = 30.0
 
 
@@ -388,13 +349,9 @@ class BadBrokerAddress(DFlashError, ValueError):
 
 
 def dial_broker(endpoint: str, curve: CurveClient | None = None, timeout_s: float = DIAL_TIMEOUT_S) -> None:
-    """Check that a ZeroMQ endpoint answers at `endpoint` before the caller loads its model:
-    a wrong --broker was said only after the load and the handshake's 30 s. A ZeroMQ socket,
-    not a bare TCP connect, so the broker sees a completed handshake rather than a client
-    hanging up in it (which it logs as a security mismatch). A failed handshake (Curve keys
-    that do not match) counts as an answer: the link's handshake says what it means.
-
-    Raises BadBrokerAddress (malformed, or a host that does not resolve) or BrokerUnreachable."""
+    """Check that a ZeroMQ endpoint answers at `endpoint` before the caller loads its model (a ZeroMQ
+    handshake, not a bare connect, which the broker would log as a security mismatch).
+    Raises BadBrokerAddress or BrokerUnreachable."""
     from .sockets import split_endpoint
 
     try:
@@ -445,9 +402,7 @@ def dial_broker(endpoint: str, curve: CurveClient | None = None, timeout_s: floa
 
 
 def dial_or_exit(broker: str, curve_keys: str | None, curve_name: str | None) -> None:
-    """A peer command's start-up check of --broker, before torch and the target load: exit 2
-    for an address that cannot be right (malformed, a host that does not resolve, unreadable
-    Curve keys), 1 for a broker that does not answer."""
+    """A peer's start-up check of --broker: exit 2 for an address that cannot be right, 1 for no answer."""
     from dflash.runtime.command_line import fail
 
     from .curve import client_from

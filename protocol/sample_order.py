@@ -1,8 +1,5 @@
-"""Each epoch's shuffled sample order, from the run's seed (PROTOCOL.md 4.3): the broker
-leases samples along it (broker/leases.py), and a producer that regenerates ahead works
-along epoch 0's from the welcome's `seed` and `dataset.n_samples` (producers/broker_work.py), so
-both must compute the very same order.
-"""
+"""Each epoch's shuffled sample order from the run's seed (PROTOCOL.md 4.3): the broker leases along
+it and a producer working ahead computes the very same one."""
 
 from __future__ import annotations
 
@@ -10,10 +7,7 @@ import random
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
-    """The shuffled sample order of `epoch`: the same for the same (seed, epoch, n).
-
-    A str seed is hashed with SHA-512 by `random.Random`, stable across Python versions.
-    """
+    """The shuffled order of `epoch`, stable across Python versions (a str seed is hashed with SHA-512)."""
     order = list(range(n))
     random.Random(f"dflash:{seed}:{epoch}").shuffle(order)
     return order

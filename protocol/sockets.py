@@ -1,6 +1,5 @@
-"""The one helper that creates every ZeroMQ socket: bind or connect, HWM, buffers, linger,
-maximum message size, optional CurveZMQ. Options are set before bind/connect, since
-ZeroMQ applies most of them only to pipes created afterwards."""
+"""The one helper that creates every ZeroMQ socket, and frame-level send/recv. Options are set
+before bind/connect, since ZeroMQ applies most of them only to pipes created afterwards."""
 
 from __future__ import annotations
 
@@ -14,24 +13,18 @@ if TYPE_CHECKING:
     from .curve import CurveClient, CurveServer
 
 
-# One ZeroMQ I/O thread moves every byte of a process's connections on one core. Two let a
-# data connection have a thread of its own (ZMQ_AFFINITY), away from control traffic:
-# the broker's relay (docs/BENCHMARKS.md) and the peers' links. Auto picks two only where
-# cores are to spare: on a 2-core machine a second thread is slower (docs/BENCHMARKS.md).
+# A second I/O thread gives data a core away from control traffic, but on few cores it is slower.
 AUTO_TWO_IO_CPUS = 8
 
 
 def usable_cpus() -> int:
-    """Cores this process may run on (its affinity mask, e.g. a container's cpuset; the
-    machine's count where the OS has no such call)."""
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
-# A consumer's batches may come over several TCP connections ("data streams"), each
-# moved by its own I/O thread at both ends: one thread sending small batches tops out
-# below what a direct connection from a sender's cache reaches (docs/BENCHMARKS.md). The broker opens this many per consumer where it has the threads.
+# Data streams per consumer where the threads exist: one thread sending small batches tops out early.
 AUTO_DATA_STREAMS = 2
 
 
@@ -51,8 +44,7 @@ def other_threads(io_threads: int) -> int:
 
 
 def nth_other_thread(io_threads: int, i: int) -> int:
-    """ZMQ_AFFINITY mask of the i-th thread after the first, in turn (0 = any, with one
-    thread): a data connection each, so two of them never share a core while any is free."""
+    """ZMQ_AFFINITY mask of the i-th thread after the first, in turn (0 = any, with one thread)."""
     return 1 << (1 + i % (io_threads - 1)) if io_threads > 1 else 0
 
 
@@ -67,7 +59,6 @@ class SocketOpts:
     immediate: bool = False  # queue only on completed connections
     affinity: int = 0  # bitmask of the context's I/O threads its connections may use; 0 = any
     curve: CurveServer | CurveClient | None = None  # CurveZMQ keys (protocol/curve.py); None = plain
-    # ZMTP metadata this side's connections announce ("X-Name" -> value; PROTOCOL.md 1)
     metadata: tuple[tuple[str, str], ...] = ()
 
 
@@ -80,8 +71,7 @@ def make_socket(
     opts: SocketOpts = SocketOpts(),
     identity: bytes | None = None,
 ) -> zmq.Socket:
-    """A socket of `kind`, options set, bound or connected. Raises zmq.ZMQError (e.g. the
-    address is in use); the half-made socket is closed first."""
+    """A socket of `kind`, options set, bound or connected; on zmq.ZMQError the half-made socket is closed."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, opts.linger_ms)
@@ -110,16 +100,12 @@ def make_socket(
         raise
 
 
-# Frame by frame, with plain int flags: pyzmq's send_multipart/recv_multipart check every
-# part's type, combine enum flags per frame and ask RCVMORE with a getsockopt per frame.
-# At thousands of batches a second that was a large share of the broker's relay time
-# (bench/transport.py at small sizes; bench/reports/2026-12-01-code-figures.md).
+# Frame by frame with plain int flags: pyzmq's *_multipart per-frame checks were a large share of the relay's time.
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
-    """One multipart message as zmq.Frames (no copy). Raises zmq.Again with NOBLOCK
-    when nothing is there; the parts of a message arrive together or not at all."""
+    """One multipart message as zmq.Frames (no copy); zmq.Again with NOBLOCK when nothing is there."""
     flags = int(flags)
     f = sock.recv(flags, copy=False)
     frames = [f]
@@ -133,15 +119,12 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 def readable(sock: zmq.Socket) -> bool:
-    """A whole message waits on `sock`. Cheaper than draining the socket until zmq.Again:
-    raising that exception costs more than asking ZeroMQ."""
+    """A whole message waits on `sock` (cheaper than raising zmq.Again)."""
     return bool(sock.get(_EVENTS) & _POLLIN)
 
 
 def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
-    """Send `frames` (bytes, buffers or zmq.Frames) as one message without copying large
-    ones. With NOBLOCK, zmq.Again can only come from the first part: once it is taken,
-    ZeroMQ takes the rest of the message too."""
+    """Send `frames` as one message without copying large ones; with NOBLOCK only the first part can raise zmq.Again."""
     flags = int(flags)
     more = flags | _SNDMORE
     last = len(frames) - 1
@@ -167,10 +150,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def free_port_block(n: int, host: str = "127.0.0.1") -> int:
-    """First of `n` consecutive TCP ports free on `host` (each checked by binding it).
-
-    For local runs and tests that start a broker on ports nobody else uses. Raises
-    RuntimeError when no such block turns up in 200 tries."""
+    """First of `n` consecutive TCP ports free on `host` (local runs, tests); RuntimeError if none found."""
     import random
     import socket
 

@@ -1,6 +1,4 @@
-"""A target's identity (runtime/target_heads.py `_fingerprint`: model type, a hash of its
-config's shape fields, a hash of the first rows of both heads), compared without torch so
-the broker can check it: it is one of the run's facts (PROTOCOL.md 4.1, `target_id`)."""
+"""A target's identity (runtime/target_heads.py), compared without torch so the broker can check it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The training signal: what a drafter is trained to do (docs/DESIGN.md "The contract between
-roles"). A consumer states it in its hello (`config.signal`, PROTOCOL.md 4.1: the broker
-reads the target identity in it), every checkpoint records it, and ranks, heals and resumes
-compare it: it never changes silently. Packing settings are not part of it.
+"""The training signal: what a drafter is trained to do (docs/DESIGN.md "The contract between roles").
+Hellos state it, checkpoints record it, ranks, heals and resumes compare it: it never changes silently.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ from .errors import DFlashError
 
 
 class SignalMismatch(DFlashError):
-    """Two training signals differ where they must not (a resume, another rank, a heal): going
-    on would silently change what the drafter is trained to do."""
+    """Two training signals differ where they must not (a resume, another rank, a heal)."""
 
 
 @dataclass(frozen=True)
@@ -27,16 +24,11 @@ class Signal:
     draft_layers: int
     mask_token_id: int
     target: dict  # the target's identity (runtime/target_heads.py identity_of; target_id.py compares)
-    # Why this MASK row (consumers/drafter/mask_token.py MaskChoice.as_dict): recorded, not compared (the ID is)
-    mask_choice: dict | None = None
-    # --distill-weight: the share of the target's soft labels in the loss (0: hard labels only)
-    distill: float = 0.0
-    # --anchor-every: one anchor per this many trainable positions (1: every one, as before it existed)
-    anchor_every: int = 1
-    # --loss: "ce", the position-decayed cross-entropy (gamma), or "dpace" (docs/TRAINING.md "D-PACE")
-    loss: str = "ce"
-    # --dpace-alpha: D-PACE's confidence smoothing; None with loss "ce", which has none
-    dpace_alpha: float | None = None
+    mask_choice: dict | None = None  # why this MASK row: recorded, not compared (the ID is)
+    distill: float = 0.0  # --distill-weight
+    anchor_every: int = 1  # --anchor-every (1: every position, as before it existed)
+    loss: str = "ce"  # --loss: "ce" or "dpace"
+    dpace_alpha: float | None = None  # --dpace-alpha; None with loss "ce"
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -49,8 +41,7 @@ NOT_COMPARED = frozenset({"mask_choice"})
 
 
 def signal_differences(saved: dict, current: Signal) -> list[str]:
-    """'field: saved -> current' for every field that differs (a field a checkpoint
-    predates counts as its default: a checkpoint saved before it existed trained with it)."""
+    """'field: saved -> current' for every field that differs (a field a checkpoint predates counts as its default)."""
     now = current.as_dict()
     defaults = {f.name: f.default for f in fields(Signal)}
     out = []

@@ -1,4 +1,2 @@
-"""dflash.runtime: what every process needs beside the wire. CLI config, structlog logs, run
-folders and run.json, loading a target, GPU and memory figures, malloc and GC tuning,
-graceful stop, thread names, transformers shims. It imports nothing of the wire (protocol/)
-or of a role, so any folder may use it."""
+"""dflash.runtime: what every process needs beside the wire (CLI config, logs, run folders, target
+loading, GPU and memory figures, stop). It imports nothing of protocol/ or a role."""

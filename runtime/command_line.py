@@ -1,10 +1,6 @@
-"""Shared CLI plumbing: every option has an env var `DFLASH_<COMMAND>_<NAME>` (e.g.
-`DFLASH_PRODUCE_TOKEN_BUDGET`) and may come from a TOML file given with `--config`
-(precedence: command line > env > config file > default). A few variables are shared by
-every command on purpose (SHARED_ENV: the broker address, the runs folder, the Curve
-keys); any other variable changes one command only. Each role keeps one frozen config
-dataclass, and each of its options is declared once, as a field of it (`setting`); the
-click command is made from the fields (`options`) and only maps the values onto the config.
+"""Shared CLI plumbing: each option is declared once as a config field (`setting`), has an env var
+`DFLASH_<COMMAND>_<NAME>` (SHARED_ENV aside) and may come from a TOML `--config`
+(command line > env > config file > default).
 """
 
 from __future__ import annotations
@@ -36,15 +32,12 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-# Read by every command that has the option: one host's broker, runs folder and keys are
-# the same for all its roles. Every other option's variable is DFLASH_<COMMAND>_<NAME>.
+# One host's broker, runs folder and keys are the same for all its roles.
 SHARED_ENV = frozenset({"DFLASH_BROKER", "DFLASH_RUNS_DIR", "DFLASH_CURVE_KEYS", "DFLASH_CURVE_NAME"})
 
 
 def option(*decls: str, **kw) -> Callable:
-    """click.option with its env var shown in --help, and defaults shown. The variable is
-    DFLASH_<NAME> here; `command` puts the command's namespace in (unless shared)."""
-    # "--elastic/--no-elastic" is one declaration: the variable is named after its on-switch.
+    """click.option with its env var (DFLASH_<NAME>; `command` adds the namespace) and default shown."""
     flag = next(d for d in decls if d.startswith("--")).split("/")[0]
     name = flag.lstrip("-").replace("-", "_").upper()
     kw.setdefault("envvar", f"DFLASH_{name}")
@@ -68,12 +61,8 @@ class OptionSpec:
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, parse: Callable[[Any], Any] | None = None,
             **click_kwargs) -> Any:
-    """A config dataclass field that is also the option `--<field-name>`: its default, help
-    and click arguments are declared here, once, and `options` makes the option from them.
-    With `parse`, `default` is written as on the command line (e.g. "4GiB") and the field
-    holds parse(default); the option's value goes through `parse` too, in click (a ValueError
-    is a usage error naming the option) or, after `options(cls, parse=False)`, in the
-    command (`parse_texts`)."""
+    """A config field that is also the option `--<field-name>`, declared once. With `parse`, `default`
+    is command-line text (e.g. "4GiB") and the field holds parse(default)."""
     spec = OptionSpec(help, default, parse, click_kwargs)
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata={OPTION: spec})
@@ -97,9 +86,7 @@ class Parsed:
 
 
 def option_of(name: str, field: dataclasses.Field, annotation: Any = None, parse: bool = True) -> Callable:
-    """The click option of field `name` made by `setting`: `--name-with-dashes`; a bool is a
-    flag (`--x/--no-x` when on by default); an int or float field (`annotation`) reads one.
-    parse=False: a setting's `parse` is left to the command (`parse_texts`)."""
+    """The click option of `setting` field `name` (a bool is a flag; parse=False: `parse` left to the command)."""
     spec: OptionSpec = field.metadata[OPTION]
     kw = dict(spec.click_kwargs)
     flag = "--" + name.replace("_", "-")
@@ -125,8 +112,7 @@ def _without_none(annotation: Any) -> Any:
 
 
 def settings_of(cls: type) -> list[tuple[str, dataclasses.Field, Any]]:
-    """(name, field, type) of every field of config dataclass `cls` made by `setting`, in
-    field order; a field whose type is itself a config dataclass gives its own in its place."""
+    """(name, field, type) of every `setting` field of `cls` in order, nested configs' in their place."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -138,10 +124,8 @@ def settings_of(cls: type) -> list[tuple[str, dataclasses.Field, Any]]:
 
 
 def options(cls: type, *, after: Mapping[str, Sequence[Callable | str]] | None = None, parse: bool = True) -> Callable:
-    """Decorator: the click options of config dataclass `cls` (`settings_of`), in field order,
-    so that --help lists them so. `after` places more after a field's option: click option
-    decorators (options of the command only), or the names of fields whose options move there.
-    parse=False: the values of settings with a `parse` reach the command as text (`parse_texts`)."""
+    """Decorator: the click options of `cls` in field order; `after` places more options (or moved
+    fields) after a field's. parse=False: values reach the command as text (`parse_texts`)."""
     made = {name: option_of(name, f, t, parse) for name, f, t in settings_of(cls)}
     after = dict(after or {})
     unknown = sorted(set(after) - set(made)) + sorted(x for xs in after.values() for x in xs
@@ -164,9 +148,7 @@ def options(cls: type, *, after: Mapping[str, Sequence[Callable | str]] | None =
 
 
 def parse_texts(cls: type, values: Mapping[str, Any], namespace: str) -> dict:
-    """`values` with the text of each setting of `cls` that has a `parse` parsed (what
-    `options(cls, parse=False)` left to the command). Raises ValueError naming the option and
-    where else its value may have come from (env DFLASH_<NAMESPACE>_<NAME>, or --config)."""
+    """`values` with each `parse` setting's text parsed; ValueError names the option, env var and --config."""
     out = dict(values)
     for name, f, _ in settings_of(cls):
         parse = f.metadata[OPTION].parse
@@ -180,8 +162,7 @@ def parse_texts(cls: type, values: Mapping[str, Any], namespace: str) -> dict:
 
 
 def config_of(cls: type, values: Mapping[str, Any]) -> Any:
-    """Config dataclass `cls` made from a command's option values (its nested configs too);
-    values that are no field of it are left out."""
+    """Config dataclass `cls` (and its nested configs) from a command's option values."""
     hints = typing.get_type_hints(cls)
     kw = {}
     for f in dataclasses.fields(cls):
@@ -193,9 +174,8 @@ def config_of(cls: type, values: Mapping[str, Any]) -> Any:
 
 
 def command(namespace: str, **settings) -> Callable:
-    """click.command with `-h`/`--help` and every option's env var in the command's own
-    namespace: DFLASH_<NAME> becomes DFLASH_<NAMESPACE>_<NAME> unless it is in SHARED_ENV
-    (a DFLASH_INSTANCE meant for a producer once filtered dflash-logs' output to nothing)."""
+    """click.command with `-h` and env vars in its own namespace (DFLASH_<NAMESPACE>_<NAME>, SHARED_ENV
+    aside), so a variable meant for one command never changes another."""
     settings.setdefault("help_option_names", ["-h", "--help"])
 
     def wrap(f: Callable) -> click.Command:
@@ -211,10 +191,8 @@ def command(namespace: str, **settings) -> Callable:
 
 
 def default_instance(device: str) -> str:
-    """A peer's default name, `<host>-<device>-<pid>` (e.g. `gpu3-cuda1-4711`): distinct
-    for every process on a host, so two producers (or consumers) started with the same
-    command on one host are not refused as duplicates. A restarted process gets a new name;
-    nothing keys on the old one (the broker hands out ranks, checkpoints are per run)."""
+    """A peer's default name, `<host>-<device>-<pid>`: distinct per process, so two peers started alike on
+    one host are not refused as duplicates."""
     return f"{socket.gethostname()}-{device.replace(':', '')}-{os.getpid()}"
 
 
@@ -241,9 +219,7 @@ def _load_toml(ctx: click.Context, _param, path: str | None):
 
 
 def _check_toml_value(path: str, key: str, value, param: click.Parameter, ctx: click.Context) -> None:
-    """Refuse a TOML value its option cannot take, naming the file and key. Left to click,
-    the error blamed the option's env var, which nobody had set; and a float given for an
-    integer option was truncated without a word."""
+    """Refuse a TOML value its option cannot take, naming the file and key (click blamed the env var)."""
     where = f"{path}: {key} = {value!r}"
     if isinstance(param.type, click.types.IntParamType) and isinstance(value, (float, bool)):
         raise click.BadParameter(f"{where} is not an integer (write it without a decimal point)")
@@ -282,8 +258,7 @@ def _broker_endpoint(_ctx, param, value: str | None) -> str | None:
     return value
 
 
-# The options several commands share, each declared once: a config field of every role
-# that has it (`broker: str = broker_setting()`), and the option of a command without one.
+# Options several commands share, each declared once.
 
 
 def broker_setting() -> Any:
@@ -330,9 +305,7 @@ def runs_dir_option() -> Callable:
 
 
 def target_callback(need_tokenizer: bool) -> Callable:
-    """click callback of every --target: a local model folder or .gguf file, or a hub ID in
-    the local Hugging Face cache (given on as its snapshot folder), checked before anything
-    loads (runtime/target_arg.py says what transformers would have said instead)."""
+    """click callback of every --target: a local folder, .gguf, or cached hub ID, checked before anything loads."""
 
     def check(_ctx, param, value: str | None) -> str | None:
         if value is None:

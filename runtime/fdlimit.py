@@ -1,10 +1,7 @@
 """The open-file limit raised to what the system allows, at a process's start.
 
-Every TCP connection is a descriptor. With the common soft limit of 1024, a broker met by
-more half-open connections than that (a reconnect storm, a scanner) ran out, and ZeroMQ
-could accept nothing, a live peer's control session included, until they timed out. The
-hard limit is what an unprivileged process may raise itself to, so nothing is lost by
-asking for it; a system that refuses leaves the limit as it was (logged either way).
+Every TCP connection is a descriptor: at the common soft limit of 1024 a reconnect storm left the broker
+unable to accept anything. Raising to the hard limit costs nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ log = get_logger()
 
 
 def raise_open_files(role: str) -> tuple[int, int] | None:
-    """Soft RLIMIT_NOFILE up to the hard one; logs `process.open_files`. Returns (before,
-    after) soft limits, or None where the platform has no such limit."""
+    """Soft RLIMIT_NOFILE up to the hard one (logged); (before, after) soft limits, or None without one."""
     try:
         import resource
     except ImportError:  # not a POSIX system

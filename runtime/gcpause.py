@@ -1,13 +1,8 @@
 """Short garbage-collector pauses in long-lived processes.
 
-A full pass of Python's cyclic collector walks every tracked object with the GIL held.
-After importing torch and transformers a process tracks hundreds of thousands of them, so
-on a loaded host a pass can hold the GIL for seconds: a peer's I/O thread sends no
-heartbeat meanwhile, and the broker (one thread) sends none and reads none. The soak saw
-consumers declared lost right after checkpoints, whose allocations set off such a pass.
-`freeze_setup()` moves every object alive now (modules, the model, the target) into the
-permanent generation, which collections skip; what the loop allocates later is collected
-as before. Call it once setup is done, again after more setup.
+A full collection after importing torch can hold the GIL for seconds, long enough for a peer to miss
+heartbeats and be declared lost. `freeze_setup()` moves what is alive after setup into the permanent
+generation, which collections skip.
 """
 
 from __future__ import annotations

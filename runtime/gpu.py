@@ -1,13 +1,6 @@
-"""GPU figures for heartbeats: memory used/total and utilisation of one device.
-
-Producers and consumers put these in their heartbeat `stats` (PROTOCOL.md 4.2), so
-`dflash-status` shows every GPU of the run without anyone running nvidia-smi by hand
-(docs/DESIGN.md incident 6: two idle drafter GPUs that nothing reported).
-
-NVML (`pip install nvidia-ml-py`, imported as `pynvml`) gives device-wide memory like
-nvidia-smi and the utilisation; without it `torch.cuda.mem_get_info` gives the memory
-only. On a CPU device, or when nothing answers, the result is `{}`: a heartbeat must
-never fail because of its figures, so this never raises.
+"""GPU figures for heartbeats: memory used/total and utilisation of one device, so `dflash-status`
+shows every GPU of the run. NVML when installed, else torch's memory figures only; `{}` when nothing
+answers, since a heartbeat must never fail because of its figures.
 """
 
 from __future__ import annotations
@@ -19,10 +12,7 @@ _nvml: dict[str, Any] = {"state": None, "handles": {}}  # state: None (untried),
 
 
 def gpu_figures(device: Any) -> dict:
-    """{gpu_mem_used, gpu_mem_total (bytes), gpu_util (percent, NVML only)} of `device`.
-
-    `device`: a CUDA ordinal (int), a torch.device or a string like "cuda:1"; None or a
-    non-CUDA device gives {}. Safe to call from any thread, about once a second."""
+    """{gpu_mem_used, gpu_mem_total, gpu_util (NVML only)} of a CUDA `device`, else {}; never raises."""
     index = _cuda_index(device)
     if index is None:
         return {}
@@ -63,10 +53,7 @@ def _cuda_index(device: Any) -> int | None:
 
 
 def _nvml_handle(index: int):
-    """NVML's handle for CUDA ordinal `index`, or None without NVML.
-
-    CUDA ordinals are not NVML indices: CUDA_VISIBLE_DEVICES renumbers devices (and may
-    list UUIDs), so the device is matched by the UUID torch reports when it can."""
+    """NVML's handle for CUDA ordinal `index` (matched by UUID: CUDA_VISIBLE_DEVICES renumbers), or None."""
     if _nvml["state"] == "off":
         return None
     if index in _nvml["handles"]:
@@ -114,8 +101,7 @@ def _by_visible_index(pynvml, index: int):
 
 
 def matmul_ceiling_tflops(device, n: int = 8192, reps: int = 10) -> float:
-    """Measured bf16 matrix-product rate of CUDA `device` (the MFU denominator of every
-    benchmark), TFLOP/s."""
+    """Measured bf16 matrix-product rate of CUDA `device` in TFLOP/s (the benchmarks' MFU denominator)."""
     import torch
 
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)

@@ -16,15 +16,12 @@ def new_cache(model: nn.Module):
 
 
 def cache_kwarg(model: nn.Module) -> str:
-    """The forward() argument that takes the KV cache: transformers 5.2x renamed
-    `past_key_values` to `cache` (the old name warns); 4.x knows only the old one."""
+    """The forward() argument that takes the KV cache (`cache` since transformers 5.2x, else `past_key_values`)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def renamed_key(key: str, renamings, converters, prefix: str | None, meta: dict) -> str:
-    """The parameter name transformers 5 loads checkpoint key `key` into (its key
-    renamings, then the base-model prefix added or dropped as the model needs); `key`
-    itself where transformers has no renaming (4.x) or the renaming fails."""
+    """The parameter name transformers 5 loads checkpoint key `key` into; `key` itself without a renaming."""
     try:
         from transformers.core_model_loading import rename_source_key
     except ImportError:
@@ -36,8 +33,7 @@ def renamed_key(key: str, renamings, converters, prefix: str | None, meta: dict)
 
 
 def causal_lm_class(config) -> type | None:
-    """The transformers class AutoModelForCausalLM builds for `config` (None: not a
-    built-in family, e.g. custom code)."""
+    """The transformers class AutoModelForCausalLM builds for `config` (None: not built in)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
@@ -47,12 +43,8 @@ def causal_lm_class(config) -> type | None:
 
 
 def sharded_config(text_config, world_size: int):
-    """The DistributedConfig that shards a target over `world_size` ranks, experts included.
-    Up to transformers 5.2x the tensor-parallel plan sharded a mixture-of-experts layer's
-    experts; since then that plan leaves them whole on every rank and the expert-parallel
-    plan shards them, only when `ep_size` asks for it. With ep_size equal to the tensor-
-    parallel size every rank runs its own experts on the one batch the ranks share, and the
-    outputs are summed (transformers' "all_reduce" expert parallelism)."""
+    """The DistributedConfig that shards a target over `world_size` ranks, experts included: since
+    transformers 5.2x only the expert-parallel plan shards experts, and only when `ep_size` asks."""
     from transformers.distributed.configuration_utils import DistributedConfig
 
     fields = getattr(DistributedConfig, "__dataclass_fields__", {})

@@ -1,15 +1,5 @@
-"""transformers' own progress bars while a target loads ("Loading weights", "Loading
-checkpoint shards", "Converting and de-quantizing GGUF tensors...", "Writing model shards")
-through runtime/progress.py: a bar on a terminal, `progress.update` log lines otherwise,
-never raw tqdm output among the JSON log lines (which is why they were turned off, and why a
-minutes-long load of a large target said nothing).
-
-    with load_bars("load Qwen/Qwen3-8B"):
-        model = AutoModelForCausalLM.from_pretrained(...)
-
-transformers creates its bars through `transformers.utils.logging.tqdm`, which calls the
-hook of `set_tqdm_hook` (5.x, the versions this project supports); its GGUF reader uses
-`tqdm.auto.tqdm` by its module's own name, swapped here for the same bar while the block runs.
+"""transformers' own progress bars while a target loads, routed through runtime/progress.py so no raw
+tqdm output lands among the JSON log lines (`with load_bars("load X"): from_pretrained(...)`).
 """
 
 from __future__ import annotations
@@ -24,9 +14,7 @@ GGUF_MODULE = "transformers.modeling_gguf_pytorch_utils"
 
 
 class _Bar:
-    """What transformers' loading code uses of a tqdm (iterating what it wraps, update,
-    set_postfix, close, `with`), reported as `what: <its description>`. Parts of a load end
-    without a line of their own when short (the caller logs the load)."""
+    """What transformers' loading code uses of a tqdm, reported as `what: <its description>`."""
 
     def __init__(self, what: str, iterable=None, desc: str | None = None, total=None, *, unit: str = "it",
                  disable: bool = False, **_ignored):
@@ -70,8 +58,7 @@ class _Bar:
 
 @contextmanager
 def load_bars(what: str, *, gguf_file: bool = False):
-    """transformers' progress bars created inside this block report as `what: <desc>`;
-    `gguf_file`: the block reads a .gguf file (its de-quantisation bar too)."""
+    """transformers' bars made inside this block report as `what: <desc>` (`gguf_file`: the GGUF reader's too)."""
     import importlib
 
     from transformers.utils import logging as hf_logging

@@ -1,11 +1,8 @@
 """structlog setup shared by every role: one JSON object per line, in the run's file
 `runs/<run_id>/logs/<role>-<instance>.jsonl` and on stdout (key=value on a TTY).
 
-Every line carries ts, level, event, run_id, role, instance, host, pid (and gpu where the
-process has one). Lines logged before the run ID is known (before the broker's welcome)
-are held in a bounded buffer and written to the run file, stamped with the run ID, once
-`bind_run` is called; if the process never joins a run, or logs after `close_logging`, they
-only reach stdout.
+Lines logged before the run ID is known are held in a bounded buffer and written to the run file
+once `bind_run` is called.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ class _RunFile:
         with self.lock:
             if self.file is not None:
                 self.file.close()
-            # "a": a peer restarted within the same run continues its own file; a new run
-            # always has a new folder, so two runs never share a file.
+            # "a": a peer restarted within a run continues its file; a new run has a new folder
             self.file = open(path, "a", buffering=1)
             self.path, self.run_id, self.closed, self.error = path, run_id, False, None
             for ev in self.pending:
@@ -86,8 +82,7 @@ class _RunFile:
             self.closed = True
 
     def reset(self) -> None:
-        """A new configuration starts with nothing held from an earlier one in this
-        process (a run made in-process, as tests and embedders do, after another)."""
+        """A new configuration starts with nothing held from an earlier one in this process."""
         with self.lock:
             self.close()
             self.path = self.run_id = None
@@ -164,8 +159,7 @@ def bind_run(run_id: str, runs_dir=None) -> Path:
 
 
 def run_file_error() -> str | None:
-    """Why this process's run log file could not be written (a full disk), or None: its
-    lines go on to stdout only, and the caller decides whether the run can go on."""
+    """Why the run log file could not be written, or None; the caller decides whether to go on."""
     return _run_file.error
 
 
@@ -174,10 +168,6 @@ def close_logging() -> None:
 
 
 def get_logger(**bound):
-    """A logger that follows setup_logging even if made before it (module-level `log`).
-
-    structlog's lazy proxy resolves the configuration on each call; calling `.bind()`
-    on it would freeze the configuration of import time (structlog's default console
-    renderer), and module-level loggers would skip the JSON file and the run ID.
-    """
+    """A logger that follows setup_logging even if made before it: never `.bind()` the lazy proxy, which
+    would freeze the import-time configuration."""
     return structlog.get_logger(**bound)

@@ -1,9 +1,5 @@
-"""What an out-of-memory log line says about memory, for producers and consumers alike.
-
-An OOM is logged with its cause (docs/LOGS.md): how much the failed allocation asked
-for, and how much the device had. On a CUDA device the figures come from the caching
-allocator; on a CPU device from the operating system (the free figure only), so the same
-fields are filled, or nil, whatever the device.
+"""What an out-of-memory log line says about memory (asked for, free, total), for producers and
+consumers alike: the same fields, filled or nil, on a CUDA or CPU device.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ _UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
 
 
 def bytes_asked(err: BaseException) -> int | None:
-    """The allocation size in torch's OOM message ('Tried to allocate 4.74 GiB', 'you
-    tried to allocate 1024 bytes'), if any."""
+    """The allocation size in torch's OOM message, CUDA's or the CPU allocator's, if any."""
     m = _ASKED.search(str(err))
     if m:
         return int(float(m.group(1)) * _UNITS[m.group(2)])
@@ -40,9 +35,7 @@ def bytes_free(device: torch.device) -> int | None:
 
 
 def memory_figures(device: torch.device) -> dict:
-    """{bytes_free, bytes_total, bytes_allocated, bytes_peak} of `device`; nil where the
-    device cannot say (a CPU has no allocator figures). bytes_peak is the allocator's
-    high-water mark since the process started (or since the caller last reset it)."""
+    """{bytes_free, bytes_total, bytes_allocated, bytes_peak} of `device`; nil where it cannot say."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return {"bytes_free": int(free), "bytes_total": int(total),
@@ -56,8 +49,7 @@ def memory_figures(device: torch.device) -> dict:
 
 
 def release(device: torch.device) -> None:
-    """Give a failed pass's memory back: its tensors must be unreachable already (out of
-    the `except` block, whose traceback holds the failed frames)."""
+    """Give a failed pass's memory back; call it outside the `except` block, whose traceback holds the frames."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

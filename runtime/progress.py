@@ -1,16 +1,8 @@
 """Progress of a long command: a tqdm bar on a terminal, a `progress.update` log line now and then
 otherwise (a pipe, a file, CI), so nobody waits on a silent command and logs stay JSON.
 
-    with progress("prompts", total=20000, unit="prompt") as bar:
-        bar.update(n)           # n more done
-        bar.note(kept=..., ...)  # figures shown beside the bar and logged with each line
-
-    with ticking("read model.gguf"):  # a step nothing counts: the time it has taken, every second
-        reader = GGUFReader(path)
-
-tqdm (a dependency of transformers, so always installed) draws the bar on stderr when
-stderr is a TTY; `DFLASH_PROGRESS=bar|log|off` forces one way, and
-`DFLASH_PROGRESS_EVERY_S` sets how often log lines come (default LOG_EVERY_S).
+`progress(what, total)` counts (`update`, `note` figures); `ticking(what)` shows elapsed time for a
+step nothing counts. `DFLASH_PROGRESS=bar|log|off` forces a mode, `DFLASH_PROGRESS_EVERY_S` the log pace.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ class Progress:
         self.done = 0
         self.figures: dict = {}
         self._clock, self._every = clock, log_every_s() if every_s is None else every_s
-        # end_line=False: a task shorter than one interval ends without a line (a part of a
-        # step whose caller logs its own end, e.g. transformers' bars inside a target's load)
+        # end_line=False: a task shorter than one interval ends without a line (its caller logs the end)
         self._end_line, self._logged = end_line, False
         self._t0 = self._last = self._drawn = clock()
         self._said: tuple | None = None  # (done, figures) of the last log line: the end line is not its repeat
@@ -73,18 +64,14 @@ class Progress:
             self._log()
 
     def tick(self) -> None:
-        """Show that the task goes on without counting anything: the bar's elapsed time
-        redrawn, or a log line when one is due (ticking() calls it every second)."""
+        """Show that the task goes on without counting: redraw the bar, or log when due."""
         if self._bar is not None:
             self._bar.refresh()
         elif self.mode == "log" and self._clock() - self._last >= self._every:
             self._log()
 
     def note(self, redraw: bool = False, **figures) -> None:
-        """Figures to show beside the bar (and in each log line), e.g. kept=, rejected=.
-        redraw: the figures are the work moving while the count stands still (candidates
-        decoded before one is kept): the bar is redrawn with them, or a log line logged
-        when one is due."""
+        """Figures shown beside the bar and in each log line; `redraw`: they move while the count stands still."""
         self.figures.update(figures)
         if self._bar is not None:
             self._bar.set_postfix(self.figures, refresh=False)
@@ -135,9 +122,7 @@ def progress(what: str, total: int | None = None, unit: str = "it", **kw) -> Pro
 
 @contextmanager
 def ticking(what: str, every_s: float = 1.0, **kw):
-    """A step that cannot be counted (a library call that reads a file whole): its elapsed
-    time on the bar, redrawn every `every_s` by a thread, or log lines when due; yields the
-    Progress."""
+    """A step that cannot be counted: its elapsed time redrawn every `every_s` by a thread; yields the Progress."""
     bar = progress(what, None, "step", bar_format="{desc}: {elapsed} elapsed{postfix}", **kw)
     done = threading.Event()
 

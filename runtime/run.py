@@ -1,8 +1,7 @@
 """Run identity and the run folder: `runs/<run_id>/{logs,checkpoints}/`, run.json, runs/latest.
 
-A run ID is a sortable UTC timestamp plus a random suffix (`20261129T154812Z-7f3a`). A
-resumed run gets a NEW ID and records its parent, so no file is ever appended to by two
-runs (docs/DESIGN.md, incident 5: a new run's log read as an old run's failure).
+A run ID is a sortable UTC timestamp plus a random suffix (`20261129T154812Z-7f3a`); a resumed run
+gets a NEW ID, so no file is ever appended to by two runs.
 """
 
 from __future__ import annotations
@@ -48,11 +47,8 @@ def make_run_dir(run_id: str, runs_dir=None) -> Path:
 
 
 def point_latest(run_id: str, runs_dir=None, *, local: bool = False) -> bool:
-    """Make `runs/latest` a relative symlink to this run's folder, atomically, if that moves
-    it forward: never to an older run ID than the one it names (a run resumed or re-opened
-    later must not turn `dflash-status`, `dflash-logs` and `--resume latest` back to it).
-    `local` (a brokerless consumer run) moves it only off another local run or nothing:
-    `latest` is the broker's run where there is one. Returns whether it moved."""
+    """Point `runs/latest` at this run, atomically, only forward (never to an older run ID); `local` (a
+    brokerless run) never moves it off a broker's run. Returns whether it moved."""
     root = runs_root(runs_dir)
     link = root / "latest"
     current = os.readlink(link) if link.is_symlink() else None
@@ -76,10 +72,8 @@ def latest_run(runs_dir=None) -> str | None:
 
 
 def give_back_latest(run_id: str, previous: str | None, runs_dir=None) -> bool:
-    """Point `runs/latest` back at `previous` (what it named before `run_id` started) if
-    it still names `run_id`: for a run that turned out empty (broker/cli.py), whose folder
-    would otherwise hide the run an operator means from dflash-status and dflash-logs.
-    A run started since keeps it. Returns whether it moved."""
+    """Point `runs/latest` back at `previous` if it still names `run_id`, a run that turned out empty
+    and would hide the one an operator means. Returns whether it moved."""
     root = runs_root(runs_dir)
     if previous is None or latest_run(runs_dir) != run_id or not (root / previous).is_dir():
         return False
@@ -114,9 +108,7 @@ def resolve_run(ref: str | None, runs_dir=None) -> Path:
 
 
 def resumed_by(run_dir: Path) -> list[dict]:
-    """The runs beside `run_dir` that resumed it (their run.json names it `parent_run`),
-    oldest first, each as {run_id, outcome, started_at, run_dir}. Only later run IDs can
-    be its children, so only their run.json files are read."""
+    """The runs beside `run_dir` that resumed it, oldest first, as {run_id, outcome, started_at, run_dir}."""
     run_dir = Path(run_dir)
     me = run_dir.name
     out = []
@@ -134,8 +126,7 @@ def resumed_by(run_dir: Path) -> list[dict]:
 
 
 def newest_descendant(run_dir: Path) -> dict | None:
-    """The run at the end of `run_dir`'s resume chain (its newest child's newest child, ...),
-    as resumed_by gives it; None when nothing resumed it."""
+    """The run at the end of `run_dir`'s resume chain, as resumed_by gives it; None if none."""
     last = None
     while kids := resumed_by(run_dir):
         last = kids[-1]
@@ -144,14 +135,12 @@ def newest_descendant(run_dir: Path) -> dict | None:
 
 
 class StorageError(RuntimeError):
-    """A run folder's file could not be written (a full disk, a quota, an I/O error): the
-    process that owns the run stops with this as its reason instead of a traceback."""
+    """A run folder's file could not be written: the owner stops with this reason, not a traceback."""
 
 
 def write_json_atomic(path: Path, obj, *, in_place_if_full: bool = False) -> None:
-    """`obj` as JSON at `path`, through a temp file and a rename. in_place_if_full: on a
-    full disk (no room for the temp file), rewrite `path` in place: truncating it frees
-    its blocks for the new text, so a run's last word (its outcome) still gets written."""
+    """`obj` as JSON at `path` via a temp file and rename; `in_place_if_full` rewrites in place on a full disk
+    so a run's outcome still gets written."""
     text = json.dumps(obj, indent=2, sort_keys=True, default=str)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -178,9 +167,7 @@ def iso_utc(t: float) -> str:
 
 def write_run_json(run_dir: Path, run_id: str, *, config: dict, parent_run: str | None = None,
                    resumed_from=None, **role_fields) -> dict:
-    """The first run.json of a new run, whichever role starts it (the broker, or a consumer's
-    local run): what every run records (ID, parent, start, config, versions) plus that role's
-    own fields. Written atomically; returns what was written."""
+    """The first run.json of a new run (ID, parent, start, config, versions, the role's fields); returns it."""
     info = {"run_id": run_id, "parent_run": parent_run, "resumed_from": resumed_from,
             "started_at": iso_utc(time.time()), "config": config, "versions": versions(), **role_fields}
     write_json_atomic(run_dir / "run.json", info)

@@ -1,12 +1,6 @@
-"""Metrics for the tools of the field (issue 20): `--tensorboard DIR` writes TensorBoard
-event files from log lines, named as the JSON fields under the event's name (consumer rank
-0's `train.step/loss`, `train.step/tokens_per_s` at each step; the broker's
-`broker.progress/samples_per_s`, `broker.progress/queue_bytes` at each tick, its step the
-seconds since the broker started): units are in the names, one scalar per numeric field.
-The JSON lines stay the record; this is a view of them. `--wandb PROJECT` logs the same
-scalars to Weights & Biases (a run named after the run ID; its files in the run folder;
-WANDB_MODE=offline keeps them local, `wandb sync` uploads them later).
-Both are optional extras: `pip install 'dflash-pipeline[tensorboard]'`, `[wandb]`."""
+"""Metrics sinks: `--tensorboard DIR` and `--wandb PROJECT` get one scalar per numeric field of a
+log line, named `<event>/<field>` (e.g. `train.step/loss`). The JSON lines stay the record; both
+are optional extras (`[tensorboard]`, `[wandb]`)."""
 
 from __future__ import annotations
 
@@ -66,13 +60,11 @@ class WandbSink:
         role = event.split(".")[0]
         self.run = wandb.init(project=project, name=f"{run_id}-{role}", id=f"{run_id}-{role}".replace(":", "-"),
                               dir=str(run_dir), config=config or {}, group=run_id, job_type=role,
-                              # quiet, and hands off our stdout: it carries the JSON log lines
+                              # hands off our stdout: it carries the JSON log lines
                               settings=wandb.Settings(silent=True, console="off"))
 
     def __call__(self, step: int, line: dict) -> None:
-        # W&B keeps one row per step and merges a second log of the same step into it: two
-        # broker lines within one second would lose the first. Such a line takes the next step
-        # (its own `uptime_s` is in the row).
+        # W&B merges two logs of one step, losing the first: a repeated step takes the next one
         self.last_step = step = max(step, self.last_step + 1)
         self.run.log(scalars(line, self.event), step=step)
 

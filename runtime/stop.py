@@ -1,8 +1,7 @@
 """The one graceful-stop handler of every role: SIGINT/SIGTERM ask the process to stop.
 
-The handler only records the request (which signal, how many so far) and sets the event:
-it runs between two bytecodes of the main thread, which may hold the log file's lock at
-that moment, so logging there could deadlock. The process's own loop acts on it and logs.
+The handler only records the request: the main thread it interrupts may hold the log file's lock,
+so logging there could deadlock. The process's own loop acts on it and logs.
 """
 
 from __future__ import annotations
@@ -16,13 +15,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulStop(threading.Event):
-    """Set by the first SIGINT/SIGTERM once installed; `signal_name` and `count` say what came.
-
-    With `hard_second` (producers, consumers), a second signal, or any signal while
-    `armed` is False (a consumer still loading, with nothing to save), kills the process
-    at once with that signal's default action. Without it (the broker) every signal is
-    only counted, and the loop decides what a second one means. `on_signal` runs inside
-    the handler after the request is recorded: it must not log or block either."""
+    """Set by the first SIGINT/SIGTERM once installed. With `hard_second`, a second signal (or any while
+    not `armed`) kills the process at once; `on_signal` runs in the handler and must not log or block."""
 
     def __init__(self, *, hard_second: bool = True, armed: bool = True,
                  on_signal: Callable[["GracefulStop"], None] | None = None):

@@ -1,9 +1,5 @@
-"""`--target` checked before anything loads, for dflash-produce, dflash-consume and
-dflash-eval: left to transformers, a missing path reads as a malformed hub ID ("Repo id
-must be in the form ..."), a folder without a tokenizer as a missing package ("... You need
-to have sentencepiece or tiktoken installed"), and a hub ID absent from the cache offline as
-a connection error; the consumer met a folder without weights only when it read them.
-Imports neither torch nor transformers: a wrong --target is refused at once.
+"""`--target` checked before anything loads, saying what is wrong where transformers would blame a hub
+ID, a package or the network. Imports neither torch nor transformers, so it answers at once.
 """
 
 from __future__ import annotations
@@ -28,9 +24,7 @@ def looks_like_hub_id(value: str) -> bool:
 
 
 def resolve_hub_id(value: str) -> str:
-    """A hub ID 'org/name' as its snapshot folder in the local Hugging Face cache
-    (`$HF_HUB_CACHE`, `$HF_HOME`). Nothing is downloaded at run time: a hub ID that is
-    not cached raises FileNotFoundError saying how to fetch it."""
+    """A hub ID as its snapshot folder in the local HF cache; nothing is downloaded (FileNotFoundError says how)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -56,10 +50,7 @@ def hub_cached(repo_id: str) -> bool:
 
 
 def target_problem(value: str, *, hub_ok: bool, need_tokenizer: bool) -> str | None:
-    """Why `value` is not a usable --target, as a sentence saying what to do; None if it is.
-
-    hub_ok: the tool loads hub IDs (through transformers and its cache); need_tokenizer:
-    the tool tokenizes text with the target's tokenizer."""
+    """Why `value` is not a usable --target, as a sentence saying what to do; None if it is."""
     if looks_like_hub_id(value):
         if not hub_ok:
             return (f"{value}: no such folder; this tool reads the target from a local folder (config.json, "

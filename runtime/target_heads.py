@@ -1,19 +1,8 @@
-"""The only parts of the target a drafter consumer touches: its config, `embed_tokens`
-and `lm_head`, loaded frozen from a Hugging Face checkpoint folder or a GGUF file
-(targets.py); and the target's identity computed from them (`identity_of`), which a
-producer states in its hello and a consumer in its training signal (protocol/target_id.py
-compares two).
+"""The only parts of the target a drafter consumer touches: its config, `embed_tokens` and `lm_head`,
+loaded frozen from a HF folder or GGUF file, and the target's identity computed from them (`identity_of`).
 
-A consumer must never load the whole target (a 27B target is ~54 GB; the two heads are
-~1.5 GB). We read the safetensors index (or the single file's header), open only the
-shard(s) holding those two tensors, and `get_tensor` only their names: every other
-tensor may be missing or corrupt and loading still works.
-
-Every family is read through transformers itself, not a list of known spellings: the
-shape fields through its config class (whose attribute_map turns GPT-2's n_embd/n_head
-into hidden_size/num_attention_heads), the two tensors' names and what the embedding
-module does to a row (Gemma's scale by sqrt(hidden)) from the model class built on the
-meta device (no memory, no weights), its checkpoint key renamings included.
+A consumer must never load the whole target: only the shards holding the two tensors are opened.
+Names and embedding scale come from transformers' own model class built on the meta device.
 """
 
 from __future__ import annotations
@@ -32,9 +21,7 @@ from torch import nn
 from dflash.runtime import targets
 from dflash.runtime.progress import ticking
 
-# Where checkpoints keep the two tensors when transformers cannot build the model class
-# (a model_type it does not know): plain causal LMs first, then multimodal wrappers
-# (Qwen3.5/3.6-style `model.language_model.*`) and GPT-style names.
+# Where checkpoints keep the two tensors when transformers cannot build the model class.
 EMBED_NAMES = (
     "model.embed_tokens.weight",
     "embed_tokens.weight",
@@ -46,8 +33,7 @@ HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.
 
 
 class TargetLoadError(ValueError):
-    """The target folder lacks what a consumer needs (config, heads) or disagrees with itself:
-    bad input (a ValueError), as targets.py's errors are."""
+    """The target folder lacks what a consumer needs or disagrees with itself (bad input)."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +55,7 @@ class TargetSpec:
 
     @classmethod
     def from_config(cls, raw) -> "TargetSpec":
-        """Parse a config.json dict or a transformers config (the text config of a
-        multimodal one). Raises TargetLoadError naming a missing field."""
+        """Parse a config.json dict or a transformers config; TargetLoadError names a missing field."""
         obj = raw if not isinstance(raw, dict) else config_object(raw)
         if obj is None:  # a model_type transformers does not know: the keys as spelled
             return cls._from_raw(raw)
@@ -78,7 +63,7 @@ class TargetSpec:
         if isinstance(raw, dict):  # a config class fills what the file lacks with defaults: refuse that
             _require(raw, type(text))
         hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
-        # transformers 5 nests rope_theta in rope_parameters; 4.x keeps it top level.
+        # transformers 5 nests rope_theta in rope_parameters; 4.x keeps it top level
         rope = getattr(text, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(text, "rope_theta", None) or 10000.0)
         tie = getattr(obj, "tie_word_embeddings", None)  # the top level decides for multimodal wrappers
@@ -124,8 +109,7 @@ class TargetSpec:
 
 
 def _first(cfg, *names):
-    """The first of `names` the config has a value for (families spell a few fields their
-    own way: Falcon's ffn_hidden_size, GPT-2's layer_norm_epsilon)."""
+    """The first of `names` the config has a value for (families spell a few fields their own way)."""
     for n in names:
         v = getattr(cfg, n, None)
         if v is not None:
@@ -133,8 +117,7 @@ def _first(cfg, *names):
     return None
 
 
-# Fields a drafter cannot be shaped without: a config.json must state them (under the
-# name or the family's own spelling, the config class's attribute_map).
+# Fields a config.json must state (or its family's spelling of them) to shape a drafter.
 REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 
 
@@ -161,9 +144,7 @@ def config_object(raw: dict):
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """Where the model class keeps its two vocabulary tensors and what its embedding does:
-    parameter names as the model names them (tied: the same parameter), and the factor its
-    input-embedding module multiplies a row by (1 for a plain lookup)."""
+    """Where the model class keeps its two vocabulary tensors, and the factor its embedding scales a row by."""
 
     embed_names: tuple[str, ...]
     head_names: tuple[str, ...]  # empty: no output embedding module
@@ -176,10 +157,8 @@ class Vocabulary:
 
 
 def vocabulary(config) -> Vocabulary | None:
-    """The model class's vocabulary tensors, learned by building it from `config` on the
-    meta device (one decoder layer: names of the two tensors do not depend on depth), or
-    None where transformers cannot build it (custom code). Raises TargetLoadError for an
-    embedding module whose effect on a row this cannot reproduce."""
+    """The model class's vocabulary tensors, from a one-layer build on the meta device; None where
+    transformers cannot build it."""
     from transformers import AutoModelForCausalLM
 
     model = None
@@ -213,8 +192,7 @@ def _one_layer(config):
 
 
 def _key_renamings(model) -> tuple[tuple, tuple]:
-    """transformers 5's renamings of checkpoint keys to parameter names (GPT-NeoX keeps its
-    LM head as `embed_out.weight`, the model names it `lm_head.weight`); none in 4.x."""
+    """transformers 5's renamings of checkpoint keys to parameter names; none in 4.x."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -226,9 +204,8 @@ def _key_renamings(model) -> tuple[tuple, tuple]:
 
 
 def embed_scale_of(module: nn.Module) -> float:
-    """The factor `module` (a model's input embedding) multiplies each looked-up row by:
-    1 for nn.Embedding itself; a scaled embedding's own `embed_scale` (Gemma 1-3:
-    sqrt(hidden)). Raises TargetLoadError for a module that does something else."""
+    """The factor an input embedding multiplies each row by (Gemma: sqrt(hidden)); TargetLoadError if it
+    does something else."""
     if not isinstance(module, nn.Embedding):
         raise TargetLoadError(f"the target's input embedding is a {type(module).__name__}, not an nn.Embedding: "
                               "cannot reproduce it from its weight alone")
@@ -248,16 +225,14 @@ def embed_scale_of(module: nn.Module) -> float:
 
 
 def embed_block(ids: torch.Tensor, embed: torch.Tensor | nn.Module, scale: float = 1.0) -> torch.Tensor:
-    """The drafter's block input for token `ids`: exactly what the target's own embedding
-    module gives (inference engines and the DFlash reference call `embed_tokens(ids)`),
-    in training, live evaluation and speculative decoding alike. `embed`: the target's
-    embedding module (called as is), or its weight with the module's `scale` (TargetHeads)."""
+    """The drafter's block input for `ids`: exactly what the target's own embedding module gives, from
+    the module itself or its weight and `scale`."""
     if isinstance(embed, nn.Module):
         return embed(ids)
     x = F.embedding(ids, embed)
     if scale == 1.0:
         return x
-    # As transformers' scaled embeddings compute it: a float32 scalar cast to the weight's dtype
+    # as transformers computes it: a float32 scalar cast to the weight's dtype
     return x * torch.tensor(scale, dtype=torch.float32).to(embed.dtype)
 
 
@@ -271,7 +246,6 @@ class TargetHeads:
     identity: dict  # what makes this target this target; compared on resume
     path: str
     config: dict = field(default_factory=dict, repr=False)  # the raw config (special token IDs)
-    # MASK choices made so far, by explicit ID (None: automatic): chosen and logged once
     mask_choices: dict = field(default_factory=dict, repr=False)
     embed_scale: float = 1.0  # what the target's embedding module multiplies a row by (Gemma: sqrt(hidden))
 
@@ -306,9 +280,7 @@ def _find(names: tuple[str, ...], where: dict[str, Path], suffix: str) -> str | 
 
 
 def _resolve(names: tuple[str, ...], where: dict[str, Path], vocab: Vocabulary) -> str | None:
-    """The checkpoint key holding the parameter the model calls one of `names`: the name
-    itself, else the key transformers renames to it on load (an older layout, a base
-    model saved without its prefix)."""
+    """The checkpoint key holding the parameter named one of `names`, or renamed to it on load."""
     for n in names:
         if n in where:
             return n
@@ -333,8 +305,7 @@ class _Located:
 
 
 def _locate(folder: Path) -> tuple[_Located, dict]:
-    """Spec, the two tensors' keys and the embedding scale of the HF folder `folder`, and
-    its raw config. Raises TargetLoadError naming what is missing."""
+    """Spec, tensor keys and embedding scale of HF folder `folder`, and its raw config."""
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise TargetLoadError(f"no config.json in {folder} (expected a Hugging Face model folder)")
@@ -371,8 +342,7 @@ def _read(name: str, file: Path, device: str | torch.device, dtype: torch.dtype 
 
 
 def _fingerprint(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor) -> dict:
-    """Shape fields plus a hash of the first rows of both heads, in bf16 so that an fp32
-    and a bf16 copy of the same target agree; paths are left out (they differ per host)."""
+    """Shape fields plus a hash of both heads' first rows in bf16 (so fp32 and bf16 copies agree)."""
     shape = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
     h = hashlib.sha256()
     for t in (embed, lm_head):
@@ -381,10 +351,7 @@ def _fingerprint(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor) -
 
 
 def identity_of(path: str | Path) -> dict:
-    """The `identity` load_target_heads gives for the target at `path`, reading only its
-    config and the 16 rows of each head the fingerprint hashes (a producer holds the whole
-    model but may have dropped its LM head; this is what it states in hello). Raises
-    TargetLoadError as load_target_heads does."""
+    """The `identity` load_target_heads gives, reading only the config and the rows it hashes."""
     if targets.gguf_path(path) is not None:  # the vocabulary tensors are de-quantised whole anyway
         return load_target_heads(path).identity
     folder = Path(path)
@@ -404,16 +371,12 @@ def identity_of(path: str | Path) -> dict:
 def load_target_heads(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> TargetHeads:
-    """Load config, embed_tokens and lm_head of the target at `path` (a local HF folder,
-    or a .gguf file: runtime/targets.py), and what its embedding module does to a row.
-
-    `dtype` None keeps the checkpoint's dtype. Raises TargetLoadError naming what is
-    missing or inconsistent."""
+    """Load config, embed_tokens and lm_head of the target at `path` (HF folder or .gguf); `dtype` None
+    keeps the checkpoint's. Raises TargetLoadError."""
     if targets.gguf_path(path) is not None:
         return _load_gguf_heads(Path(path), device, dtype)
     folder = Path(path)
     loc, raw = _locate(folder)
-    # a large target's two vocabulary tensors are gigabytes: seconds to read, shown while they take
     with ticking(f"read embed_tokens and lm_head of {folder.name}", end_line=False):
         embed = _read(loc.embed_name, loc.where[loc.embed_name], device, dtype)
         lm_head = embed if loc.head_name is None else _read(loc.head_name, loc.where[loc.head_name], device, dtype)
@@ -434,9 +397,7 @@ def _heads(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor, path: s
 
 
 def _load_gguf_heads(file: Path, device, dtype: torch.dtype | None) -> TargetHeads:
-    """The heads of a GGUF target: its config through transformers' GGUF reader, the two
-    tensors de-quantised by the `gguf` package alone (the decoder is never read). The
-    fingerprint hashes the de-quantised rows, which are the same on every load."""
+    """The heads of a GGUF target, de-quantised by the `gguf` package alone (the decoder is never read)."""
     try:
         obj = targets.load_config(file)
         found = targets.gguf_tensors(file, [targets.GGUF_EMBED, targets.GGUF_HEAD])

@@ -1,28 +1,8 @@
-"""Every role's one way to a target model: producer, consumer, export and eval load the
-target's config, tokenizer, whole model or (consumer) its two vocabulary tensors here,
-whatever `--target` names (and the default choice of its layers that feed the drafter,
-which producer and consumer must agree on):
+"""Every role's one way to a target model (config, tokenizer, whole model, default layers), whatever
+`--target` names: a HF folder or hub ID, or a `.gguf` file (the `gguf` extra).
 
-  - a Hugging Face model folder (config.json, safetensors, tokenizer files) or hub ID;
-  - a `.gguf` file (llama.cpp's format: config, tokenizer and quantised weights in one
-    file), loaded through transformers' GGUF support (`from_pretrained(folder,
-    gguf_file=name)`, which de-quantises to float; needs the `gguf` and `accelerate`
-    packages, the `gguf` extra of this project).
-
-Memory: transformers de-quantises every tensor of a GGUF file when it loads the model, so
-the producer and eval hold the target in float (a 135M model: ~0.5 GB in fp32, against
-~0.1 GB quantised). The consumer needs only embed_tokens and lm_head: `gguf_tensors`
-reads and de-quantises just those (through the `gguf` package), never the decoder.
-
-Time: that de-quantisation runs in Python and is slow, and every role of a run loads the
-whole model (producer, export, eval). So the first whole load of a GGUF file converts it
-to a plain folder in the wanted dtype, cached by the file's SHA-256 (`$DFLASH_GGUF_CACHE`,
-default ~/.cache/dflash/gguf; `off` loads the file every time); later loads read that.
-
-Progress: every load says what it is doing on a terminal (a bar) or in log lines
-(runtime/progress.py): transformers' own bars through runtime/load_progress.py, the hash
-of a large GGUF file by bytes, and reading a GGUF file's metadata (seconds of Python even
-for a small model) as elapsed time.
+GGUF de-quantisation runs in Python and is slow, so the first whole load converts the file to a
+plain folder in the wanted dtype, cached by its SHA-256 (`$DFLASH_GGUF_CACHE`; `off` disables it).
 """
 
 from __future__ import annotations
@@ -47,15 +27,13 @@ log = get_logger()
 
 GGUF_SUFFIX = ".gguf"
 
-# GGUF tensor names of the two vocabulary tensors (llama.cpp's naming for every family);
-# a tied model has no `output.weight`.
+# GGUF names of the two vocabulary tensors (a tied model has no `output.weight`).
 GGUF_EMBED = "token_embd.weight"
 GGUF_HEAD = "output.weight"
 
 
 def gguf_path(target: str | Path) -> Path | None:
-    """The file if `target` names a .gguf file, else None (a folder or hub ID).
-    Raises FileNotFoundError for a .gguf name that is not a file."""
+    """The file if `target` names a .gguf file, else None; FileNotFoundError if it is not a file."""
     p = Path(target)
     if p.suffix.lower() != GGUF_SUFFIX:
         return None
@@ -78,8 +56,7 @@ def _args(target: str | Path) -> tuple[str, dict]:
 
 
 def reading(target: str | Path):
-    """Elapsed time on a bar (or log lines) while a .gguf file's metadata is read: seconds
-    to minutes of Python that nothing counts. Nothing for a folder, which reads at once."""
+    """Elapsed time shown while a .gguf file's metadata is read (slow Python); nothing for a folder."""
     g = gguf_path(target)
     return ticking(f"read {g.name}", end_line=False) if g is not None else nullcontext()
 
@@ -103,9 +80,7 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool = False):
 
 
 def load_causal_lm(target: str | Path, **kw: Any):
-    """`AutoModelForCausalLM.from_pretrained` of the target; `kw` as transformers takes them
-    (dtype, attn_implementation, device_map, trust_remote_code). A GGUF file is read from
-    its cached converted folder when it has a dtype (module docstring)."""
+    """`AutoModelForCausalLM.from_pretrained` of the target; a GGUF file with a dtype loads from its cached folder."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -147,8 +122,7 @@ def file_sha256(path: str | Path) -> str:
 
 
 def cached_gguf_folder(gguf: Path, dtype: torch.dtype) -> Path | None:
-    """The converted folder of `gguf` in `dtype` (made now if missing), or None when the
-    cache is off or cannot be written (then the caller reads the GGUF file itself)."""
+    """The converted folder of `gguf` in `dtype` (made if missing), or None when the cache is off or unwritable."""
     root = gguf_cache_root()
     if root is None:
         return None
@@ -175,11 +149,8 @@ def is_converted(dest: Path, stamp: dict) -> bool:
 
 
 def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype, stamp: dict) -> Path:
-    """A plain Hugging Face folder at `dest` of the GGUF file's weights de-quantised to
-    `dtype`, its config and tokenizer, stamped with `stamp`; kept if already so stamped.
-    transformers refuses to `save_pretrained` a GGUF-loaded model, so a clean model is
-    built from its config and given the state dict. Written aside and renamed into place,
-    so a reader never sees half a folder and two processes converting at once both work."""
+    """A plain HF folder at `dest` of the GGUF file de-quantised to `dtype`, stamped with `stamp`. Written
+    aside and renamed into place, so readers never see half a folder and concurrent converters both work."""
     if is_converted(dest, stamp):
         return dest
     from transformers import AutoModelForCausalLM
@@ -213,8 +184,7 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype, stamp: dict) -> Pat
 
 
 def _portable_config(path: Path) -> None:
-    """Write rope_theta at the top level too: transformers 5 nests it in rope_parameters,
-    and 4.x (which the DFlash reference code pins) ignores that and silently uses 10000."""
+    """Write rope_theta at the top level too: transformers 4.x ignores rope_parameters and uses 10000."""
     cfg = json.loads(path.read_text())
     cfg.pop("quantization_config", None)
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
@@ -224,9 +194,7 @@ def _portable_config(path: Path) -> None:
 
 
 def gguf_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of a GGUF file, de-quantised to float32 [rows, cols] (the
-    layout transformers loads them in); names absent from the file are left out. Only
-    these tensors' bytes are read (the file is memory-mapped)."""
+    """The named tensors of a GGUF file as float32 [rows, cols]; only their bytes are read (memory-mapped)."""
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -242,13 +210,8 @@ def gguf_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    """DFlash spacing: `n` layers uniformly from layer 1 to layer L-3 (36 -> [1, 9, 17, 25, 33]).
-    The one rule behind both roles' default, so a producer's and a consumer's `auto` agree.
-
-    Small models (tests, demos) get the distinct layers that rounding yields, so a 6-layer
-    model gets [1, 2, 3] and a 4-layer one [1]; below 4 layers the range is 0..L-2, since
-    the last layer is never a feature (its HF hidden state is post-norm).
-    Raises ValueError for a target of fewer than 2 decoder layers."""
+    """DFlash spacing: `n` layers uniformly from layer 1 to L-3 (36 -> [1, 9, 17, 25, 33]), the one rule
+    both roles' `auto` follows; below 4 layers 0..L-2 (the last is post-norm). ValueError below 2 layers."""
     if num_layers < 2:
         raise ValueError(f"a target needs at least 2 decoder layers, this one has {num_layers}")
     start, end = (1, num_layers - 3) if num_layers >= 4 else (0, num_layers - 2)
