@@ -1,2 +1,1 @@
-"""The greedy decoding core that a producer's regeneration (`--regenerate`) and a consumer's
-evaluation (dflash-eval, live tau) both run: shared ground, imported by roles, importing none."""
+"""The greedy decoding core that `--regenerate` and evaluation (dflash-eval, live tau) run; imports no role."""

@@ -1,12 +1,6 @@
-"""The attention the decoding core runs (decoding/core.py): which implementation a model
-decodes with, registered with transformers under its own name, and, in a decode step on a
-GPU, torch's flex attention over a block mask built from each row's own slot range
-(docs/REGENERATION.md "Decode attention"); sdpa with the core's additive masks elsewhere
-(a CPU, prefills). Also each layer's sliding window, as transformers applies it.
-
-Imports torch, transformers and nothing of the project's roles, so a GPU benchmark can load
-it on a bare machine.
-"""
+"""The attention the decoding core runs (decoding/core.py): flex over each row's own blocks in a
+GPU decode step, sdpa with additive masks elsewhere (docs/REGENERATION.md "Decode attention").
+Imports no role, so a GPU benchmark can load it on a bare machine."""
 
 from __future__ import annotations
 
@@ -50,8 +44,7 @@ DECODE = "decoding_core"  # no "flash" in it: transformers takes such names for 
 
 
 def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The core's attention: flex attention when the core passes a BlockMask (decode steps on
-    a GPU), else sdpa with the core's additive mask (`_sdpa_packed`)."""
+    """flex when the core passes a BlockMask (GPU decode steps), else sdpa with its additive mask."""
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError(f"{DECODE}: soft-capping and attention sinks are not supported (decoding uses eager)")
     if BlockMask is not None and isinstance(attention_mask, BlockMask):
@@ -60,10 +53,8 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _sdpa_packed(query, key, value, attention_mask, scaling):
-    """sdpa for the core's masks without repeating K/V for every query head: transformers
-    repeats them whenever a mask is given (a copy of the whole cache per layer and step,
-    which dominated a decode step at batch 256). Query heads that share a K/V head (head h
-    uses K/V head h // g, as repeat_kv lays them out) become extra query rows instead."""
+    """sdpa without repeat_kv (transformers copies the whole cache per layer and step when
+    given a mask): query heads sharing a K/V head become extra query rows instead."""
     B, Hq, q, hd = query.shape
     Hkv = key.shape[1]
     g = Hq // Hkv
@@ -84,17 +75,14 @@ _flex_compiled = None
 
 
 def _flex(query, key, value, block_mask, scaling):
-    """flex attention over the block mask: compiled (the Triton flex-decoding kernel on a GPU;
-    uncompiled flex computes every score in full)."""
+    """flex attention, compiled on a GPU (uncompiled flex computes every score in full)."""
     global _flex_compiled
     fn = flex_attention
     if FLEX_COMPILE or (FLEX_COMPILE is None and query.is_cuda):
         if _flex_compiled is None:
             import torch._dynamo
 
-            # Each cache shape (rows, slots, q) and window kind is one compiled graph; a producer
-            # builds a few decoders over a run, and past the limit dynamo would fall back to
-            # uncompiled flex, which is correct but computes every score.
+            # One graph per cache shape and window kind; past the limit dynamo falls back to slow uncompiled flex.
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
@@ -110,9 +98,8 @@ def _flex(query, key, value, block_mask, scaling):
 
 
 def fold_heads(heads: int, kv_heads: int) -> bool:
-    """Whether flex decoding takes a layer's query heads folded into the query length: the
-    flex-decoding kernel serves grouped-query attention only for a power-of-two group (else
-    inductor falls back to the prefill kernel, which pads each row's one query to a tile)."""
+    """Fold query heads into the query length: flex decoding serves GQA only for a power-of-two
+    group (else inductor's prefill kernel pads each row's one query to a tile)."""
     g = heads // kv_heads
     return g > 1 and g & (g - 1) != 0
 
@@ -131,10 +118,8 @@ _HAS_DECODE = _register()
 
 
 def decode_attention(model: nn.Module) -> str:
-    """The attention implementation decoding runs with: the core's own (`_decode_attention`:
-    flex or sdpa without K/V repetition), or eager where the model needs what those lack
-    (logit soft-capping, Gemma 2; attention sinks, GPT-OSS, whose class refuses sdpa). All
-    take the core's masks."""
+    """The core's own attention, or eager where the model needs soft-capping (Gemma 2) or
+    sinks (GPT-OSS refuses sdpa)."""
     cfg = text_config(model)
     if getattr(cfg, "attn_logit_softcapping", None) or not getattr(type(model), "_supports_sdpa", True):
         return "eager"
@@ -142,9 +127,7 @@ def decode_attention(model: nn.Module) -> str:
 
 
 def step_kernel(model: nn.Module, device: torch.device, kernel: str = "auto") -> str:
-    """The decode step's attention kernel: "flex" (block-sparse over each row's slots) or
-    "sdpa" (all slots, masked). auto: flex on a GPU where the model runs the core's own
-    attention, sdpa elsewhere (on a CPU uncompiled flex computes every score)."""
+    """"flex" (block-sparse over each row's slots) or "sdpa" (all slots, masked); auto: flex on a GPU."""
     if kernel not in ("auto", "flex", "sdpa"):
         raise ValueError(f"decode kernel {kernel!r}: expected auto, flex or sdpa")
     if kernel == "auto":
@@ -165,8 +148,7 @@ def block_mask(count, index, block_size, mask_mod, seq_lengths):
 
 
 def visible(qslot: torch.Tensor, off: torch.Tensor, window: int | None, q: int):
-    """flex's mask_mod for `Core._block_masks`: the element-level rule inside listed blocks
-    (query index i is query i % q of its row: folded heads repeat the row's q queries)."""
+    """flex's mask_mod for `Core._block_masks` (query i is query i % q: folded heads repeat them)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         t = qslot[b, q_idx % q]

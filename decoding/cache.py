@@ -1,12 +1,10 @@
-"""What the decoding core's caches (core.StaticKV, paged.PagedKV) show transformers besides
-`update`: both stand in for its Cache in the attention layers."""
+"""What the decoding core's caches (core.StaticKV, paged.PagedKV) show transformers besides `update`."""
 
 from __future__ import annotations
 
 
 class CacheStandIn:
-    """What transformers may ask of a cache besides `update`, for the core's own caches (K/V
-    lists `k`, `v`; positions and masks are always passed explicitly)."""
+    """Base of the core's caches (K/V lists `k`, `v`; positions and masks are passed explicitly)."""
 
     is_compileable = False  # transformers' generate() must not try to compile around it
     k: list

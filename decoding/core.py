@@ -1,23 +1,10 @@
 """The greedy decoding core shared by `--regenerate`, `dflash-eval` and the live evaluation:
 a static (pre-allocated) KV cache, explicit attention masks, CUDA graphs on a GPU. It owns
-every call of a target's forward made while decoding; the callers (decoding/greedy.py,
-consumers/evaluation/speculative.py) only schedule.
+every target forward made while decoding; the callers only schedule.
 
-Why its own cache: transformers' caches cannot be cropped once a sliding-window layer is
-past its window (speculative decoding must drop rejected drafts), grow one token at a time
-(no CUDA graph), and build masks on the host. Here every layer keeps all slots of a row
-(sliding windows are applied by the mask, not by evicting), so a crop only moves a length,
-and one decode step has fixed shapes and can be captured in a CUDA graph and replayed.
-
-Layout: row b's slot s holds the token at position s - off[b] (left padding: slots before
-off[b] are empty). A query at slot t sees slot s iff off[b] <= s <= t, s < end[b] and, on a
-sliding layer, t - s < window (transformers' rule: the token itself and window-1 before).
-A decode step's attention is decoding/attention.py's: flex over each row's own blocks on a
-GPU, sdpa over all slots with an additive mask on a CPU; prefills always take sdpa.
-
-Imports torch, transformers and runtime/hf_compat.py only, so a GPU benchmark can load it on
-a bare machine.
-"""
+Its own cache because transformers' cannot be cropped past a sliding window, grows a token at a
+time (no CUDA graph) and builds masks on the host. Row b's slot s holds position s - off[b]; a
+query at slot t sees s iff off[b] <= s <= t, s < end[b] (and t - s < window on a sliding layer)."""
 
 from __future__ import annotations
 
@@ -39,12 +26,8 @@ from .paged import PagedKV, paged_block_masks
 
 
 class StaticKV(CacheStandIn):
-    """K/V of `rows` x `slots` per layer, allocated at the first write (shapes from the model's
-    own key states). Stands in for transformers' Cache: attention layers call `update`.
-
-    Two modes, set by `begin` before each forward: `fresh` (the rows start new sequences: the
-    keys written are all there is, attention runs over them alone) and `step` (every row
-    appends q tokens at slot start[b]; attention runs over all slots, masked)."""
+    """K/V of `rows` x `slots` per layer, allocated at the first write; `begin_*` sets the mode
+    (fresh: attention over the new keys alone; step: over all slots, masked)."""
 
     def __init__(self, rows: int, slots: int):
         self.rows, self.slots = rows, slots
@@ -102,10 +85,8 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def graphed_prefill_default(model: nn.Module, device: torch.device) -> bool:
-    """Whether prefills run as PackedPrefill's graphed packs by default: on a GPU, for targets
-    small enough that an eager prefill's time is mostly the host running transformers'
-    per-layer Python (a graph removes it); a large target's prefill is GPU time, which the
-    packs' padding only adds to (docs/REGENERATION.md "Batched prefills")."""
+    """Graphed packed prefills on a GPU for small targets only, whose eager prefill is mostly host
+    Python; a large target's is GPU time the packs' padding adds to (docs/REGENERATION.md)."""
     if device.type != "cuda":
         return False
     return sum(p.numel() for p in model.parameters()) <= GRAPHED_PREFILL_MAX_PARAMS
@@ -118,15 +99,8 @@ GRAPHED_PREFILL_MAX_PARAMS = 2_000_000_000
 
 
 class Core:
-    """A target's forward over a StaticKV, with the core's masks; graphs on CUDA.
-
-    `rows` x `slots` is the cache; `layer_ids` (optional) are the layers whose outputs
-    (hidden_states[i + 1]) a forward also returns, concatenated, for a DFlash drafter.
-
-    `pages` > 0: a paged cache instead (decoding/paged.py): a pool of `pages` pages of
-    `kv_block` slots, each row addressing up to `slots` (rounded up to whole pages) through
-    its page table, which the caller fills (`Pages`). A left-padded `fresh` then stores each
-    prompt from slot 0 (its padding is not kept): the row's `off` after it is 0."""
+    """A target's forward over a StaticKV (or, `pages` > 0, a PagedKV whose table the caller
+    fills), with the core's masks; graphs on CUDA."""
 
     def __init__(self, model: nn.Module, rows: int, slots: int, *, graphs: bool | None = None, kernel: str = "auto",
                  kv_block: int = 128, pages: int = 0):
@@ -159,7 +133,7 @@ class Core:
         self._neg = torch.finfo(self.dtype).min
         self._slot_ar = torch.arange(slots, device=self.device)
         self._pool = None
-        self.captured = 0  # graphs captured (figures for benchmarks)
+        self.captured = 0
         self.graph_error: str | None = None  # why the last capture failed, if it did
         self.kernel_error: str | None = None  # why flex was given up for sdpa, if it was
         self._flex_tried = False  # the first graphed function runs once uncaptured to try flex (_try_flex)
@@ -167,8 +141,7 @@ class Core:
     # ------------------------------------------------------------ masks
 
     def _masks(self, qslot: torch.Tensor, off: torch.Tensor, end: torch.Tensor, kv: int):
-        """Additive masks [R, 1, q, kv] (0 visible, dtype min hidden) for qslot [R, q] (the
-        query's slot), off/end [R]: one tensor, or a dict by layer type where they differ."""
+        """Additive masks [R, 1, q, kv] for query slots qslot [R, q]: one, or a dict by layer type."""
         s = self._slot_ar[:kv]
         base = (s[None, None] >= off[:, None, None]) & (s[None, None] < end[:, None, None]) \
             & (s[None, None] <= qslot[:, :, None])  # [R, q, kv]
@@ -181,11 +154,8 @@ class Core:
         return out
 
     def _block_masks(self, qslot: torch.Tensor, off: torch.Tensor):
-        """flex's masks for a step, qslot [R, q] (slots of the queries, consecutive), off [R]:
-        a query at slot t sees off[b] <= s <= t (and t - s < window on a sliding layer), as
-        `_masks`; the blocks listed for row b are those from its first visible slot to its
-        last query's slot, so the kernel reads no block of the row's padding or empty slots.
-        Tensors only (no host sync): capturable in the step's CUDA graph."""
+        """flex's masks for a step: row b lists only blocks from its first visible slot to its last
+        query's, so no padding is read. No host sync: capturable in the step's graph."""
         R, q = qslot.shape
         g = self.heads // self.kv_heads if fold_heads(self.heads, self.kv_heads) else 1  # flex's query length: g * q
         if self.paged:
@@ -216,8 +186,7 @@ class Core:
 
     def fresh(self, rows: torch.Tensor, ids: torch.Tensor, off: torch.Tensor, *, layer_ids: list[int] | None = None,
               last_only: bool = True):
-        """Start new sequences in `rows` [R]: ids [R, W] left padded (off[r] pad slots first).
-        Returns (logits [R, 1 or W, V], features [R, W, n*D] or None). Not graphed (shapes vary)."""
+        """Start sequences in `rows` from left-padded ids [R, W]; (logits, features or None). Not graphed."""
         R, W = ids.shape
         if W > self.slots:
             raise ValueError(f"a prompt of {W} tokens does not fit the cache's {self.slots} slots")
@@ -230,9 +199,8 @@ class Core:
         return self._run(ids, (qslot - off[:, None]).clamp_min(0), mask, layer_ids, 1 if last_only else 0)
 
     def fresh_packed(self, rows: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
-        """Start new sequences in `rows` [R] from `prompts` in one forward of them packed back
-        to back (no padding: a block-diagonal causal mask keeps them apart), each written to
-        slots 0..len-1 of its row. Returns the logits at each prompt's last token [R, V]."""
+        """Start sequences in `rows` from `prompts` packed back to back in one forward (no padding);
+        the logits at each prompt's last token [R, V]."""
         lens = [len(p) for p in prompts]
         if max(lens) > self.slots:
             raise ValueError(f"a prompt of {max(lens)} tokens does not fit the cache's {self.slots} slots")
@@ -245,10 +213,8 @@ class Core:
 
     def packed(self, ids: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, slot: torch.Tensor,
                last: torch.Tensor) -> torch.Tensor:
-        """One forward of packed tokens ids [T]: token t is at position pos[t] of segment seg[t]
-        (it sees the earlier tokens of its own segment only) and its K/V go to cache row
-        row[t], slot slot[t]. Returns the logits at the tokens `last` [R] -> [R, V]. Tensors
-        in, tensors out: capturable in a CUDA graph for fixed T and R."""
+        """One forward of packed tokens (each sees its own segment only; K/V to row[t], slot[t]);
+        logits at `last`. Tensors only: capturable for fixed T and R."""
         vis = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
         masks = {}
         for w in self.kinds:
@@ -261,12 +227,10 @@ class Core:
 
     def step(self, ids: torch.Tensor, start: torch.Tensor, off: torch.Tensor, *,
              layer_ids: list[int] | None = None, last_only: bool = False):
-        """Every row appends ids [B, q] at slots start[b]..start[b]+q-1 (B = all rows).
-        Returns (logits [B, q or 1, V], features or None). Fixed shapes: graph-capturable."""
+        """Every row appends ids [B, q] at slots start[b]...; fixed shapes: graph-capturable."""
         q = ids.shape[1]
         qslot = (start[:, None] + torch.arange(q, device=self.device)[None]).clamp_max(self.slots - 1)
-        # flex only where the model runs the core's attention (a transformers that refused its
-        # name runs plain sdpa, which takes tensor masks)
+        # a transformers that refused the core's attention name runs plain sdpa: tensor masks
         flex = self.kernel == "flex" and getattr(self.model.config, "_attn_implementation", None) == DECODE
         if flex:
             mask = self._block_masks(qslot, off)
@@ -278,16 +242,13 @@ class Core:
         return self._run(ids, qslot - off[:, None], mask, layer_ids, 1 if last_only else 0)
 
     def attending(self) -> "attending":
-        """Context in which the model runs with the core's attention implementation (every
-        forward of the core must run inside it; the model's own setting is restored after)."""
+        """Context every forward of the core runs in: the core's attention, the model's restored after."""
         return attending(self.model, self.attn)
 
     # ------------------------------------------------------------ graphs
 
     def graphed(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """`fn` (reads and writes only tensors that live as long as it) as a replayable CUDA
-        graph; `fn` itself on CPU or with graphs off. Capturing runs `fn` for warm-up, so
-        call this before the tensors hold real state."""
+        """`fn` as a replayable CUDA graph (itself on CPU); capture runs `fn`, so call before real state."""
         if self.kernel == "flex" and not self._flex_tried:
             self._try_flex(fn)
         if not self.graphs:
@@ -301,9 +262,7 @@ class Core:
             return fn
 
     def _try_flex(self, fn: Callable[[], None]) -> None:
-        """Run `fn` (the first function graphed: a decode step or cycle) once; its first flex
-        call compiles the kernel. If flex fails to compile or run here, decode with sdpa
-        instead, warned and recorded, rather than not at all."""
+        """Run `fn` once to compile flex; if that fails, decode with sdpa (warned) rather than not at all."""
         self._flex_tried = True
         try:
             fn()
@@ -329,8 +288,7 @@ class Core:
         return g.replay
 
     def allocate(self) -> None:
-        """Allocate every layer's K/V now (one throwaway token in row 0), so that graphs
-        captured next see the final buffers."""
+        """Allocate every layer's K/V now, so that graphs captured next see the final buffers."""
         if len(self.cache) == 0:
             z = torch.zeros(1, dtype=torch.long, device=self.device)
             self.fresh(z, z[:, None], z)

@@ -1,21 +1,8 @@
 """How a generated answer ends, and a detector of degenerate repetition (issue 35).
 
-A small target decoded greedily often ends in a loop: the same stretch of tokens again and
-again until the token cap. `EndingRule` says what counts as a loop: the answer's last
-tokens repeat one block of `p` tokens (p <= `max_period`), the repeating stretch at least
-`tail` tokens long and at least `repeats` copies of the block. Natural repeats (a list's
-items, a table's separator row, a short refrain) are shorter than that or differ in a token
-(item numbers), so they do not count.
-
-Two implementations of one rule, which the tests hold equal: `looping` / `repetition_cut`
-on a token list (pure Python, for classifying finished answers), and `looping_rows` on a
-decoder's output tensor (torch, for stopping looping rows at the decoder's sync points
-without copying their tokens to the host). Where a loop is cut, one copy of the block is
-kept: the target did say it once; what follows it is the loop.
-
-Reasons (`classify`): `eos` the answer ended with a stop token; `repetition` it looped and
-is cut; `cap` it ran to the token cap without looping (unfinished).
-"""
+A loop is a trailing block of p tokens repeated over at least `tail` tokens, long enough that
+natural repeats (list items, a refrain) do not count. The rule has a list form (`looping`) and
+a device form (`looping_rows`, no host sync); the tests hold them equal."""
 
 from __future__ import annotations
 
@@ -40,12 +27,10 @@ class EndingRule:
             raise ValueError(f"ending rule {self}: max_period must be >= 1, repeats >= 2, tail >= 2")
 
     def span(self, p: int) -> int:
-        """The periodic stretch a loop of period p needs."""
         return max(self.tail, self.repeats * p)
 
     @property
     def window(self) -> int:
-        """The most trailing tokens the rule ever looks at."""
         return self.span(self.max_period)
 
     def describe(self) -> str:
@@ -65,8 +50,7 @@ def _runs(ids: list[int], max_period: int) -> list[int]:
 
 
 def loop_period(ids: list[int], rule: EndingRule) -> int | None:
-    """The smallest period p whose trailing periodic stretch (run + p tokens) makes a loop by
-    `rule`, else None."""
+    """The smallest period that makes a loop by `rule`, else None."""
     runs = _runs(ids, rule.max_period)
     for p in range(1, len(runs)):
         if runs[p] + p >= rule.span(p):
@@ -79,8 +63,7 @@ def looping(ids: list[int], rule: EndingRule) -> bool:
 
 
 def repetition_cut(ids: list[int], rule: EndingRule) -> int | None:
-    """Where to cut a looping answer (its length up to and including the loop's first copy of
-    the block), else None. The loop starts where the trailing periodic stretch starts."""
+    """Length to keep of a looping answer (through the loop's first copy: the target said it once), else None."""
     runs = _runs(ids, rule.max_period)
     for p in range(1, len(runs)):
         if runs[p] + p >= rule.span(p):
@@ -89,11 +72,8 @@ def repetition_cut(ids: list[int], rule: EndingRule) -> int | None:
 
 
 def decoded_ending(ids: list[int], stop_ids, rule: EndingRule | None, sync_every: int = 8) -> tuple[str, int, int]:
-    """What GreedyDecoder with `ending=rule` and endings.classify make of an answer whose uncut
-    greedy continuation is `ids`: (reason, length kept, tokens decoded). The decoder checks
-    each row at its sync points, after n = 1 + k * sync_every tokens, so a loop that breaks
-    off between two checks is not seen there (only, if still looping, at the cap).
-    Incremental: O(len * max_period)."""
+    """(reason, kept, decoded) that GreedyDecoder with `ending=rule` gives `ids`: it checks only at
+    sync points (n = 1 + k * sync_every), so a loop broken off between two is not seen."""
     n_all = len(ids)
     ends = bool(ids) and ids[-1] in stop_ids
     if rule is not None:
@@ -112,9 +92,7 @@ def decoded_ending(ids: list[int], stop_ids, rule: EndingRule | None, sync_every
 
 
 def classify(ids: list[int], stop_ids, rule: EndingRule | None) -> tuple[str, int]:
-    """(reason, length to keep) of one finished answer: `eos` when it ends with a stop token
-    (kept whole, whatever repeats in it), else `repetition` with its cut when `rule` finds a
-    loop, else `cap` (kept whole)."""
+    """(reason, length to keep): `eos` kept whole, `repetition` cut, else `cap` kept whole."""
     if ids and ids[-1] in stop_ids:
         return EOS, len(ids)
     cut = repetition_cut(ids, rule) if rule is not None else None
@@ -124,9 +102,7 @@ def classify(ids: list[int], stop_ids, rule: EndingRule | None) -> tuple[str, in
 
 
 def looping_rows(out: torch.Tensor, n: torch.Tensor, rule: EndingRule) -> torch.Tensor:
-    """`looping` for every row of a decoder's output: `out` [rows, max_new] holds row r's
-    tokens in out[r, :n[r]]. Returns bool [rows]. Only the last `rule.window` tokens of each
-    row are read; elementwise ops on the device, no synchronisation."""
+    """`looping` of each row's out[r, :n[r]], over its last `rule.window` tokens on the device (no sync)."""
     W = min(rule.window, out.shape[1])
     rows = out.shape[0]
     pos = n[:, None] - W + torch.arange(W, device=out.device)  # the window's positions, oldest first

@@ -1,10 +1,6 @@
 """Batched greedy decoding on the core (decoding/core.py): continuous batching over a
 decoder's rows, prefills packed (and graphed on a GPU, `PackedPrefill`), a Gumbel-max
-`Sampler` for sampled generation, and `greedy_generate` for a plain list of prompts.
-
-Imports torch, numpy, transformers and runtime/hf_compat.py only, so a GPU benchmark can load
-it on a bare machine.
-"""
+`Sampler` for sampled generation, and `greedy_generate` for a plain list of prompts."""
 
 from __future__ import annotations
 
@@ -22,22 +18,15 @@ from .paged import Pages
 
 
 def pack_sizes(limit: int) -> list[int]:
-    """The fixed sizes packed prefills are padded to, up to `limit` tokens: 64, 128, 256, 512,
-    then steps of 512, so padding wastes at most half of a small pack and an eighth of a
-    large one (for a large target a pack's compute is GPU time, not host time)."""
+    """Pack sizes up to `limit`: 64..512, then steps of 512 (padding wastes at most half a small pack)."""
     sizes = [x for x in (64, 128, 256, 512) if x < limit] + list(range(512, limit, 512)) + [limit]
     return sorted(set(sizes))
 
 
 class PackedPrefill:
-    """Prefill of refilled rows, their prompts packed back to back into one forward
-    (Core.packed), padded to the smallest of `sizes` that holds them, and from a size's
-    second use on replayed from a CUDA graph of that size: a decoder refills many times,
-    and each eager forward pays transformers' per-layer Python again (whether that is most
-    of a prefill's time, `bench/decode_speed.py --sections where` measures). Pad tokens
-    are a segment of their own, written to the cache's last slot, which no live row ever
-    attends (GreedyDecoder sizes the cache one slot longer than any row can reach).
-    Returns the first token of each prompt, `pick`ed from its last position's logits."""
+    """Refilled rows' prompts packed into one forward padded to a fixed size, replayed from a CUDA
+    graph from a size's second use on (each eager forward pays transformers' per-layer Python).
+    Pads write the cache's last slot, which no live row attends."""
 
     def __init__(self, core: Core, rows: int, sizes: Iterable[int], pick: Callable[[torch.Tensor], torch.Tensor]):
         self.core, self.rows, self.pick = core, rows, pick
@@ -45,7 +34,7 @@ class PackedPrefill:
         self._used: set[int] = set()
         self._static: dict[int, tuple[torch.Tensor, torch.Tensor, Callable[[], None]]] = {}
         self._first = torch.zeros(rows, dtype=torch.long, device=core.device)  # every graph's output
-        self.replays = 0  # forwards run from a graph, or from its fallback (figures for benchmarks)
+        self.replays = 0  # forwards run from a graph, or from its fallback
 
     @property
     def limit(self) -> int:
@@ -73,7 +62,7 @@ class PackedPrefill:
             if size not in self._used:  # a size used once (one eval prompt) is not worth a capture
                 self._used.add(size)
                 return self.pick(self.core.packed(*packed, where))[:R]
-            # The capture's warm-up runs the prefill twice on these inputs: the same writes each time.
+            # the capture's warm-up runs it twice on these inputs: the same writes each time
             replay = self.core.graphed(lambda: self._first.copy_(self.pick(self.core.packed(*packed, where))))
             self._static[size] = (packed, where, replay)
         else:
@@ -93,25 +82,10 @@ class Job:
 
 
 class GreedyDecoder:
-    """Batched greedy decoding with continuous batching: `rows` slots; a finished row's slot
-    is refilled with the next prompt at once. One decode step of all rows is a CUDA graph on
-    a GPU; the host looks at which rows finished every `sync_every` steps (its only
-    synchronisation), and refills when at least `refill_min` rows are free or nothing else runs.
-
-    Each output is the greedy continuation up to and including the first stop token, or
-    `max_new_tokens` tokens: exactly what `generate(do_sample=False)` gives. `pick` (logits
-    [rows, vocab] -> token IDs [rows]) replaces the argmax, e.g. with a `Sampler`. `ending`
-    (decoding/endings.py): a row whose tail loops by that rule stops at the next sync point,
-    its output as generated so far (the caller cuts the loop: endings.classify).
-
-    `pages` > 0: the KV cache is a pool of that many pages of `kv_block` slots
-    (decoding/paged.py) and a row holds only the pages its own prompt and answer so far
-    fill: a job starts when the free pages hold its prompt and its next `sync_every`
-    tokens (plus a little room for the live rows to grow), and rows get pages as they grow
-    (`_grow`). So how many rows decode at once is set by the pages, not by the longest
-    prompt; `rows` is then only the most (the decode step's batch). If the pages run out,
-    the newest rows give theirs back and their jobs start again later (greedy: the same
-    answer). `pages` must hold one job of `max_prompt` + `max_new_tokens` slots."""
+    """Greedy decoding with continuous batching over `rows` slots, as `generate(do_sample=False)`
+    gives; one decode step is a CUDA graph and the host syncs only every `sync_every` steps.
+    `pages` > 0: a paged cache, rows get pages as they grow and the newest give theirs back
+    when they run out (greedy: restarting gives the same answer)."""
 
     def __init__(self, model: nn.Module, *, rows: int, max_prompt: int, max_new_tokens: int, stop_ids: Iterable[int],
                  graphs: bool | None = None, sync_every: int = 8, refill_min: int | None = None,
@@ -121,8 +95,7 @@ class GreedyDecoder:
         if rows < 1 or max_new_tokens < 1:
             raise ValueError(f"rows {rows} and max_new_tokens {max_new_tokens} must be >= 1")
         self.max_prompt, self.max_new = max_prompt, max_new_tokens
-        # A live row writes at most slot max_prompt + max_new_tokens - 2: the slots after it
-        # are never attended, and PackedPrefill's pad tokens write to the last.
+        # one slot past any live row's reach: PackedPrefill's pads write there
         self.core = Core(model, rows, max_prompt + max_new_tokens + (0 if pages else 1), graphs=graphs, kernel=kernel,
                          kv_block=kv_block, pages=pages)
         self.book = Pages(self.core.cache) if pages else None
@@ -148,14 +121,12 @@ class GreedyDecoder:
         self.limit = torch.full((rows,), max_new_tokens, dtype=torch.long, device=dev)  # per row
         self.out = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
         self._ar = torch.arange(rows, device=dev)
-        self.steps = 0  # decode steps run (figures for benchmarks)
-        self.prefills = 0  # prefill forwards run
-        self.packed_prefills = 0  # of which packed (Core.fresh_packed, PackedPrefill)
+        self.steps = 0
+        self.prefills = 0
+        self.packed_prefills = 0
         self.pick = pick or _argmax
         self.ending = ending
-        # `prefill_sizes` (e.g. pack_sizes(4096)): prompts packed into those sizes, graphed on a
-        # GPU (PackedPrefill); else exact shapes, packed or left padded by their cost (_fill).
-        # Off by default until a GPU measurement says it is faster (docs/REGENERATION.md).
+        # graphed packs off by default until a GPU measurement says they are faster (docs/REGENERATION.md)
         self.prefill = PackedPrefill(self.core, rows, prefill_sizes, self.pick) if prefill_sizes else None
         self.prefill_tokens = max(1, prefill_tokens)
         with self.core.attending(), torch.inference_mode():
@@ -188,10 +159,8 @@ class GreedyDecoder:
 
     @torch.inference_mode()
     def run(self, jobs: deque, on_done: Callable[[Job, list[int]], None]) -> list[Job]:
-        """Decode every job of `jobs` (a deque `on_done` may append new jobs to, e.g. a
-        conversation's next turn) and hand each result to `on_done` as it finishes.
-        Returns the jobs whose prompt is longer than `max_prompt` (not decoded: the caller
-        sizes a decoder for them). Raises ValueError for an empty prompt."""
+        """Decode `jobs` (`on_done` may append more), handing each result to `on_done`; returns the
+        jobs longer than `max_prompt`, undecoded."""
         leftover: list[Job] = []
         with self.core.attending():
             for _ in self.rounds(jobs, on_done, leftover):
@@ -199,11 +168,8 @@ class GreedyDecoder:
         return leftover
 
     def rounds(self, jobs: deque, on_done: Callable[[Job, list[int]], None], leftover: list[Job]):
-        """`run` one round at a time: a generator that refills free rows and runs
-        `sync_every` steps per `next()`, until `jobs` and the rows are empty. Between
-        rounds the caller may add jobs to `jobs` (other threads too: deque appends are
-        atomic) and release the model; every `next()` must run inside `core.attending()`
-        and `torch.inference_mode()`. Too-long prompts go to `leftover`."""
+        """`run` one round (refill, `sync_every` steps) per `next()`, each inside `core.attending()` and
+        inference mode; between rounds other threads may append jobs (deque appends are atomic)."""
         busy: dict[int, Job] = {}
         free = list(range(self.rows))
         while jobs or busy:
@@ -262,9 +228,7 @@ class GreedyDecoder:
         return min(job.max_new or self.max_new, self.max_new)
 
     def _admit(self, job: Job, live: int, pending: int) -> int | None:
-        """Pages `job` starts with (its prompt and its first round's tokens), or None when the
-        free pages, less `pending` (taken this refill) and a round's growth of `live` rows,
-        do not hold them."""
+        """Pages `job` starts with, or None when the free pages (less a round's growth of the live rows) lack them."""
         p = len(job.prompt)
         need = self.book.pages_for(min(p + self.sync_every, p + self._limit(job) - 1))
         room = -(-live * self.sync_every // self.core.cache.page) if live else 0
@@ -280,8 +244,7 @@ class GreedyDecoder:
         self.book.grow({r: min(self._at[r] + self.sync_every, self._need[r]) for r, _ in take})
 
     def _grow(self, busy: dict[int, Job], free: list[int], jobs: deque) -> None:
-        """Give each row the pages its next `sync_every` tokens need. If the free pages do not
-        hold them, the newest rows give theirs back and their jobs go first in `jobs`."""
+        """Pages for each row's next round; if short, the newest rows give theirs back and requeue first."""
         ps, held = self.core.cache.page, self.book.held
         wants = {r: w for r in busy  # only rows whose next tokens cross into a page they lack
                  for w in (min(self._at[r] + self.sync_every, self._need[r]),) if w > len(held[r]) * ps}
@@ -302,13 +265,8 @@ class GreedyDecoder:
         self.book.grow(wants)
 
     def _fill(self, take: list[tuple[int, Job]]) -> None:
-        """Prefill the prompts of `take` into their rows and set the rows' state, in as few
-        forwards as fit, sorted by length (similar widths share a forward). With
-        `self.prefill`: packs of up to its limit, a longer prompt alone. Else parts of up to 64
-        rows, each packed back to back (no padding, at most `prefill_tokens` tokens) where
-        that computes fewer attention scores than left padding to its longest prompt (T^2 <
-        R * W^2: lengths that differ a lot), else left padded (with a dense mask, packed
-        attention is quadratic in the total length)."""
+        """Prefill `take` sorted by length; a part is packed where that computes fewer attention
+        scores than left padding (T^2 < R * W^2: packed attention is quadratic in the total)."""
         take = sorted(take, key=lambda t: len(t[1].prompt))
         if self.prefill is not None:
             pack: list[tuple[int, Job]] = []
@@ -360,8 +318,7 @@ class GreedyDecoder:
 
     def _begin(self, part: list[tuple[int, Job]], rows: torch.Tensor, first: torch.Tensor, start: torch.Tensor,
                off: torch.Tensor) -> None:
-        """The state of `part`'s rows (`rows`, on the device) just prefilled: `first` token of
-        each, its next slot `start`, its padding `off`."""
+        """Set the just-prefilled rows' state: first token, next slot `start`, padding `off`."""
         lim = torch.tensor([min(j.max_new or self.max_new, self.max_new) for _, j in part], device=self.core.device)
         self.prefills += 1
         self.tok[rows] = first
@@ -378,10 +335,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Draws from softmax(logits / temperature), restricted to the `top_k` most likely
-    tokens when top_k > 0, by the Gumbel-max trick: argmax(logits / T + G), G ~ Gumbel(0, 1).
-    Elementwise ops and an argmax only, so it runs inside the decode step's CUDA graph
-    (the default generator's offset advances on every replay); seed it with torch.manual_seed."""
+    """Samples softmax(logits / T) (top_k > 0: among the k likeliest) by Gumbel-max, argmax(logits / T + G):
+    no host sync, so it runs inside the decode step's CUDA graph; seed with torch.manual_seed."""
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0):
         if not temperature > 0 or top_k < 0:

@@ -3,19 +3,8 @@ per layer and a page table per row, so that a row holds the slots it uses (its o
 and its answer so far), not the longest prompt of its decoder plus the answer cap
 (docs/REGENERATION.md "Rows: pages from a plan"). The idea is vLLM's PagedAttention.
 
-`PagedKV` is the cache the model's attention layers write to: row b's logical slot s lives
-at physical slot table[b, s // page] * page + s % page of the pool. A decode step's
-attention reads the pages in place through flex attention's block mask (the listed K/V
-blocks are the row's physical pages, `paged_block_masks`), or, with sdpa (a CPU), over each
-row's pages gathered in logical order. `Pages` is the host's book of which pages are free
-and which row holds which; GreedyDecoder (decoding/greedy.py) grants pages as rows grow.
-
-Table entries no row holds point at a scratch page (the pool's last) that nothing reads
-unmasked, so a finished or free row's decode-step writes go there. Fixed shapes throughout
-(table [rows, width], pool [pages + 1 pages]): a decode step stays one CUDA graph.
-
-Imports torch only.
-"""
+Unheld table entries point at a scratch page (the pool's last), so free rows' step writes go
+there and shapes stay fixed: a decode step stays one CUDA graph."""
 
 from __future__ import annotations
 
@@ -25,10 +14,8 @@ from .cache import CacheStandIn
 
 
 class PagedKV(CacheStandIn):
-    """K/V in a pool of `pages` pages of `page` slots (plus the scratch page) per layer,
-    [Hkv, (pages + 1) * page, hd], allocated at the first write; rows address it through
-    `table` [rows, width] (physical page of each logical block). Same modes as StaticKV
-    (`begin_fresh`, `begin_step`, `begin_packed`), the slots being logical ones."""
+    """K/V pools [Hkv, (pages + 1) * page, hd] per layer; row b's logical slot s is at
+    table[b, s // page] * page + s % page. Same modes as StaticKV."""
 
     def __init__(self, rows: int, width: int, page: int, pages: int, device: torch.device):
         if pages < 1 or width < 1 or page < 1:
@@ -37,8 +24,7 @@ class PagedKV(CacheStandIn):
         self.slots = width * page  # logical slots of a row
         self.scratch = pages  # the physical page every unheld table entry points at
         self.table = torch.full((rows, width), pages, dtype=torch.long, device=device)
-        # physical page -> the row holding it (-1: none) and its logical block there: flex's
-        # mask reads them (uncompiled flex applies the mask alone, not the listed blocks)
+        # page -> holding row and logical block: uncompiled flex applies the mask alone, not the listed blocks
         self.owner = torch.full((pages + 1,), -1, dtype=torch.long, device=device)
         self.block_of = torch.zeros(pages + 1, dtype=torch.long, device=device)
         self._page_ar = torch.arange(page, device=device)
@@ -51,9 +37,7 @@ class PagedKV(CacheStandIn):
         self.in_place = False  # step: hand attention the pool itself (flex), not gathered rows
 
     def index_buffer(self, kind, rows: int) -> torch.Tensor:
-        """A block mask's K/V block list for `rows` rows: as many columns as the pool has
-        pages (the compiled kernel asserts it), of which a step writes the first `width` (a
-        row lists no more); one buffer per layer kind, kept, so a step writes no more."""
+        """A kept block list per layer kind, a column per pool page (the compiled kernel asserts it)."""
         buf = self._index.get(kind)
         if buf is None or buf.shape[0] != rows:
             buf = self._index[kind] = torch.zeros(rows, 1, 1, self.pages + 1, dtype=torch.int32,
@@ -61,12 +45,10 @@ class PagedKV(CacheStandIn):
         return buf
 
     def physical(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Physical slots of logical `slots` of `rows` (same shapes, broadcast)."""
         return self.table[rows, slots // self.page] * self.page + slots % self.page
 
     def begin_fresh(self, rows: torch.Tensor, off: torch.Tensor | None = None, width: int = 0) -> None:
-        """Left-padded prompts [R, width] into `rows`: token s of row r goes to logical slot
-        s - off[r] (the padding is not stored: the row starts at slot 0); pads to scratch."""
+        """Left-padded prompts into `rows` from logical slot 0 (padding goes to scratch)."""
         s = torch.arange(width, device=self.table.device)[None] - off[:, None]  # [R, W]
         phys = self.physical(rows[:, None], s.clamp_min(0))
         self._write = torch.where(s >= 0, phys, self.scratch * self.page).reshape(-1)
@@ -93,9 +75,7 @@ class PagedKV(CacheStandIn):
             self.v[layer] = v.new_zeros(v.shape[1], n, v.shape[3])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value [R, H, q, hd] -> the keys/values attention runs over: the forward's own
-        (prefills), the pool [1, H, N, hd] (a step with flex), or each row's pages in
-        logical order [B, H, slots, hd] (a step with sdpa)."""
+        """Write; return the forward's own K/V (prefill), the pool (flex step) or rows gathered (sdpa step)."""
         self._alloc(layer_idx, key_states, value_states)
         K, V = self.k[layer_idx], self.v[layer_idx]
         H, hd = key_states.shape[1], key_states.shape[3]
@@ -112,10 +92,8 @@ class PagedKV(CacheStandIn):
 
 
 def paged_block_masks(core, cache: PagedKV, qslot: torch.Tensor, off: torch.Tensor, g: int, block_mask, kinds):
-    """flex's masks for a step over the pool, as Core._block_masks over a row's own cache:
-    the listed K/V blocks of row b are the physical pages of its logical blocks from its
-    first visible slot to its last query's slot; inside them the mask maps each physical
-    slot back to its logical slot (`block_of`) and applies the core's rule."""
+    """Core._block_masks over the pool: row b lists its physical pages; the mask maps each slot
+    back to its logical one (`block_of`) and applies the core's rule."""
     R, q = qslot.shape
     ps = cache.page
     ar = torch.arange(cache.width, device=qslot.device)
@@ -147,8 +125,7 @@ def _paged_visible(cache: PagedKV, qslot: torch.Tensor, off: torch.Tensor, windo
 
 
 class Pages:
-    """The host's book of a PagedKV's pages: a free list, the pages each row holds, and the
-    table writes that follow (batched: one device write per grant or release)."""
+    """The host's book of a PagedKV's pages (one batched device write per grant or release)."""
 
     def __init__(self, cache: PagedKV):
         self.cache = cache
@@ -172,8 +149,7 @@ class Pages:
         return max(0, self.pages_for(slots) - len(self.held.get(row, ())))
 
     def grow(self, wants: dict[int, int]) -> None:
-        """Give each row of `wants` ({row: slots}) the pages it lacks for that many slots
-        (the caller checked that the free pages cover them)."""
+        """Give each row of `wants` ({row: slots}) the pages it lacks (the caller checked there are enough)."""
         rows, blocks, pages = [], [], []
         for r, slots in wants.items():
             have = self.held.setdefault(r, [])

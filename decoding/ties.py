@@ -1,7 +1,5 @@
-"""The tie rule (docs/EVAL.md): two greedy decodings of one prompt may differ where the
-target's top two logits are within bf16's rounding, and such a difference is not the
-decoder's fault. Where two outputs first differ, and how close to a tie the target was.
-"""
+"""The tie rule (docs/EVAL.md): where two greedy decodings first differ, and whether the target's
+top logits were within rounding there (then the difference is not the decoder's fault)."""
 
 from __future__ import annotations
 
@@ -21,11 +19,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @torch.inference_mode()
 def divergence(model: nn.Module, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
-    """Where two greedy outputs of `prompt` first differ and how close the target was to a tie
-    there, from one plain forward over the common prefix (transformers' own path):
-    top2_margin = top-1 minus top-2 logit; flip_margin = top-1 minus the lower of the two
-    tokens chosen (equal to top2_margin when they are the top two). None if a == b; a
-    difference in length alone (one stopped) is reported with margins None."""
+    """First difference of two outputs with top2_margin (top-1 minus top-2 logit) and flip_margin
+    (top-1 minus the lower chosen token); margins None for a length-only difference."""
     i = first_difference(a, b)
     if i is None:
         return None
@@ -40,6 +35,5 @@ def divergence(model: nn.Module, prompt: list[int], a: list[int], b: list[int]) 
 
 
 def is_tie_flip(div: dict | None, tolerance: float) -> bool:
-    """A difference that greedy decoding cannot be blamed for: both tokens within `tolerance`
-    of the target's best logit at the first difference."""
+    """Both tokens within `tolerance` of the best logit at the first difference."""
     return div is not None and div["flip_margin"] is not None and div["flip_margin"] <= tolerance

@@ -1,12 +1,6 @@
 """The producer's policy on its broker link (protocol/links.py `ProducerLink`): how big a
-lease to ask for, how to wait for work, and how a signal stops a blocked push. The wire
-(lease asks, grants, batches, `done`) stays in the link.
-
-`BrokerWorkSource` turns `grant`s into leases (an empty grant without `end` means "ask
-again after `retry_ms`"); `link_sink` pushes batches, blocking while the link's outbox is
-full: that is the broker's backpressure reaching the GPU loop; `failure` is what a producer
-that stops on an error tells the broker before it leaves.
-"""
+lease to ask for, how to wait for work, and how a signal stops a blocked push (the outbox
+blocking is the broker's backpressure reaching the GPU loop). The wire stays in the link."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ class Stopped(Exception):
 
 
 class BrokerWorkSource:
-    """Leases of `want` samples from the broker, until it says there is no work left (or
-    `stop` is set: a signal asked us to leave)."""
+    """Leases of `want` samples from the broker, until no work is left or `stop` is set."""
 
     def __init__(self, link, want: int, stop: threading.Event | None = None):
         self.link, self.want, self.stop = link, want, stop or threading.Event()
@@ -47,8 +40,7 @@ class BrokerWorkSource:
         self.link.lease_done(lease, skipped)
 
     def order(self) -> list[int] | None:
-        """Epoch 1's sample order as the broker leases it (its shuffle of the welcome's seed
-        and dataset size), for --regenerate to work ahead; None if the welcome lacks them."""
+        """Epoch 1's sample order as the broker leases it, for --regenerate to work ahead (or None)."""
         cfg = self.link.welcome.run_config
         if cfg is None or cfg.dataset is None:
             return None
@@ -56,9 +48,7 @@ class BrokerWorkSource:
 
 
 def failure(e: BaseException) -> Failed:
-    """What a producer that stops on `e` tells the broker before its `bye` (PROTOCOL.md 4.2):
-    for a bad row its file and line and the fix, so that the run's status says why its
-    producer left instead of "no target connected"."""
+    """What a producer stopping on `e` tells the broker (PROTOCOL.md 4.2), so status says why it left."""
     if isinstance(e, BadRow):
         return Failed("bad_row", str(e)[:2000], source=e.source,
                       hint=f"fix or remove the row at {e.source} and restart the producer, or restart it with "
@@ -67,8 +57,7 @@ def failure(e: BaseException) -> Failed:
 
 
 def link_sink(link, stop: threading.Event | None = None) -> BatchSink:
-    """Push to the link; while backpressure holds a batch, look at `stop` every 0.5 s and
-    raise Stopped once set (the batch is dropped: its samples go back with `bye`)."""
+    """Push to the link; under backpressure raise Stopped once `stop` is set (samples go back with `bye`)."""
     def push(batch: Batch) -> None:
         while True:
             try:

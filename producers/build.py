@@ -86,15 +86,9 @@ def target_identity(path: str) -> dict | None:
 
 
 def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
-    """check_packing on the loaded attention; (relative error, leak's relative error).
-
-    auto: an implementation that cannot run here (no compiler for torch.compile, flex
-    refusing attention sinks on CPU) or that leaks across packed sequences (GPT-OSS's eager
-    masks ignore position IDs) gives way to the next the model supports (target.py
-    `attn_candidates`), loudly; where none packs correctly, the target runs one sequence per
-    forward pass (`target.per_sequence`, logged as produce.per_sequence), never a silent leak.
-    An explicit --attn-impl is never overridden: a leak raises PackingError naming what
-    packs correctly on this model."""
+    """check_packing on the loaded attention. auto: one that cannot run or leaks gives way to the
+    next, loudly, and if none packs, one sequence per pass: never a silent leak. An explicit
+    --attn-impl that leaks raises PackingError naming what packs."""
     options = attn_candidates("auto", target.device, type(target.decoder), target.decoder.config)
     first = target.info.attn_impl
     if not auto_attn:
@@ -136,9 +130,7 @@ def _check_packing(target: Target, auto_attn: bool) -> tuple[float, float]:
 
 
 def _cannot_run(target: Target, impl: str) -> str | None:
-    """Why `impl` cannot run on this target here, where that is known without running it:
-    transformers' flex attention refuses attention sinks (GPT-OSS's `sinks`) on CPU, but
-    only after compiling the block mask, which takes longer than loading the model."""
+    """Why `impl` cannot run here, known up front: flex refuses sinks on CPU, but only after a long compile."""
     if impl == "flex_attention" and target.device.type == "cpu" and any(
             isinstance(getattr(m, "sinks", None), torch.Tensor) for m in target.decoder.modules()):
         return "attention sinks cannot run on CPU with flex attention (transformers refuses them)"
@@ -146,8 +138,7 @@ def _cannot_run(target: Target, impl: str) -> str | None:
 
 
 def _advice(target: Target, options: list[str], current: str) -> str:
-    """What packs correctly on this model here (each other supported implementation is
-    tried once), for the error of an explicit --attn-impl that leaks."""
+    """What packs correctly here, for the error of an explicit --attn-impl that leaks."""
     good = []
     try:
         for impl in (o for o in options if o != current and not _cannot_run(target, o)):

@@ -1,17 +1,7 @@
 """Out-of-memory handling: split the batch and retry; skip only a sequence that cannot fit.
 
-A batch is split in two by the rule the consumer's step uses too (protocol/batch.py
-`Batch.split`): whole consecutive sequences, about half the tokens each.
-
-An OOM is logged with its cause (device, bytes asked, bytes free, tokens in the batch) and
-never crashes the run. The retry happens outside the `except` block: the exception's
-traceback holds the frames of the failed forward pass and their tensors, and memory only
-comes back once it is gone.
-
-After an OOM the splitter remembers the smallest batch that failed and splits batches of
-that size up front (`oom_backoff` in the heartbeat), so a budget that is simply too large
-for this GPU costs one failed pass, not one per batch.
-"""
+The retry runs outside the `except` block (the traceback holds the failed pass's tensors), and
+the smallest failed size is split up front afterwards, so a too-large budget costs one failed pass."""
 
 from __future__ import annotations
 
@@ -46,14 +36,11 @@ class OomSplitter:
         self.ooms = 0
         self.skipped = 0
         self.backoff_tokens: int | None = None  # smallest batch that ran out of memory
-        # An OOM may be transient (fragmentation, a neighbour process): after this many
-        # good passes the full budget is tried again.
-        self.relax_after = relax_after
+        self.relax_after = relax_after  # an OOM may be transient: the full budget is tried again after this
         self._ok = 0
 
     def run(self, batch: Batch) -> Iterator[Outcome]:
-        """Outcomes in sequence order; each captured part is yielded as soon as it is ready,
-        so the caller can send it before the next part occupies memory."""
+        """Outcomes in order, each yielded at once so it is sent before the next part takes memory."""
         todo = [batch]
         while todo:
             b = todo.pop(0)

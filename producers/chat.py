@@ -1,20 +1,8 @@
 """Rows -> token IDs + loss mask, through the target tokenizer's own chat template.
 
-The loss mask is 1 exactly on what the model itself would emit in an assistant turn: the
-content and the turn's end marker (`<|im_end|>`, `<|eot_id|>`), not the template's header
-(`<|im_start|>assistant\\n`) and not the whitespace the template puts after the marker.
-It works for any template without knowing its markup:
-
-- the turn starts where `render(messages[:i], add_generation_prompt=True)` ends, when that
-  render is a prefix of the full conversation (it is for every common template);
-- it ends where `render(messages[:i+1])` ends when that is a prefix too (prefix-stable
-  templates: ChatML, Llama 3); templates that render the last turn differently (Qwen3 adds
-  an empty think block) are handled by finding the content verbatim after the turn's
-  start and extending over the end marker, learned once by rendering a probe chat.
-
-The full conversation is tokenised once and the character spans are mapped onto tokens
-with the fast tokenizer's offsets, so the IDs are exactly what the template produces.
-"""
+The mask is 1 on what the model emits in an assistant turn (content and end marker, not the
+header), found from prefix renders without knowing the template's markup; the conversation is
+tokenised once and spans mapped by offsets, so the IDs are exactly the template's."""
 
 from __future__ import annotations
 
@@ -58,10 +46,9 @@ class ChatEncoder:
     def encode(self, row: Row) -> Encoded:
         """Token IDs and loss mask of `row`. Raises BadRow if its template render fails."""
         if row.input_ids is not None:
-            # Already tokens (a regenerated chat): re-tokenising decoded text is lossy.
+            # a regenerated chat: re-tokenising decoded text is lossy
             return self._truncate(row.sample, row.input_ids, row.loss_mask)
         if row.text is not None:
-            # Plain text: no turns, every token carries loss (continuation data).
             ids = self.tok(row.text, add_special_tokens=True)["input_ids"]
             return self._truncate(row.sample, ids, [1] * len(ids))
         if not self.has_template:

@@ -1,18 +1,8 @@
 """Datasets read by sample ID: JSON Lines, a local Hugging Face `datasets` folder, parquet.
 
-The broker leases sample IDs (row indices) in its own shuffled order, so every source is
-random access. For JSON Lines a line-offset index is built once (numpy over 16 MiB chunks)
-and cached, so reading row 700000 is one `pread`, not a re-read of the file. The index
-is cached under `~/.cache/dflash/index/` keyed by path, size and mtime.
-
-A row becomes either `messages` (role/content turns, from `messages` or ShareGPT
-`conversations`) or plain `text`. A malformed row raises `BadRow` naming `file:line`
-and the reason; the caller decides whether to stop or skip (`--skip-bad-rows`).
-
-`fingerprint` is a cheap content hash (row count, size, and 64 sampled 4 KiB windows)
-that does not depend on the path, so the broker can check that every producer, on any
-host, reads the same data.
-"""
+The broker leases rows in shuffled order, so every source is random access (JSON Lines through
+a cached line-offset index: one `pread` per row). `fingerprint` hashes content, not the path,
+so the broker can check that every producer on any host reads the same data."""
 
 from __future__ import annotations
 
@@ -51,9 +41,7 @@ class BadRow(DFlashError):
 
 @dataclass
 class Row:
-    """One parsed sample: exactly one of `messages` / `text` is set. A regenerated chat
-    (producers/regenerate.py) also carries its exact token IDs and loss mask, which the
-    encoder uses as they are; `messages` then holds the decoded turns, for reading only."""
+    """One parsed sample: `messages` or `text`; a regenerated chat also carries its exact IDs and mask."""
 
     sample: int
     source: str
@@ -216,11 +204,8 @@ def _save_npz(path: Path, **arrays) -> None:
 
 
 class ArrowSource:
-    """A local HF `datasets` folder (save_to_disk) or a parquet file, read by row index.
-
-    Needs the optional `datasets` / `pyarrow` packages; parquet is read into one Arrow table
-    (columnar, compact) because row groups would otherwise be decompressed once per sample
-    in the broker's shuffled order."""
+    """A local HF `datasets` folder or a parquet file by row index; parquet is read into one Arrow
+    table, else row groups would be decompressed once per sample in shuffled order."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
@@ -263,9 +248,7 @@ class ArrowSource:
 
 
 def open_dataset(path: str | os.PathLike) -> DataSource:
-    """JSONL (.jsonl/.json), parquet (.parquet) or a HF datasets folder.
-
-    Raises FileNotFoundError, DFlashError (unknown format or missing optional package)."""
+    """JSONL, parquet or a HF datasets folder. Raises FileNotFoundError, DFlashError."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")

@@ -1,13 +1,8 @@
 """Varlen packing: whole sequences back to back, no padding, by token budget.
 
-A forward pass gets at most `token_budget` tokens and `max_batch_size` sequences. Position
-IDs restart at 0 for each sequence; with no attention mask and no cache, transformers
-(5.x `masking_utils.find_packed_sequence_indices`, and the flash-attention varlen path via
-`prepare_fa_kwargs_from_position_ids`) turns that into attention that never crosses a
-sequence boundary: a block-diagonal causal mask for sdpa/eager, `cu_seqlens` for FA2.
-`check_packing` verifies that on the loaded model at start-up, because a model family that
-ignored it would silently leak context between sequences.
-"""
+Position IDs restart per sequence, which transformers turns into attention that never crosses
+a boundary; `check_packing` verifies that at start-up, since a family that ignored it would
+silently leak context between sequences."""
 
 from __future__ import annotations
 
@@ -23,12 +18,8 @@ from .chat import Encoded
 
 def pack(seqs: list[Encoded], token_budget: int, max_batch_size: int, *, lease: int = 0,
          epoch: int = 0) -> list[Batch]:
-    """First-fit decreasing into batches of <= token_budget tokens and <= max_batch_size
-    sequences, each a `Batch` of the target's input, `input_ids` and `loss_mask` (the
-    producer names it and adds the hidden states once it has them). A sequence longer than
-    the budget gets a batch of its own (the OOM path decides whether it fits). Sorting by
-    length fills batches better than arrival order; the order inside a lease means nothing
-    to the broker, which lists samples per batch."""
+    """First-fit decreasing into batches of <= token_budget tokens and <= max_batch_size sequences
+    (a longer sequence alone: the OOM path decides). Order within a lease means nothing to the broker."""
     if token_budget < 1 or max_batch_size < 1:
         raise ValueError("token_budget and max_batch_size must be positive")
     bins: list[list[Encoded]] = []
@@ -59,19 +50,13 @@ class PackingError(DFlashError):
 
     def __init__(self, message: str, err: float | None = None, leak: float | None = None):
         super().__init__(message)
-        self.err, self.leak = err, leak  # check_packing's relative errors, when it measured them
+        self.err, self.leak = err, leak
 
 
 def check_packing(capture: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], vocab_size: int,
                   lens: tuple[int, ...] = (7, 12, 5)) -> tuple[float, float]:
-    """Run a few random sequences packed, alone, and as one unpacked sequence; return the
-    relative errors (packed vs alone, unpacked vs alone) over the sequences after the first
-    (the ones a leak would reach).
-
-    Raises PackingError if that error is not far below the error that attention across the
-    boundaries produces (the unpacked run). A relative criterion, because the numerical
-    noise of a deep bf16 model differs by kernel and shape while a leak is of the same size
-    as the unpacked run's difference."""
+    """Relative errors of random sequences packed and unpacked vs alone; PackingError unless packed
+    is far below unpacked (relative: bf16 noise varies by kernel, a leak is as big as unpacked's)."""
     err, leak = packing_errors(capture, vocab_size, lens)
     if err > 0.25 * leak:
         raise PackingError(f"packed and per-sequence hidden states differ (relative error {err:.3g}, "

@@ -1,16 +1,7 @@
 """Prefetch: a background thread turns leases into packed batches ahead of the GPU.
 
-Reading rows, applying the chat template, tokenising and packing the next batches run
-here while the main thread runs the forward pass and hands batches to the sink, so the GPU
-does not wait on the CPU. The queue is bounded (`depth` batches): when the GPU is the
-bottleneck the thread blocks and stops asking the broker for leases it cannot serve soon.
-`depth()` is the heartbeat's `q_pre`: near 0 means the GPU is starved by data preparation.
-
-`revoke(lease, n)` gives back batches of a lease that the main thread has not taken yet,
-from the lease's end (PROTOCOL.md 4.3 `revoke`): the broker moves their samples to a
-producer that has nothing to make. A lease whose batches stream as rows are regenerated
-(a generator, not a list) gives back nothing.
-"""
+The queue is bounded, so a GPU-bound producer stops asking for leases it cannot serve soon;
+`revoke` gives back batches not yet taken (PROTOCOL.md 4.3) to a producer with nothing to make."""
 
 from __future__ import annotations
 
@@ -56,8 +47,7 @@ class Prefetcher:
         self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="dflash-prefetch", daemon=True)
         self.state = "idle"
-        # lease -> its batches prepared and not yet taken by get(), in order; those given
-        # back by revoke() are skipped (by identity)
+        # lease -> its batches not yet taken, in order (revoked ones skipped by identity)
         self._untaken: dict[int, list[Batch]] = {}
         self._revoked: set[int] = set()
         self._lock = threading.Lock()
@@ -98,8 +88,7 @@ class Prefetcher:
             return True
 
     def revoke(self, lease: int, n: int) -> list[int]:
-        """Give back up to `n` samples of `lease` in whole batches not yet taken, the last
-        ones first; returns their samples (none if the lease is started up to its end)."""
+        """Give back up to `n` samples of `lease` in whole untaken batches, last first; their samples."""
         out: list[int] = []
         with self._lock:
             untaken = self._untaken.get(lease, [])

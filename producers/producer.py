@@ -1,13 +1,7 @@
 """The producer loop: leases in, packed hidden-state batches out.
 
-    work source --leases--> prefetch thread (read, template, tokenise, [regenerate], pack)
-        --bounded queue--> main thread: capture (OOM split/retry) -> CPU -> batch sink
-
-The work source and the batch sink are plugged in: the broker link (`broker_work.py`) in
-production, `LocalWorkSource` and a list or bounded queue in tests and `--dry-run`.
-A lease is reported done (with its skipped samples and reasons) after its last batch went
-to the sink; batches never mix leases, since a batch header names one lease.
-"""
+Prefetch thread -> bounded queue -> capture on the main thread -> sink; source and sink are
+plugged in (broker_work.py, or local ones for tests and `--dry-run`). Batches never mix leases."""
 
 from __future__ import annotations
 
@@ -41,9 +35,7 @@ BatchSink = Callable[[Batch], None]
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of `t` through pinned memory: a pageable copy can take longer than the
-    batch's forward pass (docs/BENCHMARKS.md); pinned memory copies at PCIe speed. Pinned blocks come from torch's caching host
-    allocator and are reused once the sink (ZeroMQ) has let go of the batch."""
+    """A CPU copy through pinned memory: a pageable copy can outlast the forward pass (docs/BENCHMARKS.md)."""
     if not t.is_cuda:
         return t.contiguous()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -73,8 +65,7 @@ class LocalWorkSource:
         return self._leases.pop(0) if self._leases else None
 
     def order(self) -> list[int]:
-        """The samples in the order they will be leased (first epoch): what --regenerate
-        makes ahead of the leases."""
+        """The first epoch's lease order, for --regenerate to work ahead."""
         return [s for le in self._leases if le.epoch == self._leases[0].epoch for s in le.samples] \
             if self._leases else []
 
@@ -83,9 +74,7 @@ class LocalWorkSource:
 
 
 class Producer:
-    """Runs leases from `source` through `target` into `sink` until the source is empty.
-    `name` is the producer's peer ID: its batches are `<name>-0`, `<name>-1`, ... (the broker
-    takes a batch only from the peer it names)."""
+    """Runs leases from `source` through `target` into `sink`; batches are named `<name>-N`."""
 
     def __init__(self, target: Target, dataset: DataSource, encoder: ChatEncoder, source: WorkSource,
                  sink: BatchSink, *, token_budget: int, max_batch_size: int, prefetch: int = 4,
@@ -156,9 +145,7 @@ class Producer:
         return enc
 
     def _stream(self, lease: Lease, rows: list[Row], skipped: list[tuple[int, str]]) -> Iterator[Batch]:
-        """A lease's batches as its rows get regenerated (regen_ahead.py): a batch goes as
-        soon as ready rows fill one, while the lease's other rows decode. Each row is taken
-        once; `skipped` is complete when the iterator ends."""
+        """A lease's batches as its rows get regenerated: each goes once ready rows fill it."""
         t0 = time.monotonic()
         chats = {r.sample: r for r in rows if r.messages is not None}
         have = self.ahead.request(list(chats.values()))
@@ -206,9 +193,7 @@ class Producer:
         return hidden
 
     def run(self) -> dict:
-        """Produce until the source has no more work. Returns the summary counts.
-
-        Raises BadRow (without --skip-bad-rows), and whatever the source or sink raise."""
+        """Produce until the source has no more work; the summary counts."""
         self.state = "producing"
         if self.regenerator is not None and self.regen_ahead > 0:
             order = getattr(self.source, "order", lambda: None)()

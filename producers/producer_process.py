@@ -1,10 +1,6 @@
 """One producer process, given its `ProducerConfig` (produce_command.py makes it from the
 options): load the target and data (build.py), then serve the broker's leases, or with
-`--tensor-parallel` follow rank 0's forward passes on a rank other than 0.
-
-`--dry-run` runs the same loop over the local dataset without a broker and throws the
-batches away: a check of data, template, memory and throughput before a real run.
-"""
+`--tensor-parallel` follow rank 0's forward passes on a rank other than 0. `--dry-run`: no broker."""
 
 from __future__ import annotations
 
@@ -103,8 +99,7 @@ def _join_world(cfg: ProducerConfig):
 
 
 def _follow(cfg: ProducerConfig, world, instance: str) -> None:
-    """A rank other than 0: load this rank's shard of the target, then run the forward
-    passes rank 0 broadcasts until it says stop. No broker, no data, no run logs."""
+    """A rank other than 0: load its shard, then follow rank 0's passes. No broker, data or run logs."""
     from . import shard
     from .target import load_target
 
@@ -144,8 +139,7 @@ def _dry_run(cfg: ProducerConfig, c) -> dict:
 
 
 def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
-    """Connect to the broker, produce until it says there is no work left (or a signal
-    says stop), leave."""
+    """Connect to the broker, produce until no work is left or a signal stops us, leave."""
     from dflash.protocol.links import ProducerLink
 
     from .broker_work import BrokerWorkSource, Stopped, failure, link_sink
@@ -171,8 +165,7 @@ def _serve(cfg: ProducerConfig, c, instance: str) -> dict:
             summary = producer.summary()
         reason = "done"
         if stop.is_set():
-            # Leases not produced go back to the pool with our `bye` (PROTOCOL.md 6); a
-            # batch still waiting for a full broker is not worth holding the exit for.
+            # unproduced leases go back with `bye` (PROTOCOL.md 6): not worth holding the exit for
             reason, flush_s = f"signal {stop.signal_name}", 5.0
             log.warning("produce.stopped", signal=stop.signal_name, **summary)
         return summary

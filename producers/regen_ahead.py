@@ -1,31 +1,10 @@
 """`--regenerate` ahead of the leases: one regeneration thread keeps the decoder full while
 the producer captures and ships the rows already made.
 
-Without it a lease's rows are regenerated when the lease is prepared, all of them before
-its first batch, so in epoch 1 the drafters wait for every lease's longest answer. Here:
-
-- the thread decodes continuously (decoding/greedy.py's continuous batching, never drained between
-  leases): first the rows of the leases in hand (`request`), in the free rows of the batch
-  the next rows of the run's sample order (epoch 1's shuffle, which the broker leases in
-  order), up to `ahead` rows to make past the furthest row leased so far (the first
-  `ahead` from the start, before any lease: while the drafters load); rows the cache holds
-  do not count, so a mostly regenerated data set still keeps the decoder's batch full;
-- each conversation goes to the shared cache (regenerate.py `RegenCache`) the moment it is
-  finished, so a crash loses only the rows being decoded and a restart reads the rest back;
-- the prefetch thread takes a lease's rows as they become ready (`wait`) and packs and
-  ships full batches of them while the next ones decode (producer.py): capture overlaps
-  generation. A lease's samples are each handed out once; the broker's exactly-once rules
-  are untouched (batches still never mix leases, the lease ends after its last batch);
-- producers of one host share the work through the cache file: a row is claimed
-  (`regen_claims`, owner = host:pid) before its regeneration, a row another live producer
-  claimed is waited for (read from the cache once it lands), a dead owner's claims are
-  taken over.
-
-The model is shared with the capture in the main thread: the thread holds the target's
-lock for at most `slice_s` at a time and less when a capture waits (it lets the capture in
-after the current round of decode steps: feeding the drafters comes first), and switches
-the model to the decoding attention only while it holds the lock.
-"""
+Leased rows go first, then the run's sample order up to `ahead` rows past the furthest leased;
+each conversation is cached when finished (a crash loses only rows in flight), and producers of
+a host share work by claims in the cache file. The thread holds the target's lock at most
+`slice_s` at a time and yields to a waiting capture: feeding the drafters comes first."""
 
 from __future__ import annotations
 
@@ -65,8 +44,7 @@ class Claims:
         self._alive: dict[str, bool] = {}
 
     def claim(self, samples: list[int]) -> tuple[list[int], dict[int, str]]:
-        """Claim `samples` for this owner. Returns (ours, {sample: live other owner}); a dead
-        owner's claim (its pid gone on this host) is taken over."""
+        """Claim `samples`: (ours, {sample: live other owner}); a dead owner's claim is taken over."""
         if not samples:
             return [], {}
         with self._lock:
@@ -105,13 +83,11 @@ class Claims:
 
 
 class RegenAhead:
-    """The regeneration thread (module docstring). `order` is the run's sample order (epoch
-    1's); `ahead` how many rows not yet cached it may regenerate past the furthest leased row."""
+    """The regeneration thread (module docstring)."""
 
     def __init__(self, regen: Regenerator, dataset: DataSource, *, ahead: int, order: list[int] | None = None,
                  slice_s: float = 0.25, owner: str | None = None):
-        # Its own tokenizer: the prefetch thread encodes text rows with the shared one, and
-        # a fast tokenizer used from two threads at once can fail ("Already borrowed").
+        # its own tokenizer: a fast tokenizer used from two threads can fail ("Already borrowed")
         regen.tok = copy.deepcopy(regen.tok)
         self.regen, self.dataset, self.cache = regen, dataset, regen.cache
         self.ahead, self.slice_s = max(0, ahead), slice_s
@@ -149,8 +125,7 @@ class RegenAhead:
         self._thread.join(timeout=timeout_s)
 
     def request(self, rows: list[Row]) -> dict[int, Regenerated]:
-        """A lease's chat rows: returns those the cache holds now; the others are made
-        first (or waited for, if another producer of the host is making them)."""
+        """A lease's chat rows: those cached now; the others are made (or waited for) first."""
         samples = [r.sample for r in rows]
         with self._cond:
             have = self.cache.get(samples) if samples else {}
@@ -165,8 +140,7 @@ class RegenAhead:
         return have
 
     def wait(self, samples: set[int], timeout_s: float = 1.0) -> dict[int, Regenerated]:
-        """Rows of `samples` that are ready (at least one, or none after `timeout_s`), each
-        handed out once. Raises the thread's error if it died."""
+        """Ready rows of `samples`, each handed out once; raises the thread's error if it died."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -213,8 +187,7 @@ class RegenAhead:
                 self._cond.notify_all()
 
     def _drive(self, dec: GreedyDecoder) -> None:
-        """Decode until the jobs and the decoder are empty (or too-long prompts wait for a
-        larger decoder), `slice_s` at a time under the target's lock."""
+        """Decode until empty, `slice_s` at a time under the target's lock."""
         self._dec = dec
         leftover: list[Job] = []
         rounds = dec.rounds(self._jobs, self._turn_done, leftover)
@@ -252,8 +225,7 @@ class RegenAhead:
             self._cursor += len(chunk)
             with self._cond:
                 cached = self.cache.get(chunk)
-                # `ahead` bounds decoding, not rows passed over: a cached row costs nothing, so
-                # the look-ahead reaches one row further for each (else it trickles, few rows a step)
+                # `ahead` bounds decoding, not rows passed over: each cached row extends the reach
                 self._horizon += len(cached)
                 chunk = [s for s in chunk if s not in cached and s not in self._running and s not in self._want]
             for s in chunk:
@@ -334,8 +306,7 @@ class RegenAhead:
         self.new_tokens += new_tokens
 
     def _poll_foreign(self) -> None:
-        """Leased rows another producer makes: taken from the cache once there, made here
-        if their owner died."""
+        """Leased rows another producer makes: read once cached, made here if their owner died."""
         if not self._foreign:
             return
         with self._cond:

@@ -1,28 +1,10 @@
 """`--regenerate`: replace assistant turns by the target's own greedy generation; a chat
 that ends in a user turn (a prompt alone) gets its answer written by the target too.
 
-DFlash drafters learn what the target says, so the paper trains on responses regenerated
-by the target. What is kept is the token IDs, never text: decoding a turn and encoding it
-again is lossy with byte-level BPE (a token that splits a UTF-8 character decodes to
-U+FFFD; merges differ across a boundary), so the drafter would learn tokens the target
-never produced. Each conversation is built as one ID sequence, in order:
-
-    [template text before turn 0] [turn 0 as generated] [template text before turn 1] ...
-
-Template text is rendered with the tokenizer's chat template, each assistant content
-replaced by a probe string, and tokenised piece by piece; turn k is generated from
-exactly the IDs before it (so turn k+1's prompt holds turn k's IDs as generated). The
-loss mask is 1 on the generated IDs, stop token included when the target emitted one,
-and 0 on template text; if the target emitted the template's turn end marker itself, the
-template's copy is left out. Decoding runs on the decoding core (decoding/) with
-continuous batching: `batch_size` rows decode side by side, and a row whose turn ended
-takes the next waiting turn at once (another conversation's, or its own next turn).
-
-Results are cached in one SQLite file per (dataset fingerprint, target, generation
-settings, format), keyed by sample ID, so an epoch 2 or a restarted producer reads them
-instead of generating again. SQLite (WAL, busy timeout) because several producers on one
-host share the cache.
-"""
+Token IDs are kept, never text: re-encoding decoded text is lossy with byte-level BPE, and the
+drafter would learn tokens the target never produced. Template text around probe turns is
+tokenised piece by piece, turn k generated from exactly the IDs before it. Results are cached
+in SQLite (WAL: several producers on one host share it) by sample ID, for later epochs and restarts."""
 
 from __future__ import annotations
 
@@ -64,8 +46,7 @@ _PROBE = "\u2063dflash-turn-{}\u2063"  # invisible separators: never in real tex
 
 def cache_key(fingerprint: str, target: Target, tokenizer, max_new_tokens: int, template_kwargs: dict,
               loops: EndingRule | None = LOOP_RULE) -> str:
-    """What makes a regeneration reusable: data, weights' identity, dtype, settings, template,
-    and the loop rule (it decides where answers stop; which endings are trained does not)."""
+    """What makes a regeneration reusable, the loop rule included (it decides where answers stop)."""
     blob = json.dumps({
         "data": fingerprint, "target": target.info.name, "dtype": target.info.dtype,
         "config": target.config.to_json_string(use_diff=False),
@@ -77,8 +58,7 @@ def cache_key(fingerprint: str, target: Target, tokenizer, max_new_tokens: int, 
 
 @dataclass
 class Regenerated:
-    """One regenerated conversation: the exact IDs to train on, the turns decoded (for
-    reading), and how each regenerated turn ended (decoding/endings.py REASONS)."""
+    """One regenerated conversation: the IDs to train on, the turns decoded, how each ended."""
 
     input_ids: list[int]
     loss_mask: list[int]
@@ -91,8 +71,7 @@ class Regenerated:
 
 
 class RegenCache:
-    """sample ID -> Regenerated, in `<dir>/<key>.sqlite` (IDs as int32 bytes, mask as uint8,
-    endings comma-separated)."""
+    """sample ID -> Regenerated, in `<dir>/<key>.sqlite`."""
 
     def __init__(self, directory: str | os.PathLike, key: str):
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -124,7 +103,6 @@ class RegenCache:
 
 @dataclass
 class _Conversation:
-    """One row being regenerated: its probe render and the IDs built so far."""
 
     row: Row
     probes: list[dict]  # the messages, each assistant content replaced by its probe
@@ -132,7 +110,7 @@ class _Conversation:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     generated: list[list[int]] = field(default_factory=list)  # each turn's IDs, as generated (a loop cut)
-    endings: list[str] = field(default_factory=list)  # how each turn ended (decoding/endings.py REASONS)
+    endings: list[str] = field(default_factory=list)
     first: bool = False  # regen_ahead.py: a lease waits for it (its turns go before look-ahead rows)
     new_tokens: int = 0
 
@@ -143,24 +121,16 @@ class _Conversation:
 
 AUTO_ROWS_CAP = 2048  # rows past this add little: a decode step is then bound by reading the KV cache
 AUTO_KV_FRACTION = 0.4  # the plan: this share of the GPU's memory holds regeneration's KV pages
-FREE_CAP = 0.5  # ... but never more than this share of what is free when a decoder is built (the capture
-# of hidden states, and a drafter already on the GPU, keep the rest)
+FREE_CAP = 0.5  # ... at most this share of what is free (capture and a drafter keep the rest)
 PAGE_SLOTS = 128  # a page: flex's K/V block on a GPU (decoding/paged.py)
 CPU_PAGE_SLOTS = 16
 CPU_ROWS = 16
-# On a GPU with flex, a row's page-table width costs nothing per step (only its pages are
-# read), so a decoder takes prompts up to this long at least and is rarely rebuilt.
-GPU_PROMPT_ROOM = 4096
+GPU_PROMPT_ROOM = 4096  # with flex unused page-table room costs nothing, so decoders are rarely rebuilt
 
 
 def kv_plan(model, device: torch.device, batch_size: int, n_jobs: int, max_prompt: int, max_new: int) -> dict:
-    """A decoder's paged KV cache (decoding/paged.py) for `n_jobs` jobs of prompts up to
-    `max_prompt` and answers up to `max_new` tokens: `pages` of `page_size` slots from the
-    plan (AUTO_KV_FRACTION of the GPU's memory, capped at FREE_CAP of what is free now;
-    never fewer than one longest job needs), and `rows`, the most that decode at once
-    (`batch_size`, or AUTO_ROWS_CAP; no more than jobs or pages). How many rows actually
-    decode is then set by the pages each row's own prompt and answer fill. On a CPU:
-    CPU_ROWS rows, and pages for all of them at full length (memory is not the limit)."""
+    """A decoder's paged KV cache: pages from AUTO_KV_FRACTION of the GPU (at most FREE_CAP of
+    what is free, at least one longest job) and the most rows that decode at once."""
     cap = batch_size or (AUTO_ROWS_CAP if device.type == "cuda" else CPU_ROWS)
     page = PAGE_SLOTS if device.type == "cuda" else CPU_PAGE_SLOTS
     width = -(-(max_prompt + max_new) // page)
@@ -180,11 +150,8 @@ def kv_plan(model, device: torch.device, batch_size: int, n_jobs: int, max_promp
 
 
 class Regenerator:
-    """Regenerates the assistant turns of chat rows with `target` (a full model). `batch_size`
-    0: each decoder's rows set by its KV pages (kv_plan), else at most that many. `loops`: the
-    rule by which a looping answer stops early and is cut after its first copy (None: answers
-    run to a stop token or `max_new_tokens`); `drop`: the ending reasons whose rows the
-    producer reports skipped instead of training (`drop_reason`)."""
+    """Regenerates the assistant turns of chat rows with `target` (a full model); `loops` cuts
+    looping answers, `drop` names the ending reasons whose rows are skipped."""
 
     def __init__(self, target: Target, tokenizer, cache: RegenCache, *, max_new_tokens: int = 1024,
                  batch_size: int = 0, template_kwargs: dict | None = None, loops: EndingRule | None = LOOP_RULE,
@@ -202,7 +169,7 @@ class Regenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = stop_ids(target.model, tokenizer)
         self.generated = 0
-        self.new_tokens = 0  # tokens generated by this regenerator (figures for benchmarks)
+        self.new_tokens = 0
         self.cache_hits = 0
         self.loops, self.drop = loops, tuple(drop)
         bad = [r for r in self.drop if r not in DROP_REASONS]
@@ -247,16 +214,14 @@ class Regenerator:
         return [done[r.sample].row(r) if r.messages is not None else r for r in rows]
 
     def check(self, row: Row) -> None:
-        """Raise BadRow if `row` is a chat the template cannot render around probe turns
-        (before any generation, so one bad row does not fail a whole batch)."""
+        """Raise BadRow before any generation if the template cannot render `row` around probes."""
         if row.messages is not None:
             c = self._start(row)
             for k in range(len(c.turns) + 1):
                 self._render(c, k)
 
     def _regenerate(self, rows: list[Row]) -> tuple[list[Regenerated], int]:
-        """Every turn of every row, continuously batched. Returns the conversations and the
-        number of tokens generated."""
+        """Every turn of every row, continuously batched; (conversations, tokens generated)."""
         convs = [self._start(r) for r in rows]
         jobs: deque[Job] = deque()
         for i, c in enumerate(convs):
@@ -284,29 +249,22 @@ class Regenerator:
 
         with bar:
             while jobs:
-                # A later turn's prompt holds the earlier turns; a job that still does not fit
-                # the decoder goes to the next round.
+                # a later turn that outgrew this decoder goes to the next round's
                 dec = self._decoder(len(jobs), self.prompt_slots(jobs, lambda j: convs[j.key]))
                 leftover = self._run(dec, jobs, turn_done)
                 jobs = deque(leftover)
         return [self._finish(c) for c in convs], total
 
     def prompt_slots(self, jobs, conv_of) -> int:
-        """A decoder's prompt room for `jobs`: the longest prompt, rounded up to 64 so that a
-        slightly longer one later does not rebuild the decoder, plus one more turn's answer
-        only where a conversation has a turn after this one (with sdpa every step attends
-        each row's whole page table, so room no job needs makes every step slower; with
-        flex `_decoder` gives more)."""
+        """Prompt room: the longest prompt rounded up to 64, plus an answer only where a later turn
+        follows (with sdpa every step attends each row's whole room)."""
         longest = max(len(j.prompt) for j in jobs)
         more = any(len(conv_of(j).generated) + 1 < len(conv_of(j).turns) for j in jobs)
         return -(-(longest + (self.max_new_tokens if more else 0)) // 64) * 64
 
     def _decoder(self, n_jobs: int, max_prompt: int) -> GreedyDecoder:
-        """A decoder for `n_jobs` prompts of up to `max_prompt` tokens on a paged KV cache
-        planned by `kv_plan` (the plan leaves the capture of hidden states, and a drafter
-        sharing the GPU, the rest). On a GPU with flex its prompt room is at least
-        GPU_PROMPT_ROOM (a row's unused room costs nothing there); if flex fails there, the
-        decoder is built again with `max_prompt` (sdpa gathers each row's whole room)."""
+        """A decoder on a paged cache from `kv_plan`; with flex at least GPU_PROMPT_ROOM of room,
+        rebuilt with `max_prompt` if flex fails (sdpa gathers each row's whole room)."""
         model, device = self.target.model, self.target.device
         room = max_prompt
         if device.type == "cuda" and step_kernel(model, device) == "flex":
@@ -325,9 +283,7 @@ class Regenerator:
             room = max_prompt
 
     def _run(self, dec: GreedyDecoder, jobs: deque, on_done) -> list[Job]:
-        # Decoding runs with the core's own attention (decoding/attention.py), whatever packed capture
-        # uses: transformers' flex attention under generation failed to compile on an H200
-        # (torch 2.11, transformers 5.17: inductor NoValidChoicesError).
+        # the core's own attention, not capture's: transformers' flex failed to compile under generation
         with self.target.lock:
             return dec.run(jobs, on_done)
 
@@ -341,8 +297,7 @@ class Regenerator:
         return _Conversation(row, probes, turns)
 
     def _render(self, c: _Conversation, k: int) -> str:
-        """Template text after turn k-1's content (all of it for k = 0) up to turn k's
-        content (k = number of turns: to the end). Raises BadRow."""
+        """Template text between turn k-1's content and turn k's. Raises BadRow."""
         msgs = c.probes[: c.turns[k]] if k < len(c.turns) else c.probes
         try:
             text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=k < len(c.turns),
@@ -370,7 +325,6 @@ class Regenerator:
         c.mask += [loss] * len(ids)
 
     def _finish(self, c: _Conversation) -> Regenerated:
-        """The template text after the last turn, and the decoded turns."""
         self._append(c, self._render(c, len(c.turns)), loss=0)
         messages = [dict(m) for m in c.row.messages]
         for i, out in zip(c.turns, c.generated):
@@ -379,7 +333,6 @@ class Regenerator:
 
 
 def count_endings(regs) -> dict[str, int]:
-    """Answers of the regenerated conversations `regs`, by how they ended."""
     out = dict.fromkeys(REASONS, 0)
     for r in regs:
         for e in r.endings:
@@ -387,8 +340,7 @@ def count_endings(regs) -> dict[str, int]:
     return out
 
 def stop_ids(model, tokenizer) -> set[int]:
-    """Where a turn ends: the generation config's eos IDs (chat models end a turn on e.g.
-    <|im_end|>), else the tokenizer's EOS."""
+    """Where a turn ends: the generation config's eos IDs (e.g. <|im_end|>), else the tokenizer's EOS."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id

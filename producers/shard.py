@@ -1,16 +1,9 @@
 """One producer spread over several processes (`--tensor-parallel`, launched by torchrun):
-the target is sharded by transformers' tensor parallelism (`DistributedConfig(tp_plan=
-"auto")`, torch.distributed: NCCL on GPUs, gloo on CPU), each rank holding its slice of
-every layer, so a target larger than one GPU fits.
+the target is sharded by transformers' tensor parallelism, so a target larger than one GPU fits.
 
-Rank 0 is the producer: it alone talks to the broker, reads and packs the data and logs
-into the run. The other ranks follow: every forward pass rank 0 runs (a capture, or a
-switch of attention implementation during the start-up packing check) is first broadcast
-to them, and all ranks run it together; the collectives inside the sharded layers leave
-the full hidden states on every rank, and rank 0 sends its copy. Followers ignore
-SIGINT/SIGTERM (torchrun forwards them to every rank): rank 0 finishes the batch in hand
-and then tells them to stop, so no collective is left half-joined.
-"""
+Rank 0 is the producer and broadcasts every forward pass to the followers first. Followers
+ignore SIGINT/SIGTERM: rank 0 finishes its batch, then stops them, so no collective is left
+half-joined."""
 
 from __future__ import annotations
 
@@ -64,9 +57,8 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def init(device: torch.device, timeout_s: float = 24 * 3600.0) -> World:
-    """Join the process group of this torchrun launch (NCCL for CUDA devices, else gloo).
-    The timeout bounds how long a follower may wait for rank 0's next forward pass: rank 0
-    may wait long for a lease or for room in the broker's queue (docs/SHARDING.md)."""
+    """Join this torchrun launch's process group; the long timeout is a follower's wait for rank 0,
+    which may wait long for a lease or queue room (docs/SHARDING.md)."""
     rank, size, local = world_from_env()
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     mesh = acc.type if acc is not None else "cpu"
@@ -80,7 +72,7 @@ def init(device: torch.device, timeout_s: float = 24 * 3600.0) -> World:
 
 
 def rank_device(world: World, device: torch.device) -> torch.device:
-    """The device of this rank: cuda:LOCAL_RANK for CUDA (one GPU per process), else `device`."""
+    """cuda:LOCAL_RANK for CUDA (one GPU per process), else `device`."""
     if device.type != "cuda":
         return device
     if torch.cuda.device_count() <= world.local_rank:
@@ -117,9 +109,7 @@ class Leader:
 
 
 def follow(target) -> int:
-    """A follower's whole life after loading: run what rank 0 broadcasts until it says stop.
-    Returns the number of forward passes followed. A pass that fails here fails the same way
-    on rank 0 (same model, same input), which handles it; the follower goes on."""
+    """Run what rank 0 broadcasts until it says stop; a failed pass fails on rank 0 too, which decides."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     device, passes = target.device, 0
@@ -153,12 +143,8 @@ def close() -> None:
 
 
 def run_then_exit(life: Callable[[], None]) -> NoReturn:
-    """Run this rank's whole life, then leave through os._exit with its exit code. Gloo's
-    worker threads drop their hold on the last collective's tensors after it completes,
-    which takes the GIL, and the process group outlives destroy_process_group while the
-    sharded model refers to it: a worker still doing that when the interpreter shuts down
-    is ended by Python mid-release and the process aborts (SIGABRT), so torchrun would
-    call a finished run failed. Logs are closed by `life`; stdio is flushed here."""
+    """Run this rank's life, then os._exit: a gloo worker still releasing the last collective's
+    tensors at interpreter shutdown aborts the process, and torchrun would call the run failed."""
     code = 0
     try:
         life()

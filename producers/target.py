@@ -1,16 +1,9 @@
 """The frozen target: load any Hugging Face decoder-only causal LM and capture the hidden
 states of a few decoder layers, nothing more.
 
-Capture runs the base model (never the LM head: no logits), with forward hooks that copy
-each wanted layer's output into one preallocated [T, n*H] buffer, and stops the forward
-pass by raising from the hook of the last wanted layer. Hooks + an exception work for any
-family whose decoder keeps its layers in one ModuleList, without re-implementing its
-forward (embedding scale, rotary, masks, sliding windows stay the model's own). When the
-full model is not needed for generation, the layers after the last wanted one and the LM
-head are dropped at load time, so their weights do not occupy memory either.
-
-"Layer i" is the output of decoder layer i (0-based) = Hugging Face `hidden_states[i + 1]`.
-"""
+Forward hooks copy each wanted layer's output into one preallocated buffer and the last one
+raises to stop the pass: any family works without re-implementing its forward. "Layer i" is
+decoder layer i's output (0-based) = Hugging Face `hidden_states[i + 1]`."""
 
 from __future__ import annotations
 
@@ -60,8 +53,7 @@ def parse_layer_ids(spec: str | None, num_layers: int) -> list[int]:
         raise TargetError(f"--target-layers {spec!r} repeats a layer")
     bad = [i for i in ids if not 0 <= i <= num_layers - 2]
     if bad:
-        # The last layer is refused: its HF hidden state is post-norm and DFlash never uses
-        # it (SGLang #32204 was a drafter trained against it by mistake).
+        # the last layer's HF hidden state is post-norm: never a DFlash feature (SGLang #32204)
         raise TargetError(f"--target-layers {bad} out of range: the target has {num_layers} layers, "
                           f"usable IDs are 0..{num_layers - 2} (the last layer is never a feature)")
     return ids
@@ -88,18 +80,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def attn_candidates(name: str, device: torch.device, model_cls: type | None, config=None) -> list[str]:
-    """`--attn-impl` as the implementations to try, best first: `name` alone unless auto.
-
-    auto keeps only what the model class supports (transformers' `_supports_sdpa`,
-    `_supports_flex_attn`, `_supports_flash_attn`: Gemma 2 and GPT-OSS refuse sdpa): on GPU
-    flash-attention 2 when installed (varlen via cu_seqlens), flex attention (a block-sparse
-    mask: cost grows with each sequence, not with the packed batch; windows and sinks on
-    GPU), sdpa (packs through a dense [T, T] mask: cost grows with T^2 of the whole batch,
-    see docs/BENCHMARKS.md), eager; on CPU sdpa, eager, then flex (it compiles a kernel
-    first). The start-up packing check then takes the first that packs correctly
-    (build.py). `model_cls` None (custom code): every implementation is a candidate. A
-    `config` with logit soft-capping (Gemma 2) never gets sdpa, which cannot apply it,
-    whatever the class says (transformers 5.17's Gemma 2 claims sdpa and drops the cap)."""
+    """`--attn-impl` as the implementations to try, best first (the start-up packing check takes
+    the first that packs correctly). auto, on GPU: flash-attention 2, flex (cost per sequence),
+    sdpa (a dense [T, T] mask), eager; on CPU sdpa first. Soft-capping configs never get sdpa,
+    whatever the class claims (it drops the cap)."""
     if name != "auto":
         return [name]
 
@@ -118,8 +102,7 @@ def attn_candidates(name: str, device: torch.device, model_cls: type | None, con
 
 
 def find_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The decoder's layer list: the ModuleList holding exactly `num_layers` modules
-    (`layers` in most families, `h` in GPT-2 style ones, else the first such list)."""
+    """The decoder's ModuleList of exactly `num_layers` modules (`layers`, `h`, ... or the first such)."""
     for name in ("layers", "h", "blocks"):
         mod = getattr(decoder, name, None)
         if isinstance(mod, nn.ModuleList) and len(mod) == num_layers:
@@ -156,10 +139,8 @@ class TargetInfo:
 
 
 class Target:
-    """A frozen target model that captures `layer_ids` for packed varlen batches.
-
-    `full=True` keeps the whole CausalLM (needed by `--regenerate`); otherwise layers after
-    the last wanted one and the LM head are dropped."""
+    """A frozen target model that captures `layer_ids` for packed varlen batches; without `full`
+    (needed by `--regenerate`) the layers after the last wanted one and the LM head are dropped."""
 
     def __init__(self, model: nn.Module, name: str, layer_ids: list[int], *, full: bool = False,
                  final: bool = False):
@@ -171,19 +152,12 @@ class Target:
         self.layers = find_layers(self.decoder, self.num_layers)
         self.model = model if full else None  # dropping it frees an untied LM head
         self.config = model.config
-        # Capture hooks live on shared layer modules: a generation pass (--regenerate, in the
-        # prefetch thread) must not run while they are registered.
+        # capture hooks live on shared layers: no generation pass may run while they are registered
         self.lock = threading.Lock()
         self.capture_waiting = 0  # captures waiting for `lock` (the regeneration thread yields to them)
-        # One sequence per forward pass: set by the start-up check when no attention
-        # implementation of this model keeps packed sequences apart (build.py).
-        self.per_sequence = False
-        # --tensor-parallel, rank 0: the followers (producers/shard.py Leader), told of every
-        # forward pass and attention switch before this rank runs it
-        self.shard = None
-        # final: capture also the last layer's output after the final norm (the LM head's
-        # input, HF hidden_states[-1]) as one more slot: every layer is then needed.
-        self.final_norm = _final_norm(self.decoder) if final else None
+        self.per_sequence = False  # set by build.py's check when no attention keeps packs apart
+        self.shard = None  # --tensor-parallel, rank 0: the followers (producers/shard.py Leader)
+        self.final_norm = _final_norm(self.decoder) if final else None  # one more slot: HF hidden_states[-1]
         if not full and not final:
             del self.layers[max(self.layer_ids) + 1:]
         p = next(self.decoder.parameters())
@@ -204,8 +178,7 @@ class Target:
 
     @contextmanager
     def attention(self, name: str) -> Iterator[None]:
-        """Run the block with attention `name`, then switch back. The caller holds `lock`
-        (capture must not run with the other implementation)."""
+        """Run the block with attention `name`, then switch back; the caller holds `lock`."""
         before = self.info.attn_impl
         if before == name:
             yield
@@ -222,12 +195,8 @@ class Target:
         return (len(self.layer_ids) + (self.final_norm is not None)) * self.hidden_size
 
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states of the wanted layers for one packed batch.
-
-        input_ids, position_ids: [T] (positions restart at 0 for every packed sequence; with
-        no attention mask and no cache, transformers turns that into attention that never
-        crosses a sequence boundary). Returns [T, n_layers*H] (with `final`: [T, (n_layers+1)*H],
-        the final-norm output last) in the model dtype, on the model's device. Raises torch.OutOfMemoryError as is (the caller splits and retries)."""
+        """Hidden states [T, width] of the wanted layers for one packed batch (positions restart per
+        sequence: transformers keeps them apart). OutOfMemoryError propagates: the caller splits."""
         self.capture_waiting += 1  # only the producer's main thread captures: no race on the count
         with self.lock:
             self.capture_waiting -= 1
@@ -237,10 +206,8 @@ class Target:
 
     def _capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         T, H = input_ids.numel(), self.hidden_size
-        # One buffer filled in place by the hooks: no list of n layer tensors plus a cat,
-        # which would double the peak for the captured part.
+        # one buffer filled in place: a list of layers plus a cat would double the peak
         out = torch.empty(T, self.width, dtype=self.dtype, device=self.device)  # [T, n*H]
-        # The hook that ends the pass: the last wanted layer's, or the final norm's (ID -1)
         last = -1 if self.final_norm is not None else max(self.layer_ids)
 
         def hook_for(slot: int, layer_id: int):
@@ -271,9 +238,7 @@ class Target:
         raise RuntimeError(f"layer {last} never ran: the decoder does not call its layer list (or final norm)")
 
 
-# What transformers up to 5.2x says when a target's output head does not split evenly over
-# the tensor-parallel ranks (later versions split it unevenly).
-UNEVEN_HEAD = "must be divisible by the tensor parallel size"
+UNEVEN_HEAD = "must be divisible by the tensor parallel size"  # transformers <= 5.2x, an uneven head
 
 
 def uneven_head(name: str, config, world: int) -> str:
@@ -286,8 +251,7 @@ def uneven_head(name: str, config, world: int) -> str:
 
 
 def _check_tp_plan(name: str, trust_remote_code: bool):
-    """The target's text config; TargetError for a model whose transformers class has no
-    tensor-parallel plan: loading it with tp_plan auto would give every rank the whole model."""
+    """The text config; TargetError without a tensor-parallel plan (each rank would load it whole)."""
     config = targets.load_config(name, trust_remote_code=trust_remote_code).get_text_config()
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
@@ -308,13 +272,8 @@ def load_target(
     trust_remote_code: bool = False,
     tensor_parallel: bool = False,
 ) -> Target:
-    """Load a local folder, hub ID or .gguf file (runtime/targets.py) as a frozen,
-    eval-mode target on `device`. `tensor_parallel`: this process's shard of it, by
-    transformers' tensor-parallel plan over the initialised torch.distributed group
-    (producers/shard.py).
-
-    Raises TargetError (bad layers, dtype, device), and whatever transformers raises for an
-    unreadable checkpoint (OSError, ValueError)."""
+    """Load a local folder, hub ID or .gguf file as a frozen target on `device` (`tensor_parallel`:
+    this rank's shard). Raises TargetError, or transformers' errors for an unreadable checkpoint."""
     device = device or resolve_device(None, None)
     torch_dtype = resolve_dtype(dtype, device)
     model_cls = config = None

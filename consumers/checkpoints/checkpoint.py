@@ -1,20 +1,9 @@
 """Checkpoints: `runs/<run_id>/checkpoints/step-<N>/`, written atomically, the last
 `--keep` kept, restored completely by `--resume PATH|latest`.
 
-A checkpoint folder holds
-  model.safetensors  trainable weights, published names (fc.weight, layers.0.self_attn...)
-  config.json        the drafter config in the published DFlash layout
-  optimizer.pt       AdamW state (torch.save; loaded with weights_only=True)
-  rng.pt             each rank's RNG states
-  state.json         step, tokens/samples seen, schedule, training signal, run config
-  trained.safetensors  (epoch, sample) -> times the weights were trained on it, all ranks,
-                     cumulative over resumes (record.py documents the format)
-  manifest.json      sha256 and size of every other file, written last: resume, export and
-                     eval check it first, so a damaged file is refused naming it
-                     (integrity.py); weights and optimizer state must also be finite
-The training signal decides what the drafter learns; resuming with another one is
-refused (naming the fields) unless forced. Packing settings are not part of it.
-"""
+A folder holds model.safetensors, config.json, optimizer.pt, rng.pt, state.json,
+trained.safetensors (record.py) and, written last, manifest.json (integrity.py: a damaged file
+is refused naming it). Resuming with another training signal is refused unless forced."""
 
 from __future__ import annotations
 
@@ -84,7 +73,6 @@ def save_checkpoint(
     keep: int,
     record: dict | None = None,
 ) -> Path:
-    """`write_checkpoint` of a live model and optimizer."""
     return write_checkpoint(root, step, model.state_dict(), optimizer.state_dict(), state=state, rng=rng,
                             drafter_config=drafter_config, keep=keep, record=record)
 
@@ -101,8 +89,7 @@ def write_checkpoint(
     keep: int,
     record: dict | None = None,
 ) -> Path:
-    """Write step-<step>/ atomically (temp folder, fsync, rename), then prune to `keep`.
-    `record`: a TrainedRecord's `to_state()` (record.py), or None for none."""
+    """Write step-<step>/ atomically (temp folder, fsync, rename), then prune to `keep`."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
@@ -124,9 +111,7 @@ def write_checkpoint(
         shutil.rmtree(old)
     os.replace(tmp, final)
     _fsync_dir(root)
-    # The one just written is kept, plus the keep-1 highest others: where the folder holds
-    # higher steps (a consumer restarted from an earlier point), pruning by step number
-    # alone deleted the checkpoint it had just written.
+    # keep the one just written: by step number alone, a restart from an earlier point deleted it
     others = [p for _, p in step_dirs(root) if p != final]
     for p in others[:max(0, len(others) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
@@ -134,9 +119,7 @@ def write_checkpoint(
 
 
 def newest_checkpoint(runs_dir: str | os.PathLike | None = None) -> Path | None:
-    """The newest checkpoint of the newest run that has one (`latest`: a resumed run gets
-    a new run ID, so the checkpoint to resume is usually in an earlier run's folder), or
-    None when no run under `runs_dir` has one yet."""
+    """The newest checkpoint of the newest run that has one (a resumed run gets a new run ID)."""
     root = runs_root(runs_dir)
     runs = sorted((p for p in root.iterdir() if is_run_id(p.name)), reverse=True) if root.is_dir() else []
     for run in runs:
@@ -146,10 +129,8 @@ def newest_checkpoint(runs_dir: str | os.PathLike | None = None) -> Path | None:
 
 
 def nothing_to_resume(ref: str | None, runs_dir: str | os.PathLike | None = None) -> str | None:
-    """Why `--resume latest` starts from scratch: no run under `runs_dir` has a checkpoint
-    yet (a first start, or a restart before the first --save-every). None otherwise. The
-    same command then serves the first start and every restart; a resume that names a
-    checkpoint, run or folder still fails when there is none."""
+    """Why `--resume latest` starts from scratch (no checkpoint yet), else None: one command then
+    serves the first start and every restart."""
     if ref != "latest" or newest_checkpoint(runs_dir) is not None:
         return None
     return (f"--resume latest: no checkpoint under {runs_root(runs_dir).resolve()} yet, so nothing to resume: "
@@ -157,8 +138,7 @@ def nothing_to_resume(ref: str | None, runs_dir: str | os.PathLike | None = None
 
 
 def resolve_checkpoint(ref: str, runs_dir: str | os.PathLike | None = None) -> Path:
-    """A checkpoint folder from `latest` (newest_checkpoint), a run ID, a run folder or a
-    step folder. Raises FileNotFoundError saying where it looked."""
+    """A checkpoint folder from `latest`, a run ID, a run folder or a step folder."""
     root = runs_root(runs_dir)
     if ref == "latest":
         if (found := newest_checkpoint(runs_dir)) is not None:
@@ -180,8 +160,7 @@ def read_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
-    """Load weights and optimizer state in place; return (state.json dict, per-rank RNG list).
-    Raises CheckpointDamaged naming the file (`read_checkpoint`)."""
+    """Load weights and optimizer state in place; (state.json dict, per-rank RNG list)."""
     device = next(model.parameters()).device
     weights, opt, rng, saved = read_checkpoint(path, device)
     model.load_state_dict(weights, strict=True)
@@ -190,10 +169,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def read_checkpoint(path: Path, device) -> tuple[dict, dict, list, dict]:
-    """(weights, optimizer state on `device`, per-rank RNG list, state.json dict), checked.
-
-    Raises CheckpointDamaged naming the file: a content hash that does not match, a file
-    that does not parse (truncated), non-finite weights or optimizer state."""
+    """(weights, optimizer state, RNG list, state.json), checked: CheckpointDamaged names a bad file."""
     verify_checkpoint(path)
     weights = load_weights(path / "model.safetensors")
     opt = _torch_load(path / "optimizer.pt", device)

@@ -1,11 +1,7 @@
 """Checkpoint integrity: a sha256 per file (manifest.json, written at save), checked before
 anything is loaded, and finite weights. Every refusal names the file.
 
-Why hashes and not only parse errors: bytes flipped inside a tensor's data still parse
-(safetensors checks the header, not the values), and they resumed, exported and evaluated
-as NaN weights without a word. A checkpoint without manifest.json (written before it
-existed) is still loaded, with its weights checked for finiteness.
-"""
+Hashes, because flipped bytes inside a tensor still parse (safetensors checks the header only)."""
 
 from __future__ import annotations
 
@@ -61,9 +57,7 @@ def read_manifest(folder: Path) -> dict | None:
 
 
 def verify_checkpoint(folder: str | Path) -> bool:
-    """Check every file listed in manifest.json (size, then sha256). Returns False if the
-    folder has no manifest (nothing to check against). Raises CheckpointDamaged naming
-    the first file that differs or is missing."""
+    """Check every file in manifest.json (size, then sha256); False without a manifest."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
@@ -98,8 +92,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_finite(tensors, where: Path) -> None:
-    """Raise CheckpointDamaged naming the first floating tensor with a NaN or inf in a
-    (nested) dict or list of tensors, e.g. a state_dict or an optimizer's `state`."""
+    """CheckpointDamaged naming the first tensor with a NaN or inf in nested dicts or lists."""
     stack = [("", tensors)]
     while stack:
         name, x = stack.pop()

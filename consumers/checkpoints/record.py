@@ -1,12 +1,8 @@
 """What the drafter's weights have been trained on: (epoch, sample) -> how many times.
 
-The broker's ledger says what it *believes* was trained and committed; this record is
-what the training loop actually consumed, kept by the loop itself. Every step, every rank's
-(epoch, sample) pairs are all-gathered (a few small ints per rank) and counted on every
-rank, so all ranks hold the same record; rank 0 writes it into each checkpoint, next to
-the weights it describes, and a resume carries it on. It is cumulative over the whole
-chain of resumed runs, so the final checkpoint's record says, for every (epoch, sample),
-how often the weights saw it: 1 everywhere is exactly-once.
+The broker's ledger says what it *believes* was trained; this record is what the loop actually
+consumed, the same on every rank, checkpointed with the weights and cumulative over resumes:
+1 everywhere is exactly-once.
 
 File `trained.safetensors` in the checkpoint folder (read with `safetensors.numpy`, no
 torch needed):
@@ -17,13 +13,8 @@ torch needed):
             list); `repeats`: samples trained more than once (sum of count-1 over count>1);
             `lineage`, `parent`, `parent_step`: the lineage of these weights (below)
 
-Lineage (PROTOCOL.md 4.5, broker/lineage.py): a name for one history of these weights,
-sent with every ack and commit so the broker commits only samples the committing weights
-hold. A consumer that starts fresh has a new one; one that starts from a checkpoint starts
-a new one whose parent is the checkpoint's lineage at its step (`fork`); one healed from a
-running consumer takes that one's (`from_state`). `origin` says which, so that only a new
-lineage is announced to the broker.
-"""
+Lineage (PROTOCOL.md 4.5): a name for one history of these weights, sent with every ack and
+commit so the broker commits only samples the committing weights hold."""
 
 from __future__ import annotations
 
@@ -51,16 +42,13 @@ class TrainedRecord:
         self.origin = "fresh"  # fresh | checkpoint | healed
 
     def fork(self, previous: str, step: int) -> None:
-        """These weights (just loaded from a checkpoint of `self.lineage` at `step`) go on as
-        a new lineage. Its name is derived from `previous`, the lineage this process had
-        before loading, so replicas that shared one (healed at step 0) and loaded the same
-        checkpoint share the new one too; a process that starts alone gets its own."""
+        """Go on as a new lineage after loading a checkpoint, named from `previous`, so replicas that
+        shared one and loaded the same checkpoint share the new one too."""
         self.parent, self.parent_step = self.lineage, step
         self.lineage = hashlib.sha256(f"{previous}/{self.lineage}/{step}".encode()).hexdigest()[:16]
         self.origin = "checkpoint"
 
     def lineage_message(self, checkpoint: str | None) -> LineageStart:
-        """The broker's `lineage` message for this record's lineage."""
         return LineageStart(self.lineage, self.parent_step, parent=self.parent, checkpoint=checkpoint)
 
     def holds(self, epoch: int, sample: int) -> bool:
@@ -81,11 +69,9 @@ class TrainedRecord:
         return again
 
     def count(self) -> int:
-        """(epoch, sample) pairs trained at least once."""
         return sum(len(c) - c.count(0) for c in self.epochs.values())
 
     def counts(self, epoch: int) -> np.ndarray:
-        """uint8 counts of `epoch`, trimmed after the highest sample seen."""
         c = np.frombuffer(bytes(self.epochs.get(epoch, b"")), dtype=np.uint8)
         nz = np.flatnonzero(c)
         return c[: nz[-1] + 1] if nz.size else c[:0]

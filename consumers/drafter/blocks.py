@@ -1,14 +1,8 @@
 """Anchors and the block layout of a packed batch: who attends to what.
 
-A batch packs sequences back to back (T tokens). For each sequence s we draw anchors
-among its response tokens; each anchor a starts one block of B query positions with
-absolute positions a..a+B-1. A block's query may see:
-  - context tokens of its own sequence at positions < a (strictly: at inference the
-    drafter has target features only of tokens the target already processed, and the
-    anchor is the freshly sampled bonus token whose features do not exist yet);
-  - the B positions of its own block, in both directions.
-Nothing else: not later context, not other blocks, not other sequences.
-"""
+Each anchor a starts a block of B queries at positions a..a+B-1, which see their own block
+(both ways) and their own sequence's context strictly before a: at inference the anchor is the
+fresh bonus token, whose target features do not exist yet. Nothing else."""
 
 from __future__ import annotations
 
@@ -26,17 +20,14 @@ except ImportError:  # pragma: no cover
 
 
 def anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
-    """Per (run seed, epoch, sample) seed: anchors are re-drawn each epoch, and the same
-    sample gets the same anchors whichever rank or batch packing it lands in (so data
-    parallel training equals single-process training on the union, and resume replays)."""
+    """Per (seed, epoch, sample): the same anchors whatever rank or packing, so data parallel
+    training equals one process on the union, and a resume replays."""
     digest = hashlib.sha256(f"{seed}:{epoch}:{sample_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, n_anchors: int, seed: int, every: int = 1) -> torch.Tensor:
-    """Sorted anchor positions of one sequence: response tokens (loss_mask [L] true) at
-    positions <= L - B, one per `every` of them and at most `n_anchors`, drawn without
-    replacement."""
+    """Sorted anchors of one sequence: response positions <= L - B, at most `n_anchors`, without replacement."""
     L = loss_mask.shape[0]
     valid = torch.nonzero(loss_mask[: max(L - block_size + 1, 0)], as_tuple=False).flatten()  # [n_valid]
     n = min(n_anchors, -(-valid.numel() // every))
@@ -69,9 +60,7 @@ class BlockLayout:
     spans: list[SeqSpan]
     backend: str = "sdpa"
     _block_mask: object = field(default=None, repr=False)
-    # Set when the plan knew the loss mask: long [n] the block positions with loss, and the
-    # loss figures that follow from them (loss.known_figures), so the loss finds its rows
-    # and the step its weight without a device read-back.
+    # from a plan that knew the loss mask: rows with loss and their figures, sparing read-backs
     rows: torch.Tensor | None = None
     known: object = field(default=None, repr=False)
     # flex: each key's and query's sequence and the tile bounds, copied with the indices
@@ -86,18 +75,15 @@ class BlockLayout:
         return self.num_queries // self.block_size
 
     def offsets(self) -> torch.Tensor:
-        """k = position inside the block, long [Q]."""
         return torch.arange(self.num_queries, device=self.q_pos.device) % self.block_size
 
     def block_input_ids(self, input_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
         """[anchor, MASK x (B-1)] per block, long [Q]."""
-        # A select, not a boolean-mask assignment: that reads the mask back to size its result.
+        # a select, not a boolean-mask assignment, which reads the mask back to size its result
         return torch.where(self.offsets() == 0, input_ids[self.q_index].long(), mask_token_id)
 
     def labels(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(labels long [Q], valid bool [Q]). Block position k predicts token anchor + k;
-        k = 0 is the given anchor (no loss); a label outside the response has no loss.
-        Anchors <= L - B keep every label inside its sequence."""
+        """(labels, valid): position k predicts token anchor + k; k = 0 and non-response labels have no loss."""
         labels = input_ids[self.q_index].long()
         valid = (self.offsets() > 0) & loss_mask[self.q_index].bool()
         return labels, valid
@@ -118,10 +104,8 @@ class BlockLayout:
 
 @dataclass
 class LayoutPlan:
-    """The host half of a `BlockLayout`: everything derived from the anchors (and the loss
-    mask), as CPU tensors, pinned when bound for a GPU. Made on the staging thread
-    (training/staging.py) while the previous step trains; `to_device` then costs one asynchronous
-    copy and no read-back."""
+    """The host half of a `BlockLayout`, made on the staging thread while the previous step trains;
+    `to_device` is then one asynchronous copy, no read-back."""
 
     block_size: int
     seq_lens: list[int]
@@ -157,8 +141,7 @@ def plan_layout(
     seq_lens: list[int], anchors: list[torch.Tensor], block_size: int, device: torch.device, backend: str = "sdpa",
     loss_mask: torch.Tensor | None = None,
 ) -> LayoutPlan:
-    """The host half of the layout of a packed batch given each sequence's anchors (and,
-    given the batch's host `loss_mask` [T], the rows with loss). Reads nothing from a device."""
+    """The host half of a packed batch's layout (and, given `loss_mask`, the rows with loss)."""
     B = block_size
     ar = torch.arange(B)
     ctx_pos, q_pos, q_index, spans = [], [], [], []
@@ -215,8 +198,7 @@ def _seq_mask(anchors: torch.Tensor, L: int, B: int) -> torch.Tensor:
 
 
 def _attend_sdpa(q, k, v, spans: list[SeqSpan], T: int, scale: float) -> torch.Tensor:
-    # One SDPA call per sequence: sequences never see each other by construction, and the
-    # dense mask stays [n_s*B, L_s + n_s*B] instead of [Q, T + Q] for the whole batch.
+    # one SDPA call per sequence: the dense mask stays per sequence, not [Q, T + Q]
     outs = []
     for s in spans:
         if s.q_len == 0:
@@ -239,8 +221,7 @@ _compiled_flex: Callable | None = None
 
 
 def _flex_fn(device: torch.device) -> Callable:
-    # Without torch.compile flex attention materialises the full score matrix: fine for
-    # CPU tests, hopeless for 100k queries on a GPU.
+    # uncompiled flex materialises the full score matrix: fine for CPU tests only
     global _compiled_flex
     if device.type != "cuda":
         return flex_attention
@@ -253,7 +234,6 @@ FLEX_BLOCK = 128  # flex attention's tile, queries x keys
 
 
 def _sequence_of(lens: list[int]) -> torch.Tensor:
-    """Each position's sequence index, for sequences of `lens` back to back."""
     return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
 
 
@@ -283,9 +263,7 @@ def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
 
 def _flex_bounds(seq_lens: list[int], anchors: list[torch.Tensor], spans: list[SeqSpan], T: int, Q: int,
                  B: int) -> torch.Tensor:
-    """long [6, n_q], from the host-side anchors only: per query tile, keys [c_lo, c_hi) hold
-    all the context it may see, [k_lo, k_hi) its own blocks, keys below f_hi are seen by all
-    its queries where `one` (the tile lies in one sequence)."""
+    """long [6, n_q] per query tile from the host-side anchors: its context and block key bounds."""
     N = FLEX_BLOCK
     n_q = -(-Q // N)
     if n_q == 0:
@@ -303,11 +281,8 @@ def _flex_bounds(seq_lens: list[int], anchors: list[torch.Tensor], spans: list[S
 
 
 def _flex_block_mask(layout: BlockLayout, device: torch.device):
-    """The BlockMask from tile bounds alone. create_block_mask would evaluate the mask at
-    every (query, key) pair of the packed batch, O(Q x (T + Q)) per step, though a query
-    sees one sequence's context and its own block; here each query tile gets the key tiles
-    its queries can reach (partial: the element rule decides) and those all of them see
-    (full), in O(tiles)."""
+    """The BlockMask from tile bounds in O(tiles): create_block_mask would evaluate every
+    (query, key) pair of the batch, O(Q x (T + Q)) per step."""
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("this torch build has no flex attention; use --attn sdpa")
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -317,9 +292,7 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
     if Q == 0:  # no query tile to describe
         return create_block_mask(_mask_mod(layout, device), None, None, 0, KV, device=device)
     n_kv = -(-KV // N)
-    # The [n_q] bounds come from the host-side anchors only (no device tensor is read back):
-    # with the layout's indices when it was planned, else in one copy here. The [n_q, n_kv]
-    # tile matrices are built where they are used.
+    # the bounds come from host-side anchors: no device tensor is read back
     if layout._flex_parts is not None:
         bounds = layout._flex_parts["bounds"]
     else:

@@ -1,13 +1,7 @@
 """The drafter step's elementwise work, optionally fused by torch.compile.
 
-RMSNorm (in fp32), RoPE, SwiGLU and the loss's per-chunk softmax arithmetic are memory
-bound: run one PyTorch op at a time, each reads and writes whole [Q, D] or [chunk, vocab]
-tensors several times. `enable(True)` (dflash-consume `--fuse`) swaps in torch.compile'd
-versions of the very same functions (dynamic shapes: Q changes every batch), which read
-their inputs once; the loss chunk's is its arithmetic written out of place, the form
-inductor fuses into one pass that writes the gradient in the LM head's dtype. Off by default: compiling needs a working inductor toolchain and costs
-start-up time. Results agree with the eager versions to rounding (tests/consumers).
-"""
+These ops are memory bound; `enable(True)` (`--fuse`) swaps in torch.compile'd versions of the
+same functions (dynamic shapes), which read their inputs once. Results agree to rounding."""
 
 from __future__ import annotations
 
@@ -18,8 +12,7 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 (bf16 sums lose digits), hand back the input dtype so that fp32
-    # master weights do not silently promote the bf16 activations under autocast.
+    # fp32 statistics, the input dtype back: fp32 master weights must not promote bf16 activations
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
@@ -38,10 +31,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool,
              grad_dtype: torch.dtype | None = None):
-    """One chunk of the CE from its raw logits [c, V]: (each row's CE [c], argmax
-    predictions, d (sum of w * CE) / d logits in `grad_dtype` (default: the softmax's) or
-    None), softmax sums in at least fp32. w None: unit weights (--loss dpace weights the
-    rows once every chunk is done)."""
+    """One chunk of the CE from raw logits: (each row's CE, argmax, d (sum of w * CE) / d logits or None)."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     logits = logits.to(acc)
     lse = torch.logsumexp(logits, dim=-1)  # [c]
@@ -60,10 +50,8 @@ def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need
 
 def ce_chunk_out_of_place(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool,
                           grad_dtype: torch.dtype | None = None):
-    """`ce_chunk`'s arithmetic written out of place, the form torch.compile fuses: one pass
-    over the logits for the sums, one that writes the gradient straight in `grad_dtype`.
-    Compiled, the in-place form costs extra full passes over an fp32 [c, V] tensor (the
-    one-hot scatter, the weighting, the cast); eager, this form would hold several."""
+    """`ce_chunk` out of place, the form torch.compile fuses into two passes (the in-place form
+    costs extra full passes compiled; this one holds several [c, V] tensors eager)."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     z = logits.to(acc)
     lse = torch.logsumexp(z, dim=-1)  # [c]
@@ -80,7 +68,6 @@ def ce_chunk_out_of_place(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor
 
 
 _EAGER: dict[str, Callable] = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "ce_chunk": ce_chunk}
-# What enable(True) compiles, where it is not the eager function itself
 _TO_COMPILE: dict[str, Callable] = {"ce_chunk": ce_chunk_out_of_place}
 _active: dict[str, Callable] = dict(_EAGER)
 

@@ -1,15 +1,8 @@
 """The DFlash loss, computed in chunks so [Q, vocab] logits never exist all at once.
 
-512 anchors x 16 positions x 151,936 vocab is 1.25e9 logits per sample (Qwen3-8B). A
-plain chunked loop does not help on its own: autograd would keep every chunk's logits for
-the backward pass. `ChunkedCE` therefore computes the gradient with respect to the
-drafter's output chunk by chunk during the forward pass (the LM head is frozen, so that
-is the only gradient needed) and keeps just that [Q, D] tensor for backward.
-
-Two weightings of the positions (--loss): "ce", the DFlash paper's fixed decay over block
-positions, and "dpace", D-PACE's weights from the drafter's own confidence (docs/TRAINING.md),
-which `ChunkedCE` applies once every chunk is done.
-"""
+A plain chunked loop would not help (autograd keeps every chunk's logits), so `ChunkedCE`
+computes the gradient w.r.t. the drafter's output during the forward (the LM head is frozen)
+and keeps only that [Q, D]. --loss: "ce" (the paper's fixed decay) or "dpace" (docs/TRAINING.md)."""
 
 from __future__ import annotations
 
@@ -21,8 +14,7 @@ from . import fused
 
 
 def default_gamma(block_size: int) -> float:
-    """The paper's decay constants (7 for B=16, 5 for B=10, 4 for B=8); other sizes use
-    1 + 3B/8, the line through those three points (8 -> 4, 10 -> 4.75, 16 -> 7)."""
+    """The paper's decay constants (7 for B=16, 5 for B=10, 4 for B=8), else the line 1 + 3B/8."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 1.0 + 3.0 * block_size / 8.0)
 
 
@@ -33,11 +25,8 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 
 
 def dpace_weights(q: torch.Tensor, valid: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
-    """D-PACE's per-position weights (docs/TRAINING.md "D-PACE"), [Q] from q [Q], the
-    drafter's probability of each position's label, and valid [Q]: per block of B rows,
-    w_j = sum over valid m >= j of prod over valid i <= m of ((1 - alpha) q_i + alpha);
-    0 where not valid. A position without loss is a factor 1 in the products (it neither
-    ends nor shrinks the accepted prefix) and adds no term to the sums."""
+    """D-PACE's weights (docs/TRAINING.md): per block, w_j = sum over valid m >= j of prod over
+    valid i <= m of ((1 - alpha) q_i + alpha); a position without loss is a factor 1."""
     keep = valid.view(-1, block_size)
     s = torch.where(keep, (1.0 - alpha) * q.view(-1, block_size) + alpha, torch.ones_like(keep, dtype=q.dtype))
     c = torch.cumprod(s, dim=1) * keep  # the smoothed chance that the prefix up to m is accepted
@@ -45,18 +34,9 @@ def dpace_weights(q: torch.Tensor, valid: torch.Tensor, block_size: int, alpha: 
 
 
 class ChunkedCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i), and argmax predictions, in row chunks; with target
-    hidden states t (--distill-weight a > 0) the loss of `distill_chunk` instead.
-
-    h [Q, D] (grad), W [V, D] frozen, y long [Q], w float [Q] (0 = no loss), t [Q, D] or None:
-    the target's final hidden states that predict each row's label, turned into its
-    distribution through the same frozen LM head W, chunk by chunk.
-
-    w None and `reweight` given (--loss dpace): the weights depend on every row's CE, so the
-    rows' losses and unit-weight gradients are kept ([Q] and the [Q, D] gradient, nothing
-    vocabulary-sized) and weighted once the last chunk is done: w = reweight(hard CE [Q]),
-    taken as constants (no gradient flows through them). The gradient w.r.t. h is linear in
-    each row's weight, so this is the same one LM-head pass as fixed weights."""
+    """sum_i w_i * CE(h_i @ W^T, y_i) and argmax predictions in row chunks (with target states t:
+    `distill_chunk`). w None (dpace): unit-weight losses and gradients are kept and weighted
+    after the last chunk; the gradient is linear in each row's weight, so still one LM-head pass."""
 
     @staticmethod
     def forward(ctx, h, W, y, w, chunk: int, t=None, alpha: float = 0.0, reweight=None):
@@ -98,10 +78,8 @@ class ChunkedCE(torch.autograd.Function):
 
 def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
                   alpha: float, need_grad: bool):
-    """One chunk of (1 - a) CE(z_i, y_i) + a KL(p_target,i || p_draft,i): each row's value
-    [c], each row's CE on its label [c], argmax predictions, and d (sum of w_i * value_i) /
-    d logits (w None: unit weights). Since both terms' gradients are softmax(z) minus a
-    target, the gradient is softmax(z) - ((1 - a) onehot(y) + a p_target)."""
+    """One chunk of (1 - a) CE + a KL(p_target || p_draft), with its gradient: both terms' are
+    softmax(z) minus a target, so it is softmax(z) - ((1 - a) onehot(y) + a p_target)."""
     acc = torch.promote_types(logits.dtype, torch.float32)  # at least fp32 for softmax sums
     z = logits.to(acc)
     logp = torch.log_softmax(z, dim=-1)  # [c, V]
@@ -122,11 +100,8 @@ def distill_chunk(logits: torch.Tensor, target_logits: torch.Tensor, y: torch.Te
 
 @dataclass
 class LossStats:
-    """Sums (not means) so that ranks and steps can be added before dividing.
-
-    `pending`, when set, holds more of the same sums on the device, not read yet (a read
-    waits for the GPU): float64 [loss_sum, weight, valid, correct, streak, blocks,
-    *pos_correct, *pos_valid], added to the fields by `read`."""
+    """Sums (not means) so that ranks and steps can be added before dividing; `pending` holds
+    more on the device, unread (a read waits for the GPU)."""
 
     loss_sum: float = 0.0  # sum of weighted CE
     weight: float = 0.0  # the denominator of the mean: the weights' sum (ce), blocks with loss (dpace)
@@ -139,7 +114,6 @@ class LossStats:
     pending: torch.Tensor | None = None
 
     def add(self, other: "LossStats") -> "LossStats":
-        """Add `other`'s sums into these (parts of one batch, batches of one evaluation)."""
         self.loss_sum += other.loss_sum
         self.weight += other.weight
         self.valid += other.valid
@@ -153,8 +127,7 @@ class LossStats:
         return self
 
     def read(self, *extra: torch.Tensor) -> list[float]:
-        """Fold `pending` into the fields, in one read-back together with the scalar tensors
-        `extra` (e.g. a gradient norm); returns the values of `extra`."""
+        """Fold `pending` in, one read-back together with `extra` (e.g. a gradient norm); their values."""
         if self.pending is None and not extra:
             return []
         parts = [] if self.pending is None else [self.pending]
@@ -175,9 +148,7 @@ class LossStats:
 
 
 def known_figures(valid: torch.Tensor, block_size: int, gamma: float) -> LossStats:
-    """The figures of a batch that follow from where the loss is (host `valid` bool [Q])
-    without the model: weight, valid positions, blocks with loss, valid per position. The
-    same arithmetic as `block_loss` does on the device, so the sums agree."""
+    """The figures that follow from host `valid` alone, by `block_loss`'s arithmetic, so the sums agree."""
     B = block_size
     w = position_weights(B, gamma).repeat(valid.shape[0] // B) * valid
     vb = valid.view(-1, B)[:, 1:]
@@ -207,27 +178,14 @@ def block_loss(
     known: LossStats | None = None,
     defer: bool = False,
 ) -> tuple[torch.Tensor, LossStats]:
-    """(weighted CE summed over positions with loss, stats). h [Q, D], labels/valid [Q];
-    with `distill` a > 0, (1 - a) CE + a KL(target || drafter), the target's distribution
-    from `soft` [Q, D] (its final hidden state before each label) through lm_head.
-
-    loss "ce": the weights are exp(-(k-1)/gamma) at block position k and the stats' weight
-    is their sum. loss "dpace": the weights are D-PACE's (`dpace_weights`, from the
-    drafter's own probability of each label, taken as constants) and the stats' weight is
-    the number of blocks with loss, so that the loss is a mean over blocks (the weights are
-    credit in accepted tokens; a mean over their sum would cancel it: docs/TRAINING.md).
-
-    `rows` (long, the indices where `valid`) and `known` (`known_figures` of `valid`), when
-    the caller has them from the host, spare the device read-backs that finding them costs;
-    `defer` leaves the stats' device sums unread (`LossStats.read`).
-
-    The caller divides by the global weight (over all ranks): that makes the loss a
-    weighted mean, and data parallel training exact (training/train.py)."""
+    """(weighted CE summed over positions with loss, stats). dpace's weight is the blocks with
+    loss, not the weights' sum, which would cancel their credit (docs/TRAINING.md). `rows` and
+    `known` from the host spare read-backs. The caller divides by the global weight, which
+    makes data parallel training exact."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is none of {', '.join(LOSSES)}")
     B = block_size
-    # Only positions with loss go through the LM head: the anchors (1 in B) and labels
-    # outside the response would cost vocab-sized work for a weight of 0.
+    # only positions with loss go through the LM head: the rest is vocab-sized work for weight 0
     if rows is None:
         rows = valid.nonzero()[:, 0]
     t = soft.index_select(0, rows) if distill > 0 else None
@@ -247,12 +205,10 @@ def block_loss(
     with torch.no_grad():
         ok = ((preds == labels) & valid).view(-1, B)[:, 1:]  # [n_blocks, B-1]
         vb = valid.view(-1, B)[:, 1:]
-        # The correct prefix of a block: a miss or a position without loss ends it, as a
-        # draft stops being accepted at the first mismatch.
+        # a block's correct prefix: as a draft, it ends at the first miss
         streak = ok.int().cumprod(dim=1).sum(dim=1)  # [n_blocks]
         has_loss = vb.any(dim=1)
-        # Every figure in one vector, read back at once (each read waits for the GPU to
-        # drain); float64 holds the counts exactly. Figures the host knows are zeros here.
+        # one float64 vector, read back at once (each read drains the GPU); exact for counts
         if known is None:
             stats = LossStats(pos_correct=[0] * n, pos_valid=[0] * n)
             denominator = w.sum() if loss == "ce" else has_loss.sum()

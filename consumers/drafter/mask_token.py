@@ -1,32 +1,10 @@
 """Which vocabulary row the drafter's block MASK uses, for any target (docs/TRAINING.md
 "The MASK token").
 
-The MASK row is the input of every drafted position; its embedding is the target's own,
-frozen. It must be a row the drafter never sees as a real token: if the data contains it,
-a context token and "to be drafted" look the same; if it is pad/eos/bos/unk (what peers
-fall back to) the drafter is told "end of text" at every drafted position. The rules, in
-order, first match wins:
-
-  1. tokenizer_mask   the tokenizer's own mask token (`mask_token`, or an added token
-                      named <|mask|>, <mask> or [MASK]): targets prepared for DFlash
-                      reserve one, Gemma's tokenizer has <mask>;
-  2. beyond_tokenizer the first embedding row past the tokenizer (vocab_size >
-                      len(tokenizer), e.g. Qwen3's 151669): no text encodes to it, so
-                      neither data nor the chat template can contain it;
-  3. reserved         the first added special token named reserved/unused (Llama 3's
-                      <|reserved_special_token_0|>, Gemma's <unused0>): kept free on purpose;
-  4. unused_special   the highest-ID added special token that the chat template never
-                      emits (SmolLM2: <empty_output>, one of its code-data markers that
-                      chat text does not use);
-and, without any tokenizer files, Qwen3's known free row 151669 (qwen3_default).
-Every candidate must not be, nor alias (same string, or the same embedding row as),
-pad, eos, bos or unk, and must not appear in the chat template or a conversation it
-renders. The data can still contain a special token (rules 1, 3, 4) if a row's text
-spells it: the consumer warns at the first batch that does (train.mask_in_data).
-
-An explicit --mask-token-id always wins; it is checked the same way and warned about
-(train.mask_token_unsafe), never refused.
-"""
+It must be a row the drafter never sees as a real token, and not pad/eos/bos/unk (the drafter
+would be told "end of text" at every drafted position). Rules, first match wins: the
+tokenizer's mask token, the first row past the tokenizer, a reserved special, an unused special
+the template never emits; an explicit --mask-token-id wins, warned about if unsafe, never refused."""
 
 from __future__ import annotations
 
@@ -46,7 +24,7 @@ MASK_NAMES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>")
 RESERVED = re.compile(r"reserved|unused", re.IGNORECASE)
 QWEN3_FREE_ROW = 151669  # Qwen3's first row past its tokenizer (151669 tokens, 151936 rows)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# A conversation rendered through the chat template: a candidate it emits is refused.
+# rendered through the chat template: a candidate it emits is refused
 _PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
           {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
 
@@ -66,9 +44,7 @@ class MaskChoice:
 
 
 def mask_choice(heads: TargetHeads, explicit: int | None = None) -> MaskChoice:
-    """The MASK row for `heads` (chosen once per target and explicit value, and logged
-    once: train.mask_token). Raises ValueError when no rule finds a safe row, or an
-    explicit ID lies outside the vocabulary."""
+    """The MASK row for `heads` (chosen and logged once per target); ValueError if no rule finds one."""
     if explicit in heads.mask_choices:
         return heads.mask_choices[explicit]
     V = heads.spec.vocab_size
@@ -156,7 +132,6 @@ class _Facts:
         return out
 
     def added_specials(self, special_only: bool = True) -> list[tuple[int, str]]:
-        """(ID, text) of the tokenizer's added tokens (special ones only), by ID."""
         dec = getattr(self.tok, "added_tokens_decoder", {}) or {}
         return sorted((int(i), str(t.content)) for i, t in dec.items()
                       if (getattr(t, "special", False) or not special_only) and int(i) < self.heads.spec.vocab_size)
@@ -183,7 +158,6 @@ class _Facts:
 
 
 def _tokenizer(path: str):
-    """The target's tokenizer, or None when it has no tokenizer files."""
     if targets.gguf_path(path) is None and not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
         return None
     try:
@@ -195,5 +169,4 @@ def _tokenizer(path: str):
 
 
 def mask_in_batch(input_ids: torch.Tensor, mask_token_id: int) -> int:
-    """How many tokens of a batch are the MASK row (0 for sound data)."""
     return int((input_ids == mask_token_id).sum())

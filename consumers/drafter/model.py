@@ -1,21 +1,9 @@
 """The DFlash drafter (docs/DESIGN.md "The DFlash model").
 
-Qwen3-style decoder layers shaped like the target's. The target features of the context
-are fused (`fc` over the n concatenated layers, then `hidden_norm`) and injected as extra
-keys/values into every layer through that layer's own `k_proj`/`v_proj`; queries come
-only from block positions. Module names follow the published layout (`fc.weight`,
-`layers.i.self_attn.q_proj.weight`, ...) so `state_dict()` exports as is.
-
-Target features are far from uniform in scale: a few residual dimensions of a pretrained
-target ("massive activations") are hundreds of times larger than the rest, so `fc` over the
-raw features first learns to ignore them before it sees the context at all. `feature_scale`
-(one factor per input column, set from the first batch: `calibrate_features`) feeds `fc`
-standardised features; export folds it into `fc.weight`, so the published drafter computes
-the same function with the reference layout.
-
-Everything runs on a packed batch: T context tokens of several sequences back to back
-and Q = sum(anchors_s) * B block positions; `BlockLayout` (blocks.py) says who sees what.
-"""
+Qwen3-style layers; the fused target features are injected as extra keys/values through each
+layer's own k/v projections. Module names follow the published layout, so `state_dict()`
+exports as is. `feature_scale` standardises the features ("massive activations" would
+otherwise dominate `fc`); export folds it into `fc.weight`."""
 
 from __future__ import annotations
 
@@ -75,7 +63,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        # Not persistent: the export layout holds trainable weights only.
+        # not persistent: the export layout holds trainable weights only
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +90,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: tuple, layout: BlockLayout) -> torch.Tensor:
-        """x [Q, D] block states, ctx [T, D] fused context -> [Q, D]."""
+        """x [Q, D] block states, ctx [T, D] fused context -> [Q, D]; keys are [context T | blocks Q]."""
         Q, T, hd = x.shape[0], ctx.shape[0], self.head_dim
-        # KV injection: the context goes through this layer's k/v projections and sits in
-        # front of the blocks' own keys/values: keys are [context T | blocks Q].
         kv_in = torch.cat([ctx.to(x.dtype), x])  # [T+Q, D]
         q = self.q_norm(self.q_proj(x).view(Q, self.n_heads, hd))  # [Q, Hq, hd]
         k = self.k_norm(self.k_proj(kv_in).view(T + Q, self.n_kv, hd))  # [T+Q, Hkv, hd]
@@ -138,8 +124,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: tuple, layout: BlockLayout) -> torch.Tensor:
-        # The context is not normed by input_layernorm: it was normed once by hidden_norm
-        # (as in the reference, where k_proj/v_proj see `target_hidden` directly).
+        # the context was normed once by hidden_norm, as in the reference: not by input_layernorm
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -152,7 +137,7 @@ class DFlashDraft(nn.Module):
         self.cfg = cfg
         D = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * D, D, bias=False)
-        # Per input column of fc; ones = the published layout's plain fc (export folds it in).
+        # per input column of fc; ones = the published layout's plain fc
         self.register_buffer("feature_scale", torch.ones(cfg.num_features * D))
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
@@ -161,7 +146,6 @@ class DFlashDraft(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # As transformers initialises Qwen3: N(0, 0.02) linears, norms at one.
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=self.cfg.init_std)
@@ -175,14 +159,12 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(F.linear(features, w))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # A published drafter (or a checkpoint from before feature_scale) has a plain fc.
         if "feature_scale" not in state_dict:
             state_dict = {**state_dict, "feature_scale": torch.ones_like(self.feature_scale)}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, features: torch.Tensor, x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-        """features [T, n*D] target hidden states of the packed context, x [Q, D] block
-        input embeddings -> [Q, D] final-normed block states (feed to the target's LM head)."""
+        """Final-normed block states [Q, D] (for the target's LM head) from context features and block inputs."""
         ctx = self.context(features)  # [T, D]
         rope = self.rotary(torch.cat([layout.ctx_pos, layout.q_pos]))  # cos/sin [T+Q, hd]
         for layer in self.layers:
@@ -192,10 +174,8 @@ class DFlashDraft(nn.Module):
 
 @torch.no_grad()
 def calibrate_features(model: DFlashDraft, sumsq: torch.Tensor, count: float) -> None:
-    """Set `feature_scale` to 1 / RMS of each feature column, from the sum of squares
-    [n*D] over `count` tokens (all ranks' first batches: every rank gets the same scale).
-    A column far quieter than the typical one is raised at most 10x: its first-batch RMS
-    says little, and a huge factor would turn later noise there into the whole context."""
+    """`feature_scale` = 1 / RMS per column from all ranks' first batches; a quiet column is raised at
+    most 10x: its first-batch RMS says little, and a huge factor would amplify later noise."""
     rms = (sumsq.double() / max(count, 1.0)).sqrt()
     floor = max(float(rms.median()) * 0.1, 1e-6)
     model.feature_scale.copy_((1.0 / rms.clamp_min(floor)).float())
@@ -213,10 +193,7 @@ def fold_feature_scale(weights: dict) -> dict:
 def published_config(
     cfg: DrafterConfig, spec: TargetSpec, *, block_size: int, mask_token_id: int, target_layer_ids: list[int]
 ) -> dict:
-    """config.json in the published DFlash layout (docs/EXPORT.md), for export and checkpoints.
-
-    The drafter always uses plain RoPE with the target's theta, and says so here, so an
-    engine applies to the drafter exactly what training used."""
+    """config.json in the published DFlash layout (docs/EXPORT.md): plain RoPE stated, as trained."""
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",

@@ -3,17 +3,9 @@ tokenised, each decoded by the target alone and with the drafter (speculative.py
 report of acceptance length tau, drafted vs accepted tokens, speedup and whether both
 outputs agree token for token.
 
-Prompts are JSON Lines: {"prompt": "raw text"}, {"text": ...}, or {"messages": [...]} (the
-turns before the first assistant turn, or every turn of a conversation that ends in a user
-turn, e.g. a follow-up after an answer; rendered with the tokenizer's chat template and its
-generation prompt). An optional "id" names the prompt; otherwise FILE:LINE does.
-
-Greedy speculative decoding is lossless: in float32 any difference is a mismatch. In
-bfloat16/float16 a block verified in one pass and tokens decoded one at a time can round a
-near-tie differently: at the first differing token the target's logits are measured, and
-the difference is a tie-flip when both tokens are within the tie tolerance of the best
-logit (docs/EVAL.md); beyond it, a mismatch.
-"""
+Greedy speculative decoding is lossless, but in bf16 a block verified in one pass can round a
+near-tie differently from one-at-a-time decoding: such a difference within the tie tolerance is
+a tie-flip (docs/EVAL.md), beyond it a mismatch."""
 
 from __future__ import annotations
 
@@ -63,8 +55,7 @@ def read_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[
 def prompt_ids(row: dict, tokenizer) -> list[int]:
     if "messages" in row:
         msgs = row["messages"]
-        # A conversation that ends in a user turn awaits its answer as a whole (a follow-up
-        # row of dflash-prompts); a chat with answers is cut before its first one.
+        # a chat ending in a user turn awaits its answer whole; one with answers is cut before the first
         first = len(msgs) if msgs and msgs[-1]["role"] == "user" else \
             next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
         if first == 0:
@@ -101,8 +92,7 @@ def check_pair(model, drafter: Drafter) -> None:
 
 
 def resolve_tie_tolerance(dtype: torch.dtype, given: float | None) -> float | None:
-    """The logit margin within which a difference is a tie-flip; None: none is (float32).
-    Raises ValueError for a tolerance given where decoding must be exact or below zero."""
+    """The logit margin within which a difference is a tie-flip; None (float32): none is."""
     if dtype in (torch.float32, torch.float64):
         if given:
             raise ValueError(f"--tie-tolerance {given}: {dtype} decoding must be exact (no tie-flips allowed)")
@@ -114,9 +104,7 @@ def resolve_tie_tolerance(dtype: torch.dtype, given: float | None) -> float | No
 
 def evaluate(model, drafter: Drafter, prompts: list[Prompt], *, max_new_tokens: int, stops: set[int],
              warmup: bool = True, tolerance: float | None = None) -> dict:
-    """Decode every prompt both ways; the report (see `summarise`). Differences are listed
-    under "mismatches" (beyond `tolerance`, or any with None) and "tie_flips", not raised,
-    so the caller sees every prompt's figures. Progress by prompt (runtime/progress.py)."""
+    """Decode every prompt both ways; the report (`summarise`). Differences are listed, not raised."""
     if not prompts:
         return summarise([], drafter.block_size)
     longest = max(len(p.ids) for p in prompts)
@@ -141,8 +129,7 @@ def evaluate(model, drafter: Drafter, prompts: list[Prompt], *, max_new_tokens: 
 
 def prompt_report(p: Prompt, base: Generation, spec: Generation, block_size: int, div: dict | None = None,
                   tolerance: float | None = None) -> dict:
-    """One prompt's figures. `div` (decode.divergence) measures a difference; without it a
-    difference is a mismatch (no margin known)."""
+    """One prompt's figures; a difference without `div` (its margins) is a mismatch."""
     lossless = base.tokens == spec.tokens
     row = {
         "prompt": p.name, "prompt_tokens": len(p.ids), "new_tokens": len(spec.tokens), "cycles": len(spec.accept_lengths),
@@ -181,14 +168,12 @@ def summarise(rows: list[dict], block_size: int, tolerance: float | None = None)
         "block_size": block_size, "prompts": len(rows), "cycles": cycles,
         # As the reference benchmark reports it: the mean over prompts of each prompt's mean.
         "tau": round(sum(r["tau"] for r in rows) / len(rows), 4) if rows else None,
-        # Over all cycles of all prompts: tokens committed per target verification.
         "tau_pooled": round(committed / cycles, 4) if cycles else None, "tau_hist": hist,
         "drafted": drafted, "accepted": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "new_tokens": sum(r["new_tokens"] for r in rows),
         "target_s": round(t_base, 4), "speculative_s": round(t_spec, 4),
         "speedup": round(t_base / t_spec, 4) if t_spec > 0 else None,
-        # Errors: differences beyond the tie tolerance (any difference in float32).
         "mismatches": [r["prompt"] for r in rows if not r["lossless"] and not r["tie_flip"]],
         "tie_flips": [r["prompt"] for r in rows if r["tie_flip"]], "tie_tolerance": tolerance,
         "per_prompt": rows,

@@ -2,21 +2,9 @@
 events and carried to the broker in the consumer's heartbeat (`stats.eval`), so
 `dflash-status` shows it.
 
-Every N steps rank 0 measures the weights of that step, before the next step trains:
-
-- simulated acceptance on the batch that next step is about to train: data these weights
-  have not trained on (in the first epoch never; later epochs' samples were seen in an
-  earlier epoch, which `unseen_frac` says). For each anchor the block is drafted from
-  the context before it, and the correct prefix of the block (`streak`) is the number of
-  drafts a greedy verifier would accept, so tau = streak + 1 (docs/DESIGN.md, docs/EVAL.md).
-  Anchors are drawn with a fixed seed and no feature noise, unlike training's. Nothing is
-  held back from training, so the broker's exactly-once accounting is untouched;
-- real tau (`--eval-prompts`): speculative decoding of the whole target with this drafter
-  on fixed prompts (real_tau.py), lossless-checked against the target's greedy output.
-
-`eval_hook` is the simpler programmatic form: simulated acceptance on fixed held-out
-batches the caller provides, through `Hooks.after_step`.
-"""
+Every N steps rank 0 measures simulated acceptance (tau = streak + 1) on the batch the next
+step is about to train, unseen by these weights, so nothing is held back from training; and,
+with `--eval-prompts`, real tau (real_tau.py)."""
 
 from __future__ import annotations
 
@@ -68,8 +56,7 @@ def simulated_acceptance(model: nn.Module, heads: TargetHeads, batches: list[Bat
 
 def eval_hook(heads: TargetHeads, signal: Signal, held_out: list[Batch], every: int,
               rank: int = 0) -> Callable[[int, nn.Module], None]:
-    """A `Hooks.after_step` that logs `eval.step` every `every` steps (rank 0 only: the
-    figures do not depend on the rank, and no collective is involved)."""
+    """A `Hooks.after_step` logging `eval.step` every `every` steps on fixed held-out batches (rank 0)."""
     for b in held_out:
         check_fit(b, list(signal.target_layers), heads.spec.hidden_size)
 
@@ -84,10 +71,8 @@ def eval_hook(heads: TargetHeads, signal: Signal, held_out: list[Batch], every: 
 
 
 class LiveEval:
-    """`Hooks.before_step` of `dflash-consume --eval-every N` (see the module docstring).
-
-    `stats` is the heartbeat's dict: the latest figures go into its `eval` key as one new
-    flat map each time (the I/O thread copies the dict; the map is never changed after)."""
+    """`Hooks.before_step` of `--eval-every N`; each result is a new map in `stats["eval"]`, never
+    changed after (the I/O thread copies the dict)."""
 
     def __init__(self, heads: TargetHeads, signal: Signal, every: int, *, rank: int = 0,
                  stats: dict | None = None, real: RealTauSet | None = None):
@@ -97,7 +82,7 @@ class LiveEval:
         self.stats, self.real = stats, real
         self.due = every  # the weights' step the next evaluation is for (or the first after it)
         self.last_end: float | None = None  # when the previous evaluation ended (overhead share)
-        self.last_step = 0  # weights' step of the latest evaluation
+        self.last_step = 0
         if real is not None:
             real.check_drafter(list(signal.target_layers), heads.spec.hidden_size)
             log.info("eval.start", every=every, prompts=len(real.prompts), max_new_tokens=real.max_new_tokens,
@@ -107,9 +92,7 @@ class LiveEval:
 
     def before_step(self, step: int, model: nn.Module, batch: Batch | None, record: TrainedRecord,
                     samples: int) -> None:
-        """Evaluate the weights of `step` (optimizer steps so far, `samples` trained by all
-        ranks) on `batch`, which the next step is about to train. A rank without a batch (an
-        empty step) tries again at the next step, so an evaluation is late rather than lost."""
+        """Evaluate the weights of `step` on the batch the next step trains (none: late, not lost)."""
         if self.rank != 0 or step < self.due or batch is None:
             return
         self.due = (step // self.every + 1) * self.every
@@ -125,8 +108,7 @@ class LiveEval:
         self._publish(step, samples, sim, unseen_frac, real, t0)
 
     def final(self, step: int, model: nn.Module, samples: int) -> None:
-        """Real tau of the finished weights (`samples` trained), if not measured at this step
-        already (there is no next batch for a simulated figure)."""
+        """Real tau of the finished weights, if not measured at this step already."""
         if self.rank != 0 or self.real is None or step == 0 or step == self.last_step:
             return
         t0 = time.monotonic()
@@ -148,10 +130,8 @@ class LiveEval:
 
     def _publish(self, step: int, samples: int, sim: dict | None, unseen_frac: float | None, real: dict | None,
                  t0: float) -> None:
-        """Log the evaluation's cost and hand the figures to the heartbeat."""
         end = time.monotonic()
         seconds = end - t0
-        # Share of the wall time since the previous evaluation spent evaluating.
         overhead = seconds / (end - self.last_end) if self.last_end is not None else None
         self.last_end = end
         log.info("eval.cost", step=step, samples=samples, seconds=round(seconds, 3),

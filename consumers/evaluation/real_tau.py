@@ -1,15 +1,7 @@
 """Real acceptance length during training: the training drafter drives greedy speculative
 decoding of the whole target on a few fixed prompts (consumers/evaluation/speculative.py, the code
-dflash-eval runs), checked token for token against the target's own greedy output.
-
-A consumer normally holds only the target's embedding and LM head; real tau needs the
-whole target, so `--eval-prompts` makes rank 0 load it from the `--target` folder it
-already has (same device, same dtype as the heads). The target-only greedy outputs do not
-depend on the drafter: they are decoded once, when the prompts are loaded, and every
-evaluation only runs the speculative decode and compares against them. In bfloat16/float16
-a first difference within the tie tolerance is a tie-flip, not a mismatch (dflash-eval's
-rule, docs/EVAL.md).
-"""
+dflash-eval runs), checked token for token against the target's own greedy output, which is
+decoded once when the prompts load (it does not depend on the drafter)."""
 
 from __future__ import annotations
 
@@ -40,8 +32,7 @@ class RealTauSet:
     @classmethod
     def load(cls, target: str, prompts_file: str, *, device: torch.device, dtype: torch.dtype,
              max_new_tokens: int, limit: int | None = None) -> "RealTauSet":
-        """Load the target and tokenizer from `target`, read and decode the prompts.
-        Raises ValueError (a bad prompt row, FILE:LINE named), OSError (unreadable folder)."""
+        """Load the target and tokenizer from `target`, read and decode the prompts."""
         from transformers.utils import logging as hf_logging
 
         from dflash.runtime import targets
@@ -76,15 +67,13 @@ class RealTauSet:
                              f"the drafter's target layers {target_layers} and width {hidden_size}")
 
     def evaluate(self, model: nn.Module, block_size: int, mask_token_id: int, target_layers: list[int]) -> dict:
-        """Speculative decoding of every prompt with `model` as the drafter; dflash-eval's
-        report (evaluate.py `summarise`), target-only timings from the cached baselines."""
+        """dflash-eval's report for `model` as the drafter, target-only timings from the cached baselines."""
         num_layers = self.model.config.get_text_config().num_hidden_layers
         drafter = Drafter(model, block_size, mask_token_id, list(target_layers), num_layers, {})
         was_training = model.training
         model.eval()
         try:
-            # Built per evaluation: it captures the drafter's weights of this step (a CUDA graph
-            # on a GPU); its own warm-up prompt keeps one-off costs out of the speedup.
+            # per evaluation: its CUDA graph captures this step's weights
             spec_dec = Speculative(self.model, drafter, max_prompt=max(len(p.ids) for p in self.prompts),
                                    max_new_tokens=self.max_new_tokens, stop_ids=self.stops)
             spec_dec(self.prompts[0].ids)

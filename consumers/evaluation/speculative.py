@@ -1,21 +1,9 @@
 """Greedy speculative decoding with a DFlash drafter, and plain greedy decoding with the
-target alone to compare against, both on the decoding core (decoding/). Batch
-size 1, any Hugging Face causal LM the core supports as the target (tied or untied heads,
-sliding windows).
+target alone to compare against, both on the decoding core (decoding/). Batch size 1.
 
-One cycle: the bonus token (the target's last choice) plus B-1 MASKs go through the
-drafter, conditioned on the target features of every token accepted so far; the target
-verifies the block in one forward pass and keeps the longest prefix of drafts that equals
-its own argmax, plus its own next token (the new bonus). Output is therefore exactly the
-target's greedy output, only produced in fewer target passes.
-
-Both caches are static and indexed by position, so dropping rejected drafts only moves a
-length (also past a sliding window): the target's K/V in the core's cache, and the
-drafter's context K/V (fc + hidden_norm + each draft layer's k/v projections of every
-accepted token's features, computed once when the token is accepted, as an engine keeps
-a draft KV cache). A whole cycle (draft, verify, accept, extend both caches) has fixed
-shapes: on a GPU it is one CUDA graph, and the host reads one small tensor per cycle.
-"""
+The target verifies each drafted block in one pass and keeps the prefix equal to its argmax,
+so the output is exactly its greedy output. Both caches are static and indexed by position, so
+rejecting drafts only moves a length; a whole cycle is one CUDA graph on a GPU."""
 
 from __future__ import annotations
 
@@ -39,8 +27,8 @@ class Generation:
     tokens: list[int]  # new tokens only; ends at the first stop token or at max_new_tokens
     seconds: float
     accept_lengths: list[int] = field(default_factory=list)  # per cycle: tokens committed, bonus included
-    drafted: int = 0  # draft tokens proposed (for positions a cycle could commit)
-    accepted: int = 0  # draft tokens the target agreed with
+    drafted: int = 0  # for positions a cycle could commit
+    accepted: int = 0
     passes: int | None = None  # target forwards, where not 1 + cycles (target-only decoding)
 
     @property
@@ -50,10 +38,7 @@ class Generation:
 
 def _target_step(model: nn.Module, ids: torch.Tensor, start: int, cache, layer_ids: list[int] | None,
                  last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' own forward (no core): ids [T] at positions start.. -> (logits [T or 1, V],
-    features [T, n*D] or None); the reference the core's features are checked against.
-
-    Feature of layer i = hidden_states[i + 1]: the output of decoder layer i."""
+    """transformers' own forward (no core): the reference the core's features are checked against."""
     pos = torch.arange(start, start + ids.numel(), device=ids.device)
     out = model(input_ids=ids[None], position_ids=pos[None], use_cache=True, **{cache_kwarg(model): cache},
                 output_hidden_states=layer_ids is not None, logits_to_keep=1 if last_only else 0)
@@ -67,9 +52,8 @@ def _target_step(model: nn.Module, ids: torch.Tensor, start: int, cache, layer_i
 
 
 class DraftCache:
-    """The drafter's context K/V, per draft layer [Hkv, slots, hd], slot = position, and the
-    block proposal over it. Equals DFlashDraft.forward for one block whose context is every
-    slot before the anchor (the training path's view; tests check it)."""
+    """The drafter's context K/V by position, and the block proposal over it (tests hold it equal
+    to the training path's DFlashDraft.forward)."""
 
     def __init__(self, drafter: Drafter, slots: int, device: torch.device):
         m = drafter.model
@@ -85,8 +69,7 @@ class DraftCache:
         self._masks = torch.full((self.B - 1,), self.mask_id, dtype=torch.long, device=device)
 
     def extend(self, feats: torch.Tensor, start: torch.Tensor) -> None:
-        """Store the context K/V of feats [n, n_feat*D], the target features of positions
-        start..start+n-1 (start: long [1]); slots past the cache's end are dropped."""
+        """Store the context K/V of the target features of positions start..; past the end dropped."""
         n, c = feats.shape[0], self.cfg
         pos = start + torch.arange(n, device=feats.device)
         ctx = self.m.context(feats.to(self.dtype))  # [n, D]
@@ -103,19 +86,16 @@ class DraftCache:
 
     def propose(self, bonus: torch.Tensor, start: torch.Tensor, embed: torch.Tensor | nn.Module,
                 lm_head: torch.Tensor) -> torch.Tensor:
-        """B-1 draft tokens for the positions after `bonus` [1] at position start [1]; the
-        context is slots 0..start-1. Returns long [B-1]."""
+        """B-1 draft tokens after `bonus` at position `start`, over context slots before it."""
         ids = torch.cat([bonus, self._masks])  # [B]
         x = embed_block(ids, embed).to(self.dtype)  # [B, D]: what the target's embedding module gives
         h = self.block_states(x, start)
         return (h[1:] @ lm_head.T.to(h.dtype)).argmax(-1)  # position 0 is the given bonus
 
     def block_states(self, x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """x [B, D] block input embeddings at positions start.. -> [B, D] final-normed states
-        (the training path's DFlashDraft.forward for this block; the parity test compares them)."""
+        """Final-normed states [B, D] of a block's input embeddings at positions start.."""
         m, c, B = self.m, self.cfg, self.B
         cos, sin = m.rotary(start + self._blk)
-        # Keys are [context slots | block]; the block sees all context before it and itself.
         vis = torch.cat([self._slot < start, torch.ones(B, dtype=torch.bool, device=x.device)])
         mask = vis[None, None, None, :].expand(1, 1, B, self.slots + B)
         Hq, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -138,10 +118,7 @@ class DraftCache:
 @torch.inference_mode()
 def propose(drafter: Drafter, embed: torch.Tensor | nn.Module, lm_head: torch.Tensor, context: torch.Tensor, bonus: int,
             size: int) -> list[int]:
-    """size-1 draft tokens for the positions after `bonus`, through the drafter's cache.
-
-    context [T, n*D]: target features of the T accepted tokens (positions 0..T-1); the bonus
-    sits at position T."""
+    """size-1 draft tokens after `bonus` (at position T), given the features of T accepted tokens."""
     if size != drafter.block_size:
         raise ValueError(f"blocks are always {drafter.block_size} wide (as trained), not {size}")
     T, device = context.shape[0], context.device
@@ -155,8 +132,7 @@ def propose(drafter: Drafter, embed: torch.Tensor | nn.Module, lm_head: torch.Te
 
 
 class TargetGreedy:
-    """Target-only greedy decoding at batch 1 on the core, reusable across prompts (one
-    cache and one captured decode step for all of them)."""
+    """Target-only greedy decoding at batch 1 on the core, reusable across prompts."""
 
     def __init__(self, model: nn.Module, *, max_prompt: int, max_new_tokens: int, stop_ids: set[int],
                  graphs: bool | None = None):
@@ -172,8 +148,7 @@ class TargetGreedy:
 
 
 class Speculative:
-    """Greedy speculative decoding at batch 1 (see the module docstring), reusable across
-    prompts of up to `max_prompt` tokens."""
+    """Greedy speculative decoding at batch 1, reusable across prompts of up to `max_prompt` tokens."""
 
     def __init__(self, model: nn.Module, drafter: Drafter, *, max_prompt: int, max_new_tokens: int,
                  stop_ids: set[int], graphs: bool | None = None):
@@ -204,8 +179,7 @@ class Speculative:
         choice = logits[0].argmax(-1)  # [B]: the target's next token after each block position
         agree = (drafts == choice[:-1]).long().cumprod(0).sum()
         n = torch.minimum(agree, self.limit[0] - 1)  # drafts accepted
-        # The bonus and accepted drafts join both caches: feats of the whole block are written,
-        # only slots before the new start count (rejected ones are overwritten next cycle).
+        # the whole block's feats are written; rejected slots are overwritten next cycle
         self.draft.extend(feats[0], self.start)
         nxt = choice.gather(0, n[None])  # [1]
         self.result[: self.B] = torch.where(self._ar < n, torch.cat([drafts, nxt]), nxt)

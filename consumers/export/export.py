@@ -1,16 +1,8 @@
 """dflash-export: a checkpoint as the DFlash authors publish their drafters, and the loader
 that reads such a folder back (ours or theirs).
 
-The published layout (docs/EXPORT.md says which files and commits it was matched to):
-  config.json        a plain Qwen3 config plus `block_size`, `dflash_config: {mask_token_id,
-                     target_layer_ids}` and `num_target_layers`; exactly the key set of
-                     z-lab/Qwen3-4B-DFlash-b16 and SpecForge's qwen3-8b-dflash.json
-  model.safetensors  bf16, names without a `model.` prefix (fc.weight, hidden_norm.weight,
-                     norm.weight, layers.i.self_attn.q_proj.weight, ...), no embedding and
-                     no LM head (the target's are used)
-target_layer_ids are 0-based decoder layers; layer i's feature is the output of decoder
-layer i = Hugging Face `hidden_states[i + 1]` (the reference's `extract_context_feature`).
-"""
+The published layout (docs/EXPORT.md): config.json, a Qwen3 config plus `block_size` and
+`dflash_config`, and bf16 model.safetensors without embedding or LM head (the target's are used)."""
 
 from __future__ import annotations
 
@@ -56,8 +48,7 @@ class Drafter:
 
 
 def _target_token_ids(target: str | os.PathLike | None) -> tuple[int | None, int | None]:
-    """bos/eos IDs from the target's config.json, or a .gguf file's metadata
-    (informational in the drafter's config)."""
+    """bos/eos IDs from the target's config.json or .gguf metadata (informational)."""
     if target is None:
         return None, None
     if targets.gguf_path(target) is not None:
@@ -69,11 +60,8 @@ def _target_token_ids(target: str | os.PathLike | None) -> tuple[int | None, int
 
 
 def export_config(ckpt: dict, *, bos_token_id=None, eos_token_id=None) -> dict:
-    """Our checkpoint config.json (model.published_config) -> the published key set.
-
-    Fields the drafter never reads but the published configs carry (use_cache, window
-    settings, initializer_range) get the values those configs have. `rope_parameters` is
-    dropped: transformers 5 rebuilds it from rope_theta/rope_scaling, 4.x never knew it."""
+    """Our checkpoint config.json -> the published key set (`rope_parameters` dropped: transformers
+    5 rebuilds it, 4.x never knew it)."""
     from transformers import __version__ as tf_version
 
     n = int(ckpt["num_hidden_layers"])
@@ -105,8 +93,7 @@ def export_config(ckpt: dict, *, bos_token_id=None, eos_token_id=None) -> dict:
         "rope_scaling": None,
         "rope_theta": _rope_theta(ckpt),
         "sliding_window": None,
-        # The drafter has no embedding or LM head, so nothing is tied (docs/EXPORT.md).
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": False,  # no embedding or LM head: nothing is tied
         "transformers_version": tf_version,
         "use_cache": True,
         "use_sliding_window": False,
@@ -124,8 +111,7 @@ def _rope_theta(cfg: dict) -> float:
 
 
 def drafter_config(cfg: dict) -> DrafterConfig:
-    """The model shape from a published-layout config.json. Raises ExportError for a
-    drafter this code cannot run faithfully (sliding windows, RoPE scaling, biases)."""
+    """The model shape from a published config.json; ExportError for one not run faithfully here."""
     if "DFlashDraftModel" not in (cfg.get("architectures") or []):
         raise ExportError(f"architectures {cfg.get('architectures')} is not DFlashDraftModel")
     n = int(cfg["num_hidden_layers"])
@@ -155,11 +141,8 @@ def drafter_config(cfg: dict) -> DrafterConfig:
 def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       target: str | os.PathLike | None = None, overwrite: bool = False,
                       eval_report: dict | None = None) -> Path:
-    """Write `out_dir` (config.json, bf16 model.safetensors, dflash.py, README.md) from a
-    checkpoint folder. `eval_report` (a dflash-eval --json report) puts its tau in README.md.
-
-    Written to a temporary sibling and renamed, so a reader never sees half an export.
-    Raises ExportError (not a drafter checkpoint, `out_dir` not empty without overwrite)."""
+    """Write `out_dir` from a checkpoint folder, via a temporary sibling renamed at the end, so a
+    reader never sees half an export."""
     src, out = Path(ckpt_dir), Path(out_dir)
     if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
         raise ExportError(f"{src} has no config.json + model.safetensors (not a drafter checkpoint)")
@@ -183,8 +166,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         os.chmod(tmp / "model.safetensors", 0o644)  # safetensors creates 0600; an export is for sharing
         write_json_atomic(tmp / "config.json", cfg)
         _write_remote_code(tmp, cfg, src, target, out.name, eval_report)
-        # Not in the published layout's files: hashes of the others (so written last), and the
-        # target the drafter was trained for, which dflash-eval checks against the target it is given.
+        # last (it hashes the others): the target the drafter was trained for, which dflash-eval checks
         write_manifest(tmp, {"target": drafter_target(src), "source": str(src.resolve())})
         if out.exists():
             shutil.rmtree(out)
@@ -195,8 +177,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
 
 
 def _write_remote_code(folder: Path, cfg: dict, src: Path, target, name: str, eval_report: dict | None) -> None:
-    """dflash.py (the model code `auto_map` names: hf_dflash.py, shipped with this package)
-    and README.md (the model card), so the folder loads with transformers alone."""
+    """dflash.py and README.md, so the folder loads with transformers alone."""
     (folder / "dflash.py").write_text(Path(hf_dflash.__file__).read_text())
     state = json.loads((src / "state.json").read_text()) if (src / "state.json").is_file() else {}
     (folder / "README.md").write_text(model_card(cfg, state, name=name, target=str(target) if target else None,
@@ -218,10 +199,7 @@ def _check_names(weights: dict, model: DFlashDraft) -> None:
 
 def load_exported(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32) -> Drafter:
-    """Our drafter from a folder in the published layout: an export, a training checkpoint
-    (same names and config keys), or a drafter published by the DFlash authors.
-
-    Raises ExportError (unsupported or inconsistent folder), FileNotFoundError."""
+    """Our drafter from a published-layout folder: an export, a training checkpoint or the authors'."""
     folder = Path(path)
     verify_checkpoint(folder)  # ours carry manifest.json; a published drafter has none
     cfg = json.loads((folder / "config.json").read_text())
@@ -240,9 +218,7 @@ def load_exported(path: str | os.PathLike, *, device: str | torch.device = "cpu"
 
 
 def drafter_target(folder: str | os.PathLike) -> dict | None:
-    """The target identity a drafter folder records (target_heads `identity`): a training
-    checkpoint's state.json signal, or an export's manifest.json; None if it records none
-    (a drafter published by others)."""
+    """The target identity a drafter folder records, or None (a drafter published by others)."""
     folder = Path(folder)
     state = folder / "state.json"
     if state.is_file():
@@ -252,8 +228,7 @@ def drafter_target(folder: str | os.PathLike) -> dict | None:
 
 
 def check_drafter_target(drafter_dir: str | os.PathLike, target_dir: str | os.PathLike) -> dict | None:
-    """Refuse (ExportError naming both) a drafter trained for another target than the one
-    at `target_dir`. Returns the recorded identity (None: nothing recorded, not checked)."""
+    """ExportError for a drafter trained for another target; the recorded identity (or None)."""
     from dflash.protocol.target_id import describe_target, same_target
     from dflash.runtime.target_heads import TargetLoadError, identity_of
 

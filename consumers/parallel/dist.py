@@ -1,11 +1,7 @@
 """Data parallel plumbing: the consumers of a run are ranks of one torch.distributed job.
 
-Gradients are summed, not averaged: each rank backpropagates its *sum* of weighted losses
-and the sums are divided by the global loss weight. That is the token-weighted average
-(a rank with a bigger batch counts for more), it is exactly single-process training on
-the union of the ranks' batches, and a rank without a batch adds zeros (an empty step)
-instead of skewing a mean. World size 1 needs no process group at all.
-"""
+Gradients are summed, then divided by the global loss weight: exactly single-process training
+on the union of the ranks' batches, and a rank without a batch adds zeros, not a skewed mean."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ class RankLost(DFlashError):
 
 @contextmanager
 def collective_failures_named() -> Iterator[None]:
-    """Turn torch.distributed's failures (the peer side of a collective went away, a
-    rendezvous timed out) into RankLost with a one-line reason; other errors pass."""
+    """torch.distributed's peer failures as RankLost with a one-line reason; other errors pass."""
     try:
         yield
     except RuntimeError as e:
@@ -41,9 +36,8 @@ def collective_failures_named() -> Iterator[None]:
 
 
 class DistGroup(Protocol):
-    """What the training loop asks of its data-parallel group; `Dist` (fixed) and
-    elastic.ElasticDist (torchft) both are one. A step is: `begin_step` (the quorum),
-    the collectives, `intact` (none failed), `commit` (apply the step or drop it)."""
+    """What the training loop asks of its data-parallel group (`Dist` fixed, elastic.ElasticDist):
+    per step `begin_step`, the collectives, `intact`, `commit`."""
 
     elastic: bool
     rank: int  # this step's rank (elastic: in the quorum)
@@ -73,8 +67,7 @@ class DistGroup(Protocol):
 
 
 class Dist:
-    """A fixed group (a DistGroup): every rank for the whole job (a lost rank ends it:
-    RankLost). elastic.ElasticDist is the elastic one."""
+    """A fixed group (a DistGroup): every rank for the whole job; a lost rank ends it (RankLost)."""
 
     elastic = False
 
@@ -119,8 +112,7 @@ class Dist:
     def init(
         cls, *, init_method: str, rank: int, world_size: int, device: torch.device | str, timeout_s: float = 600
     ) -> "Dist":
-        """Join the job (gloo on CPU, NCCL on GPU). A peer that never shows up makes this
-        raise after `timeout_s` rather than hang forever."""
+        """Join the job (gloo on CPU, NCCL on GPU); a missing peer raises after `timeout_s`."""
         device = torch.device(device)
         if world_size > 1:
             dist.init_process_group(
@@ -135,7 +127,6 @@ class Dist:
 
     @classmethod
     def from_torchrun(cls, device: torch.device | str) -> "Dist | None":
-        """The job torchrun describes in the environment, or None outside torchrun."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return None
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
@@ -158,8 +149,7 @@ class Dist:
         return t.tolist()
 
     def sum_grads(self, params: Iterable[nn.Parameter]) -> None:
-        """Sum every gradient over ranks; a parameter without a gradient (empty step)
-        contributes zeros, so every rank issues the same collectives in the same order."""
+        """Sum every gradient over ranks; a missing one adds zeros, so every rank issues the same collectives."""
         params = list(params)
         for p in params:
             if p.grad is None:
@@ -186,10 +176,7 @@ class Dist:
         return [o.cpu() for o in out]
 
     def gather_rows(self, rows: torch.Tensor, n_max: int) -> torch.Tensor:
-        """Every rank's int64 rows [k, w] (k <= n_max, the same n_max on every rank),
-        concatenated in rank order. One all_gather of [n_max, w] per rank, padded with -1:
-        the caller knows n_max already (e.g. the step's summed sample count), so no round
-        trip for the sizes is needed."""
+        """Every rank's int64 rows in rank order: one all_gather padded to the caller's known n_max."""
         if not self.enabled:
             return rows
         w = rows.shape[1]

@@ -1,24 +1,9 @@
 """Elastic data parallelism through torchft: consumers come and go, the job goes on.
 
-Each consumer is one torchft replica group of one process: a `Manager` that meets the
-others every step through the broker's lighthouse (a quorum), collectives through a
-managed process group that is rebuilt when the quorum changes, and `should_commit()`
-deciding whether the step is applied. A joining consumer is healed: it receives the
-weights, optimizer state, counters and trained record of a healthy replica over torchft's
-HTTP checkpoint transport.
-
-`ElasticDist` is a `DistGroup` (dist.py) as the fixed `Dist` is; the three calls a step
-makes mean something here:
-  begin_step()  the quorum (may heal this replica: state replaced in place);
-  intact()      False once a collective of this step failed (a peer went away);
-  commit()      should_commit: apply the step or drop it.
-Collectives that fail do not raise: torchft records the error, the step is dropped on the
-ranks that saw it, and the next quorum reconfigures the group without the lost peer.
-All collectives are sums (all_reduce), so gathers are sums of zero-padded slots: the one
-managed operation torchft wraps is enough.
-
-docs/RELIABILITY.md section 8 says what happens to the step in flight.
-"""
+Each consumer is a one-process replica group meeting the others every step at the broker's
+lighthouse; a joiner is healed from a healthy replica. Failed collectives do not raise: the step
+is dropped on the ranks that saw it (docs/RELIABILITY.md section 8). Gathers are sums of
+zero-padded slots: all_reduce is the one managed operation torchft wraps."""
 
 from __future__ import annotations
 
@@ -38,13 +23,11 @@ from .dist import RankLost
 
 log = get_logger()
 
-# torchft's Rust side logs every quorum at INFO on stderr; our logs say what matters.
-os.environ.setdefault("RUST_LOG", "warn")
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO on stderr
 
 
 class _TorchftToOurLog(logging.Handler):
-    """torchft's Python warnings and errors as our `consume.torchft` lines (its info lines,
-    one per quorum and commit, are left out): nothing of it reaches stdout unformatted."""
+    """torchft's warnings and errors as our `consume.torchft` lines (its per-quorum info left out)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -55,7 +38,6 @@ class _TorchftToOurLog(logging.Handler):
 
 
 def route_torchft_logs() -> None:
-    """Send the `torchft` loggers' records of WARNING and above into our log, once."""
     tf = logging.getLogger("torchft")
     if not any(isinstance(h, _TorchftToOurLog) for h in tf.handlers):
         tf.addHandler(_TorchftToOurLog(logging.WARNING))
@@ -64,8 +46,7 @@ def route_torchft_logs() -> None:
 
 
 def replica_name(rank: int, instance: str) -> str:
-    """The replica ID at the lighthouse. Quorum ranks follow the sorted replica IDs, so the
-    broker's rank leads: the lowest live broker rank is the quorum's rank 0 (it checkpoints)."""
+    """The replica ID: quorum ranks follow sorted IDs, so the lowest live broker rank is rank 0."""
     return f"r{rank:05d}-{instance}"
 
 
@@ -78,7 +59,7 @@ class ElasticDist:
         self._manager, self._store, self._pg = manager, store, pg
         self.device = device
         self.rank, self.world_size = rank, 1  # this step's quorum rank and size (begin_step)
-        self.arranged_rank = rank  # the broker's
+        self.arranged_rank = rank
         self.max_world = max_world
         self.quorums = 0
         self.healed_from: int | None = None  # the step this replica had before its last heal
@@ -93,8 +74,7 @@ class ElasticDist:
     @classmethod
     def join(cls, *, lighthouse: str, replica: str, host: str, device: torch.device, rank: int, max_world: int,
              timeout_s: float, quorum_timeout_s: float, connect_timeout_s: float) -> "ElasticDist":
-        """Start this replica's TCP store and torchft Manager (which starts heartbeating to
-        the lighthouse at once). `host`: the address other consumers reach us at."""
+        """Start this replica's TCP store and torchft Manager (heartbeating at once)."""
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
@@ -117,7 +97,6 @@ class ElasticDist:
     # ------------------------------------------------------------ the training state
 
     def register_state(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
-        """What a healthy replica sends a joining one, and how to take it in."""
         self._save, self._load = save, load
 
     def set_step(self, step: int) -> None:
@@ -135,8 +114,7 @@ class ElasticDist:
     # ------------------------------------------------------------ a step
 
     def begin_step(self) -> None:
-        """Meet the others (the quorum); a replica behind them is healed here. Raises
-        RankLost when no quorum forms in time (e.g. half the known replicas silent)."""
+        """The quorum; a replica behind the others is healed here. RankLost if none forms in time."""
         before = (self.rank, self.world_size)
         t0 = time.monotonic()
         try:
@@ -154,7 +132,6 @@ class ElasticDist:
                      seconds=round(time.monotonic() - t0, 3))
 
     def intact(self) -> bool:
-        """No collective of this step failed so far."""
         return self._manager.errored() is None
 
     def error(self) -> str | None:
@@ -162,9 +139,8 @@ class ElasticDist:
         return None if e is None else str(getattr(e, "original_exception", e)).splitlines()[0][:300]
 
     def commit(self) -> bool:
-        """Apply this step? False on every rank that saw a collective fail. Such a rank
-        first aborts its process group: a peer still waiting on it in a collective (which
-        the dead rank's failure did not reach) fails at once instead of at the timeout."""
+        """Apply this step? A rank that saw a failure first aborts its process group, so a peer still
+        waiting on it in a collective fails at once, not at the timeout."""
         if not self.intact():
             self._pg.abort()
         return bool(self._manager.should_commit())
@@ -192,8 +168,7 @@ class ElasticDist:
             w.wait()
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's same-shaped tensor: each fills its slot of a zeroed buffer, one sum.
-        After a failure only our own (the others' slots are not to be trusted)."""
+        """Every rank's same-shaped tensor (each fills its slot of a zeroed buffer, one sum)."""
         wide = torch.float64 if t.is_floating_point() else torch.int64
         buf = torch.zeros((self.world_size, *t.shape), dtype=wide, device=self.device)
         buf[self.rank] = t.to(self.device, wide)
@@ -203,8 +178,7 @@ class ElasticDist:
         return [b.to(t.dtype).cpu() for b in buf]
 
     def gather_rows(self, rows: torch.Tensor, n_max: int) -> torch.Tensor:
-        """Every rank's int64 rows [k, w] (k <= n_max), in rank order. Rows are shifted by
-        one so the zero padding (-1 after the shift back) drops out."""
+        """Every rank's int64 rows in rank order, shifted by one so the zero padding drops out."""
         w = rows.shape[1]
         buf = torch.zeros((max(1, n_max), w), dtype=torch.int64)
         buf[: rows.shape[0]] = rows + 1
@@ -225,7 +199,6 @@ class ElasticDist:
         """Nothing to wait for: a rank that fails after this leaves, the others go on."""
 
     def close(self) -> None:
-        """Leave the group (stop heartbeating to the lighthouse); again, nothing."""
         if self._closed:
             return
         self._closed = True

@@ -1,10 +1,7 @@
 """One consumer process, given its `ConsumerConfig`: setup (logging, device, target
 heads), then either the broker's run (`_serve`: its ranks and batches, through
 protocol/links.py ConsumerLink) or a local synthetic stream (`_local`, `--synthetic-batches`:
-a run of its own), each handing the batches to the Trainer (training/train.py).
-
-consume_command.py makes the `ConsumerConfig` from the command line.
-"""
+a run of its own), each handing the batches to the Trainer (training/train.py)."""
 
 from __future__ import annotations
 
@@ -85,10 +82,8 @@ def run(cfg: ConsumerConfig) -> None:
         elif tcfg.resume and tcfg.resume != "latest":
             resolve_checkpoint(tcfg.resume, cfg.runs_dir)  # a wrong path fails before connecting
         resolve_signal(tcfg, heads)  # bad settings fail here, before anything connects
-        # First SIGINT/SIGTERM: finish the step, write the final checkpoint, exit 0. Second:
-        # die. Until training starts (`stop.armed` unset: loading, the broker handshake, the
-        # ranks' rendezvous, which can wait minutes for a rank that never comes) a signal
-        # ends us at once: there is nothing to save yet. The loop logs the stop.
+        # first signal: finish the step, checkpoint, exit 0; second: die. Before training (not armed,
+        # e.g. a rendezvous waiting minutes) a signal ends us at once: nothing to save yet
         stop = GracefulStop(armed=False).install()
         if cfg.synthetic_batches:
             dist = _own_dist(cfg, device) or Dist(device=device)
@@ -123,8 +118,7 @@ def run(cfg: ConsumerConfig) -> None:
 
 
 def _checkpoint_words(state, dist: Dist | None) -> str:
-    """What the done line says of checkpoints: only rank 0 writes them (another rank's
-    last_checkpoint is None, which read as a failure)."""
+    """The done line's checkpoint words: only rank 0 writes them (others' None read as a failure)."""
     if state.last_checkpoint is not None:
         return f"last checkpoint {state.last_checkpoint}"
     if dist is not None and dist.rank != 0:
@@ -170,9 +164,7 @@ def _local(cfg: ConsumerConfig, tcfg: TrainConfig, heads, dist: Dist, stop: thre
 
 
 def _serve(cfg: ConsumerConfig, tcfg: TrainConfig, heads, device: torch.device, stop: threading.Event):
-    """Join the broker's run as one data-parallel rank and train until it says stop.
-    Returns (TrainState, Dist). Raises BrokerUnreachable, Rejected, BrokerLost,
-    RunConfigMismatch, SignalMismatch, BatchMismatch, RankLost."""
+    """Join the broker's run as one data-parallel rank and train until it says stop; (state, dist)."""
     own = bool(cfg.dist_init) or "RANK" in os.environ  # ranks arranged outside the broker
     dist_addr = None if own else (cfg.dist_addr or offer_dist_addr(cfg.broker))
     link = ConsumerLink(cfg.broker, cfg.instance, gpu=cfg.gpu, run=cfg.run_id, runs_dir=cfg.runs_dir,
@@ -249,8 +241,7 @@ def _sink(cfg: ConsumerConfig, run_id: str, run_dir: Path, rank: int):
 
 
 def _live_eval(cfg: ConsumerConfig, heads, signal_, rank: int, stats: dict | None) -> LiveEval | None:
-    """The evaluator of --eval-every (None when off or not rank 0). Rank 0 loads
-    the whole target here for --eval-prompts. Raises ValueError (bad prompts), OSError."""
+    """The evaluator of --eval-every on rank 0 (it loads the whole target for --eval-prompts), or None."""
     if not cfg.eval_every or rank != 0:
         return None
     real = None
@@ -290,8 +281,7 @@ def _start_run(cfg: ConsumerConfig, tcfg: TrainConfig, dist: Dist) -> Path:
     if dist.enabled and not cfg.run_id:
         run_id = dist.broadcast_str(run_id)
     if cfg.run_id and (run_folder(run_id, cfg.runs_dir) / "run.json").exists():
-        # Another run's folder (a broker's, an earlier local one): writing into it mixed two
-        # runs' logs and checkpoints and overwrote its run.json (its resume then failed).
+        # writing into another run's folder mixed two runs and broke its resume
         raise DFlashError(f"--run-id {run_id}: that run exists ({run_folder(run_id, cfg.runs_dir)}); a local run "
                           "writes only into a new run folder: leave out --run-id, or give a new ID "
                           "(to continue a run, --resume it)")

@@ -1,16 +1,6 @@
 """Joining the broker's run as a consumer (the steps before `train()`, consumer_process.py
-`_serve` calls them in order):
-
-- `hello_config`: what a consumer tells the broker (its training signal, and the
-  rendezvous address it offers if it becomes rank 0: PROTOCOL.md 4.1);
-- `resume_point`: the checkpoint to start from (a resumed run names it);
-- `run_config_of`: the welcome's run facts (protocol/messages.py `RunConfig`);
-- `await_run_facts`: the run's target layers, waited for when no producer fixed them yet;
-- `check_run_target`, `run_layers`: the welcome's run facts against this drafter (fail
-  before training);
-- `arranged_dist`: the data-parallel group the broker arranged (`--consumers N`): elastic
-  (parallel/elastic.py, through the broker's torchft lighthouse) or a fixed torch.distributed group.
-"""
+`_serve` calls them in order): the hello, the resume point, the run's facts checked against
+this drafter (failing before training), and the data-parallel group the broker arranged."""
 
 from __future__ import annotations
 
@@ -35,18 +25,12 @@ from dflash.runtime.run import is_run_id
 
 log = get_logger()
 
-# Elastic consumers: how long a collective may wait for a peer, and a quorum for enough
-# peers, before this consumer gives up (RankLost). These bound a peer that hangs, or a host
-# that vanished. The quorum waits longer than a collective: a peer left hanging in a
-# collective still heartbeats, and by torchft's split-brain rule its survivors form no
-# quorum without it until its collective times out and it joins them; a shorter quorum
-# timeout would end those survivors instead (seen when a peer was SIGKILLed mid-step).
+# Elastic: a collective's and a quorum's wait for peers. The quorum waits longer: a peer hung in a
+# collective still heartbeats, and by torchft's split-brain rule survivors form no quorum without it
+# until its collective times out.
 ELASTIC_COLLECTIVE_TIMEOUT_S = 300.0
 ELASTIC_QUORUM_TIMEOUT_S = ELASTIC_COLLECTIVE_TIMEOUT_S + 60.0
-# How long torchft keeps trying to reach the lighthouse (or a peer's Manager) before the
-# quorum fails: the lighthouse dies with the broker, and a consumer must then exit (as it
-# does when it finds the broker silent) rather than wait out the quorum timeout.
-ELASTIC_CONNECT_TIMEOUT_S = 20.0
+ELASTIC_CONNECT_TIMEOUT_S = 20.0  # the lighthouse dies with the broker: exit, not wait out the quorum
 
 class RunConfigMismatch(DFlashError):
     """The broker's run (its producers' target) does not fit this drafter."""
@@ -54,11 +38,8 @@ class RunConfigMismatch(DFlashError):
 
 def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = False,
                  group: tuple[int, int] | None = None) -> dict:
-    """`hello.config` of a consumer: its training signal (target layers nil when they are
-    left to the run), `dist_addr` for the broker to hand the other ranks if we are rank 0,
-    and `group` {rank, world_size} when the ranks are arranged outside the broker."""
-    # lineages: this consumer announces the lineage of its weights (PROTOCOL.md 4.5), so the
-    # broker can take it in after the job's last consumer died (it sends back what is lost)
+    """`hello.config` of a consumer (PROTOCOL.md 4.1): its signal, `dist_addr` offered as rank 0, `group`."""
+    # lineages (PROTOCOL.md 4.5): the broker can take us in after the job's last consumer died
     cfg = {"signal": {**signal.as_dict(), **({"target_layers": None} if auto_layers else {})}, "lineages": True}
     if dist_addr:
         cfg["dist_addr"] = dist_addr
@@ -68,9 +49,8 @@ def hello_config(signal: Signal, dist_addr: str | None, auto_layers: bool = Fals
 
 
 def offer_dist_addr(broker: str) -> str:
-    """'host:port' other ranks can dial if this consumer becomes rank 0: the address of
-    the interface that reaches the broker (other consumers reach the broker too) and a
-    port free now. Raises DFlashError if the broker address has no host."""
+    """'host:port' for other ranks if we become rank 0: the interface that reaches the broker
+    (the other consumers reach it too) and a port free now."""
     host = urlsplit(broker).hostname
     if not host:
         raise DFlashError(f"--broker {broker!r}: expected tcp://HOST[:PORT]")
@@ -82,7 +62,6 @@ def offer_dist_addr(broker: str) -> str:
 
 
 def reachable_ip(host: str) -> str:
-    """This host's address on the interface that reaches `host` (the broker's)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
@@ -92,8 +71,7 @@ def reachable_ip(host: str) -> str:
 
 
 def run_config_of(link) -> RunConfig:
-    """The welcome's run facts. Raises ProtocolError when the broker sent none: a consumer
-    cannot check its drafter against a run it knows nothing of."""
+    """The welcome's run facts; ProtocolError if none (nothing to check the drafter against)."""
     if link.welcome.run_config is None:
         raise ProtocolError("welcome: no run_config (the run's facts, PROTOCOL.md 4.1): a consumer needs them",
                             peer="broker")
@@ -101,14 +79,9 @@ def run_config_of(link) -> RunConfig:
 
 
 def await_run_facts(link, run_config: RunConfig, poll_s: float = 0.05) -> RunConfig | None:
-    """`run_config` (the welcome's) with the run's facts (target layers, hidden size, target
-    identity) once a producer has fixed them: a consumer that joins before any producer waits
-    here, in the broker's heartbeats, so that its drafter is never built on layers it guessed
-    (the first batch would refuse it). None when the broker stops us first.
-
-    A broker whose heartbeat carries no `run_facts` (older than this field) cannot tell:
-    the batches are checked as they come, as before. Raises what the link raises (BrokerLost),
-    ProtocolError for `run_facts` that are not what PROTOCOL.md 4.2 says."""
+    """`run_config` with the run's facts once a producer fixed them (a consumer ahead of every
+    producer waits, never building on guessed layers); None if stopped first. An older broker
+    without `run_facts`: batches are checked as they come."""
     if run_config.layer_ids is not None:
         return run_config
     t0 = time.monotonic()
@@ -132,7 +105,6 @@ def await_run_facts(link, run_config: RunConfig, poll_s: float = 0.05) -> RunCon
 
 
 def _run_facts(value) -> RunFacts | None:
-    """The heartbeat's `stats.run_facts` (nil while the broker knows none)."""
     try:
         return nested(RunFacts)(value)
     except ProtocolError as e:
@@ -140,10 +112,7 @@ def _run_facts(value) -> RunFacts | None:
 
 
 def run_layers(tcfg: TrainConfig, run_config: RunConfig, hidden_size: int) -> TrainConfig:
-    """`tcfg` with the run's target layers when this consumer left them to `auto`.
-
-    Raises RunConfigMismatch when the run's producers send other layers than
-    --target-layers asks for, or features of another width (another target)."""
+    """`tcfg` with the run's target layers when left to `auto`; RunConfigMismatch on other layers or width."""
     run_hidden = run_config.hidden_size
     if run_hidden is not None and run_hidden != hidden_size:
         raise RunConfigMismatch(f"this run's target has hidden size {run_hidden}, --target here has {hidden_size}: "
@@ -162,9 +131,7 @@ def run_layers(tcfg: TrainConfig, run_config: RunConfig, hidden_size: int) -> Tr
 
 
 def check_run_target(run_config: RunConfig, identity: dict) -> None:
-    """Raise RunConfigMismatch (naming both) when the run's target (`target_id`, stated by
-    its producers) is not the one this consumer loaded. The broker refuses such a hello
-    already; this covers a broker that does not check."""
+    """RunConfigMismatch when the run's target is not the one loaded (for a broker that does not check)."""
     from dflash.protocol.target_id import describe_target, same_target
 
     theirs = run_config.target_id
@@ -174,14 +141,8 @@ def check_run_target(run_config: RunConfig, identity: dict) -> None:
 
 
 def resume_point(ref: str | None, run_config: RunConfig, runs_dir, run_id: str | None = None) -> str | None:
-    """The checkpoint folder to start from, or None to start fresh.
-
-    A resumed broker run names it (`resumed_from`: the newest commit of its chain,
-    PROTOCOL.md 8): a newer checkpoint on disk holds samples the run makes again, so
-    `latest` (or no --resume) means that one. Outside a resumed run, --resume as given,
-    but (given this broker run's `run_id`) only a checkpoint of this run: see
-    `fresh_run_resume`. Raises RunConfigMismatch for an explicit other checkpoint,
-    FileNotFoundError."""
+    """The checkpoint folder to start from, or None to start fresh. A resumed broker run's
+    `resumed_from` wins (a newer one on disk holds samples the run makes again)."""
     if not run_config.names_start():
         if not ref:
             return None
@@ -204,12 +165,8 @@ def resume_point(ref: str | None, run_config: RunConfig, runs_dir, run_id: str |
 
 
 def fresh_run_resume(ref: str, path: Path, run_id: str) -> None:
-    """Refuse a checkpoint of another run (or of no run) in a broker run that neither
-    continues a run nor has committed: its ledger never saw what that checkpoint trained,
-    so it makes those samples again, and the checkpoint's record holds them: every one
-    would be skipped as held (`train.skip_held`) and acked, and the run would end
-    "every sample trained" with nothing trained. Continuing a run is the broker's call
-    (`dflash-broker --resume`), which names the checkpoint to every consumer."""
+    """Refuse another run's checkpoint in a fresh broker run: its record would skip every sample as
+    held and the run would end with nothing trained. Continuing is `dflash-broker --resume`'s call."""
     owner = path.parent.parent.name if path.parent.name == "checkpoints" else None
     if owner == run_id:
         return  # ours: written before its commit reached the broker (RELIABILITY.md 4)
@@ -223,11 +180,8 @@ def fresh_run_resume(ref: str, path: Path, run_id: str) -> None:
 
 def arranged_dist(run_config: RunConfig, device: torch.device, instance: str = "",
                   broker: str = "") -> DistGroup | None:
-    """The data-parallel group the broker arranged (rank, world_size, dist or lighthouse in
-    the welcome), or None if it arranges none. Elastic: joins the lighthouse at once.
-    Fixed: blocks until every rank has joined (Dist.init's timeout). Raises DFlashError
-    when ranks are arranged but rank 0 offered no rendezvous, ProtocolError when the broker
-    arranges ranks without saying ours."""
+    """The data-parallel group the broker arranged, or None. Elastic joins the lighthouse at once;
+    fixed blocks until every rank has joined."""
     world = run_config.world_size
     if not world:
         return None

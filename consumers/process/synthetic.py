@@ -1,13 +1,7 @@
 """A local batch source for runs without producers: smoke tests, throughput checks, demos.
 
-The stream is learnable, so a healthy drafter shows falling loss: each sequence has a
-hidden stride s, x[t+1] = base + (x[t] - base + s) % modulus. The stride is not in the
-anchor token; it is in the target features of the context, which carry a fixed random
-code of s plus a code of the current token (as a real target's features carry what comes
-next). So block position k must predict x[a] + k*s from the anchor, the context and the
-right label offset. Features are gathered from two small code tables: cheap even for
-3072-token sequences of a 4096-wide target.
-"""
+The stream is learnable, so a healthy drafter shows falling loss: each sequence steps by a
+hidden stride that only the context's target features carry (a random code of it)."""
 
 from __future__ import annotations
 
@@ -59,9 +53,7 @@ def synthetic_stream(
 
 
 def as_received(b: Batch, fp8: bool = False, run: str = "20261129T000000Z-local") -> Batch:
-    """`b` as a consumer's link reads it from the broker: encoded with the real codec (hidden
-    in bf16, or fp8 with per-row scales) and decoded again, so its tensors are read-only
-    views of the frames. For tests and benchmarks of the receiving side."""
+    """`b` through the real codec and back, as a link reads it (read-only frame views), for tests."""
     from dflash.protocol import codec
     from dflash.protocol.fp8 import ENCODING as ENCODING
     from dflash.protocol.fp8 import encode_fp8

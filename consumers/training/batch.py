@@ -1,11 +1,4 @@
-"""What a consumer asks of a batch before it trains on it.
-
-The batch itself is the one type from producer to step, protocol/batch.py's `Batch`: the
-link reads it with its tensors as read-only views of ZeroMQ frames (PROTOCOL.md), and
-`Batch.owned` gives it tensors of its own (fp8 dequantised) on the training device, so
-that later in-place work never touches the frames. The training loop usually gets it
-that way, already on the GPU, from the stager (staging.py).
-"""
+"""What a consumer asks of a batch (protocol/batch.py's `Batch`) before it trains on it."""
 
 from __future__ import annotations
 
@@ -17,10 +10,8 @@ from dflash.protocol.errors import DFlashError
 
 
 class BatchMismatch(DFlashError):
-    """A batch does not fit this drafter (other target layers or hidden size). `batch_id` and
-    `fault` (layer_ids, hidden_width, seq_lens, token_ids) are set when the batch itself is at
-    fault, not this consumer's options: the broker is told which batch (`failed`), and
-    quarantines one that fails every consumer (PROTOCOL.md 4.2)."""
+    """A batch does not fit this drafter; `batch_id` and `fault` are set when the batch itself is at
+    fault, so the broker can quarantine it (PROTOCOL.md 4.2)."""
 
     def __init__(self, message: str, *, batch_id: str | None = None, fault: str | None = None):
         super().__init__(message)
@@ -42,8 +33,7 @@ def check_fit(batch: Batch, layer_ids: list[int], hidden_size: int, vocab_size: 
         raise BatchMismatch(f"batch {bid}: seq_lens/samples disagree with {tokens} tokens", batch_id=bid,
                             fault="seq_lens")
     if vocab_size is not None and tokens:
-        # The wire allows any int32: an ID past the vocabulary would crash the embedding
-        # lookup (IndexError) or, on a GPU, fault the device, far from its cause.
+        # the wire allows any int32: an ID past the vocabulary would fault the device far from its cause
         lo, hi = batch.id_range or (int(x) for x in torch.aminmax(batch.input_ids))
         if lo < 0 or hi >= vocab_size:
             made_by = f" (producer {batch.producer})" if batch.producer else ""

@@ -1,8 +1,6 @@
 """`TrainConfig`, what the training loop is given (train.py, train_config.py): each field the
-dflash-consume option of its name, its default, help and type declared once, here
-(process/config.py holds the process's own options). Imports neither torch nor numpy, so
-that `--help` answers at once.
-"""
+dflash-consume option of its name, declared once here. Imports neither torch nor numpy, so
+that `--help` answers at once."""
 
 from __future__ import annotations
 
@@ -62,8 +60,7 @@ class TrainConfig:
     min_lr: float = setting(0.0, help="Learning rate at the end of the cosine schedule.")
     warmup: float = setting(  # fraction of the planned work (samples, or total_steps)
         0.04, type=click.FloatRange(0, 1), help="Warmup as a fraction of the planned samples (or of --total-steps).")
-    # The schedule's length in samples trained (docs/TRAINING.md "Schedule"); None: the
-    # broker's planned samples, else a resumed checkpoint's, else a local stream's size
+    # None: the broker's planned samples, a checkpoint's, else a local stream's size
     total_samples: int | None = setting(
         None, type=click.IntRange(1),
         help="Samples the lr/noise schedules run over (warmup, then cosine to --min-lr at the last one); default: "
@@ -99,8 +96,6 @@ class TrainConfig:
         "auto", type=click.Choice(["auto", "on", "off"]),
         help="Fuse the step's elementwise work (RMSNorm, RoPE, SwiGLU, the loss's softmax) with torch.compile: "
              "faster steps, slower start; auto: on on GPU (off if no C compiler can build the kernels).")
-    # Prepare the next batch (convert it, copy it to the GPU) on a thread while the step
-    # runs (staging.py); off: in the training thread between steps, one batch less in memory
     stage_batches: bool = setting(
         True, help="Prepare the next batch on a thread while the step runs: on GPU it is copied straight from the "
              "received message to the GPU (fp8 as fp8, dequantised there) on a stream of its own, off the step's "
@@ -121,7 +116,5 @@ class TrainConfig:
     epoch_samples: int | None = setting(  # for the epoch fraction and ETA
         None, type=click.IntRange(1),
         help="Samples per epoch, for the logged epoch fraction of a local run (with a broker: the broker's count).")
-    # Leave out sequences whose (epoch, sample) the weights already hold (the record):
-    # on with a broker, where a crash can make a sample again (exactly-once); off for local
-    # streams, which may repeat a batch on purpose. Set by the process, not an option.
+    # set by the process: on with a broker (a crash can make a sample again), off for local streams
     skip_held: bool = False

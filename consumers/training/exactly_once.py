@@ -21,15 +21,8 @@ log = get_logger()
 
 
 def drop_held(batch: Batch, state: TrainState) -> Batch | None:
-    """`batch` without the sequences whose (epoch, sample) the weights already hold.
-
-    A sample can come again although the weights hold it: the broker's ledger did not
-    get to `committed` for it before a crash (its ack was lost with a killed rank or
-    broker, docs/RELIABILITY.md), so a resumed run makes it again. The record is the
-    truth of what the weights saw, so those sequences are left out. They are still acked
-    with the batch (they are in the weights, which the next commit makes durable); a
-    batch held entirely is None (no batch at all), which the loop acks at once at the
-    current step."""
+    """`batch` without the sequences the weights already hold (None if all): a crash can lose an
+    ack, and a resumed run makes the sample again. They are still acked: they are in the weights."""
     held = [i for i, s in enumerate(batch.samples) if state.record.holds(batch.epoch, s)]
     if not held:
         return batch
@@ -42,8 +35,7 @@ def drop_held(batch: Batch, state: TrainState) -> Batch | None:
 
 
 def gather_samples(dist: Dist, batch: Batch | None, n_all: int) -> list[tuple[int, int]]:
-    """Every rank's (epoch, sample) pairs of this step (one all_gather of at most `n_all`
-    pairs per rank, n_all being the step's summed sample count)."""
+    """Every rank's (epoch, sample) pairs of this step (one all_gather of at most `n_all` each)."""
     if not dist.enabled:  # only ours: no collective, no tensor
         return [(int(batch.epoch), int(s)) for s in batch.samples] if batch is not None else []
     mine = torch.tensor([[batch.epoch, s] for s in batch.samples] if batch is not None else [],

@@ -1,14 +1,8 @@
 """A step whose loss or gradient norm is not finite is not applied, and the run stops.
 
-Why stop rather than skip: a NaN or inf comes from a corrupt batch (a producer's feature
-row), a damaged checkpoint, or divergence. Skipping would either ack samples the weights
-never learned (a silent loss) or leave them unacked forever; going on after divergence
-trains nothing. So the step is refused before `optimizer.step()`, before its ack and before
-any checkpoint: the weights, the record and the ledger all stay at the previous step, the
-consumer exits non-zero naming the step and its batch, and a resume redoes the work.
-Every rank sees the same summed loss and the same all-reduced gradient norm, so every
-rank stops at the same step.
-"""
+Skipping would ack samples the weights never learned, or leave them unacked forever; so the
+step is refused before its optimizer step, ack and checkpoint, and a resume redoes it. Every
+rank sees the same sums, so every rank stops at the same step."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ class NonFiniteStep(DFlashError):
 
 
 def check_step(step: int, loss_sum: float, grad_norm: float | None, batch_id: str | None, rank: int = 0) -> None:
-    """Raise NonFiniteStep (after logging `train.non_finite`) unless both figures are finite.
-    `grad_norm` None: not computed yet (the loss is checked alone)."""
+    """Raise NonFiniteStep (logged `train.non_finite`) unless both figures are finite."""
     bad = [name for name, v in (("loss", loss_sum), ("grad_norm", grad_norm)) if v is not None and not math.isfinite(v)]
     if not bad:
         return

@@ -1,41 +1,10 @@
 """Batch staging: the next batch is made ready on a background thread while the current
 step trains, so converting it and copying it to the GPU leave the critical path.
 
-Without it, between two steps the training thread took the next message, cloned its
-`hidden` on the CPU (dequantising fp8 there), and the step then copied it to the GPU from
-pageable memory: a sizeable part of a step (docs/BENCHMARKS.md). `BatchStager` wraps the
-batch source (items: a `Batch` as the link read it or made here, or None for "nothing
-now") and hands out, in the source's order, `Batch`es that are ready to train:
-
-- on CUDA, a read batch's tensors go from the frame views straight to the device (the H2D
-  copy is the only copy, `Batch.owned`), on a CUDA stream of the stager's own so the copy
-  overlaps the step's kernels on the main stream; fp8 (`fp8_e4m3_rowscale`) travels to
-  the GPU as fp8 plus scales (half the bytes of bf16) and is dequantised there. A batch
-  made here is copied to the device the same way;
-- on other devices, exactly `Batch.owned` (a CPU clone), just on the thread; a batch made
-  here passes as it is.
-
-Either way the batch gets its host-side facts there (CPU copies of input_ids and
-loss_mask, the token-ID range) and, given `prepare`, the step's host-side work (train.py:
-anchors, the layout's indices, the loss's known figures): the training thread then reads
-nothing back from the GPU to start a step.
-
-None passes through as None at its position; the source's end is the end; an exception
-of the source or of the conversion is raised in the consuming thread at its position.
-
-It reads ahead by exactly one item: at most one staged batch exists besides the one
-being trained. One is all the overlap needs (the next batch is ready when the step
-ends), and every further one would hold another batch's worth of GPU memory that the
-step itself may need (a bf16 batch of 12,288 tokens of 5 x 4096 features is 500 MB).
-The broker sees one more delivered-but-unacked batch; one never trained (a stop, the
-step limit) is returned by `bye` or the lost-consumer rule like the link's prefetched
-ones (PROTOCOL.md 4.6, 6).
-
-A None staged while a step runs says "nothing had arrived when the stager last asked":
-the loop may take it (an empty step or a wait) although a batch arrived since, which
-then comes with the next fetch. That costs at most one empty step when data resumes
-after a starved spell, never a batch.
-"""
+On CUDA a read batch goes from the frame views straight to the device on the stager's own
+stream (fp8 dequantised there), with its host-side plan made too, so the training thread reads
+nothing back to start a step. It reads ahead exactly one item: one is all the overlap needs,
+and each more would hold another batch's GPU memory that the step itself may need."""
 
 from __future__ import annotations
 
@@ -53,16 +22,12 @@ from dflash.protocol.batch import Batch
 
 log = get_logger()
 
-# close() waits this long for the thread: the broker source returns None every 0.5 s, and
-# a conversion takes well under a second. A source that blocks longer is left to return
-# on the (daemon) thread, which then drops what it read and ends.
-CLOSE_WAIT_S = 2.0
+CLOSE_WAIT_S = 2.0  # the broker source returns every 0.5 s; a longer block is left to the daemon thread
 
 
 
 @dataclass
 class _Staged:
-    """What the thread hands over: one item, the end, or an exception."""
 
     kind: str  # "item" | "end" | "error"
     batch: Batch | None = None
@@ -70,12 +35,9 @@ class _Staged:
 
 
 class BatchStager:
-    """Iterator of ready `Batch`es (or None) over `source`, one item read ahead on a thread.
-
-    The thread starts at the first `next()`, so nothing is read before the loop asks.
-    The source runs on that thread: it must not draw from torch's global RNG, which the
-    step draws from at the same time (the broker link and the synthetic stream do not).
-    Call `close()` (or use it as a context manager) when done with it."""
+    """Iterator of ready `Batch`es (or None) over `source`, one item read ahead on a thread
+    started at the first `next()`. The source must not draw from torch's global RNG: the
+    step draws from it at the same time."""
 
     def __init__(self, source: Iterable, device: torch.device, hidden_dtype: torch.dtype = torch.bfloat16,
                  prepare: Callable[[Batch], Batch] | None = None):
@@ -84,7 +46,7 @@ class BatchStager:
         self.device, self.hidden_dtype = _with_index(torch.device(device)), hidden_dtype
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._cond = threading.Condition()
-        self._slot: _Staged | None = None  # the staged item, None while empty
+        self._slot: _Staged | None = None
         self._closed = False
         self._done = False  # the end or an error was handed over: nothing more comes
         self._thread = threading.Thread(target=self._run, name="dflash-stager", daemon=True)
@@ -111,8 +73,7 @@ class BatchStager:
         return staged.batch
 
     def close(self) -> None:
-        """Stop the thread (what it staged or reads now is dropped, never trained).
-        Returns within about CLOSE_WAIT_S even if the source blocks."""
+        """Stop the thread (what it staged is dropped, never trained), within about CLOSE_WAIT_S."""
         with self._cond:
             self._closed = True
             self._slot = None
@@ -138,13 +99,8 @@ class BatchStager:
         return staged
 
     def _use_on_current_stream(self, batch: Batch) -> None:
-        """The caching allocator ties each block to the stream it was allocated on (here the
-        stager's) and reuses it as soon as the tensor is freed, for that stream's next
-        allocation. The training thread frees a batch once it has *queued* the kernels
-        that read it, not once they ran: without this, the stager could copy the next batch
-        into that memory while the main stream still reads it. record_stream makes the
-        allocator wait, on free, for the work queued on the main stream so far (the
-        documented pattern for tensors used on another stream than their own)."""
+        """record_stream: the training thread frees a batch once its kernels are *queued*, and the
+        allocator would hand that block to the stager's next copy while the main stream still reads it."""
         stream = torch.cuda.current_stream(self.device)
         for t in batch.tensors.values():
             if t.is_cuda:
@@ -167,13 +123,12 @@ class BatchStager:
                 staged = _Staged("item", batch=self._convert(item))
             except BaseException as e:
                 staged = _Staged("error", error=e)
-            del item  # the message's frames can go as soon as the copy is done
+            del item  # the frames can go now
             if not self._hand_over(staged) or staged.kind == "error":
                 return
 
     def _wait_for_room(self) -> bool:
-        """Block until the slot is free (the consumer took the staged item): reading only
-        then keeps it at one item ahead. False once closed."""
+        """Block until the slot is free (one item ahead at most); False once closed."""
         with self._cond:
             while self._slot is not None and not self._closed:
                 self._cond.wait()
@@ -192,7 +147,7 @@ class BatchStager:
             return None
         if not isinstance(item, Batch):
             raise TypeError(f"expected a Batch or None from the batch source, got {type(item).__name__}")
-        # The host copies of input_ids and loss_mask: the step plans from them, never from the GPU.
+        # the step plans from host copies, never from the GPU
         host = _host_copies(item)
         batch = self._to_batch(item).with_host_facts(*host)
         if self._prepare is not None:
@@ -210,18 +165,15 @@ class BatchStager:
             return self._to_device(item)
         except torch.OutOfMemoryError as e:
             error = str(e).splitlines()[0][:300]
-        # Out of the except block, so the failed copy's tensors are gone (step_oom.py). The step
-        # copies the CPU batch itself, micro-batch by micro-batch if memory is short
-        # (step_oom.py): slower, but the batch is trained, and the consumer survives.
+        # out of the except block (the failed copy's tensors are gone); the step copies the CPU
+        # batch micro-batch by micro-batch instead (step_oom.py): slower, but trained
         batch = item.owned(self.hidden_dtype) if item.frames else item
         log.warning("train.stage_oom", batch_id=batch.batch_id, tokens=batch.tokens, device=str(self.device),
                     error=error)
         return batch
 
     def _to_device(self, item: Batch) -> Batch:
-        """On the stager's stream: the item's tensors on the device, dequantised there.
-        Synchronised before returning, so the copy is complete when the batch is handed
-        over (and the frames may go)."""
+        """The item's tensors on the device via the stager's stream, synchronised before the handover."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             batch = item.owned(self.hidden_dtype, self.device) if item.frames else item.to(self.device)
         self._stream.synchronize()
@@ -229,16 +181,14 @@ class BatchStager:
 
 
 def _host_copies(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU (input_ids, loss_mask) of `batch`: copies of a read batch's frames (which go
-    once it is converted), a batch made here's own tensors where they are on the CPU."""
+    """CPU (input_ids, loss_mask) of `batch` (copies of a read batch's frames, which go)."""
     if batch.frames:
         return batch.input_ids.clone(), batch.loss_mask.clone()
     return batch.input_ids.cpu(), batch.loss_mask.cpu()
 
 
 def _with_index(device: torch.device) -> torch.device:
-    """`cuda` as `cuda:N` of the current device here: the stager thread's own current
-    device is 0 whatever the training thread set."""
+    """`cuda` as `cuda:N`: the stager thread's current device is 0 whatever the training thread set."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

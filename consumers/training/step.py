@@ -1,8 +1,5 @@
 """One batch through the drafter: anchors, block inputs, forward, chunked loss, backward.
-
-`Trainer.step` (train.py) calls `forward_backward`; the rest of this module is what that
-runs. Kept apart from the loop so the tests and the loop run the very same code.
-"""
+Apart from the loop (train.py) so the tests and the loop run the very same code."""
 
 from __future__ import annotations
 
@@ -37,13 +34,8 @@ def forward_backward(
     bf16: bool = False,
     splitter: StepSplitter | None = None,
 ) -> LossStats:
-    """Forward and backward of `batch` for optimizer step `step`: d(sum of weighted CE) is
-    added to every `.grad` (the caller divides by the global loss weight once every rank's
-    sums are in). The loss figures stay on the device (`LossStats.read`, drafter/loss.py).
-
-    With a `splitter` (step_oom.py) the batch runs in as many micro-batches as memory needs,
-    each part through this same function without one. Raises SequenceTooLarge when one
-    sequence alone does not fit."""
+    """Forward and backward of `batch`: d(sum of weighted CE) added to every `.grad` (the caller
+    divides by the global weight); with a `splitter`, in as many micro-batches as memory needs."""
     if splitter is not None:
         one_part = partial(forward_backward, model, heads, signal=signal, seed=seed, step=step, noise=noise,
                            backend=backend, loss_chunk=loss_chunk, bf16=bf16)
@@ -58,9 +50,7 @@ def forward_backward(
 
 @dataclass
 class StepPlan:
-    """What a step needs from its batch on the host, made before the step (on the staging
-    thread, staging.py): the layout's host half and the MASK-token count. `key` says what
-    it was made for; a plan made for something else is not used."""
+    """What a step needs from its batch on the host, made ahead on the staging thread."""
 
     layout: LayoutPlan
     known: LossStats | None  # loss.known_figures of the layout's valid positions
@@ -75,9 +65,7 @@ def plan_key(signal: Signal, seed: int, device: torch.device, backend: str) -> t
 
 def plan_step(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str,
               count_mask: bool = False) -> StepPlan:
-    """Draw each sequence's anchors (seeded by run seed, epoch and sample ID) and lay out the
-    blocks, on the host: from the batch's host copies where it has them. `count_mask`: count
-    the MASK tokens too (train.py warns about them)."""
+    """Draw each sequence's anchors and lay out the blocks, on the host."""
     anchors, start = [], 0
     mask = (batch.host_loss_mask if batch.host_loss_mask is not None else batch.loss_mask).bool().cpu()
     for sample, L in zip(batch.samples, batch.seq_lens):
@@ -95,7 +83,6 @@ def plan_step(batch: Batch, signal: Signal, seed: int, device: torch.device, bac
 
 
 def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, backend: str) -> BlockLayout:
-    """The batch's layout on `device`: from its plan (made ahead, `plan_step`), else planned now."""
     plan = batch.plan
     if not isinstance(plan, StepPlan) or plan.key != plan_key(signal, seed, device, backend):
         plan = plan_step(batch, signal, seed, device, backend)
@@ -105,13 +92,8 @@ def make_layout(batch: Batch, signal: Signal, seed: int, device: torch.device, b
 
 
 def noise_seed(seed: int, epoch: int, sample_id: int, step: int) -> int:
-    """Per (run seed, epoch, sample, step) seed of a sequence's feature noise.
-
-    Not the global RNG: a draw over the whole batch would depend on how the batch is cut
-    (an OOM split into micro-batches, another packing, another rank) and the split step
-    would train on other noise than the step it replaces. Seeded per sequence, a sample
-    gets the same noise however its step is cut or spread over ranks, and fresh noise
-    each time it is trained (the step is in the seed), even when a local stream repeats it."""
+    """Per (seed, epoch, sample, step) noise seed: not the global RNG, whose draw would depend on how
+    the batch is cut (an OOM split, another rank), so a split step would train on other noise."""
     digest = hashlib.sha256(f"noise:{seed}:{epoch}:{sample_id}:{step}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -119,10 +101,7 @@ def noise_seed(seed: int, epoch: int, sample_id: int, step: int) -> int:
 def add_feature_noise(
     hidden: torch.Tensor, n_layers: int, sigma: float, seq_lens: list[int], seeds: list[int]
 ) -> torch.Tensor:
-    """hidden + sigma * rms * N(0, 1), rms per token and per target layer; the N(0, 1) of
-    each sequence (rows of `seq_lens`) drawn from its own seed (`noise_seed`).
-
-    Relative to each layer's own scale: target layers differ in magnitude by orders, so
+    """hidden + sigma * rms * N(0, 1), rms per token and layer: layers differ in scale by orders, so
     one absolute sigma would drown shallow layers and not touch deep ones."""
     if sigma <= 0:
         return hidden
@@ -143,8 +122,7 @@ def draft_states(
     model: DFlashDraft, heads: TargetHeads, batch: Batch, layout: BlockLayout, signal: Signal, noise: float = 0.0,
     *, seed: int = 0, step: int = 0,
 ) -> torch.Tensor:
-    """The drafter's final-normed states for every block position, [Q, D]. Feature noise
-    (sigma `noise`) is seeded per sequence by (`seed`, epoch, sample, `step`)."""
+    """The drafter's final-normed states for every block position, [Q, D]."""
     device = heads.embed.device
     ids = batch.input_ids.to(device)
     block_ids = layout.block_input_ids(ids, signal.mask_token_id)  # [Q]: anchor, MASK, ...
@@ -169,13 +147,8 @@ def batch_loss(
     step: int = 0,
     defer: bool = False,
 ) -> tuple[torch.Tensor | None, LossStats]:
-    """(sum of weighted CE over the batch's block positions, stats). None for the loss
-    when the batch has no anchor (all prompts, or sequences shorter than a block).
-    `defer`: the stats' device figures are left unread (`LossStats.read`, drafter/loss.py).
-
-    Every term is per sequence (anchors and noise seeded per sample, attention within a
-    sequence, a loss summed over positions): the sums of the batch's parts are the
-    batch's sums, which is what splitting a step into micro-batches relies on (step_oom.py)."""
+    """(sum of weighted CE, stats); loss None without anchors. Every term is per sequence, so parts'
+    sums are the batch's: what micro-batches rely on (step_oom.py)."""
     device = heads.embed.device
     layout = make_layout(batch, signal, seed, device, backend)
     if layout.num_queries == 0:

@@ -1,9 +1,5 @@
 """What a training step logs: one `train.step` line per step with the field report's
-content, and `train.position_acc` every N steps.
-
-Every figure is a sum over ranks (one all-reduce of a short vector per step), so every
-rank logs the same global loss, accuracy and throughput.
-"""
+content, and `train.position_acc` every N steps; every rank logs the same global sums."""
 
 from __future__ import annotations
 
@@ -23,9 +19,7 @@ log = get_logger()
 
 @dataclass
 class StepFigures:
-    """One step's sums: this rank's, or every rank's after `summed` (one all-reduce of one
-    flat float64 vector, `as_list`, for every figure a step logs). The loss figures may
-    still be partly on the device (`pending`, as in loss.LossStats) until `read`."""
+    """One step's sums, this rank's or (after `summed`, one all-reduce) every rank's."""
 
     loss_sum: float = 0.0  # sum of weighted CE
     weight: float = 0.0  # sum of loss weights: the step's gradients are divided by it
@@ -42,7 +36,6 @@ class StepFigures:
 
     @classmethod
     def of(cls, batch: Batch | None, s: LossStats) -> "StepFigures":
-        """This rank's figures of a step that trained `batch` (None: an empty step)."""
         sizes = (batch.tokens, len(batch.samples), 1) if batch is not None else (0, 0, 0)
         return cls(s.loss_sum, s.weight, s.valid, s.correct, s.streak, s.blocks, *sizes,
                    list(s.pos_correct), list(s.pos_valid), s.pending)
@@ -51,8 +44,7 @@ class StepFigures:
         return [*(getattr(self, k) for k in _SCALARS), *self.pos_correct, *self.pos_valid]
 
     def read(self, norm: torch.Tensor | None = None) -> float:
-        """Fold the device figures in (one read-back, with the gradient norm `norm` if
-        given); returns the norm as a float (0.0 without one)."""
+        """Fold the device figures in, one read-back with `norm`; the norm (0.0 without one)."""
         stats = LossStats(self.loss_sum, self.weight, self.valid, self.correct, self.streak, self.blocks,
                           list(self.pos_correct), list(self.pos_valid), self.pending)
         extra = stats.read(*([] if norm is None else [norm]))
@@ -62,8 +54,7 @@ class StepFigures:
         return extra[0] if extra else 0.0
 
     def summed(self, dist) -> "StepFigures":
-        """Every rank's sums (a collective: every rank calls it). A group of one rank has
-        nothing to sum: the figures come back as they are, the device ones unread."""
+        """Every rank's sums (a collective); one rank's come back as they are, unread."""
         if not dist.enabled:
             return self
         self.read()
@@ -91,9 +82,7 @@ class Meter:
                  grad_norm: float, samples: int, tokens_seen: int, epoch: int, queue: dict, rank: int,
                  progress: dict | None = None, micro_batches: int = 1, ooms: int = 0, wait_s: float = 0.0,
                  wall_s: float = 0.0) -> dict:
-        """Log one `train.step` line (global figures; `rank_tokens` is this rank's share,
-        `micro_batches` the parts this rank's batch ran in, more than 1 after an OOM, and
-        `ooms` this rank's OOMs so far); return its fields."""
+        """Log one `train.step` line (global figures, plus this rank's share and OOMs); its fields."""
         f = total
         weight, valid, blocks = f.weight, f.valid, f.blocks
         self.tok += f.tokens

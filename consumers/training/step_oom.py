@@ -1,31 +1,11 @@
 """Out of memory in a training step: split the batch into micro-batches, accumulate their
 gradients, take the one optimizer step the whole batch would have taken.
 
-Same training signal: a step's loss is a sum of weighted CE over its sequences, divided by
-the global loss weight only after every rank's sums are in (parallel/dist.py). Each sequence's
-terms depend on that sequence alone (anchors and feature noise are seeded per sample,
-attention stays inside a sequence), so the gradients of the micro-batches add up to the
-gradient of the whole batch, and the step after the split is the step without it (up to
-float summation order). tests/consumers/test_drafter_oom.py checks exactly that.
-
-On an OOM the attempt is thrown away whole: the failed pass may have left gradients of a
-partial backward in `.grad`, and they are mixed with those of the micro-batches done
-before it, so every gradient is cleared and the step starts again with twice as many
-micro-batches, cut by the rule the producer's capture uses too (protocol/batch.py
-`Batch.split`: whole consecutive sequences, about equal in tokens; at most one sequence
-per micro-batch in the end). A sequence that does not fit even alone is an error naming
-it: skipping it would drop data silently, and the operator has to act (a shorter
---max-length at the producers, fewer --anchors, a smaller --loss-chunk, a bigger GPU).
-
-The retry happens outside the `except` block: the exception's traceback holds the frames
-of the failed pass and their tensors, and memory only comes back once it is gone.
-
-The split is remembered: the next batches start with the micro-batch count that worked,
-so a budget simply too large for this GPU costs one failed pass, not one per step. After
-`relax_after` steps without an OOM the count is halved once to try bigger micro-batches
-again (an OOM may have been transient: fragmentation, a neighbour process); if that fails
-it costs one failed pass and the count doubles back.
-"""
+Each sequence's loss terms depend on it alone (noise and anchors seeded per sample), so the
+micro-batches' gradients add up to the whole batch's. An OOM throws the attempt away whole (a
+partial backward may be in `.grad`) and retries, outside the `except` block, with twice the
+micro-batches; a sequence that does not fit alone is an error, never silently dropped. The
+count that worked is kept, and halved once after `relax_after` good steps (an OOM may be transient)."""
 
 from __future__ import annotations
 
@@ -46,8 +26,7 @@ log = get_logger()
 
 ForwardBackward = Callable[[Batch], LossStats]  # forward + backward of one micro-batch, grads accumulate
 
-# Out-of-memory errors that are not torch.OutOfMemoryError: the CPU allocator and MPS raise
-# a plain RuntimeError (CUDA and XPU raise torch.OutOfMemoryError).
+# the CPU allocator and MPS raise a plain RuntimeError on OOM
 _OOM_TEXT = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
              "MPS backend out of memory")
 
@@ -57,7 +36,6 @@ class SequenceTooLarge(DFlashError):
 
 
 def is_oom(err: BaseException) -> bool:
-    """Whether `err` is an allocator running out of memory, on any device."""
     if isinstance(err, torch.OutOfMemoryError):
         return True
     return isinstance(err, RuntimeError) and any(t in str(err) for t in _OOM_TEXT)
@@ -65,11 +43,8 @@ def is_oom(err: BaseException) -> bool:
 
 @dataclass
 class OomInjection:
-    """Test only: a micro-batch of more than `above_tokens` tokens raises
-    torch.OutOfMemoryError after its backward (its gradients are in `.grad` then, the worst
-    a real OOM late in a backward leaves), at most `times` times. From the environment:
-    DFLASH_TEST_OOM_TOKENS=N [DFLASH_TEST_OOM_TIMES=M], so a real consumer process can be
-    made to run out of memory in the real code path."""
+    """Test only: a micro-batch over `above_tokens` raises OutOfMemoryError after its backward (the
+    worst case), at most `times` times; from DFLASH_TEST_OOM_TOKENS / _TIMES for a real process."""
 
     above_tokens: int
     times: int | None = None
@@ -99,9 +74,9 @@ class OomInjection:
 
 @dataclass
 class _Failure:
-    part: Batch  # the micro-batch that ran out of memory
-    error: str  # the first line of the error
-    asked: int | None  # bytes the failed allocation asked for
+    part: Batch
+    error: str
+    asked: int | None
 
 
 class StepSplitter:
@@ -113,13 +88,12 @@ class StepSplitter:
         self.relax_after = relax_after
         self.inject = inject
         self.splits = 1  # micro-batches the next batch starts with
-        self.ooms = 0  # OOMs survived, this process
-        self.last_splits = 1  # micro-batches the last step ran in
-        self._good = 0  # steps without an OOM since the last one
+        self.ooms = 0
+        self.last_splits = 1
+        self._good = 0
 
     def run(self, batch: Batch, fwd_bwd: ForwardBackward, step: int) -> LossStats:
-        """The batch's stats; its gradient summed into `.grad` (cleared before this call).
-        Raises SequenceTooLarge when one sequence alone runs out of memory."""
+        """The batch's stats, its gradient summed into `.grad`; SequenceTooLarge if one sequence can't fit."""
         self._maybe_relax(step)
         k = min(self.splits, len(batch.seq_lens))
         while True:
@@ -128,7 +102,7 @@ class StepSplitter:
                 self._good += 1
                 self.last_splits = k
                 return stats
-            # Out of the except block: the failed pass's tensors are unreachable now.
+            # out of the except block: the failed pass's tensors are unreachable now
             self._clear_grads()
             release(self.device)
             self.ooms += 1
@@ -144,7 +118,6 @@ class StepSplitter:
                         **memory_figures(self.device), error=failure.error)
 
     def heartbeat(self) -> dict:
-        """The heartbeat's OOM keys (PROTOCOL.md 4.2)."""
         return {"oom_backoff": self.splits > 1, "ooms": self.ooms, "micro_batches": self.last_splits}
 
     def _attempt(self, parts: list[Batch], fwd_bwd: ForwardBackward) -> tuple[LossStats | None, _Failure | None]:

@@ -5,19 +5,8 @@ all-reduce, commit decision, clip, optimizer step, ack, log, checkpoint, commit)
 (train_checkpoint.py) and elastic heals (parallel/elastic.py) carry. Its config, hooks,
 state and schedules are in train_config.py.
 
-The loop knows nothing about the network. It takes
-  - `batches`: an iterator of `Batch` (made here, or as the link read it); it may block while
-    waiting for data, yields None for "nothing arrived in time" (this rank takes an empty
-    step if another rank has a batch), and ends (StopIteration) at the end of the stream;
-    it is read one item ahead on a thread that converts the next batch and copies it to
-    the device while the current step runs (staging.py; `stage_batches` off: not);
-  - `Hooks`: `on_step(step, batch_ids)` after the optimizer step that used those batches
-    (the broker `ack`), `on_checkpoint(step, path)` on rank 0 once a checkpoint is durable
-    (the broker `commit`), both called by the loop itself; `queue()` for the queue
-    figures to log, `progress()` for the run's sample counts (epoch fraction, ETA),
-    `stop` to end early.
-Every rank runs this same loop; ranks agree each step on whether anyone still has data.
-"""
+The loop knows nothing about the network: it reads `batches` (None: nothing arrived in time)
+and calls `Hooks` (ack, commit). Every rank runs it; ranks agree each step whether anyone has data."""
 
 from __future__ import annotations
 
@@ -55,13 +44,9 @@ from dflash.consumers.training.config import TrainConfig
 
 log = get_logger()
 
-# Elastic start: while every rank of the quorum is new (none has stepped) and fewer than
-# the broker's --consumers N have joined, ranks wait this long for the rest before the
-# first step, as a fixed group does; afterwards a joiner never holds the others up.
+# Elastic start: an all-new quorum short of --consumers N waits this long for the rest; a later joiner never does.
 START_WAIT_S = 60.0
-# How often ranks that hold their batches meet while they wait for the rest at the start
-# (without it they spun through quorums as fast as the lighthouse answered).
-START_POLL_S = 0.5
+START_POLL_S = 0.5  # else ranks waiting at the start spin through quorums as fast as the lighthouse answers
 
 
 # ---------------------------------------------------------------- the loop
@@ -78,23 +63,19 @@ def train(
     run_config: dict | None = None,
     hooks: Hooks | None = None,
 ) -> TrainState:
-    """Train until the stream ends, `max_steps`, or `hooks.stop`. Returns the final state.
-
-    Raises SignalMismatch (resume with another signal), BatchMismatch (a batch for
-    another drafter: after the checkpoint of the steps before it), ValueError (bad config)."""
+    """Train until the stream ends, `max_steps`, or `hooks.stop`; the final state. Raises
+    SignalMismatch, BatchMismatch (after checkpointing what was trained), ValueError."""
     trainer = Trainer(cfg, heads, dist or Dist(), hooks or Hooks(), ckpt_root, run_config)
     trainer.join_or_resume(runs_dir)
     trainer.announce()
     return trainer.run(batches)
 
 
-# What the ranks agreed a step is (Trainer.agree).
-_STEP, _SKIP, _END = "step", "skip", "end"
+_STEP, _SKIP, _END = "step", "skip", "end"  # what the ranks agreed a step is (Trainer.agree)
 
 
 class Trainer:
-    """One run's model, optimizer and loop state: `run` is the loop, `step` one optimizer
-    step, `state_dict`/`load_state_dict` the state a checkpoint or a heal carries."""
+    """One run's model, optimizer and loop state (module docstring)."""
 
     def __init__(self, cfg: TrainConfig, heads: TargetHeads, dist: DistGroup, hooks: Hooks,
                  ckpt_root: Path | None, run_config: dict | None):
@@ -102,9 +83,7 @@ class Trainer:
         self.ckpt_root, self.run_config = ckpt_root, run_config
         self.device = device = heads.embed.device
         self.signal = resolve_signal(cfg, heads)
-        # auto = flex and fused kernels on GPU, much faster than SDPA even with a new batch
-        # shape every step (docs/BENCHMARKS.md); the first step compiles. On CPU, or where
-        # nothing can be compiled: SDPA, eager.
+        # auto: compiled flex and fused kernels on GPU, faster than SDPA even with new shapes each step
         compiled = "auto" in (cfg.attn, cfg.fuse) and auto_compiles(device)  # asked (and warned) only for auto
         self.backend = cfg.attn if cfg.attn != "auto" else ("flex" if compiled else "sdpa")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
@@ -113,11 +92,11 @@ class Trainer:
         self.state = TrainState()
         torch.manual_seed(cfg.seed + 1 + dist.rank)  # anything random besides the seeded noise and anchors
         self.quorum_begun = False  # the next step's quorum was begun already (elastic, before the resume)
-        self.mask_warned = False  # a batch held the MASK token (warned once)
+        self.mask_warned = False
 
     def _build_model(self) -> None:
         cfg, device = self.cfg, self.device
-        # Model: fp32 master weights, same init on every rank, then rank 0's copy everywhere.
+        # fp32 master weights, same init on every rank, then rank 0's copy everywhere
         torch.manual_seed(cfg.seed)
         self.mcfg = DrafterConfig.from_target(self.heads.spec, cfg.draft_layers, len(self.signal.target_layers))
         self.model = DFlashDraft(self.mcfg).to(device)
@@ -126,7 +105,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=device.type == "cuda")
         self.splitter = StepSplitter(self.params, device, inject=OomInjection.from_env())
-        signal = self.signal  # config.json of every checkpoint
+        signal = self.signal
         self.drafter_json = published_config(self.mcfg, self.heads.spec, block_size=signal.block_size,
                                              mask_token_id=signal.mask_token_id,
                                              target_layer_ids=list(signal.target_layers))
@@ -134,9 +113,7 @@ class Trainer:
     # ------------------------------------------------ the state (checkpoints and heals)
 
     def state_dict(self) -> dict:
-        """Everything the next step depends on, in one form: an elastic replica serves it
-        to a joining one (torchft sends it before our next optimizer step: the tensors are
-        the live ones), and a checkpoint writes it to disk (train_checkpoint.py)."""
+        """Everything the next step depends on: served live to a joining replica, or written by a checkpoint."""
         s = self.state
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "signal": self.signal.as_dict(),
@@ -145,8 +122,7 @@ class Trainer:
                 "record": s.record.to_state()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Take a `state_dict()` (a healthy replica's, or a checkpoint's) in place; the
-        caller has compared its signal with ours."""
+        """Take a `state_dict()` in place; the caller has compared its signal with ours."""
         state, c = self.state, sd["counters"]
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
@@ -155,8 +131,7 @@ class Trainer:
         state.record = TrainedRecord.from_state(sd["record"])
 
     def _heal(self, sd: dict) -> None:
-        """Heal (elastic): replace our state with a healthy replica's. Raises SignalMismatch
-        when it trains another signal (this consumer was started with other options)."""
+        """Heal (elastic): take a healthy replica's state; SignalMismatch if it trains another signal."""
         diffs = signal_differences(sd["signal"], self.signal)
         if diffs:
             raise SignalMismatch(f"the running consumers train another signal ({'; '.join(diffs)}): start every "
@@ -164,8 +139,7 @@ class Trainer:
         before = self.state.step
         self.load_state_dict(sd)
         state = self.state
-        # torchft heals every replica but one at each quorum until a first step is taken
-        # (init_sync): log the heals that change something.
+        # torchft heals all but one replica at each quorum until a first step: log those that change something
         level = log.info if state.step != before else log.debug
         level("train.healed", step=state.step, previous_step=before, samples=state.samples,
               record_samples=state.record.count(), rank=self.dist.rank)
@@ -175,10 +149,8 @@ class Trainer:
     def join_or_resume(self, runs_dir: str | Path | None) -> None:
         """Take the state to start from: a running replica's (elastic), else the checkpoint's."""
         dist, state = self.dist, self.state
-        # An elastic group (parallel/elastic.py) hands this state to a joining replica, and heals us
-        # with a healthier one's; the quorum compares steps to decide who heals. The first
-        # quorum comes before the resume: a consumer joining a live run is healed from a
-        # running one (the checkpoint it was told may be pruned by now, and is older anyway).
+        # the first quorum comes before the resume: a joiner is healed from a live replica (its
+        # checkpoint may be pruned by now, and is older anyway)
         dist.register_state(self.state_dict, self._heal)
         self.quorum_begun = dist.elastic
         if self.quorum_begun:
@@ -194,16 +166,13 @@ class Trainer:
         self._tell_lineage()
 
     def _tell_lineage(self) -> None:
-        """Hand the hooks the record when it is another one (the start, a heal)."""
         if self.state.record is not self.lineage_told and self.hooks.on_lineage is not None:
             self.hooks.on_lineage(self.state.record)
         self.lineage_told = self.state.record
 
     def announce(self) -> None:
-        """The `train.start` line, once the state to start from is taken."""
         freeze_setup()  # the model, optimizer and their imports: no full GC pass over them (gcpause.py)
         signal, dist, state = self.signal, self.dist, self.state
-        # rank: the one the broker arranged (elastic: a step's quorum rank may differ, train.step says)
         log.info("train.start", rank=dist.arranged_rank, world_size=dist.world_size,
                  device=str(self.device), attn=self.backend,
                  bf16=self.bf16, params=sum(p.numel() for p in self.params), signal=signal.as_dict(),
@@ -212,25 +181,22 @@ class Trainer:
     # ------------------------------------------------ the loop
 
     def run(self, batches: Iterable) -> TrainState:
-        """Step until the end. Each pass issues the same collectives in the same order on
-        every rank (quorum, agreement, then the step's own): gloo, NCCL and torchft match
-        collectives by order, so a phase skipped on one rank only would hang the others."""
+        """Step until the end. Every rank issues the same collectives in the same order: they are
+        matched by order, so a phase skipped on one rank would hang the others."""
         cfg = self.cfg
         self.meter = Meter(self.signal.block_size, cfg.total_steps, cfg.epoch_samples, cfg.log_position_every)
-        # The schedule's plan: a resumed run continues its checkpoint's (train_config.choose_plan)
         self.start_samples, self.saved_plan, self.last_plan = self.state.samples, self.state.planned_samples, None
         self.broker_plan: int | None = None  # the broker's plan as the ranks agreed it (agree)
         self.broker_progress: float | None = None  # --time-budget: its clock's progress, agreed the same way
-        self.last_lr, self.last_progress = None, None  # of the newest step: train.end says if it annealed
-        # The next batch is converted and copied to the device while this one trains.
+        self.last_lr, self.last_progress = None, None
         stager = BatchStager(batches, self.device, self.heads.embed.dtype, prepare=self._plan_ahead) \
             if cfg.stage_batches else None
         self.source: Iterator = stager if stager is not None else iter(batches)
         self.exhausted, self.started = False, time.monotonic()
-        self.waited_s, self.reported_at = 0.0, self.started  # waiting for batches since the last step line
+        self.waited_s, self.reported_at = 0.0, self.started
         self.bad: BatchMismatch | None = None  # a batch no rank could train: the run ends on it
         self.held: Batch | None = None  # our batch of a dropped step (elastic): trained in the next one
-        self.stepped_here = False  # this process took a step (the startup wait ends)
+        self.stepped_here = False
         try:
             self._loop()
         finally:
@@ -243,8 +209,7 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg, state = self.cfg, self.state
-        # Stop before fetching: a fetched batch that is never trained is never acked (nor is
-        # the one the stager read ahead: `bye` returns both to the broker's queue).
+        # stop before fetching: a batch fetched and not trained is never acked (`bye` returns it)
         while not self._at_max_steps():
             batch, bad, want_stop = self.fetch()
             self.begin_quorum()
@@ -261,9 +226,8 @@ class Trainer:
                 self.step(batch)
 
     def _plan_ahead(self, batch: Batch) -> Batch:
-        """On the stager's thread: `batch` with the step's host-side work (step.py `plan_step`),
-        done while the previous step trains. A batch that does not fit gets no plan: the
-        training thread checks it and meets the error where it always does (fetch)."""
+        """On the stager's thread, while the previous step trains: the step's host-side plan.
+        A batch that does not fit gets none: `fetch` meets its error as always."""
         try:
             check_fit(batch, list(self.signal.target_layers), self.heads.spec.hidden_size, self.heads.spec.vocab_size)
         except BatchMismatch:
@@ -281,19 +245,17 @@ class Trainer:
         return self.hooks.stop is not None and self.hooks.stop.is_set()
 
     def fetch(self) -> tuple[Batch | None, BatchMismatch | None, bool]:
-        """This rank's batch for the next step (a dropped step's first), checked against the
-        signal; the mismatch if it does not fit; whether a stop was asked."""
+        """(this rank's next batch, its mismatch, whether a stop was asked); a dropped step's batch first."""
         want_stop = self._stop_asked()
         batch, bad, self.held = self.held, None, None
         if batch is None and not self.exhausted and not want_stop:
             t0 = time.monotonic()
             try:
-                batch = next(self.source)  # None: nothing arrived in time (the source waited)
+                batch = next(self.source)  # None: nothing arrived in time
             except StopIteration:
                 self.exhausted = True
-            self.waited_s += time.monotonic() - t0  # the step line's wait_s: starved or not
-            # A stop asked while we waited (a signal, the broker's shutdown) counts now, so
-            # the stream a shutdown ends is not taken for its natural end.
+            self.waited_s += time.monotonic() - t0
+            # a stop asked while we waited counts now: a shutdown's end is not the stream's natural end
             want_stop = self._stop_asked()
         if batch is not None:
             batch, bad = _prepare(batch, self.heads, self.signal)
@@ -307,23 +269,15 @@ class Trainer:
         self.quorum_begun = False
 
     def agree(self, batch: Batch | None, bad: BatchMismatch | None, want_stop: bool) -> str:
-        """What this step is, the same on every rank: _STEP, _SKIP (wait or retry) or _END."""
+        """What this step is, the same on every rank: _STEP, _SKIP (wait or retry) or _END. A bad
+        batch on any rank ends every rank, so none is left waiting in a collective."""
         dist, state, hooks = self.dist, self.state, self.hooks
-        # Every rank takes part in every step (one small collective first): stop when one
-        # rank was asked to or every rank's stream ended; a rank without a batch takes an
-        # empty step while another has one; nobody steps while nobody has data. A bad
-        # batch on any rank ends every rank, so none is left waiting in a collective.
         starting = not self.stepped_here and time.monotonic() - self.started < START_WAIT_S
-        # An elastic rank signalled alone leaves; the group stops only when the broker says so,
-        # or when every rank was signalled (the last one checkpoints and commits as any stop).
+        # an elastic rank signalled alone leaves; the group stops when the broker says or all were signalled
         leaving = want_stop and dist.elastic and hooks.leave is not None and hooks.leave()
-        # The broker's plan as every rank will use it: the mean of what the heartbeats of the
-        # ranks with a batch said, so that a re-plan that reached the ranks at different steps
-        # moves none of them alone (each rank steps its optimizer with the lr the plan gives).
-        # Asked only with a batch in hand: the dataset's size is known by then, and the first
-        # ask waits for the heartbeat that carries it (broker_hooks.plan)
+        # the broker's plan (and --time-budget clock) as the mean over ranks with a batch, so a re-plan
+        # reaching ranks at different steps moves none alone; asked with a batch, once the dataset size is known
         plan = hooks.plan() if hooks.plan is not None and batch is not None else None
-        # --time-budget: the lr follows the broker's clock, the same way (the mean of the ranks')
         when = hooks.budget_progress() if hooks.budget_progress is not None and batch is not None else None
         have, stops, ended, bads, n_starting, n_leaving, plans, planned, whens, timed = dist.all_sum(
             [batch is not None, want_stop and not leaving, self.exhausted, bad is not None, starting, leaving,
@@ -333,7 +287,7 @@ class Trainer:
         if _step_failed(dist):  # a rank went away: nothing was decided, try again
             self.held = _dropped(batch, state, dist, "quorum")
             return _SKIP
-        if bads > 0:  # ends here, like a stop: the checkpoint and commit of what was trained, then raise
+        if bads > 0:  # ends like a stop (checkpoint and commit what was trained), then raises
             self.bad = bad or BatchMismatch("another rank received a batch that does not fit this drafter (see its log)")
             state.end_reason = "bad_batch"
             return _END
@@ -354,10 +308,8 @@ class Trainer:
         return _STEP
 
     def _leave(self, batch: Batch | None, leaving: bool) -> str:
-        """Ranks leave the group between two steps (nobody steps now: their batches will not
-        be in this step's collectives). A leaver ends without a checkpoint (the others hold
-        the same weights and commit them) and leaves the quorum at once; the others keep
-        their batch and meet again without it once the lighthouse sees it gone."""
+        """Ranks leave between two steps, without a checkpoint (the others hold the same weights);
+        the others keep their batch and meet again without them."""
         state, dist = self.state, self.dist
         if not leaving:
             self.held = batch
@@ -369,27 +321,25 @@ class Trainer:
 
     def step(self, batch: Batch | None) -> None:
         """One optimizer step with every rank, in the order things happen; none at all if a
-        collective of it fails (elastic). The ack goes out once the optimizer step is taken,
-        the commit once the checkpoint is on disk."""
+        collective of it fails (elastic)."""
         cfg, dist, state, hooks = self.cfg, self.dist, self.state, self.hooks
         if batch is not None:
             state.epoch = batch.epoch
         if hooks.before_step is not None:  # e.g. live evaluation, on weights that have not seen the batch
             hooks.before_step(state.step, self.model, batch, state.record, state.samples)
         step = state.step + 1
-        # The schedule: its plan (the lr's value needs the step's samples, known below) and the noise
+        # the schedule (the lr needs the step's samples, known below) and the noise
         plan = self._plan(step)
         noise = noise_at(step, cfg, state.samples, plan)
         if step == 1 and cfg.feature_scaling:  # a fresh model, before its first batch (drafter/model.py)
             self._calibrate(batch)
-        # Forward/backward: this rank's gradient sums (step.py), in micro-batches if memory runs out
+        # forward/backward: this rank's gradient sums (step.py), in micro-batches if memory runs out
         self.optimizer.zero_grad(set_to_none=True)
         stats = _no_loss(self.signal.block_size) if batch is None else forward_backward(
             self.model, self.heads, batch, self.signal, seed=cfg.seed, step=step, noise=noise,
             backend=self.backend, loss_chunk=cfg.loss_chunk, bf16=self.bf16, splitter=self.splitter)
         mine = StepFigures.of(batch, stats)
-        # All-reduce: every figure in one collective (one rank: none, the figures stay on the
-        # device until the read below), then the step's samples and the gradients
+        # all-reduce: every figure in one collective, then the step's samples and the gradients
         total = mine.summed(dist)
         lr = lr_at(step, cfg, state.samples + int(total.samples), plan)  # its own samples included
         self.last_lr, self.last_progress = lr, progress(plan, step, state.samples + int(total.samples))
@@ -397,14 +347,13 @@ class Trainer:
         if dist.intact():  # after a failure the sums are not to be trusted (nor sized by)
             pairs = gather_samples(dist, batch, int(total.samples))
             dist.sum_grads(self.params)
-        # The commit decision (elastic: a collective failed; dropped on every rank that saw it)
+        # the commit decision (elastic: a failed collective drops the step on every rank that saw it)
         if not dist.commit():
             self.held = _dropped(batch, state, dist, "step")
             return
         self.stepped_here = True
         record_samples(state, dist, pairs, step)
-        # Clip and the optimizer step on the averaged gradients (every rank sees the same
-        # weight: all step or all skip); a non-finite loss or norm stops the run (finite.py)
+        # clip and step on averaged gradients (all ranks step or all skip); non-finite stops the run
         batch_id = batch.batch_id if batch is not None else None
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -412,7 +361,7 @@ class Trainer:
         if total.weight > 0:  # the weight is known on the host (step.py plans it): no read-back
             torch._foreach_div_([p.grad for p in self.params], total.weight)  # one kernel launch, not one a tensor
             norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-        # The step's one read-back: the loss figures left on the device, with the norm
+        # the step's one read-back
         grad_norm = total.read(norm)
         finite.check_step(step, total.loss_sum, None, batch_id, dist.rank)
         if norm is not None:
@@ -424,12 +373,12 @@ class Trainer:
             self._ack(step, batch)
         if hooks.after_step is not None:
             hooks.after_step(step, self.model)
-        self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)  # the log line
+        self._report(step, batch, total, mine, lr=lr, noise=noise, grad_norm=grad_norm)
         if self.ckpt_root is not None and cfg.save_every > 0 and step % cfg.save_every == 0:
             self._commit(self._save())  # the checkpoint on disk, then its commit
 
     def _calibrate(self, batch: Batch | None) -> None:
-        """feature_scale from the first step's batches of every rank (the same on each)."""
+        """feature_scale from the first step's batches of every rank."""
         width = self.model.feature_scale.numel()
         sumsq, count = torch.zeros(width, dtype=torch.float64), 0
         if batch is not None:  # in row chunks: no fp32 copy of a whole large batch on the GPU
@@ -443,7 +392,6 @@ class Trainer:
                  median=round(float(scale.median()), 6), max=round(float(scale.max()), 6), rank=self.dist.rank)
 
     def _dataset_samples(self) -> int | None:
-        """The broker's epochs x samples less those skipped (its heartbeat), or None."""
         stats = self.hooks.progress() if self.hooks.progress is not None else {}
         total = stats.get("samples_total")
         return max(1, int(total) - int(stats.get("samples_skipped") or 0)) if total else None
@@ -475,13 +423,11 @@ class Trainer:
         return plan
 
     def _ack(self, step: int, batch: Batch) -> None:
-        """Tell the broker the weights hold `batch` as of `step` (`ack`)."""
         if self.hooks.on_step is not None:
             self.hooks.on_step(step, [batch.batch_id])
 
     def _report(self, step: int, batch: Batch | None, total: StepFigures, mine: StepFigures, *, lr: float,
                 noise: float, grad_norm: float) -> None:
-        """The step's log line (metrics.Meter) and the heartbeat figures in `hooks.stats`."""
         state, hooks, dist, splitter = self.state, self.hooks, self.dist, self.splitter
         now = time.monotonic()
         waited, wall = self.waited_s, now - self.reported_at
@@ -499,18 +445,16 @@ class Trainer:
                                state="training", rank=dist.rank, world_size=dist.world_size, **splitter.heartbeat())
 
     def _save(self) -> Path | None:
-        """A checkpoint of this step (every rank takes part): its folder on rank 0, else None."""
+        """A checkpoint of this step (every rank takes part); its folder on rank 0."""
         return train_checkpoint.save(self, self.ckpt_root)
 
     def _commit(self, path: Path | None) -> None:
-        """Rank 0 commits the checkpoint just written (`commit`); then every rank waits, so
-        that nobody runs ahead of a checkpoint that may still fail."""
+        """Rank 0 commits the checkpoint; every rank waits, so none runs ahead of one that may fail."""
         if path is not None and self.hooks.on_checkpoint is not None:
             self.hooks.on_checkpoint(self.state.step, path)
         self.dist.barrier()
 
     def finish(self) -> TrainState:
-        """The last checkpoint (if steps came after the newest), the end line, the state."""
         state = self.state
         if self.ckpt_root is not None and state.step > state.saved_step and state.end_reason != "left":
             self._commit(self._save())
@@ -518,8 +462,7 @@ class Trainer:
         log.info("train.end", reason=state.end_reason, step=state.step, tokens=state.tokens, rank=self.dist.rank,
                  samples=state.samples, lr=lr, progress=None if p is None else round(p, 6))
         if p is not None and p < 1.0 and state.end_reason in ("stop", "bad_batch"):
-            # Stopped before its plan was trained (a signal, the broker's shutdown, a bad batch):
-            # the weights keep a lr that never annealed, and the log says so
+            # stopped before its plan was trained: the weights keep a lr that never annealed
             log.warning("train.unannealed", reason=state.end_reason, step=state.step, samples=state.samples,
                         planned_samples=state.planned_samples, progress=round(p, 6), lr=lr, min_lr=self.cfg.min_lr,
                         rank=self.dist.rank, hint="these weights were saved before the lr schedule reached "
@@ -532,10 +475,8 @@ class Trainer:
 
 
 def auto_compiles(device: torch.device) -> bool:
-    """Whether `--attn auto` / `--fuse auto` take the compiled kernels: on a GPU where
-    torch.compile can build them. Triton builds a small C launcher with the host's C
-    compiler, so a GPU container without one would fail at the first step: there the
-    eager kernels are taken instead, with a warning."""
+    """Whether auto takes compiled kernels: on a GPU with a host C compiler (Triton builds a
+    launcher with it; without one the first step would fail), else eager, warned."""
     if device.type != "cuda":
         return False
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -547,13 +488,11 @@ def auto_compiles(device: torch.device) -> bool:
 
 
 def _no_loss(block_size: int) -> LossStats:
-    """The loss figures of an empty step (this rank has no batch)."""
     return LossStats(pos_correct=[0] * (block_size - 1), pos_valid=[0] * (block_size - 1))
 
 
 def _step_failed(dist: DistGroup) -> bool:
-    """True when a collective of this step failed (elastic: a peer went away). torchft is
-    told (should_commit answers False), so the next quorum rebuilds the group."""
+    """A collective of this step failed (elastic); torchft is told, so the next quorum rebuilds."""
     if dist.intact():
         return False
     dist.commit()
@@ -561,8 +500,7 @@ def _step_failed(dist: DistGroup) -> bool:
 
 
 def _dropped(batch: Batch | None, state: TrainState, dist: DistGroup, at: str) -> Batch | None:
-    """Log a dropped step; return our batch, trained again in the next step (not acked:
-    nothing of it reached the weights or the record here)."""
+    """Log a dropped step; our batch, trained again in the next step (not acked)."""
     log.warning("train.step_dropped", step=state.step + 1, at=at, rank=dist.rank, world_size=dist.world_size,
                 batch_id=batch.batch_id if batch is not None else None,
                 samples=len(batch.samples) if batch is not None else 0, error=dist.error())
@@ -575,11 +513,8 @@ def _short_at_start(dist: DistGroup, n_starting: float) -> bool:
 
 
 def _prepare(batch: Batch, heads: TargetHeads, signal) -> tuple[Batch | None, BatchMismatch | None]:
-    """The batch checked against this drafter's signal, or the mismatch. Raises TypeError
-    for anything but a `Batch` (a batch source yielding the wrong thing).
-
-    A batch of other target layers (or width) is a misconfigured run, not a bad message:
-    training on it would silently learn the wrong thing, so the caller stops every rank."""
+    """The batch checked against the signal, or the mismatch: training on other target layers would
+    silently learn the wrong thing, so the caller stops every rank."""
     if not isinstance(batch, Batch):
         raise TypeError(f"expected a Batch or None from the batch source, got {type(batch).__name__}")
     if batch.frames:  # as the link read it, not staged (staging.py does this on its thread)
@@ -597,8 +532,7 @@ def _prepare(batch: Batch, heads: TargetHeads, signal) -> tuple[Batch | None, Ba
 
 
 def _mask_in_data(batch: Batch, signal, step: int, rank: int) -> bool:
-    """Warn (once: returns True) when a batch contains the MASK token: the drafter cannot
-    tell that context token from a position to draft (drafter/mask_token.py)."""
+    """Warn once when a batch holds the MASK token: the drafter cannot tell it from a position to draft."""
     plan = batch.plan
     hits = plan.mask_hits if isinstance(plan, StepPlan) and plan.mask_hits is not None else \
         mask_in_batch(batch.input_ids, signal.mask_token_id)

@@ -1,10 +1,5 @@
 """The trainer's state on disk: its `state_dict()` (train.py, the same form an elastic
-replica serves a joining one) as a checkpoint folder, and back.
-
-The file format is checkpoints/checkpoint.py's. A checkpoint adds what only a later run needs: every
-rank's RNG state, the schedule, the run config, the world size. Sending the commit is
-the loop's (train.py), once `save` has returned: this module only writes and reads.
-"""
+replica serves a joining one) as a checkpoint folder (checkpoints/checkpoint.py), and back."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ log = get_logger()
 
 
 class Trainer(Protocol):
-    """What of the trainer (train.py's `Trainer`) a checkpoint reads and restores; named here
-    so that this module needs nothing of the loop."""
+    """What of train.py's `Trainer` a checkpoint reads and restores (this module needs nothing of the loop)."""
 
     cfg: TrainConfig
     state: TrainState
@@ -44,7 +38,6 @@ class Trainer(Protocol):
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
-    """This rank's RNG states as one uint8 tensor (same size on every rank)."""
     parts = [torch.get_rng_state()]
     if device.type == "cuda":
         parts.append(torch.cuda.get_rng_state(device))
@@ -59,8 +52,7 @@ def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 def save(t: Trainer, root: Path) -> Path | None:
-    """A checkpoint of the trainer's step; every rank takes part (the RNG states are
-    gathered), rank 0 writes and gets the folder back, the others None."""
+    """A checkpoint of the trainer's step (every rank takes part); the folder on rank 0, else None."""
     cfg, state, dist = t.cfg, t.state, t.dist
     rng = dist.all_gather(_rng_state(t.device))  # collective: every rank takes part
     path = None
@@ -83,8 +75,7 @@ def save(t: Trainer, root: Path) -> Path | None:
 
 
 def read(path: Path, device: torch.device) -> tuple[dict, list[torch.Tensor], dict]:
-    """(a `state_dict()` as the trainer takes it, every saved rank's RNG state, the
-    checkpoint's state.json). Raises CheckpointDamaged naming the damaged file."""
+    """(a `state_dict()`, every saved rank's RNG state, state.json)."""
     weights, optimizer, rng, saved = read_checkpoint(path, device)
     record = TrainedRecord.load(path)
     if record is None:  # an older checkpoint: its weights hold samples nobody listed
@@ -98,8 +89,7 @@ def read(path: Path, device: torch.device) -> tuple[dict, list[torch.Tensor], di
 
 
 def resume(t: Trainer, runs_dir) -> None:
-    """Take the state of the checkpoint `t.cfg.resume` names; its weights go on as a new
-    lineage (checkpoints/record.py), each rank takes its saved RNG state."""
+    """Take the state of the checkpoint `t.cfg.resume` names, as a new lineage."""
     cfg, state, dist = t.cfg, t.state, t.dist
     path = resolve_checkpoint(cfg.resume, runs_dir)
     sd, rng, saved = read(path, t.device)
@@ -110,7 +100,7 @@ def resume(t: Trainer, runs_dir) -> None:
     t.load_state_dict(sd)
     state.resumed_from = str(path)
     state.planned_samples = (saved.get("scheduler") or {}).get("planned_samples")
-    state.record.fork(previous, state.step)  # these weights go on as a new lineage (checkpoints/record.py)
+    state.record.fork(previous, state.step)
     if dist.rank < len(rng):
         _set_rng_state(rng[dist.rank], t.device)
     else:  # more ranks than when saved: a fresh, reproducible stream for the new rank
