@@ -1,5 +1,6 @@
 """bench/comment_share.py counts comment and docstring lines against all non-blank lines,
-and runs on this tree."""
+and runs on this tree, where they stay at most 15% of the package (comments say why, in a
+line or two)."""
 
 import importlib.util
 import json
@@ -47,4 +48,4 @@ def test_it_runs_on_the_package():
     assert set(doc) == {"broker", "producers", "consumers", "protocol", "runtime", "decoding", "tools", "dflash_ns",
                         "total"}
     assert doc["total"]["lines"] == sum(v["lines"] for k, v in doc.items() if k != "total") > 0
-    assert 0 < doc["total"]["share"] < 1
+    assert 0 < doc["total"]["share"] <= 0.15, f"comments and docstrings are {doc['total']['share']:.1%} of the package"

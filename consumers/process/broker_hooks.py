@@ -113,7 +113,8 @@ class BrokerHooks:
         return {"q_pre": s.get("q_pre") or {}, "q_hs": s.get("queue_batches"), "prefetched": self.link.prefetched()}
 
     def progress(self) -> dict:
-        return self.link.broker_stats
+        """The heartbeat's run counts, with `samples_planned`: what the ETA counts down to."""
+        return {**self.link.broker_stats, "samples_planned": self._planned(self.link)}
 
     def plan(self) -> int | None:
         """The broker's planned samples less those skipped; the first call waits a few heartbeats

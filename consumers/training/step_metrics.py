@@ -115,9 +115,10 @@ class Meter:
         """Epoch fraction and ETA in seconds. From the broker's counts when it sent them
         (only it knows the run's size and what every consumer and earlier run trained):
         epoch = samples done / samples per epoch (1.25 = a quarter into the second epoch),
-        ETA = samples left / this job's sample rate. Else from --epoch-samples and
-        --total-steps; else the batch's epoch and no ETA."""
-        n, total, done = progress.get("n_samples"), progress.get("samples_total"), progress.get("samples_done")
+        ETA = samples left of the plan (--time-budget's, else all epochs) / this job's sample
+        rate. Else from --epoch-samples and --total-steps; else the batch's epoch and no ETA."""
+        n, done = progress.get("n_samples"), progress.get("samples_done")
+        total = progress.get("samples_planned") or progress.get("samples_total")
         if n and done is not None:
             epoch = round(done / n, 4)
         elif self.epoch_samples:
