@@ -1,5 +1,5 @@
 """dflash-consume's command line: the options of the frozen `ConsumerConfig`'s fields and its
-`TrainConfig`'s (consumer_config.py declares each once), made into one, then handed to
+`TrainConfig`'s (process/config.py and training/config.py declare each once), made into one, then handed to
 consumer_process.run. torch is imported only once the options are read (the process and what
 it imports need it), so that `--help` answers at once.
 
