@@ -16,6 +16,7 @@ import ast
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,16 +199,12 @@ def defined_names(path: Path) -> tuple[set[str], set[str]]:
     return defined, imported - defined
 
 
-@dataclass(frozen=True)
-class Reexport:
+class Reexport(NamedTuple):
     """`where` (file:line) imports `name` from `module`, which only imports it itself."""
 
     where: str
     module: str
     name: str
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.module}.{self.name}"
 
 
 def reexport_uses(root: Path = ROOT, files: list[Path] | None = None) -> list[Reexport]:
