@@ -4,6 +4,8 @@
 #
 #   bash bench/gpu_one_gpu.sh step     # carry .whl, .carry/part-a, .carry/baseline.tar: install;
 #                                      # the drafter step before (the baseline tree) and after
+#                                      # (or `install`: carry .whl, .carry/part-a; install only,
+#                                      # a short first call when device time is short)
 #   bash bench/gpu_one_gpu.sh start    # carry .carry/part-b: join the target, then
 #                                      # bench/one_gpu_budget.py run (prompts + training under
 #                                      # BUDGET seconds) in the background, waited on START_WAIT_S
@@ -37,7 +39,11 @@ budget_run() {  # the run, as one_gpu_budget.py's arguments
   python3 bench/one_gpu_budget.py run "${a[@]}"
 }
 
-case "${1:?usage: gpu_one_gpu.sh step|start|finish}" in
+case "${1:?usage: gpu_one_gpu.sh install|step|start|finish}" in
+install)
+  [ "$GPU" -lt 0 ] && exit 0  # CPU: nothing to carry in
+  gpu_install && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+  ;;
 step)
   if [ "$GPU" -ge 0 ]; then
     gpu_install || exit 1
