@@ -185,7 +185,9 @@ def test_loss_at_the_end_is_below_the_start(run):
     run_dir, _, _ = run
     losses = [e["loss"] for e in _consumer_logs(run_dir)[0] if e["event"] == "train.step" and e["loss"] is not None]
     assert len(losses) >= 10
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+    # The tiny drafter's loss falls in a few steps, then sits on a plateau that moves about
+    # 0.1 step to step: the last ten steps' mean, not the last three's, says where it ended.
+    assert sum(losses[-10:]) / 10 < sum(losses[:3]) / 3 - 0.1, losses
 
 
 def test_the_consumers_formed_the_group_asked_for(run, request):
