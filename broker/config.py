@@ -38,7 +38,7 @@ CONTROL_RCVHWM = 100
 CONTROL_SNDHWM = 1000
 # Largest `hello.config` kept per session (as JSON): each of --max-peers sessions keeps one.
 MAX_HELLO_CONFIG_BYTES = 64 * 1024
-# Messages a producer connection may hold inside ZeroMQ before TCP pushes back: small, as one can be ~1 GiB.
+# Messages a producer connection may hold inside ZeroMQ before TCP pushes back: small, as one is a whole batch.
 DATA_IN_RCVHWM = 2
 # The relay copies every byte twice, which saturates one I/O thread's core: data in and the
 # consumers' pipes get threads of their own (ZMQ_AFFINITY); an unused thread costs nothing.
