@@ -14,9 +14,11 @@ from .broker import BrokerProc
 
 
 def curve_dealer(endpoint: str, keys: Path | None, name: str | None) -> zmq.Socket:
-    """A DEALER that is a CURVE client with keypair `name` of `keys` (plain if keys is None)."""
+    """A DEALER that is a CURVE client with keypair `name` of `keys` (plain if keys is None).
+    A send waits at most two seconds: a refused handshake can leave it no pipe to queue on."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 2000)
     if keys is not None:
         client_keys(keys, name).apply(s)
     s.connect(endpoint)
@@ -27,7 +29,10 @@ def curve_status(endpoint: str, keys: Path | None, name: str | None, timeout_s: 
     """The broker's status map asked over Curve, or None if it does not answer."""
     s = curve_dealer(endpoint, keys, name)
     try:
-        s.send(msgpack.packb({"v": 1, "type": "status"}))
+        try:
+            s.send(msgpack.packb({"v": 1, "type": "status"}))
+        except zmq.Again:
+            return None
         if s.poll(int(timeout_s * 1000)):
             return msgpack.unpackb(s.recv_multipart()[0], strict_map_key=False)["status"]
         return None

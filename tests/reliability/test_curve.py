@@ -66,8 +66,11 @@ def test_only_authorised_keys_connect_send_or_read(curve_broker, keys):
     # control: an unknown key, and no Curve at all, get no answer to hello or status
     for name in ("intruder", None):
         s = curve_dealer(b.control, keys if name else None, name)
-        s.send(_hello("consumer", f"in-{name}"))
-        s.send(msgpack.packb({"v": 1, "type": "status"}))
+        try:
+            s.send(_hello("consumer", f"in-{name}"))
+            s.send(msgpack.packb({"v": 1, "type": "status"}))
+        except zmq.Again:
+            pass  # the refused handshake dropped the pipe: nothing could even be queued
         assert _silent(s, 2.0), f"the broker answered {name or 'a plain client'}"
         s.close()
 
