@@ -3,7 +3,7 @@ loop (the same n-gram again and again) and from where. Issue 35 item 2.
 
     python bench/answer_endings.py decode --target FOLDER --prompts ROWS.json --out RUN.json \
         [--max-new-tokens 1024] [--rows 32] [--threads 2] [--limit N]
-    python bench/answer_endings.py analyse RUN.json [--md]
+    python bench/answer_endings.py analyse RUN.json [--md] [--eval-tokens 256]
 
 `decode` answers every prompt greedily with the producers' own decoder and stop tokens
 (decoding/greedy.py GreedyDecoder, producers/regenerate.py stop_ids), the chat template
@@ -16,7 +16,9 @@ rows: what `dflash-prompts` writes by default). The last user turn of each row i
 per family and overall, answers that ended by EOS, that hit the cap, and of the capped ones
 how many decoding/endings.py `repetition_start` flags (its default rule) and where the loop
 starts (the kept length); the new tokens the rule saves; and the same over several rules,
-so a choice of rule is measured, not guessed.
+so a choice of rule is measured, not guessed. `repeats_in_eval`: of the first `--eval-tokens`
+of each answer (what dflash-eval decodes), the share that repeat a loop already said once:
+tokens a drafter trained with `--regen-loop-keep copy` never saw an anchor in.
 """
 
 from __future__ import annotations
@@ -115,10 +117,12 @@ def decode(target, prompts, out, max_new_tokens, rows, threads, limit, skip, bud
 STOP_RULE = {"tail": 256, "max_period": 64, "repeats": 4}
 
 
-def summarise(run: dict, rule) -> dict:
+def summarise(run: dict, rule, eval_tokens: int = 256) -> dict:
     """Per family and overall: how the uncut answers ended, and what the decoder with `rule`
     would have kept of them (endings.decoded_ending: checked at its sync points)."""
-    from dflash.decoding.endings import CAP, EOS, REPETITION, decoded_ending
+    from dataclasses import replace
+
+    from dflash.decoding.endings import CAP, COPY, EOS, REPETITION, decoded_ending
 
     stops = set(run["stop_ids"])
     fams: dict[str, list] = {}
@@ -131,8 +135,13 @@ def summarise(run: dict, rule) -> dict:
         # a row the decode stopped on a long loop would have run to the cap
         lens = [len(a["ids"]) if u == EOS else run["max_new_tokens"] for a, u in zip(answers, uncut)]
         ruled = [decoded_ending(a["ids"], stops, rule) for a in answers]
+        firsts = [decoded_ending(a["ids"], stops, replace(rule, keep=COPY))[1] for a in answers]
         eos = [n for n, u in zip(lens, uncut) if u == EOS]
-        loops = [k for u, (r, k, _) in zip(uncut, ruled) if u == CAP and r == REPETITION]
+        loops = [k for u, k, (r, _, _) in zip(uncut, firsts, ruled) if u == CAP and r == REPETITION]
+        # a looping answer repeats from its first copy on (to the cap, had it not been stopped)
+        shown = [min(n, eval_tokens) for n in lens]
+        repeats = [max(0, s - k) if u == CAP and r == REPETITION else 0
+                   for s, k, u, (r, _, _) in zip(shown, firsts, uncut, ruled)]
         out[fam] = {
             "answers": len(answers), "mean_tokens": round(statistics.mean(lens), 1),
             "eos": len(eos), "eos_median_tokens": int(statistics.median(eos)) if eos else None,
@@ -144,6 +153,9 @@ def summarise(run: dict, rule) -> dict:
             "mean_tokens_decoded_with_rule": round(statistics.mean(d for _, _, d in ruled), 1),
             "mean_tokens_kept_with_rule": round(statistics.mean(k for _, k, _ in ruled), 1),
             "decode_saved": round(1 - sum(d for _, _, d in ruled) / max(1, sum(lens)), 3),
+            "repeats_in_eval": round(sum(repeats) / max(1, sum(shown)), 3),
+            "repeats_in_eval_per_answer": round(statistics.mean(r / s for r, s in zip(repeats, shown)), 3),
+            "answers_repeating_in_eval": sum(1 for r in repeats if r),
             # how varied the last 256 tokens of the unended, unlooped answers are (1: no 4-gram twice)
             "cap_not_looping_tail_distinct4": _median([_distinct4(a["ids"][-256:]) for a, u, (r, _, _)
                                                        in zip(answers, uncut, ruled) if u == CAP and r != REPETITION]),
@@ -173,7 +185,8 @@ RULES = [  # (name, EndingRule kwargs): the default and its neighbours
 @click.argument("run_files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--md", is_flag=True, default=False, help="A markdown table instead of JSON.")
 @click.option("--samples", default=0, help="Also print the decoded tails of N looping and N unended answers.")
-def analyse(run_files, md, samples) -> None:
+@click.option("--eval-tokens", default=256, help="New tokens dflash-eval decodes, for repeats_in_eval.")
+def analyse(run_files, md, samples, eval_tokens) -> None:
     from dflash.decoding.endings import REPETITION, EndingRule, decoded_ending
 
     runs = [json.loads(Path(f).read_text()) for f in run_files]
@@ -203,7 +216,9 @@ def analyse(run_files, md, samples) -> None:
            "answers": len(run["answers"]), "censored": run.get("censored", 0),
            "stopped_on_long_loop": sum(1 for a in run["answers"] if a["ids"][-1] not in run["stop_ids"]
                                        and len(a["ids"]) < run["max_new_tokens"]),
-           "rules": {name: {"rule": EndingRule(**kw).describe(), "families": summarise(run, EndingRule(**kw))}
+           "eval_tokens": eval_tokens,
+           "rules": {name: {"rule": EndingRule(**kw).describe(), "families": summarise(run, EndingRule(**kw),
+                                                                                       eval_tokens)}
                      for name, kw in RULES}}
     if not md:
         print(json.dumps(res, indent=1))
@@ -213,11 +228,15 @@ def analyse(run_files, md, samples) -> None:
     print("| family | answers | mean tokens | EOS | EOS median | cap | cap, looping | cap, not looping "
           "| loop kept length median (quartiles) | EOS answers cut | mean decoded with rule | mean kept | decode saved | unended tail distinct 4-grams |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for fam, f in fams.items():
+    for fam, f in fams.items():  # loop start: the kept length with keep=copy (the block said once)
         print(f"| {fam} | {f['answers']} | {f['mean_tokens']} | {f['eos']} | {f['eos_median_tokens']} | {f['cap']} "
               f"| {f['cap_looping']} | {f['cap_not_looping']} | {f['loop_start_median']} ({f['loop_start_quartiles']}) "
               f"| {f['eos_answers_cut']} | {f['mean_tokens_decoded_with_rule']} | {f['mean_tokens_kept_with_rule']} "
               f"| {f['decode_saved']} | {f['cap_not_looping_tail_distinct4']} |")
+    print(f"\n| family | answers repeating within {eval_tokens} tokens | repeats, of all tokens | per answer |")
+    print("|---|---|---|---|")
+    for fam, f in fams.items():
+        print(f"| {fam} | {f['answers_repeating_in_eval']} | {f['repeats_in_eval']} | {f['repeats_in_eval_per_answer']} |")
     print("\n| rule | cap, looping | cap, not looping | EOS answers cut | mean decoded | decode saved |")
     print("|---|---|---|---|---|---|")
     for name, r in res["rules"].items():

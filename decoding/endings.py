@@ -2,7 +2,8 @@
 
 A loop is a trailing block of p tokens repeated over at least `tail` tokens, long enough that
 natural repeats (list items, a refrain) do not count. The rule has a list form (`looping`) and
-a device form (`looping_rows`, no host sync); the tests hold them equal."""
+a device form (`looping_rows`, no host sync); the tests hold them equal. What of a loop is kept
+for training is the rule's `keep`: the span that shows the loop (default), or its first copy."""
 
 from __future__ import annotations
 
@@ -12,19 +13,26 @@ import torch
 
 EOS, REPETITION, CAP = "eos", "repetition", "cap"
 REASONS = (EOS, REPETITION, CAP)
+SPAN, COPY = "span", "copy"  # what of a loop is kept: the repeats that show it, or the block once
+KEEPS = (SPAN, COPY)
 
 
 @dataclass(frozen=True)
 class EndingRule:
-    """A loop: the last `max(tail, repeats * p)` tokens have period p, for a p <= max_period."""
+    """A loop: the last `max(tail, repeats * p)` tokens have period p, for a p <= max_period.
+    `keep`: SPAN keeps the loop's start and its repeats over that span (the target does repeat,
+    and a drafter that never saw a repeat cannot predict one); COPY keeps the block once."""
 
     tail: int = 64
     max_period: int = 64
     repeats: int = 3
+    keep: str = SPAN
 
     def __post_init__(self):
         if self.max_period < 1 or self.repeats < 2 or self.tail < 2:
             raise ValueError(f"ending rule {self}: max_period must be >= 1, repeats >= 2, tail >= 2")
+        if self.keep not in KEEPS:
+            raise ValueError(f"ending rule keep={self.keep!r}: one of {', '.join(KEEPS)}")
 
     def span(self, p: int) -> int:
         return max(self.tail, self.repeats * p)
@@ -34,7 +42,12 @@ class EndingRule:
         return self.span(self.max_period)
 
     def describe(self) -> str:
-        return f"tail={self.tail},max_period={self.max_period},repeats={self.repeats}"
+        return f"tail={self.tail},max_period={self.max_period},repeats={self.repeats},keep={self.keep}"
+
+    def kept(self, end: int, run: int, p: int) -> int:
+        """Length to keep of a loop of period p whose stretch of `run` repeated positions ends at `end`."""
+        start = end - run - p  # the stretch's first token
+        return start + (self.span(p) if self.keep == SPAN else p)
 
 
 def _runs(ids: list[int], max_period: int) -> list[int]:
@@ -63,11 +76,11 @@ def looping(ids: list[int], rule: EndingRule) -> bool:
 
 
 def repetition_cut(ids: list[int], rule: EndingRule) -> int | None:
-    """Length to keep of a looping answer (through the loop's first copy: the target said it once), else None."""
+    """Length to keep of a looping answer (`rule.keep` of the loop), else None."""
     runs = _runs(ids, rule.max_period)
     for p in range(1, len(runs)):
         if runs[p] + p >= rule.span(p):
-            return len(ids) - runs[p]  # stretch start (len - run - p) plus one block
+            return rule.kept(len(ids), runs[p], p)
     return None
 
 
@@ -86,7 +99,7 @@ def decoded_ending(ids: list[int], stop_ids, rule: EndingRule | None, sync_every
                 continue
             for p in range(1, min(rule.max_period, t) + 1):
                 if runs[p] + p >= rule.span(p):
-                    return REPETITION, n - runs[p], n
+                    return REPETITION, rule.kept(n, runs[p], p), n
     reason, keep = classify(ids, stop_ids, rule)
     return reason, keep, n_all
 

@@ -6,7 +6,7 @@ before it has a work source to hand the producer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,7 +63,7 @@ def load_components(cfg: ProducerConfig) -> Components:
                  attn_impl=target.info.attn_impl, per_sequence=target.per_sequence)
     regenerator = None
     if cfg.regenerate:
-        loops = LOOP_RULE if cfg.regen_loops else None
+        loops = replace(LOOP_RULE, keep=cfg.regen_loop_keep) if cfg.regen_loops else None
         key = cache_key(dataset.fingerprint, target, tokenizer, cfg.max_new_tokens, cfg.template_kwargs(), loops)
         cache = RegenCache(Path(cfg.regen_cache), key)
         log.info("produce.regen_cache", path=str(cache.path), key=key, rows_cached=len(cache))

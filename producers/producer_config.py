@@ -63,8 +63,12 @@ class ProducerConfig:
         "(producers/regen_ahead.py); 0: regenerate each lease's rows when it comes, all before its first batch.")
     regen_loops: bool = setting(
         True, help="With --regenerate: an answer whose last tokens repeat one block (period up to 64 tokens, at least "
-        "64 tokens and 3 copies) stops there and is cut after the block's first copy (decoding/endings.py), instead "
-        "of looping to --max-new-tokens.")
+        "64 tokens and 3 copies) stops there and is cut (--regen-loop-keep; decoding/endings.py), instead of looping "
+        "to --max-new-tokens.")
+    regen_loop_keep: str = setting(  # the choices are decoding/endings.py KEEPS
+        "span", type=click.Choice(["span", "copy"]), help="With --regen-loops: what of a looping answer is trained: "
+        "span (the loop's start and the repeats that show it, 64 tokens or 3 copies: the target does repeat itself, "
+        "and a drafter learns to predict the repeats) or copy (the repeated block once).")
     regen_drop: str = setting(
         "none", help="With --regenerate: answer endings whose rows are not trained but skipped and reported to the "
         "broker (counted per reason): a comma-separated list of repetition (a loop was cut), cap (--max-new-tokens "

@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
-from dflash.decoding.endings import CAP, EOS, REPETITION, EndingRule, classify, decoded_ending, loop_period, looping, \
+from dflash.decoding.endings import CAP, COPY, EOS, REPETITION, SPAN, EndingRule, classify, decoded_ending, loop_period, looping, \
     looping_rows, repetition_cut
 
 pytestmark = pytest.mark.unit
 
 RULE = EndingRule(tail=64, max_period=64, repeats=3)
+COPY_RULE = EndingRule(tail=64, max_period=64, repeats=3, keep=COPY)
 
 
 def text(n: int, seed: int = 0) -> list[int]:
@@ -24,14 +25,24 @@ def text(n: int, seed: int = 0) -> list[int]:
 
 
 @pytest.mark.parametrize("period", [1, 2, 7, 21, 40, 64])
-def test_a_loop_of_each_period_is_found_and_cut_after_its_first_copy(period):
+def test_a_loop_of_each_period_is_found_and_cut_after_its_span_or_its_first_copy(period):
     head, block = text(50), text(period, seed=period)
     copies = -(-RULE.span(period) // period) + 1
     ids = head + block * copies
     assert loop_period(ids, RULE) == period
-    assert repetition_cut(ids, RULE) == len(head) + period  # the head and one copy of the block
-    # a loop cut mid-block (the cap falls anywhere) is still cut after its first copy
-    assert repetition_cut(ids + block[: period // 2], RULE) == len(head) + period
+    # the default keeps the head and the loop over the span that shows it: the repeats are trained
+    assert repetition_cut(ids, RULE) == len(head) + RULE.span(period) < len(ids)
+    assert ids[len(head) + period:len(head) + RULE.span(period)] == (block * copies)[:RULE.span(period) - period]
+    assert repetition_cut(ids, COPY_RULE) == len(head) + period  # the head and one copy of the block
+    # a loop cut mid-block (the cap falls anywhere) is cut at the same place
+    assert repetition_cut(ids + block[: period // 2], RULE) == len(head) + RULE.span(period)
+    assert repetition_cut(ids + block[: period // 2], COPY_RULE) == len(head) + period
+
+
+def test_what_a_loop_keeps_is_part_of_the_rule():
+    assert EndingRule().keep == SPAN and RULE.describe() != COPY_RULE.describe()
+    with pytest.raises(ValueError, match="keep='all'"):
+        EndingRule(keep="all")
 
 
 def test_a_loop_is_found_only_once_it_is_long_enough():
@@ -76,10 +87,12 @@ def test_near_loops_and_natural_repeats_do_not_trigger():
 def test_decoded_ending_is_what_a_decoder_checking_at_its_sync_points_keeps():
     head, block = text(100), text(6, seed=10)
     ids = head + block * 40 + text(50, seed=11)
-    # checked after every token: stopped as soon as the loop is `tail` long, cut after one copy
-    assert decoded_ending(ids, set(), RULE, sync_every=1) == (REPETITION, 106, 164)
+    # checked after every token: stopped as soon as the loop is `tail` long, kept that far (or one copy)
+    assert decoded_ending(ids, set(), RULE, sync_every=1) == (REPETITION, 164, 164)
+    assert decoded_ending(ids, set(), COPY_RULE, sync_every=1) == (REPETITION, 106, 164)
     # checked after 1 + 8k tokens: stopped at the next such point, cut at the same place
-    assert decoded_ending(ids, set(), RULE, sync_every=8) == (REPETITION, 106, 169)
+    assert decoded_ending(ids, set(), RULE, sync_every=8) == (REPETITION, 164, 169)
+    assert decoded_ending(ids, set(), COPY_RULE, sync_every=8) == (REPETITION, 106, 169)
     # a loop that breaks off between two checks is not seen
     short = text(100) + block * 11 + text(50, seed=11)  # periodic over tokens 100..166: long enough at 164
     assert decoded_ending(short, set(), RULE, sync_every=1)[0] == REPETITION
@@ -94,7 +107,8 @@ def test_classify_keeps_eos_answers_whole_and_cuts_loops():
     block = text(3, seed=12)
     looped = text(20) + block * 40
     assert classify(looped + [2], stops, RULE) == (EOS, len(looped) + 1)  # it ended: kept whole
-    assert classify(looped, stops, RULE) == (REPETITION, 23)
+    assert classify(looped, stops, RULE) == (REPETITION, 20 + 64)
+    assert classify(looped, stops, COPY_RULE) == (REPETITION, 23)
     assert classify(looped, stops, None) == (CAP, len(looped))  # no rule: unfinished
     assert classify(text(90), stops, RULE) == (CAP, 90)
 

@@ -1,6 +1,6 @@
 """How regenerated answers end (issue 35): on a tiny random target (its greedy answers loop
-readily) a looping row stops early at the decoder's sync point and is cut after the first
-copy of its loop, exactly where the uncut answer first loops; answers that end by a stop
+readily) a looping row stops early at the decoder's sync point and is cut after the span that shows
+its loop (the repeats kept), exactly where the uncut answer first loops; answers that end by a stop
 token are unchanged and equal to Hugging Face generate()'s; the regenerator records each
 answer's ending, logs the counts per reason, and keeps them in its cache; the producer
 skips and reports rows whose ending `--regen-drop` names, and trains the rest."""
@@ -8,6 +8,7 @@ skips and reports rows whose ending `--regen-drop` names, and trains the rest.""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from transformers import AutoTokenizer
 from tests.harness.tiny import tiny_dir
 from tests.producers.helpers import write_jsonl
 
-from dflash.decoding.endings import EOS, REPETITION, EndingRule, classify, decoded_ending
+from dflash.decoding.endings import COPY, EOS, REPETITION, EndingRule, classify, decoded_ending
 from dflash.decoding.greedy import GreedyDecoder
 from dflash.producers.chat import ChatEncoder
 from dflash.producers.data import Row, open_dataset
@@ -75,10 +76,12 @@ def test_a_looping_row_stops_early_and_is_cut_where_it_first_loops(setup, uncut)
     ruled = _decode(target.model, prompts, stops, RULE)
     looped = 0
     for f, r in zip(full, ruled):
-        # stopped at the first sync point where its tail loops, cut after the loop's first copy
+        # stopped at the first sync point where its tail loops, cut after the span that shows the loop
         reason, keep, stopped = decoded_ending(f, stops, RULE, SYNC)
         assert r == f[:stopped]  # the same greedy tokens, only fewer
         assert classify(r, stops, RULE) == (reason, keep)
+        if reason == REPETITION:  # the repeats are kept, not only the block's first copy
+            assert keep > classify(r, stops, replace(RULE, keep=COPY))[1]
         looped += reason == REPETITION and stopped < NEW
     assert looped >= 3, "the tiny target no longer loops: pick prompts or a cap where it does"
     assert sum(map(len, ruled)) < sum(map(len, full))
@@ -124,6 +127,7 @@ def test_regeneration_records_endings_logs_counts_and_caches_them(setup, tmp_pat
     key = cache_key("fp", target, tok, NEW, {}, loops=RULE)
     assert key != cache_key("fp", target, tok, NEW, {}, loops=None)  # a rule change is a new cache
     assert key != cache_key("fp", target, tok, NEW, {}, loops=EndingRule(tail=32))
+    assert key != cache_key("fp", target, tok, NEW, {}, loops=replace(RULE, keep=COPY))  # what a loop keeps
     assert key != cache_key("fp", target, tok, NEW, {})  # the default rule
     regen = Regenerator(target, tok, RegenCache(tmp_path, key), max_new_tokens=NEW, batch_size=8, loops=RULE)
     with capture_logs() as logs:
