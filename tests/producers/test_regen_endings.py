@@ -188,3 +188,22 @@ def test_bad_drop_options_are_refused():
         ProducerConfig(target="t", data="d", regen_drop="repetition", regen_loops=False).check()
     assert ProducerConfig(target="t", data="d", regen_drop="cap, repetition").drop() == ("cap", "repetition")
     assert ProducerConfig(target="t", data="d").drop() == ()
+
+
+
+def test_the_producer_command_sets_what_a_loop_keeps_and_keys_its_cache_by_it(setup, tmp_path):
+    from dflash.producers.build import load_components
+
+    tiny, _, _ = setup
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": _prompt(i)} for i in range(2)])
+    got = {}
+    for keep in ("span", "copy", None):  # None: the command's default
+        opts = {"regen_loop_keep": keep} if keep else {}
+        cfg = ProducerConfig(target=str(tiny), data=str(data), regenerate=True, device="cpu", check_packing=False,
+                             regen_cache=str(tmp_path / "cache"), **opts)
+        with capture_logs() as logs:
+            regen = load_components(cfg).regenerator
+        (line,) = [e for e in logs if e["event"] == "produce.regen_cache"]
+        got[keep] = (regen.loops.keep, line["key"])
+    assert [got[k][0] for k in ("span", "copy", None)] == ["span", "copy", "span"]
+    assert got["span"][1] == got[None][1] != got["copy"][1]  # answers cut another way are never mixed in
