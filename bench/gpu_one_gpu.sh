@@ -18,7 +18,7 @@
 # Environment: BUDGET (600), COUNT (prompts, 8000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
 # STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
-# SWEEP_SAMPLES, PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/bench/test_one_gpu_budget.py), TARGET
+# SWEEP_SAMPLES, PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/tools/test_gpu_one_gpu_script.py), TARGET
 # (default: the carried GGUF), BASELINE_TAR, W (work folder).
 set -uo pipefail
 W=${W:-/tmp/dflash-onegpu}

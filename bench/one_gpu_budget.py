@@ -17,7 +17,7 @@ regeneration's rows and rate, how answers ended, and the exactly-once ledger. On
 object on stdout; `checks` says which of the issue's bars each figure meets.
 
 bench/gpu_one_gpu.sh runs both on the GPU machine within its 10-minute calls;
-tests/bench/test_one_gpu_budget.py runs both on CPU with the real small target.
+tests/tools/test_gpu_one_gpu_script.py runs both on CPU with the real small target.
 """
 
 from __future__ import annotations

@@ -90,11 +90,35 @@ def run_eval(work: Path, target: str, drafter: Path, prompts: Path, gpu: int, ma
     except (IndexError, ValueError):
         return {"exit_code": child.proc.returncode, "error": text[-2000:]}
     rows = rep.pop("per_prompt", [])
-    families: dict[str, list[float]] = {}
-    for r in rows:  # prompt IDs are <family>-<n>
-        families.setdefault(r["prompt"].rsplit("-", 1)[0], []).append(r["tau"])
-    rep["tau_by_family"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(families.items())}
-    return {"exit_code": child.proc.returncode, "wall_s": round(time.monotonic() - t0, 1), **rep}
+    return {"exit_code": child.proc.returncode, "wall_s": round(time.monotonic() - t0, 1), **rep,
+            **tau_split(rows, _families(prompts), max_new_tokens)}
+
+
+def _families(prompts: Path) -> dict[str, str]:
+    """Row ID -> family, from a prompts file whose rows name theirs (dflash-prompts' do)."""
+    out = {}
+    for line in prompts.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "id" in row and "family" in row:
+            out[str(row["id"])] = row["family"]
+    return out
+
+
+def _mean_tau(rows: list[dict]) -> float | None:
+    return round(sum(r["tau"] for r in rows) / len(rows), 4) if rows else None
+
+
+def tau_split(rows: list[dict], families: dict[str, str], max_new_tokens: int) -> dict:
+    """dflash-eval's per-prompt tau by family (a row's own, else its ID's prefix <family>-<n>) and by
+    whether the target alone ran to `max_new_tokens` (long answers and loops) or ended before."""
+    fams: dict[str, list[dict]] = {}
+    for r in rows:
+        fams.setdefault(families.get(r["prompt"], r["prompt"].rsplit("-", 1)[0]), []).append(r)
+    capped = [r for r in rows if r.get("target_passes", {}).get("target_only", 0) >= max_new_tokens]
+    ended = [r for r in rows if r not in capped]
+    return {"tau_by_family": {k: _mean_tau(v) for k, v in sorted(fams.items())},
+            "capped": {"prompts": len(capped), "tau": _mean_tau(capped)},
+            "ended": {"prompts": len(ended), "tau": _mean_tau(ended)}}
 
 
 @click.command()

@@ -94,6 +94,10 @@ def test_the_report_measures_held_out_and_training_prompts_and_the_regeneration(
         ev = result[part]
         assert ev["exit_code"] == 0, ev
         assert ev["tau"] >= 1.0 and ev["prompts"] >= 1, ev
+        # tau apart for answers the target ran to the cap (loops among them) and for those it ended
+        assert ev["capped"]["prompts"] + ev["ended"]["prompts"] == ev["prompts"], ev
+        assert all(1.0 <= (ev[k]["tau"] or 1.0) for k in ("capped", "ended")), ev
+        assert sum(1 for _ in ev["tau_by_family"]) >= 1, ev
     assert result["logs"]["regen_rows"], "the producer logged no regeneration rows"
     assert set(result["checks"]) >= {"heldout_tau", "heldout_speedup", "indist_tau", "wait_after_first_minute"}
     with tarfile.open(work / "out" / "logs.tgz") as t:
