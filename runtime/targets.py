@@ -62,21 +62,30 @@ def reading(target: str | Path):
 
 
 def load_config(target: str | Path, *, trust_remote_code: bool = False):
-    """The target's transformers config (from config.json, or the GGUF file's metadata)."""
+    """The target's transformers config (from config.json, or the GGUF file's metadata: from its
+    converted folder when one exists, since parsing the metadata takes seconds in every process)."""
     from transformers import AutoConfig
 
-    name, kw = _args(target)
-    with reading(target):
+    name, kw = _read_from(target)
+    with reading(name if not kw else target):
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
 
 
 def load_tokenizer(target: str | Path, *, trust_remote_code: bool = False):
-    """The target's tokenizer (its folder's files, or the one a GGUF file embeds)."""
+    """The target's tokenizer (its folder's files, or the one a GGUF file embeds: from its converted
+    folder when one exists, which holds that very tokenizer)."""
     from transformers import AutoTokenizer
 
-    name, kw = _args(target)
-    with reading(target):
+    name, kw = _read_from(target)
+    with reading(name if not kw else target):
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+
+
+def _read_from(target: str | Path) -> tuple[str, dict]:
+    """`_args(target)`, or a GGUF file's converted folder if there is one already (none is made)."""
+    g = gguf_path(target)
+    folder = converted_folder(g) if g is not None else None
+    return (str(folder), {}) if folder is not None else _args(target)
 
 
 def load_causal_lm(target: str | Path, **kw: Any):
@@ -141,6 +150,23 @@ def cached_gguf_folder(gguf: Path, dtype: torch.dtype) -> Path | None:
 
 
 _STAMP = "dflash_source.json"
+
+
+def converted_folder(gguf: Path) -> Path | None:
+    """A folder `cached_gguf_folder` made of `gguf` already (any dtype, this conversion's version), or None."""
+    root = gguf_cache_root()
+    if root is None or not root.is_dir():
+        return None
+    sha = file_sha256(gguf)
+    for dest in sorted(root.glob(f"{sha[:24]}-*")):
+        marker = dest / _STAMP
+        try:
+            stamp = json.loads(marker.read_text()) if marker.is_file() else {}
+        except (OSError, ValueError):
+            continue  # half-written or unreadable: not a folder to read
+        if stamp.get("gguf_sha256") == sha and stamp.get("convert") == CONVERT_VERSION:
+            return dest
+    return None
 
 
 def is_converted(dest: Path, stamp: dict) -> bool:

@@ -186,3 +186,36 @@ def test_the_converted_folder_reads_alike_in_transformers_4_and_5(folder):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 100000.0
     assert "quantization_config" not in cfg
+
+
+def test_a_gguf_targets_config_and_tokenizer_come_from_its_converted_folder(folder, monkeypatch, tmp_path):
+    """Parsing a GGUF file's metadata and tokenizer takes seconds of Python in every process that
+    loads it (producer, consumer, eval); once a converted folder exists, both are read from it,
+    and they are what the file itself gives."""
+    from transformers import AutoTokenizer
+
+    from dflash.runtime.target_heads import TargetSpec
+
+    gguf = real_target.fetch_gguf()
+    assert targets.converted_folder(gguf) == folder
+    names, real = [], AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, *a, **kw: names.append(
+        (str(name), kw.get("gguf_file"))) or real(name, *a, **kw))
+    tok, cfg = load_tokenizer(gguf), targets.load_config(gguf)
+    assert names == [(str(folder), None)], names
+    monkeypatch.setenv(targets.GGUF_CACHE_ENV, "off")  # the file's own metadata, parsed
+    own_tok, own_cfg = load_tokenizer(gguf), targets.load_config(gguf)
+    assert names[-1] == (str(gguf.parent), gguf.name), names
+    text = "<|im_start|>user\nWrite a Python function that reverses a string, then explain it. 123 ünïcode<|im_end|>"
+    assert tok(text)["input_ids"] == own_tok(text)["input_ids"]
+    assert tok.chat_template == own_tok.chat_template and len(tok) == len(own_tok)
+    assert TargetSpec.from_config(cfg) == TargetSpec.from_config(own_cfg)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(cfg, k, None) == getattr(own_cfg, k, None), k
+    # a folder of another conversion version is not read
+    monkeypatch.setenv(targets.GGUF_CACHE_ENV, str(tmp_path))
+    stale = tmp_path / folder.name
+    stale.mkdir()
+    stamp = json.loads((folder / "dflash_source.json").read_text())
+    (stale / "dflash_source.json").write_text(json.dumps({**stamp, "convert": stamp["convert"] - 1}))
+    assert targets.converted_folder(gguf) is None
