@@ -1,0 +1,28 @@
+"""bench/flex_tiles.py counts the very tiles the consumer's flex block mask lists (it asserts
+that itself), and its figures are shares: a small batch by hand."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.unit
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "flex_tiles.py"
+
+
+def test_flex_tiles_counts_the_masks_tiles_and_what_aligned_block_keys_would_save():
+    spec = importlib.util.spec_from_file_location("flex_tiles", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = CliRunner().invoke(mod.main, ["--seqs", "3", "--seq-len", "90", "--batches", "2"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    (first, second) = out["batches"]
+    assert first["context"] == 270 and first["queries"] == 3 * (90 - 6 - 16 + 1) * 16  # every trainable anchor
+    assert second["seq_len"] == 90 - 41
+    assert 0 < out["useful"] < 1 and 0 < out["partial_share"] <= 1
+    # 270 context keys are no multiple of 128: aligning the block keys must drop tiles, never add any
+    assert first["aligned"] < first["partial"] + first["full"] and 0 < out["aligned_saves"] < 1
