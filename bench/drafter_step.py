@@ -66,8 +66,9 @@ def fake_target(folder: Path, cfg: dict = QWEN3_8B) -> Path:
     return folder
 
 
-def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
-    """Max |flex - sdpa| / max |sdpa| of the drafter's states on a small packed batch."""
+def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> tuple[float, float]:
+    """Max |flex - sdpa| / max |sdpa| of the drafter's states on a small packed batch, and the
+    largest such figure over the parameters' gradients (flex pads its context keys; SDPA does not)."""
     from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig
 
     signal = resolve_signal(cfg, heads)
@@ -76,12 +77,19 @@ def check_flex_vs_sdpa(heads, cfg: TrainConfig) -> float:
     model = model.to(heads.embed.device)
     batch = rule_batch(heads.spec, list(signal.target_layers), seed=1, n_seqs=3, seq_len=300, dtype=torch.bfloat16)
     layout = make_layout(batch, signal, 0, heads.embed.device, "sdpa")
-    out = {}
-    with torch.no_grad(), torch.autocast(heads.embed.device.type, dtype=torch.bfloat16):
-        for be in ("sdpa", "flex"):
+    out, grads = {}, {}
+    for be in ("sdpa", "flex"):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(heads.embed.device.type, dtype=torch.bfloat16):
             lay = build_layout(batch.seq_lens, layout.anchors, signal.block_size, heads.embed.device, be)
             out[be] = draft_states(model, heads, batch, lay, signal).float()
-    return float((out["flex"] - out["sdpa"]).abs().max() / out["sdpa"].abs().max())
+        weights = torch.randn(out[be].shape, generator=torch.Generator().manual_seed(2)).to(out[be].device)
+        (out[be] * weights).sum().backward()
+        grads[be] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    rel = float((out["flex"] - out["sdpa"]).detach().abs().max() / out["sdpa"].detach().abs().max())
+    grad_rel = max(float((grads["flex"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
+                   for n, g in grads["sdpa"].items())
+    return rel, grad_rel
 
 
 def use_torch_block_mask() -> None:
@@ -91,8 +99,8 @@ def use_torch_block_mask() -> None:
     from dflash.consumers.drafter import blocks
 
     def element_wise(layout, device):
-        T, Q = layout.ctx_pos.shape[0], layout.num_queries
-        return create_block_mask(blocks._mask_mod(layout, device), None, None, Q, T + Q, device=device,
+        K, Q = layout.context_keys, layout.num_queries
+        return create_block_mask(blocks._mask_mod(layout, device), None, None, Q, K + Q, device=device,
                                  _compile=device.type == "cuda")
 
     blocks._flex_block_mask = element_wise
@@ -161,7 +169,7 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
                       total_steps=steps, log_position_every=0, mask_token_id=mask_id, draft_layers=draft_layers,
                       fuse=fuse)
     ceiling = ceiling_tflops or matmul_ceiling_tflops(device)
-    rel = None if skip_check else check_flex_vs_sdpa(heads, cfg)
+    rel, grad_rel = (None, None) if skip_check else check_flex_vs_sdpa(heads, cfg)
     _stage("flex_vs_sdpa_checked", start)
     signal = resolve_signal(cfg, heads)
     # Made up front: the generator is not what is measured (real batches arrive ready).
@@ -216,7 +224,7 @@ def main(gpu, seqs, seq_len, steps, anchors, block_size, attn, loss_chunk, vary,
         "tokens_per_s": round(sum(b.tokens for b in timed) / max(1, len(timed)) / step_s),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
         "loss_first": lines[0]["loss"], "loss_last": lines[-1]["loss"], "acc_last": lines[-1]["acc"],
-        "flex_vs_sdpa_rel_err": rel, "tflop_per_step": round(flops_per_step / 1e12, 2),
+        "flex_vs_sdpa_rel_err": rel, "flex_vs_sdpa_grad_rel_err": grad_rel, "tflop_per_step": round(flops_per_step / 1e12, 2),
         "achieved_tflops": round(flops_per_step / step_s / 1e12, 1), "ceiling_tflops": round(ceiling, 1),
         "mfu": round(flops_per_step / step_s / 1e12 / ceiling, 3),
         "anchors_per_s": round(anchors_per_step / step_s),

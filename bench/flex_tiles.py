@@ -7,9 +7,10 @@ The batches are drafter_step.py's `--vary` shapes (16 sequences, a new length ea
 the consumer builds (consumers/drafter/blocks.py `_flex_block_mask`) lists the 128 x 128
 tiles flex attention computes; a tile is partial (the element rule is evaluated in it) or
 full. `useful` is the share of the computed scores that a query may see (its context
-before its anchor and its own block: flops.py's attended keys). `aligned` counts the
-tiles if the block keys began at a tile boundary (the context padded to a multiple of
-128): what that layout change would save. One JSON line.
+before its anchor and its own block: flops.py's attended keys). The layout pads the
+context's keys to a multiple of 128, so that a query tile's block keys start a key tile;
+`unaligned` counts the tiles the same mask would reach without that padding, and
+`aligned_saves` what the padding saves. One JSON line.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _anchors(n_seqs: int, L: int, B: int, prompt: int = 6) -> list[torch.Tensor]
 
 
 def _tiles_with_context(lay, T_keys: int) -> int:
-    """Tiles reached when the block keys start at `T_keys` (>= the context's T), as _flex_block_mask reaches them."""
+    """Tiles reached when the block keys start at key row `T_keys` (>= the context's T), as _flex_block_mask does."""
     N, B = FLEX_BLOCK, lay.block_size
     T, Q = lay.ctx_pos.shape[0], lay.num_queries
     c_lo, c_hi, k_lo, k_hi, _, _ = _flex_bounds(lay.seq_lens, lay.anchors, lay.spans, T_keys, Q, B)[:, :, None]
@@ -47,7 +48,7 @@ def _tiles_with_context(lay, T_keys: int) -> int:
 @click.option("--block-size", default=16)
 def main(seqs, seq_len, batches, block_size) -> None:
     B, N, cpu = block_size, FLEX_BLOCK, torch.device("cpu")
-    rows, totals = [], {"partial": 0, "full": 0, "aligned": 0, "useful": 0}
+    rows, totals = [], {"partial": 0, "full": 0, "unaligned": 0, "useful": 0}
     for i in range(batches):
         L = seq_len - (41 * i) % max(1, seq_len // 2)  # drafter_step.py --vary
         anchors = _anchors(seqs, L, B)
@@ -55,17 +56,18 @@ def main(seqs, seq_len, batches, block_size) -> None:
         bm = _flex_block_mask(lay, cpu)
         partial, full = int(bm.kv_num_blocks.sum()), int(bm.full_kv_num_blocks.sum())
         T = L * seqs
-        aligned = _tiles_with_context(lay, -(-T // N) * N)
-        assert _tiles_with_context(lay, T) == partial + full  # the count below is the mask's own
+        unaligned = _tiles_with_context(lay, T)
+        assert _tiles_with_context(lay, lay.context_keys) == partial + full  # the count below is the mask's own
         useful = sum(int(a.sum()) * B + a.numel() * B * B for a in anchors)
         rows.append({"seq_len": L, "context": T, "queries": lay.num_queries, "query_tiles": -(-lay.num_queries // N),
-                     "partial": partial, "full": full, "aligned": aligned})
-        for k, v in (("partial", partial), ("full", full), ("aligned", aligned), ("useful", useful)):
+                     "partial": partial, "full": full, "unaligned": unaligned})
+        for k, v in (("partial", partial), ("full", full), ("unaligned", unaligned), ("useful", useful)):
             totals[k] += v
     computed = (totals["partial"] + totals["full"]) * N * N
     print(json.dumps({"tile": N, "block_size": B, "batches": rows, "useful": round(totals["useful"] / computed, 3),
                       "partial_share": round(totals["partial"] / (totals["partial"] + totals["full"]), 3),
-                      "aligned_saves": round(1 - totals["aligned"] / (totals["partial"] + totals["full"]), 3)}))
+                      "useful_unaligned": round(totals["useful"] / (totals["unaligned"] * N * N), 3),
+                      "aligned_saves": round(1 - (totals["partial"] + totals["full"]) / totals["unaligned"], 3)}))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,17 @@ class BlockLayout:
     known: object = field(default=None, repr=False)
     # flex: each key's and query's sequence and the tile bounds, copied with the indices
     _flex_parts: dict | None = field(default=None, repr=False)
+    # flex: empty keys after the context, so that the block keys start at a tile boundary
+    key_pad: int = 0
+
+    @property
+    def context_keys(self) -> int:
+        """Key rows before the block keys: the context and its padding."""
+        return self.ctx_pos.shape[0] + self.key_pad
+
+    def key_positions(self) -> torch.Tensor:
+        """long [context_keys + Q]: the position of every key row (padding at 0; no query sees it)."""
+        return torch.cat([self.ctx_pos, self.ctx_pos.new_zeros(self.key_pad), self.q_pos])
 
     @property
     def num_queries(self) -> int:
@@ -91,7 +102,7 @@ class BlockLayout:
     # ---------------------------------------------------------------- attention
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [Q, Hq, hd], k/v [T+Q, Hkv, hd] (context then blocks) -> [Q, Hq, hd]."""
+        """q [Q, Hq, hd], k/v [context_keys + Q, Hkv, hd] (context, padding, blocks) -> [Q, Hq, hd]."""
         if self.backend == "flex":
             return _attend_flex(q, k, v, self._get_block_mask(q.device), scale)
         return _attend_sdpa(q, k, v, self.spans, sum(self.seq_lens), scale)
@@ -116,6 +127,7 @@ class LayoutPlan:
     sizes: dict[str, int]  # name -> length in `flat`, in order
     valid: torch.Tensor | None = None  # bool [Q], given the loss mask
     key: tuple = ()  # what the plan was made for (the caller's check that it still fits)
+    key_pad: int = 0
 
     def to_device(self, device: torch.device) -> BlockLayout:
         flat = self.flat
@@ -134,7 +146,7 @@ class LayoutPlan:
             flex = {"bounds": bounds.view(6, bounds.numel() // 6), "kv_seq": parts["kv_seq"], "q_seq": parts["q_seq"]}
         return BlockLayout(self.block_size, list(self.seq_lens), self.anchors, parts["ctx_pos"], parts["q_pos"],
                            parts["q_index"], spans, self.backend, rows=parts.get("rows"),
-                           _flex_parts=flex)
+                           _flex_parts=flex, key_pad=self.key_pad)
 
 
 def plan_layout(
@@ -161,22 +173,23 @@ def plan_layout(
         q_start += pos.numel()
     cat = [torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long) for xs in (ctx_pos, q_pos, q_index)]
     named = {"ctx_pos": cat[0], "q_pos": cat[1], "q_index": cat[2]}
-    valid = None
+    valid, pad = None, 0
     if loss_mask is not None:
         lm = loss_mask.to("cpu")
         Q = cat[2].numel()
         valid = (torch.arange(Q) % B > 0) & lm[cat[2]].bool()
         named["rows"] = valid.nonzero()[:, 0]
     if backend == "flex":
-        T = ctx_start
-        named["bounds"] = _flex_bounds(list(seq_lens), anchors, spans, T, q_start, B).flatten()
+        # a query tile's block keys then lie in as few key tiles as its queries (report: bench/flex_tiles.py)
+        pad = -ctx_start % FLEX_BLOCK
+        named["bounds"] = _flex_bounds(list(seq_lens), anchors, spans, ctx_start + pad, q_start, B).flatten()
         named["kv_seq"] = _sequence_of(list(seq_lens))
         named["q_seq"] = _sequence_of([s.q_len for s in spans])
     sizes = {k: v.numel() for k, v in named.items()}
     flat = torch.cat(list(named.values()))
     if device.type == "cuda":
         flat = flat.pin_memory()
-    return LayoutPlan(B, list(seq_lens), anchors, backend, spans, flat, sizes, valid)
+    return LayoutPlan(B, list(seq_lens), anchors, backend, spans, flat, sizes, valid, key_pad=pad)
 
 
 def build_layout(
@@ -238,8 +251,8 @@ def _sequence_of(lens: list[int]) -> torch.Tensor:
 
 
 def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
-    """The element rule: context of the own sequence before the own anchor | the own block."""
-    T, Q, B = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size
+    """The element rule: context of the own sequence before the own anchor | the own block (padding: neither)."""
+    T, K, Q, B = layout.ctx_pos.shape[0], layout.context_keys, layout.num_queries, layout.block_size
     parts = layout._flex_parts
     if parts is not None:  # copied with the layout's indices; own storage, as the compiled kernel always saw them
         kv_seq, q_seq = parts["kv_seq"].clone(), parts["q_seq"].clone()
@@ -253,9 +266,9 @@ def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
     def mask_mod(b, h, qi, kvi):
         is_ctx = kvi < T
         ci = kvi.clamp(max=max(T - 1, 0))
-        bi = (kvi - T).clamp(min=0)
+        bi = (kvi - K).clamp(min=0)
         see_ctx = is_ctx & (kv_seq[ci] == q_seq[qi]) & (kv_pos[ci] < q_anchor[qi])
-        see_blk = ~is_ctx & (bi // B == q_block[qi])
+        see_blk = (kvi >= K) & (bi // B == q_block[qi])
         return see_ctx | see_blk
 
     return mask_mod
@@ -263,7 +276,8 @@ def _mask_mod(layout: BlockLayout, device: torch.device) -> Callable:
 
 def _flex_bounds(seq_lens: list[int], anchors: list[torch.Tensor], spans: list[SeqSpan], T: int, Q: int,
                  B: int) -> torch.Tensor:
-    """long [6, n_q] per query tile from the host-side anchors: its context and block key bounds."""
+    """long [6, n_q] per query tile from the host-side anchors: its context and block key bounds
+    (the block keys start at key row T)."""
     N = FLEX_BLOCK
     n_q = -(-Q // N)
     if n_q == 0:
@@ -288,7 +302,7 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     T, Q, B, N = layout.ctx_pos.shape[0], layout.num_queries, layout.block_size, FLEX_BLOCK
-    KV = T + Q
+    KV = layout.context_keys + Q
     if Q == 0:  # no query tile to describe
         return create_block_mask(_mask_mod(layout, device), None, None, 0, KV, device=device)
     n_kv = -(-KV // N)
@@ -296,7 +310,7 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
     if layout._flex_parts is not None:
         bounds = layout._flex_parts["bounds"]
     else:
-        bounds = _flex_bounds(layout.seq_lens, layout.anchors, layout.spans, T, Q, B)
+        bounds = _flex_bounds(layout.seq_lens, layout.anchors, layout.spans, layout.context_keys, Q, B)
         if device.type == "cuda":
             bounds = bounds.pin_memory()
         bounds = bounds.to(device, non_blocking=True)

@@ -166,7 +166,9 @@ class DFlashDraft(nn.Module):
     def forward(self, features: torch.Tensor, x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Final-normed block states [Q, D] (for the target's LM head) from context features and block inputs."""
         ctx = self.context(features)  # [T, D]
-        rope = self.rotary(torch.cat([layout.ctx_pos, layout.q_pos]))  # cos/sin [T+Q, hd]
+        if layout.key_pad:  # flex: empty key rows up to a tile boundary, seen by no query
+            ctx = F.pad(ctx, (0, 0, 0, layout.key_pad))
+        rope = self.rotary(layout.key_positions())  # cos/sin [context_keys + Q, hd]
         for layer in self.layers:
             x = layer(x, ctx, rope, layout)
         return self.norm(x)

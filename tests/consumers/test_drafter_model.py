@@ -114,3 +114,21 @@ def test_parameter_names_match_the_published_layout(heads):
     want |= {f"layers.{i}.{p}.weight" for i in range(5) for p in per_layer}
     assert names == want and len(names) == 58  # docs/EXPORT.md: 5 layers -> 58 tensors
     assert _model(heads).state_dict()["fc.weight"].shape == (64, 2 * 64)
+
+
+
+def test_flex_pads_the_context_keys_to_a_tile_and_no_query_sees_the_padding(heads):
+    """Flex pads the context's key rows to a tile boundary (36 keys -> 128, so that the block keys
+    start a tile); SDPA has no padding. Same states. Flex has no backward on CPU: the gradients are
+    compared on a GPU by bench/drafter_step.py (`flex_vs_sdpa_grad_rel_err`)."""
+    batch = random_batch(heads.spec, LAYERS, [20, 16], seed=4)
+    anchors = [torch.tensor([0, 5, 9]), torch.tensor([2, 8])]
+    signal = _signal(heads)
+    outs = {}
+    for be in ("sdpa", "flex"):
+        layout = build_layout(batch.seq_lens, anchors, B, torch.device("cpu"), be)
+        assert layout.key_pad == (128 - 36 if be == "flex" else 0)
+        assert layout.key_positions().shape[0] == layout.context_keys + layout.num_queries
+        with torch.no_grad():
+            outs[be] = draft_states(_model(heads, seed=1), heads, batch, layout, signal)
+    torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-5, atol=1e-5)

@@ -38,9 +38,10 @@ CASES = [  # seq_lens, block size, anchors, every
 @pytest.mark.parametrize("seq_lens,B,n,every", CASES)
 def test_tile_bounds_give_torchs_block_mask(seq_lens, B, n, every):
     lay = layout_of(seq_lens, B, n, every, seed=3)
-    T, Q = lay.ctx_pos.shape[0], lay.num_queries
+    K, Q = lay.context_keys, lay.num_queries
+    assert K % FLEX_BLOCK == 0 and 0 <= K - lay.ctx_pos.shape[0] < FLEX_BLOCK  # block keys start a tile
     ours = _flex_block_mask(lay, CPU)
-    ref = create_block_mask(_mask_mod(lay, CPU), None, None, Q, T + Q, device=CPU, BLOCK_SIZE=FLEX_BLOCK)
+    ref = create_block_mask(_mask_mod(lay, CPU), None, None, Q, K + Q, device=CPU, BLOCK_SIZE=FLEX_BLOCK)
     full, ref_full = tiles(ours.full_kv_num_blocks, ours.full_kv_indices), tiles(ref.full_kv_num_blocks,
                                                                                  ref.full_kv_indices)
     part, ref_part = tiles(ours.kv_num_blocks, ours.kv_indices), tiles(ref.kv_num_blocks, ref.kv_indices)
@@ -55,9 +56,9 @@ def test_tile_bounds_give_torchs_block_mask(seq_lens, B, n, every):
 @pytest.mark.parametrize("seq_lens,B,n,every", [([300, 293, 17, 310], 16, 24, 1), ([301, 97, 250], 10, 20, 1)])
 def test_attention_through_it_equals_attention_through_torchs(seq_lens, B, n, every):
     lay = layout_of(seq_lens, B, n, every, seed=5)
-    T, Q = lay.ctx_pos.shape[0], lay.num_queries
+    K, Q = lay.context_keys, lay.num_queries
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, m, 8, generator=g) for m in (Q, T + Q, T + Q))
-    ref = create_block_mask(_mask_mod(lay, CPU), None, None, Q, T + Q, device=CPU, BLOCK_SIZE=FLEX_BLOCK)
+    q, k, v = (torch.randn(1, 2, m, 8, generator=g) for m in (Q, K + Q, K + Q))
+    ref = create_block_mask(_mask_mod(lay, CPU), None, None, Q, K + Q, device=CPU, BLOCK_SIZE=FLEX_BLOCK)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=_flex_block_mask(lay, CPU)),
                                flex_attention(q, k, v, block_mask=ref), rtol=1e-5, atol=1e-6)
