@@ -2,7 +2,6 @@
 and runs on this tree, where they stay at most 15% of the package (comments say why, in a
 line or two)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,17 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.bench_script import load
+
 pytestmark = pytest.mark.unit
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "comment_share.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("comment_share", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load("comment_share")
 
 
 def test_comment_docstring_and_code_lines_are_told_apart():

@@ -1,30 +1,23 @@
 """bench/recipe_sweep.py takes TrainConfig fields as config keys, the loss among them, and a
 whole sweep of ce against dpace runs on CPU on a tiny target (its smoke mode, --device cpu)."""
 
-import importlib.util
 import json
 import sqlite3
-from pathlib import Path
 
 import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from tests.harness.bench_script import load
 from tests.harness.tiny import MASK_ID
 from dflash.consumers.training.train_config import resolve_signal
 from dflash.consumers.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 
-SWEEP = Path(__file__).resolve().parents[1] / "bench" / "recipe_sweep.py"
-
-
 def _sweep():
-    spec = importlib.util.spec_from_file_location("recipe_sweep", SWEEP)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("recipe_sweep")
 
 
 def test_the_loss_is_a_config_key(heads):

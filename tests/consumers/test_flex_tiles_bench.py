@@ -1,23 +1,18 @@
 """bench/flex_tiles.py counts the very tiles the consumer's flex block mask lists (it asserts
 that itself), and what the tile-aligned block keys save: a small batch by hand."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-pytestmark = pytest.mark.unit
+from tests.harness.bench_script import load
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "flex_tiles.py"
+pytestmark = pytest.mark.unit
 
 
 def test_flex_tiles_counts_the_masks_tiles_and_what_aligned_block_keys_save():
-    spec = importlib.util.spec_from_file_location("flex_tiles", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = CliRunner().invoke(mod.main, ["--seqs", "3", "--seq-len", "90", "--batches", "2"])
+    r = CliRunner().invoke(load("flex_tiles").main, ["--seqs", "3", "--seq-len", "90", "--batches", "2"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output.strip().splitlines()[-1])
     (first, second) = out["batches"]
