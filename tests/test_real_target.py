@@ -209,6 +209,10 @@ def test_a_gguf_targets_config_and_tokenizer_come_from_its_converted_folder(fold
     text = "<|im_start|>user\nWrite a Python function that reverses a string, then explain it. 123 ünïcode<|im_end|>"
     assert tok(text)["input_ids"] == own_tok(text)["input_ids"]
     assert tok.chat_template == own_tok.chat_template and len(tok) == len(own_tok)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(tok, k) == getattr(own_tok, k), k
+    chat = CHATS[0]
+    assert tok.apply_chat_template(chat, tokenize=False) == own_tok.apply_chat_template(chat, tokenize=False)
     assert TargetSpec.from_config(cfg) == TargetSpec.from_config(own_cfg)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert getattr(cfg, k, None) == getattr(own_cfg, k, None), k
