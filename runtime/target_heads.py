@@ -352,8 +352,13 @@ def _fingerprint(spec: TargetSpec, embed: torch.Tensor, lm_head: torch.Tensor) -
 
 def identity_of(path: str | Path) -> dict:
     """The `identity` load_target_heads gives, reading only the config and the rows it hashes."""
-    if targets.gguf_path(path) is not None:  # the vocabulary tensors are de-quantised whole anyway
-        return load_target_heads(path).identity
+    if (g := targets.gguf_path(path)) is not None:
+        # its converted folder holds the same rows, de-quantised alike (the hash is of bf16 copies);
+        # without one the vocabulary tensors are de-quantised whole
+        folder = targets.converted_folder(g)
+        if folder is None:
+            return load_target_heads(path).identity
+        path = folder
     folder = Path(path)
     loc, _raw = _locate(folder)
     where = loc.where

@@ -223,3 +223,14 @@ def test_a_gguf_targets_config_and_tokenizer_come_from_its_converted_folder(fold
     stamp = json.loads((folder / "dflash_source.json").read_text())
     (stale / "dflash_source.json").write_text(json.dumps({**stamp, "convert": stamp["convert"] - 1}))
     assert targets.converted_folder(gguf) is None
+
+
+def test_a_gguf_targets_identity_is_read_from_its_converted_folder(folder, monkeypatch):
+    """The producer states the target's identity at start-up; with a converted folder the hashed rows
+    come from it (no de-quantisation of the vocabulary tensors), and they are the file's."""
+    from dflash.runtime.target_heads import identity_of
+
+    gguf = real_target.fetch_gguf()
+    from_file = load_target_heads(gguf).identity  # the consumer's: the gguf package de-quantises the file
+    monkeypatch.setattr(targets, "gguf_tensors", lambda *a, **k: pytest.fail("the GGUF tensors were read"))
+    assert identity_of(gguf) == from_file == identity_of(folder)
