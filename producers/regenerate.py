@@ -178,7 +178,7 @@ class Regenerator:
         self.endings = dict.fromkeys(REASONS, 0)  # answers generated here, by how they ended
 
     def end_turn(self, c: _Conversation, out: list[int]) -> list[int]:
-        """Record how `c`'s turn `out` ended; returns the IDs to keep (a loop cut after its first copy)."""
+        """Record how `c`'s turn `out` ended; returns the IDs to keep (a loop cut as the rule's `keep` says)."""
         reason, keep = classify(out, self.stop_ids, self.loops)
         c.endings.append(reason)
         self.endings[reason] += 1
