@@ -21,7 +21,7 @@ import click
 import torch
 
 from dflash.consumers.drafter.blocks import FLEX_BLOCK, _flex_block_mask, _flex_bounds, anchor_seed, build_layout, \
-    sample_anchors
+    sample_anchors, tile_sets
 
 
 def _anchors(n_seqs: int, L: int, B: int, prompt: int = 6) -> list[torch.Tensor]:
@@ -32,13 +32,10 @@ def _anchors(n_seqs: int, L: int, B: int, prompt: int = 6) -> list[torch.Tensor]
 
 def _tiles_with_context(lay, T_keys: int) -> int:
     """Tiles reached when the block keys start at key row `T_keys` (>= the context's T), as _flex_block_mask does."""
-    N, B = FLEX_BLOCK, lay.block_size
     T, Q = lay.ctx_pos.shape[0], lay.num_queries
-    c_lo, c_hi, k_lo, k_hi, _, _ = _flex_bounds(lay.seq_lens, lay.anchors, lay.spans, T_keys, Q, B)[:, :, None]
-    KV = T_keys + Q
-    lo = torch.arange(-(-KV // N))[None, :] * N
-    hi = torch.clamp(lo + N, max=KV)
-    return int((((lo < c_hi) & (hi > c_lo) & (lo < T)) | ((hi > k_lo) & (lo < k_hi))).sum())
+    partial, full = tile_sets(_flex_bounds(lay.seq_lens, lay.anchors, lay.spans, T_keys, Q, lay.block_size), T,
+                              T_keys + Q)
+    return int(partial.sum() + full.sum())
 
 
 @click.command()

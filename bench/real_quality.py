@@ -114,8 +114,10 @@ def tau_split(rows: list[dict], families: dict[str, str], max_new_tokens: int) -
     fams: dict[str, list[dict]] = {}
     for r in rows:
         fams.setdefault(families.get(r["prompt"], r["prompt"].rsplit("-", 1)[0]), []).append(r)
-    capped = [r for r in rows if r.get("target_passes", {}).get("target_only", 0) >= max_new_tokens]
-    ended = [r for r in rows if r not in capped]
+    split: dict[bool, list[dict]] = {True: [], False: []}
+    for r in rows:
+        split[r.get("target_passes", {}).get("target_only", 0) >= max_new_tokens].append(r)
+    capped, ended = split[True], split[False]
     return {"tau_by_family": {k: _mean_tau(v) for k, v in sorted(fams.items())},
             "capped": {"prompts": len(capped), "tau": _mean_tau(capped)},
             "ended": {"prompts": len(ended), "tau": _mean_tau(ended)}}

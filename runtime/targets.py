@@ -7,6 +7,7 @@ plain folder in the wanted dtype, cached by its SHA-256 (`$DFLASH_GGUF_CACHE`; `
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -135,8 +136,8 @@ def cached_gguf_folder(gguf: Path, dtype: torch.dtype) -> Path | None:
     root = gguf_cache_root()
     if root is None:
         return None
-    sha, name = file_sha256(gguf), str(dtype).removeprefix("torch.")
-    dest, stamp = root / f"{sha[:24]}-{name}", {"gguf_sha256": sha, "dtype": name, "convert": CONVERT_VERSION}
+    sha, name = gguf_sha256(gguf), str(dtype).removeprefix("torch.")
+    dest, stamp = _converted(root, sha, name)
     try:
         cached = is_converted(dest, stamp)
         t0 = time.monotonic()
@@ -152,20 +153,36 @@ def cached_gguf_folder(gguf: Path, dtype: torch.dtype) -> Path | None:
 _STAMP = "dflash_source.json"
 
 
+def gguf_sha256(gguf: Path) -> str:
+    """`file_sha256` of a GGUF file, once per process while the file is unchanged: every load
+    of the target (config, tokenizer, identity, model) looks its converted folder up by it."""
+    st = Path(gguf).stat()
+    return _sha_of(str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha_of(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
+
+
+def _converted(root: Path, sha: str, dtype_name: str) -> tuple[Path, dict]:
+    """Where the conversion of the file `sha` to `dtype_name` lives, and the stamp it carries."""
+    return root / f"{sha[:24]}-{dtype_name}", {"gguf_sha256": sha, "dtype": dtype_name, "convert": CONVERT_VERSION}
+
+
 def converted_folder(gguf: Path) -> Path | None:
     """A folder `cached_gguf_folder` made of `gguf` already (any dtype, this conversion's version), or None."""
     root = gguf_cache_root()
     if root is None or not root.is_dir():
         return None
-    sha = file_sha256(gguf)
-    for dest in sorted(root.glob(f"{sha[:24]}-*")):
-        marker = dest / _STAMP
+    sha = gguf_sha256(gguf)
+    for found in sorted(root.glob(f"{sha[:24]}-*")):
+        dest, stamp = _converted(root, sha, found.name[len(sha[:24]) + 1:])
         try:
-            stamp = json.loads(marker.read_text()) if marker.is_file() else {}
+            if is_converted(dest, stamp):
+                return dest
         except (OSError, ValueError):
-            continue  # half-written or unreadable: not a folder to read
-        if stamp.get("gguf_sha256") == sha and stamp.get("convert") == CONVERT_VERSION:
-            return dest
+            continue  # an unreadable stamp: not a folder to read
     return None
 
 

@@ -61,22 +61,6 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    state: dict,
-    rng: list[torch.Tensor],
-    drafter_config: dict,
-    keep: int,
-    record: dict | None = None,
-) -> Path:
-    return write_checkpoint(root, step, model.state_dict(), optimizer.state_dict(), state=state, rng=rng,
-                            drafter_config=drafter_config, keep=keep, record=record)
-
-
 def write_checkpoint(
     root: Path,
     step: int,

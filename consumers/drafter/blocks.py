@@ -294,6 +294,18 @@ def _flex_bounds(seq_lens: list[int], anchors: list[torch.Tensor], spans: list[S
                         abs_anchor[first], one_seq.long()])
 
 
+def tile_sets(bounds: torch.Tensor, T: int, KV: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [n_q, n_kv] each: the key tiles a query tile reaches only in part (the element rule
+    decides) and wholly, from `_flex_bounds` over T context keys and KV keys in all."""
+    N = FLEX_BLOCK
+    c_lo, c_hi, k_lo, k_hi, f_hi, one = bounds[:, :, None]
+    lo = torch.arange(-(-KV // N), device=bounds.device)[None, :] * N  # [1, n_kv] each key tile's bounds
+    hi = torch.clamp(lo + N, max=KV)
+    reach = ((lo < c_hi) & (hi > c_lo) & (lo < T)) | ((hi > k_lo) & (lo < k_hi))
+    full = (one > 0) & (lo >= c_lo) & (hi <= f_hi) & (hi <= T)
+    return reach & ~full, full
+
+
 def _flex_block_mask(layout: BlockLayout, device: torch.device):
     """The BlockMask from tile bounds in O(tiles): create_block_mask would evaluate every
     (query, key) pair of the batch, O(Q x (T + Q)) per step."""
@@ -305,7 +317,6 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
     KV = layout.context_keys + Q
     if Q == 0:  # no query tile to describe
         return create_block_mask(_mask_mod(layout, device), None, None, 0, KV, device=device)
-    n_kv = -(-KV // N)
     # the bounds come from host-side anchors: no device tensor is read back
     if layout._flex_parts is not None:
         bounds = layout._flex_parts["bounds"]
@@ -314,12 +325,7 @@ def _flex_block_mask(layout: BlockLayout, device: torch.device):
         if device.type == "cuda":
             bounds = bounds.pin_memory()
         bounds = bounds.to(device, non_blocking=True)
-    c_lo, c_hi, k_lo, k_hi, f_hi, one = bounds[:, :, None]
-    lo = torch.arange(n_kv, device=device)[None, :] * N  # [1, n_kv] each key tile's bounds
-    hi = torch.clamp(lo + N, max=KV)
-    reach = ((lo < c_hi) & (hi > c_lo) & (lo < T)) | ((hi > k_lo) & (lo < k_hi))
-    full = (one > 0) & (lo >= c_lo) & (hi <= f_hi) & (hi <= T)
-    partial = reach & ~full
+    partial, full = tile_sets(bounds, T, KV)
 
     def as_indices(m: torch.Tensor):  # [n_q, n_kv] bool -> counts [1, 1, n_q], indices [1, 1, n_q, n_kv]
         order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)  # the tiles of m first, in order

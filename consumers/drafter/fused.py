@@ -29,15 +29,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _ce_rows(logits: torch.Tensor, y: torch.Tensor):
+    """(logits in at least fp32, their logsumexp, each row's CE, argmax) of one chunk."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    return z, lse, lse - z.gather(1, y[:, None])[:, 0], z.argmax(dim=-1)
+
+
 def ce_chunk(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None, need_grad: bool,
              grad_dtype: torch.dtype | None = None):
     """One chunk of the CE from raw logits: (each row's CE, argmax, d (sum of w * CE) / d logits or None)."""
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    logits = logits.to(acc)
-    lse = torch.logsumexp(logits, dim=-1)  # [c]
-    picked = logits.gather(1, y[:, None])[:, 0]  # [c]
-    rows = lse - picked
-    preds = logits.argmax(dim=-1)
+    logits, lse, rows, preds = _ce_rows(logits, y)
     if not need_grad:
         return rows, preds, None
     # d CE / d logits = softmax - onehot, scaled by the row's weight.
@@ -52,16 +54,11 @@ def ce_chunk_out_of_place(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor
                           grad_dtype: torch.dtype | None = None):
     """`ce_chunk` out of place, the form torch.compile fuses into two passes (the in-place form
     costs extra full passes compiled; this one holds several [c, V] tensors eager)."""
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    z = logits.to(acc)
-    lse = torch.logsumexp(z, dim=-1)  # [c]
-    picked = z.gather(1, y[:, None])[:, 0]  # [c]
-    rows = lse - picked
-    preds = z.argmax(dim=-1)
+    z, lse, rows, preds = _ce_rows(logits, y)
     if not need_grad:
         return rows, preds, None
     onehot = torch.arange(z.shape[1], device=z.device)[None, :] == y[:, None]  # [c, V], never stored compiled
-    g = torch.exp(z - lse[:, None]) - onehot.to(acc)
+    g = torch.exp(z - lse[:, None]) - onehot.to(z.dtype)
     if w is not None:
         g = g * w[:, None]
     return rows, preds, g if grad_dtype is None else g.to(grad_dtype)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.unit
 
 
 def eta(progress: dict) -> int | None:
-    # 100 samples in 10 s: 10 samples/s
+    # a pace the assertions can count with: the meter has seen its samples over a round elapsed time
     return Meter(16, None, None, 0)._epoch_eta(50, 1000, 0.0, progress, 10.0, 5, 100.0)[1]
 
 

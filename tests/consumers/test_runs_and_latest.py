@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from tests.harness.tiny import MASK_ID, random_batch
-from dflash.consumers.checkpoints.checkpoint import save_checkpoint, step_dirs
+from dflash.consumers.checkpoints.checkpoint import step_dirs, write_checkpoint
 from dflash.consumers.process.consume_command import main
 from dflash.consumers.process.join import RunConfigMismatch, resume_point
 from dflash.protocol.messages import RunConfig
@@ -89,7 +89,8 @@ def test_pruning_never_deletes_the_checkpoint_just_written(heads, tmp_path):
     model = DFlashDraft(DrafterConfig.from_target(heads.spec, 1, len(LAYERS)))
     opt = torch.optim.AdamW(model.parameters())
     for step in (10, 11, 12, 2):  # step-2: a consumer restarted from an earlier point writes into this folder
-        save_checkpoint(root, step, model, opt, state={}, rng=[torch.get_rng_state()], drafter_config={}, keep=3)
+        write_checkpoint(root, step, model.state_dict(), opt.state_dict(), state={}, rng=[torch.get_rng_state()],
+                         drafter_config={}, keep=3)
     assert [s for s, _ in step_dirs(root)] == [2, 11, 12]
 
 
