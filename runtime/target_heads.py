@@ -254,7 +254,7 @@ class TargetHeads:
         return embed_block(ids, self.embed, self.embed_scale)
 
 
-def _tensor_locations(folder: Path) -> dict[str, Path]:
+def tensor_locations(folder: Path) -> dict[str, Path]:
     """tensor name -> file holding it, reading only the index or the files' headers."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -313,7 +313,7 @@ def _locate(folder: Path) -> tuple[_Located, dict]:
     spec = TargetSpec.from_config(raw)
     obj = config_object(raw)
     vocab = vocabulary(obj) if obj is not None else None
-    where = _tensor_locations(folder)
+    where = tensor_locations(folder)
     embed_name = head_name = None
     looked, head_looked = EMBED_NAMES, HEAD_NAMES
     if vocab is not None:
@@ -333,7 +333,7 @@ def _locate(folder: Path) -> tuple[_Located, dict]:
     return _Located(spec, where, embed_name, head_name, vocab.embed_scale if vocab else 1.0), raw
 
 
-def _read(name: str, file: Path, device: str | torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+def read_tensor(name: str, file: Path, device: str | torch.device, dtype: torch.dtype | None) -> torch.Tensor:
     if not file.is_file():
         raise TargetLoadError(f"{name} should be in {file.name}, which is missing")
     with safe_open(file, framework="pt", device="cpu") as sf:
@@ -383,8 +383,9 @@ def load_target_heads(
     folder = Path(path)
     loc, raw = _locate(folder)
     with ticking(f"read embed_tokens and lm_head of {folder.name}", end_line=False):
-        embed = _read(loc.embed_name, loc.where[loc.embed_name], device, dtype)
-        lm_head = embed if loc.head_name is None else _read(loc.head_name, loc.where[loc.head_name], device, dtype)
+        where = loc.where
+        embed = read_tensor(loc.embed_name, where[loc.embed_name], device, dtype)
+        lm_head = embed if loc.head_name is None else read_tensor(loc.head_name, where[loc.head_name], device, dtype)
     return _heads(loc.spec, embed, lm_head, str(folder), raw, loc.embed_scale)
 
 
