@@ -3,7 +3,8 @@
 Qwen3-style layers; the fused target features are injected as extra keys/values through each
 layer's own k/v projections. Module names follow the published layout, so `state_dict()`
 exports as is. `feature_scale` standardises the features ("massive activations" would
-otherwise dominate `fc`); export folds it into `fc.weight`."""
+otherwise dominate `fc`); export folds it into `fc.weight`. The layers start random, or as
+copies of target layers (`copy_target_layers`, --draft-init)."""
 
 from __future__ import annotations
 
@@ -172,6 +173,51 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope, layout)
         return self.norm(x)
+
+
+DRAFT_INITS = ("random", "first", "last")  # --draft-init (docs/TRAINING.md "Drafter size")
+# Llama has none: ours norm q/k anyway, so with ones a copied Llama layer attends unlike the target (a start)
+TARGET_OPTIONAL = frozenset({"self_attn.q_norm.weight", "self_attn.k_norm.weight"})
+
+
+def init_layer_ids(mode: str, draft_layers: int, target_layers: int) -> list[int]:
+    """The target layers drafter layers 0..L-1 start as copies of (--draft-init first: 0..L-1; last: the
+    target's last L); [] for random. ValueError on an unknown mode or a target of fewer layers."""
+    if mode not in DRAFT_INITS:
+        raise ValueError(f"--draft-init {mode!r} is none of {', '.join(DRAFT_INITS)}")
+    if mode == "random":
+        return []
+    if target_layers < draft_layers:
+        raise ValueError(f"--draft-init {mode} copies one target layer per draft layer: the target has "
+                         f"{target_layers} decoder layers, fewer than --draft-layers {draft_layers}")
+    start = 0 if mode == "first" else target_layers - draft_layers
+    return list(range(start, start + draft_layers))
+
+
+@torch.no_grad()
+def copy_target_layers(model: DFlashDraft, layers: dict[int, dict[str, torch.Tensor]], hidden_act: str | None
+                       ) -> list[str]:
+    """Drafter layer j <- the j-th of `layers` (target layer -> its tensors by name inside the layer); the
+    names of ours left as they were (TARGET_OPTIONAL the target lacks). ValueError where the target's layer
+    computes something else: another activation, a tensor ours lacks (biases, extra norms), another shape."""
+    if hidden_act not in (None, "silu"):
+        raise ValueError(f"--draft-init copies SwiGLU (silu) layers; the target's activation is {hidden_act}")
+    if len(layers) != len(model.layers):
+        raise ValueError(f"{len(layers)} target layers for {len(model.layers)} draft layers")
+    kept: set[str] = set()
+    for ours, (i, theirs) in zip(model.layers, layers.items()):
+        params = dict(ours.named_parameters())
+        extra, missing = sorted(set(theirs) - set(params)), sorted(set(params) - set(theirs) - TARGET_OPTIONAL)
+        if extra or missing:
+            raise ValueError(f"target layer {i} is not a Qwen3/Llama layer: it has {', '.join(extra) or 'nothing'} "
+                             f"beyond a draft layer, and lacks {', '.join(missing) or 'nothing'} of it")
+        for name, t in theirs.items():
+            if t.shape != params[name].shape:
+                raise ValueError(f"target layer {i} {name} has shape {list(t.shape)}, the drafter's "
+                                 f"{list(params[name].shape)}")
+            params[name].copy_(t)
+        kept |= set(params) - set(theirs)
+    return sorted(kept)
 
 
 @torch.no_grad()

@@ -28,6 +28,11 @@ class TrainConfig:
 
     # training signal (recorded in every checkpoint; see protocol/training_signal.py)
     draft_layers: int = setting(5, type=click.IntRange(1), help="Draft decoder layers (paper: 5).")
+    draft_init: str = setting(  # not in the training signal: it only sets a fresh run's first weights
+        "random", type=click.Choice(["random", "first", "last"]),
+        help="The draft layers' first weights: random (N(0, 0.02)); first: copies of the target's first "
+        "--draft-layers decoder layers; last: of its last ones (Qwen3/Llama-style layers; a resume takes the "
+        "checkpoint's weights).")
     target_layers: tuple[int, ...] | None = setting(  # None: 5 layers spaced from 1 to L-3
         "auto", parse=parse_layers,
         help="Comma-separated 0-based target layer IDs fed to the drafter; auto: the broker run's (its "

@@ -23,12 +23,14 @@ from dflash.consumers.checkpoints.record import TrainedRecord
 from dflash.consumers.drafter import fused
 from dflash.consumers.drafter.loss import LossStats
 from dflash.consumers.drafter.mask_token import mask_in_batch
-from dflash.consumers.drafter.model import DFlashDraft, DrafterConfig, calibrate_features, published_config
+from dflash.consumers.drafter.model import (DFlashDraft, DrafterConfig, calibrate_features, copy_target_layers,
+                                            init_layer_ids, published_config)
 from dflash.consumers.parallel.dist import Dist, DistGroup
 from dflash.protocol.training_signal import SignalMismatch, signal_differences
 from dflash.runtime.gcpause import freeze_setup
 from dflash.runtime.logs import get_logger
 from dflash.runtime.target_heads import TargetHeads
+from dflash.runtime.target_layers import load_target_layers
 
 from . import finite, train_checkpoint
 from .batch import BatchMismatch, check_fit
@@ -100,6 +102,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.mcfg = DrafterConfig.from_target(self.heads.spec, cfg.draft_layers, len(self.signal.target_layers))
         self.model = DFlashDraft(self.mcfg).to(device)
+        if cfg.draft_init != "random":
+            self._init_from_target()
         self.dist.broadcast_params(self.model)
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -109,6 +113,17 @@ class Trainer:
         self.drafter_json = published_config(self.mcfg, self.heads.spec, block_size=signal.block_size,
                                              mask_token_id=signal.mask_token_id,
                                              target_layer_ids=list(signal.target_layers))
+
+    def _init_from_target(self) -> None:
+        """--draft-init first|last: the draft layers start as copies of target layers. Before any resume
+        or heal, which then replaces them: only a fresh run starts from these."""
+        heads, mode = self.heads, self.cfg.draft_init
+        ids = init_layer_ids(mode, self.cfg.draft_layers, heads.spec.num_hidden_layers)
+        text = heads.config.get("text_config") or heads.config  # a multimodal wrapper's decoder
+        kept = copy_target_layers(self.model, load_target_layers(heads.path, ids, device=self.device),
+                                  text.get("hidden_act"))
+        log.info("train.draft_init", mode=mode, target_layers=ids, target_layer_count=heads.spec.num_hidden_layers,
+                 kept=kept, rank=self.dist.rank)
 
     # ------------------------------------------------ the state (checkpoints and heals)
 

@@ -15,6 +15,7 @@ import torch
 from dflash.consumers.checkpoints.record import TrainedRecord
 from dflash.consumers.drafter.loss import LOSSES, default_gamma
 from dflash.consumers.drafter.mask_token import mask_choice
+from dflash.consumers.drafter.model import init_layer_ids
 from dflash.protocol.training_signal import Signal
 from dflash.runtime.target_heads import TargetHeads
 from dflash.runtime.targets import default_layer_ids
@@ -73,6 +74,7 @@ def resolve_signal(cfg: TrainConfig, heads: TargetHeads) -> Signal:
         raise ValueError("block size must be >= 2, anchors, anchor spacing and draft layers >= 1")
     if cfg.loss not in LOSSES:
         raise ValueError(f"--loss {cfg.loss!r} is none of {', '.join(LOSSES)}")
+    init_layer_ids(cfg.draft_init, cfg.draft_layers, spec.num_hidden_layers)  # fails here, before anything connects
     alpha = None
     if cfg.loss == "dpace":
         # D-PACE has no fixed decay: a --gamma would be recorded in the signal and silently unused
