@@ -1,5 +1,5 @@
-"""bench/recipe_sweep.py takes TrainConfig fields as config keys, the loss among them, and a
-whole sweep of ce against dpace runs on CPU on a tiny target (its smoke mode, --device cpu)."""
+"""bench/recipe_sweep.py takes TrainConfig fields as config keys, the loss and the draft init among
+them, and a whole sweep of ce against dpace runs on CPU on a tiny target (its smoke mode, --device cpu)."""
 
 import json
 import sqlite3
@@ -29,6 +29,20 @@ def test_the_loss_is_a_config_key(heads):
     assert (signal.loss, signal.dpace_alpha) == ("dpace", 0.3)
     with pytest.raises(click.BadParameter, match="'los' is not a TrainConfig field"):
         sweep.parse_config("los=dpace")
+
+
+def test_the_draft_init_is_a_config_key(heads):
+    from structlog.testing import capture_logs
+
+    from dflash.consumers.parallel.dist import Dist
+    from dflash.consumers.training.train import Trainer
+    from dflash.consumers.training.train_config import Hooks
+
+    c = _sweep().parse_config("draft_init=last,draft_layers=2")
+    assert c == {"draft_init": "last", "draft_layers": 2}
+    with capture_logs() as logs:
+        Trainer(TrainConfig(target_layers=(1, 2), mask_token_id=MASK_ID, **c), heads, Dist(), Hooks(), None, None)
+    assert [e["target_layers"] for e in logs if e["event"] == "train.draft_init"] == [[2, 3]]
 
 
 @pytest.mark.timeout(300)
