@@ -13,21 +13,26 @@
 #                                      # (export, tau held-out and in-distribution, the logs'
 #                                      # figures) and, time left, SWEEP configs on the run's own
 #                                      # regenerated answers (bench/recipe_sweep.py)
+#   bash bench/gpu_one_gpu.sh sweep    # after `install`; carry .carry/part-b and .carry/sweep_data.tgz
+#                                      # (a finish's $OUT/sweep_data.tgz: answers and prompts): SWEEP
+#                                      # configs for a whole call, no run first
 #
-# Results land in $OUT: step_before.json, step_after.json, result.json, sweep.json, logs.tgz.
+# Results land in $OUT: step_before.json, step_after.json, result.json, sweep.json, sweep.log,
+# sweep_data.tgz (the run's regenerated answers and prompts, for a later `sweep`), logs.tgz.
 # Environment: BUDGET (600), COUNT (prompts, 8000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
 # STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
-# SWEEP_SAMPLES, PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/tools/test_gpu_one_gpu_script.py), TARGET
+# SWEEP_SAMPLES, SWEEP_DATA (sweep: the tgz, .carry/sweep_data.tgz), PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/tools/test_gpu_one_gpu_script.py), TARGET
 # (default: the carried GGUF), BASELINE_TAR, W (work folder).
 set -uo pipefail
-W=${W:-/tmp/dflash-onegpu}
+W=${W:-${TMPDIR:-/tmp}/dflash-onegpu}
 . "$(dirname "$0")/gpu_carry.sh"  # OUT, GGUF, the environment
 GPU=${GPU:-0}
 TARGET=${TARGET:-$GGUF}
 BASELINE_TAR=${BASELINE_TAR:-.carry/baseline.tar}  # `git archive` of the commit to compare against
-export GPU TARGET  # the background run (start) reads them too
-STEP="bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 --vary --steps 30 ${STEP_ARGS:-}"
+export GPU TARGET W  # the background run (start) reads them too: unexported, its work folder was /run
+# attention and fusion pinned: each tree's bench has its own defaults (older ones: sdpa)
+STEP="bench/drafter_step.py --shape smollm2-135m --seqs 16 --seq-len 290 --vary --steps 30 --attn flex --fuse on ${STEP_ARGS:-}"
 
 budget_run() {  # the run, as one_gpu_budget.py's arguments
   local a=(--target "$TARGET" --work "$W/run" --gpu "$GPU" --budget "${BUDGET:-600}" --count "${COUNT:-8000}"
@@ -39,7 +44,15 @@ budget_run() {  # the run, as one_gpu_budget.py's arguments
   python3 bench/one_gpu_budget.py run "${a[@]}"
 }
 
-case "${1:?usage: gpu_one_gpu.sh install|step|start|finish}" in
+run_sweep() {  # CACHE PROMPTS_DIR: the SWEEP configs on those answers, each row in $OUT as it ends
+  local cfg=() dev=cuda; for c in $SWEEP; do cfg+=(--config "$c"); done
+  [ "$GPU" -lt 0 ] && dev=cpu
+  python3 bench/recipe_sweep.py --target "$TARGET" --regen "$1" --prompts "$2" \
+      --samples "${SWEEP_SAMPLES:-20000}" --device "$dev" ${SWEEP_ARGS:-} "${cfg[@]}" --out "$OUT/sweep.json" \
+      2>&1 | tee "$OUT/sweep.log" | grep -v '"level": "info"' | tail -30
+}
+
+case "${1:?usage: gpu_one_gpu.sh install|step|start|finish|sweep}" in
 install)
   [ "$GPU" -lt 0 ] && exit 0  # CPU: nothing to carry in
   gpu_install && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
@@ -77,16 +90,26 @@ finish)
       ${REPORT_ARGS:-} > "$OUT/result.json" 2> "$W/report.err" || { tail -c 3000 "$W/report.err"; exit 1; }
   (cd "$W/run" && tar czf "$OUT/logs.tgz" $(ls broker.out producer.out consumer.out prompts.out eval-*.json run.json 2>/dev/null))
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({k: r.get(k) for k in ('checks','heldout','indist')})[:3000])" "$OUT/result.json"
+  # the answers and prompts, for a `sweep` call of a later session (no regeneration there)
+  rm -rf "$W/sweep_data"; mkdir -p "$W/sweep_data"
+  cp "$W/run/prompts.jsonl" "$W/sweep_data/train.jsonl"; cp "$W/run/indist.jsonl" "$W/sweep_data/indist.jsonl"
+  cp "$W/run/prompts.holdout.jsonl" "$W/sweep_data/heldout.jsonl"
+  # one file (the WAL folded in) without the chats' text, which the sweep does not read: it travels
+  python3 - "$(ls -S "$W"/regen/*.sqlite | head -1)" "$W/sweep_data/regen.sqlite" <<'EOF' || exit 1
+import sqlite3, sys
+sqlite3.connect(sys.argv[1]).execute("VACUUM INTO ?", (sys.argv[2],))
+out = sqlite3.connect(sys.argv[2], isolation_level=None)
+out.execute("UPDATE regen_ids SET messages = '[]'")
+out.execute("VACUUM")
+EOF
+  tar czf "$OUT/sweep_data.tgz" -C "$W" sweep_data
   if [ -n "${SWEEP:-}" ]; then  # the same answers, other recipes: held-out tau decides (bench/recipe_sweep.py)
-    mkdir -p "$W/sweep_prompts"
-    cp "$W/run/prompts.jsonl" "$W/sweep_prompts/train.jsonl"; cp "$W/run/indist.jsonl" "$W/sweep_prompts/indist.jsonl"
-    cp "$W/run/prompts.holdout.jsonl" "$W/sweep_prompts/heldout.jsonl"
-    cache=$(ls -S "$W"/regen/*.sqlite | head -1)
-    cfg=(); for c in $SWEEP; do cfg+=(--config "$c"); done
-    dev=cuda; [ "$GPU" -lt 0 ] && dev=cpu
-    python3 bench/recipe_sweep.py --target "$TARGET" --regen "$cache" --prompts "$W/sweep_prompts" \
-        --samples "${SWEEP_SAMPLES:-20000}" --device "$dev" ${SWEEP_ARGS:-} "${cfg[@]}" --out "$OUT/sweep.json" \
-        2>&1 | grep -v '"level": "info"' | tail -30
+    run_sweep "$W/sweep_data/regen.sqlite" "$W/sweep_data"
   fi
+  ;;
+sweep)
+  [ "$GPU" -lt 0 ] || gpu_join || exit 1
+  rm -rf "$W/sweep_data"; tar xzf "${SWEEP_DATA:-.carry/sweep_data.tgz}" -C "$W" || exit 1
+  run_sweep "$W/sweep_data/regen.sqlite" "$W/sweep_data"
   ;;
 esac

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -48,11 +49,15 @@ def _run(part: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     work = tmp_path_factory.mktemp("onegpu")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_") and k not in ("W", "OUT", "TARGET")}
+    # W, OUT and TARGET are the script's own, as in a GPU call: W under TMPDIR, the target where gpu_join
+    # leaves it (an unexported W once sent the background run to /run)
+    w = work / "dflash-onegpu"
+    w.mkdir()
+    (w / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(real_target.fetch_gguf())
     env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1", W=str(work / "w"),
-        OUT=str(work / "out"), TARGET=str(real_target.fetch_gguf()), BUDGET=str(BUDGET), COUNT="7", HOLDOUT="1",
-        EPOCHS="50", OMP_NUM_THREADS="1", START_WAIT_S="600",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1", TMPDIR=str(work),
+        BUDGET=str(BUDGET), COUNT="7", HOLDOUT="1", EPOCHS="50", OMP_NUM_THREADS="1", START_WAIT_S="600",
         PROMPT_ARGS="--max-new-tokens 48 --answer-tokens 32 --batch-size 16 --exclude riddle",
         PRODUCER_ARGS="--max-new-tokens 24", CONSUMER_ARGS="--draft-layers 1 --save-every 4",
         REPORT_ARGS="--indist 3 --max-new-tokens 16",
@@ -61,15 +66,16 @@ def session(tmp_path_factory):
         env["PROMPTS_FROM"] = str(bundled_prompts(work))
     start = _run("start", env, BUDGET + 400)
     finish = _run("finish", env, 900)
-    return work, start, finish
+    return w, start, finish, env
 
 
 @pytest.mark.real_target
 @pytest.mark.integration
 def test_the_budget_run_ends_by_itself_within_its_budget_and_annealed(session):
-    work, _, _ = session
+    work, _, _, _ = session
     result = json.loads((work / "out" / "result.json").read_text())
     run = result["run"]
+    assert f"--regen-cache {work}/regen" in " ".join(run["args"]["producer"]), run["args"]
     assert run["exit_codes"] == {"broker": 0, "producer": 0, "consumer": 0}, run
     assert not run["timed_out"]
     assert run["train_budget_s"] <= BUDGET and (run["prompts_s"] > 0 or not LONG)
@@ -88,7 +94,7 @@ def test_the_budget_run_ends_by_itself_within_its_budget_and_annealed(session):
 @pytest.mark.real_target
 @pytest.mark.integration
 def test_the_report_measures_held_out_and_training_prompts_and_the_regeneration(session):
-    work, _, finish = session
+    work, _, finish, _ = session
     result = json.loads((work / "out" / "result.json").read_text())
     for part in ("heldout", "indist"):
         ev = result[part]
@@ -119,3 +125,25 @@ def test_the_step_call_builds_the_baseline_apart_from_this_tree(tmp_path):
     after = json.loads((tmp_path / "out" / "step_after.json").read_text())
     assert before["train"].startswith(str(tmp_path / "w" / "base_site")), before
     assert after["train"].startswith(str(ROOT)), after
+
+
+@pytest.mark.real_target
+@pytest.mark.integration
+def test_finish_packs_the_answers_and_a_sweep_call_trains_on_them(session, tmp_path):
+    work, _, _, env = session
+    with tarfile.open(work / "out" / "sweep_data.tgz") as t:
+        t.extractall(tmp_path, filter="data")
+    data = tmp_path / "sweep_data"
+    assert {p.name for p in data.iterdir()} == {"train.jsonl", "indist.jsonl", "heldout.jsonl", "regen.sqlite"}
+    db = sqlite3.connect(data / "regen.sqlite")
+    rows = db.execute("SELECT COUNT(*), SUM(LENGTH(input_ids)), MAX(messages) FROM regen_ids").fetchone()
+    prompts = len((data / "train.jsonl").read_text().splitlines())
+    assert rows[0] == prompts and rows[1] > 0 and rows[2] == "[]", (rows, prompts)  # every answer, no chat text
+    # a later session's call: only the packed answers, no run before it
+    sweep_env = {**env, "SWEEP": "draft_layers=1", "SWEEP_SAMPLES": "4", "SWEEP_DATA": str(work / "out" / "sweep_data.tgz"),
+                 "SWEEP_ARGS": "--val 2 --eval-prompts 1 --max-new-tokens 4"}
+    _run("sweep", sweep_env, 900)
+    rows = json.loads((work / "out" / "sweep.json").read_text())["results"]
+    assert [r["config"] for r in rows] == ["draft_layers=1"] and rows[0]["samples"] > 0, rows
+    assert rows[0]["heldout"]["tau"] >= 1.0, rows[0]
+    assert "draft_layers=1" in (work / "out" / "sweep.log").read_text()
