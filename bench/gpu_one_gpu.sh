@@ -13,16 +13,17 @@
 #                                      # (export, tau held-out and in-distribution, the logs'
 #                                      # figures) and, time left, SWEEP configs on the run's own
 #                                      # regenerated answers (bench/recipe_sweep.py)
-#   bash bench/gpu_one_gpu.sh sweep    # after `install`; carry .carry/part-b and .carry/sweep_data.tgz
-#                                      # (a finish's $OUT/sweep_data.tgz: answers and prompts): SWEEP
-#                                      # configs for a whole call, no run first
+#   bash bench/gpu_one_gpu.sh sweep    # after `install`; carry .carry/part-b (and .carry/sweep_data.tgz,
+#                                      # a finish's $OUT/sweep_data.tgz, if kept; else the target writes
+#                                      # COUNT prompts and answers them first): SWEEP configs, no run
 #
 # Results land in $OUT: step_before.json, step_after.json, result.json, sweep.json, sweep.log,
 # sweep_data.tgz (the run's regenerated answers and prompts, for a later `sweep`), logs.tgz.
 # Environment: BUDGET (600), COUNT (prompts, 8000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
 # STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
-# SWEEP_SAMPLES, SWEEP_DATA (sweep: the tgz, .carry/sweep_data.tgz), PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/tools/test_gpu_one_gpu_script.py), TARGET
+# SWEEP_SAMPLES, SWEEP_DATA (sweep: the tgz, .carry/sweep_data.tgz), REGEN_ARGS (sweep: bench/regen_data.py
+# flags), INDIST (16: training prompts the sweep measures), PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/tools/test_gpu_one_gpu_script.py), TARGET
 # (default: the carried GGUF), BASELINE_TAR, W (work folder).
 set -uo pipefail
 W=${W:-${TMPDIR:-/tmp}/dflash-onegpu}
@@ -42,6 +43,20 @@ budget_run() {  # the run, as one_gpu_budget.py's arguments
   [ -n "${BROKER_ARGS:-}" ] && a+=(--broker-arg "$BROKER_ARGS")
   [ -n "${CONSUMER_ARGS:-}" ] && a+=(--consumer-arg "$CONSUMER_ARGS")
   python3 bench/one_gpu_budget.py run "${a[@]}"
+}
+
+pack_sweep_data() {  # PROMPTS HOLDOUT REGEN_DIR -> $W/sweep_data and $OUT/sweep_data.tgz (train, indist, heldout, answers)
+  rm -rf "$W/sweep_data"; mkdir -p "$W/sweep_data"
+  cp "$1" "$W/sweep_data/train.jsonl"; head -n "${INDIST:-16}" "$1" > "$W/sweep_data/indist.jsonl"; cp "$2" "$W/sweep_data/heldout.jsonl"
+  # one file (the WAL folded in) without the chats' text, which the sweep does not read: it travels
+  python3 - "$(ls -S "$3"/*.sqlite | head -1)" "$W/sweep_data/regen.sqlite" <<'EOF' || return 1
+import sqlite3, sys
+sqlite3.connect(sys.argv[1]).execute("VACUUM INTO ?", (sys.argv[2],))
+out = sqlite3.connect(sys.argv[2], isolation_level=None)
+out.execute("UPDATE regen_ids SET messages = '[]'")
+out.execute("VACUUM")
+EOF
+  tar czf "$OUT/sweep_data.tgz" -C "$W" sweep_data
 }
 
 run_sweep() {  # CACHE PROMPTS_DIR: the SWEEP configs on those answers, each row in $OUT as it ends
@@ -91,25 +106,29 @@ finish)
   (cd "$W/run" && tar czf "$OUT/logs.tgz" $(ls broker.out producer.out consumer.out prompts.out eval-*.json run.json 2>/dev/null))
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({k: r.get(k) for k in ('checks','heldout','indist')})[:3000])" "$OUT/result.json"
   # the answers and prompts, for a `sweep` call of a later session (no regeneration there)
-  rm -rf "$W/sweep_data"; mkdir -p "$W/sweep_data"
-  cp "$W/run/prompts.jsonl" "$W/sweep_data/train.jsonl"; cp "$W/run/indist.jsonl" "$W/sweep_data/indist.jsonl"
-  cp "$W/run/prompts.holdout.jsonl" "$W/sweep_data/heldout.jsonl"
-  # one file (the WAL folded in) without the chats' text, which the sweep does not read: it travels
-  python3 - "$(ls -S "$W"/regen/*.sqlite | head -1)" "$W/sweep_data/regen.sqlite" <<'EOF' || exit 1
-import sqlite3, sys
-sqlite3.connect(sys.argv[1]).execute("VACUUM INTO ?", (sys.argv[2],))
-out = sqlite3.connect(sys.argv[2], isolation_level=None)
-out.execute("UPDATE regen_ids SET messages = '[]'")
-out.execute("VACUUM")
-EOF
-  tar czf "$OUT/sweep_data.tgz" -C "$W" sweep_data
+  pack_sweep_data "$W/run/prompts.jsonl" "$W/run/prompts.holdout.jsonl" "$W/regen" || exit 1
   if [ -n "${SWEEP:-}" ]; then  # the same answers, other recipes: held-out tau decides (bench/recipe_sweep.py)
     run_sweep "$W/sweep_data/regen.sqlite" "$W/sweep_data"
   fi
   ;;
 sweep)
   [ "$GPU" -lt 0 ] || gpu_join || exit 1
-  rm -rf "$W/sweep_data"; tar xzf "${SWEEP_DATA:-.carry/sweep_data.tgz}" -C "$W" || exit 1
+  rm -rf "$W/sweep_data"
+  if [ -f "${SWEEP_DATA:-.carry/sweep_data.tgz}" ]; then
+    tar xzf "${SWEEP_DATA:-.carry/sweep_data.tgz}" -C "$W" || exit 1
+  else  # none carried: the target writes the prompts (or PROMPTS_FROM) and answers them as a run's producer would
+    mkdir -p "$W/sweep_prompts"; rm -rf "$W/sweep_regen"
+    if [ -n "${PROMPTS_FROM:-}" ]; then
+      cp "$PROMPTS_FROM" "$W/sweep_prompts/prompts.jsonl"; cp "${PROMPTS_FROM%.jsonl}.holdout.jsonl" "$W/sweep_prompts/prompts.holdout.jsonl"
+    else
+      python3 -m dflash.tools.self_prompts --target "$TARGET" --count "${COUNT:-8000}" --holdout "${HOLDOUT:-8}" --out "$W/sweep_prompts/prompts.jsonl" \
+          $([ "$GPU" -ge 0 ] && echo --gpu "$GPU") ${PROMPT_ARGS:-} > "$OUT/prompts.log" 2>&1 || { tail -c 2000 "$OUT/prompts.log"; exit 1; }
+    fi
+    python3 bench/regen_data.py --target "$TARGET" --data "$W/sweep_prompts/prompts.jsonl" --regen-cache "$W/sweep_regen" \
+        $([ "$GPU" -ge 0 ] && echo --gpu "$GPU") ${REGEN_ARGS:-} 2> "$OUT/regen.log" | tee "$OUT/regen.json" \
+        || { tail -c 2000 "$OUT/regen.log"; exit 1; }
+    pack_sweep_data "$W/sweep_prompts/prompts.jsonl" "$W/sweep_prompts/prompts.holdout.jsonl" "$W/sweep_regen" || exit 1
+  fi
   run_sweep "$W/sweep_data/regen.sqlite" "$W/sweep_data"
   ;;
 esac

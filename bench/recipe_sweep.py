@@ -57,6 +57,11 @@ def parse_config(text: str) -> dict:
     return out
 
 
+def _fig(x) -> str:
+    """A simulated figure, or "-" where the held-back samples had no block to measure."""
+    return "-" if x is None else f"{x:.3f}"
+
+
 def read_cache(path: Path, limit: int) -> list:
     from dflash.producers.chat import Encoded
 
@@ -165,7 +170,7 @@ def main(target, regen, prompts, samples, val, eval_prompts, max_new_tokens, con
             row[name] = {k: rep.get(k) for k in ("tau", "speedup", "mismatches", "tie_flips", "tau_by_family")}
         results.append(row)
         print(f"{configs[i]:40s} steps {state.step:5d} train {train_s:6.1f}s {row['tokens_per_s']:7d} tok/s "
-              f"val tau {sim['tau']:.3f} acc {sim['acc']:.3f} | in-dist tau {row['indist']['tau']} "
+              f"val tau {_fig(sim['tau'])} acc {_fig(sim['acc'])} | in-dist tau {row['indist']['tau']} "
               f"x{row['indist']['speedup']} | held-out tau {row['heldout']['tau']} x{row['heldout']['speedup']}",
               flush=True)
         del state

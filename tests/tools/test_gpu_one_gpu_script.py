@@ -143,7 +143,32 @@ def test_finish_packs_the_answers_and_a_sweep_call_trains_on_them(session, tmp_p
     sweep_env = {**env, "SWEEP": "draft_layers=1", "SWEEP_SAMPLES": "4", "SWEEP_DATA": str(work / "out" / "sweep_data.tgz"),
                  "SWEEP_ARGS": "--val 2 --eval-prompts 1 --max-new-tokens 4"}
     _run("sweep", sweep_env, 900)
-    rows = json.loads((work / "out" / "sweep.json").read_text())["results"]
-    assert [r["config"] for r in rows] == ["draft_layers=1"] and rows[0]["samples"] > 0, rows
+    _check_sweep(work / "out", "draft_layers=1")
+
+
+def _check_sweep(out: Path, config: str) -> None:
+    rows = json.loads((out / "sweep.json").read_text())["results"]
+    assert [r["config"] for r in rows] == [config] and rows[0]["samples"] > 0, rows
     assert rows[0]["heldout"]["tau"] >= 1.0, rows[0]
-    assert "draft_layers=1" in (work / "out" / "sweep.log").read_text()
+    assert config in (out / "sweep.log").read_text()
+
+
+@pytest.mark.real_target
+@pytest.mark.integration
+def test_a_sweep_call_without_carried_answers_makes_its_own(tmp_path):
+    # a session whose earlier run left nothing: the target answers the prompts first (bench/regen_data.py)
+    w = tmp_path / "dflash-onegpu"
+    w.mkdir()
+    (w / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(real_target.fetch_gguf())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_") and k not in ("W", "OUT", "TARGET")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1", TMPDIR=str(tmp_path),
+               OMP_NUM_THREADS="1", PROMPTS_FROM=str(bundled_prompts(tmp_path)), SWEEP_DATA=str(tmp_path / "none.tgz"),
+               REGEN_ARGS="--limit 8 --max-new-tokens 24", SWEEP="anchor_every=2", SWEEP_SAMPLES="4",
+               SWEEP_ARGS="--val 2 --eval-prompts 1 --max-new-tokens 4")
+    _run("sweep", env, 900)
+    out = w / "out"
+    with tarfile.open(out / "sweep_data.tgz") as t:
+        assert {"sweep_data/regen.sqlite", "sweep_data/heldout.jsonl", "sweep_data/indist.jsonl"} <= set(t.getnames())
+    regen = json.loads((out / "regen.json").read_text())
+    assert regen["rows"] == 8 and regen["generated"] == 8 and regen["new_tokens"] > 0, regen
+    _check_sweep(out, "anchor_every=2")
