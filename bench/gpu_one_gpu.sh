@@ -17,7 +17,11 @@
 #                                      # a finish's $OUT/sweep_data.tgz, if kept; else the target writes
 #                                      # COUNT prompts and answers them first): SWEEP configs, no run
 #
-# Results land in $OUT: step_before.json, step_after.json, result.json, sweep.json, sweep.log,
+# A run longer than a call (BUDGET over ~560 s, e.g. for the tau curve: CONSUMER_ARGS="--eval-every N --eval-prompts
+# $W/run/prompts.holdout.jsonl"): `finish` says "the run goes on" until it has ended, then reports.
+#
+# Results land in $OUT: step_before.json, step_after.json, result.json, tau_curve.png/.json (with
+# --eval-prompts), sweep.json, sweep.log,
 # sweep_data.tgz (the run's regenerated answers and prompts, for a later `sweep`), logs.tgz.
 # Environment: BUDGET (600), COUNT (prompts, 8000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
@@ -100,11 +104,19 @@ finish)
   while [ -f "$W/run.pid" ] && kill -0 "$(cat "$W/run.pid")" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-300}" ]; do
     sleep 5
   done
+  if [ -f "$W/run.pid" ] && kill -0 "$(cat "$W/run.pid")" 2>/dev/null; then  # a run longer than a call: finish again
+    echo "the run goes on after ${WAIT_S:-300} s:"; tail -c 1500 "$W/run.log"; exit 0
+  fi
   [ -f "$W/run/run.json" ] || { echo "the run left no run.json:"; tail -c 3000 "$W/run.log"; exit 1; }
   python3 bench/one_gpu_budget.py report --target "$TARGET" --work "$W/run" --gpu "$GPU" \
       ${REPORT_ARGS:-} > "$OUT/result.json" 2> "$W/report.err" || { tail -c 3000 "$W/report.err"; exit 1; }
   (cd "$W/run" && tar czf "$OUT/logs.tgz" $(ls broker.out producer.out consumer.out prompts.out eval-*.json run.json 2>/dev/null))
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({k: r.get(k) for k in ('checks','heldout','indist')})[:3000])" "$OUT/result.json"
+  if cat "$W"/run/runs/latest/logs/consumer-*.jsonl 2>/dev/null | grep -q '"event": "eval.tau"'; then
+    # the run's live evaluation (CONSUMER_ARGS --eval-every N --eval-prompts ...): tau against samples
+    python3 bench/tau_curve.py --run "$W/run/runs/latest" --out "$OUT/tau_curve.png" --json "$OUT/tau_curve.json" \
+        > "$W/curve.log" 2>&1 || { tail -c 2000 "$W/curve.log"; exit 1; }
+  fi
   # the answers and prompts, for a `sweep` call of a later session (no regeneration there)
   pack_sweep_data "$W/run/prompts.jsonl" "$W/run/prompts.holdout.jsonl" "$W/regen" || exit 1
   if [ -n "${SWEEP:-}" ]; then  # the same answers, other recipes: held-out tau decides (bench/recipe_sweep.py)

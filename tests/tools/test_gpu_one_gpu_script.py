@@ -59,7 +59,10 @@ def session(tmp_path_factory):
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", GPU="-1", TMPDIR=str(work),
         BUDGET=str(BUDGET), COUNT="7", HOLDOUT="1", EPOCHS="50", OMP_NUM_THREADS="1", START_WAIT_S="600",
         PROMPT_ARGS="--max-new-tokens 48 --answer-tokens 32 --batch-size 16 --exclude riddle",
-        PRODUCER_ARGS="--max-new-tokens 24", CONSUMER_ARGS="--draft-layers 1 --save-every 4",
+        PRODUCER_ARGS="--max-new-tokens 24",
+        # live evaluation of the held-out prompts, as a tau-curve run takes it
+        CONSUMER_ARGS=f"--draft-layers 1 --save-every 4 --eval-every 3 --eval-prompts {w}/run/prompts.holdout.jsonl "
+                      "--eval-limit 1 --eval-max-new-tokens 4",
         REPORT_ARGS="--indist 3 --max-new-tokens 16",
     )
     if not LONG:
@@ -109,6 +112,10 @@ def test_the_report_measures_held_out_and_training_prompts_and_the_regeneration(
     with tarfile.open(work / "out" / "logs.tgz") as t:
         assert {"broker.out", "producer.out", "consumer.out", "run.json"} <= set(t.getnames())
     assert '"checks"' in finish.stdout
+    curve = json.loads((work / "out" / "tau_curve.json").read_text())  # the live evaluation's points
+    points = next(iter(curve.values()))["tau"]
+    assert points and all(p["tau"] >= 1.0 and p["samples"] > 0 for p in points), curve
+    assert (work / "out" / "tau_curve.png").stat().st_size > 0
 
 
 @pytest.mark.real_target
