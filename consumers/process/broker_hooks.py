@@ -73,8 +73,10 @@ class BrokerHooks:
         self.plan_waited = False
 
     def on_lineage(self, record) -> None:
-        """The weights' lineage; a new one is announced before any ack names it."""
-        if record.origin != "healed" and record.lineage != self.lineage:
+        """The weights' lineage; a new one is announced before any ack names it. A replica healed into a
+        running lineage announces it too: the broker takes commits only from a lineage's announced or
+        batch-acking consumers, and a healed rank 0 may save before it trains a batch (or with none left)."""
+        if record.lineage != self.lineage:
             msg = record.lineage_message(self.resumed_from)
             log.info("consume.lineage", **msg.fields(), origin=record.origin)
             self.link.send_control(msg)

@@ -134,3 +134,46 @@ def test_where_the_checkpoints_are_not_readable_a_commit_is_checked_by_its_sessi
         assert sent(r.control(b"c", "commit", step=2, checkpoint="/on/another/host/step-2", lineage="A"),
                     "reject") == []
         assert r.core.ledger.counts["committed"] == 2 and not r.core.commits.shared_disk
+
+
+class CoreLink:
+    """The consumer's link as the hooks use it, wired to the rig's core as session `identity`."""
+
+    def __init__(self, rig: Rig, identity: bytes):
+        import threading
+
+        self.rig, self.identity, self.out = rig, identity, []
+        self.stopped, self.broker_stats = threading.Event(), {}
+
+    def send_control(self, msg) -> None:
+        self.out += self.rig.control(self.identity, msg.type, **msg.fields())
+
+    def ack(self, batch_ids, step, lineage) -> None:
+        self.out += self.rig.control(self.identity, "ack", batch_ids=batch_ids, step=step, lineage=lineage)
+
+    def commit(self, step, path, lineage) -> None:
+        self.out += self.rig.control(self.identity, "commit", step=step, checkpoint=path, lineage=lineage)
+
+
+def test_a_replica_healed_into_the_lineage_commits_a_step_it_trained_no_batch_of(tmp_path, logs):
+    # An elastic group's new rank 0, healed from a live replica, saved the run's last step with no batch of its
+    # own left: its commit was refused and the consumer failed (test_elastic under .ci/run, 2026-12-08). The
+    # consumer's own hooks, against the core.
+    import torch
+
+    from dflash.consumers.checkpoints.record import TrainedRecord
+    from dflash.consumers.process.broker_hooks import BrokerHooks
+
+    with Rig(tmp_path / "run", lease_size=2) as r:
+        trained_on_a(r)
+        r.hello(b"h", "consumer")
+        link = CoreLink(r, b"h")
+        hooks = BrokerHooks(link, 0, link.stopped, torch.device("cpu"))
+        healed = TrainedRecord.from_state({"complete": False, "repeats": 0, "lineage": "A", "parent": None,
+                                           "parent_step": 0, "epochs": {}})
+        assert healed.origin == "healed"
+        hooks.on_lineage(healed)
+        path = checkpoint(tmp_path / "ckpts" / "step-2", 2, "A")
+        hooks.on_checkpoint(2, path)
+        assert codes(link.out) == [] and not logs.events("broker.commit_refused"), link.out
+        assert r.core.ledger.last_commit == (2, path) and r.core.ledger.counts["committed"] == 2
