@@ -24,7 +24,8 @@ import click
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--regen-cache", required=True, type=click.Path(file_okay=False))
 @click.option("--max-new-tokens", default=1024, type=int, help="As dflash-produce --max-new-tokens.")
-@click.option("--regen-batch-size", default=256, type=int, help="As dflash-produce --regen-batch-size.")
+@click.option("--regen-batch-size", default=0, type=int,
+              help="As dflash-produce --regen-batch-size (its default, 0: rows by memory).")
 @click.option("--chunk", default=4096, type=int, help="Rows handed to the regenerator at once.")
 @click.option("--limit", default=None, type=int, help="Only the first N rows.")
 @click.option("--budget-s", default=None, type=float, help="Start no chunk after this many seconds (the producer "
