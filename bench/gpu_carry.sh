@@ -1,4 +1,4 @@
-# Sourced by bench/gpu_quality.sh and bench/gpu_regen_step.sh, for a GPU machine that keeps
+# Sourced by bench/gpu_quality.sh, bench/gpu_regen_step.sh and bench/gpu_one_gpu.sh, for a GPU machine that keeps
 # /tmp only while warm: what both set up and the steps both take. The caller sets W (its
 # work folder); this sets OUT (results, unless given), GGUF (the real target's path in W)
 # and the environment (the carried wheels in /tmp/site first on the path).

@@ -17,18 +17,20 @@
 #                                      # a finish's $OUT/sweep_data.tgz, if kept; else the target writes
 #                                      # COUNT prompts and answers them first): SWEEP configs, no run
 #
-# A run longer than a call (BUDGET over ~560 s, e.g. for the tau curve: CONSUMER_ARGS="--eval-every N --eval-prompts
-# $W/run/prompts.holdout.jsonl"): `finish` says "the run goes on" until it has ended, then reports.
+# A run longer than a call (BUDGET over ~560 s, e.g. for the tau curve: CONSUMER_ARGS="--eval-every N
+# --eval-prompts $W/run/prompts.holdout.jsonl"): `finish` says "the run goes on" until it has ended.
 #
 # Results land in $OUT: step_before.json, step_after.json, result.json, tau_curve.png/.json (with
-# --eval-prompts), sweep.json, sweep.log,
-# sweep_data.tgz (the run's regenerated answers and prompts, for a later `sweep`), logs.tgz.
+# --eval-prompts), sweep.json, sweep.log, sweep_data.tgz (the run's regenerated answers and
+# prompts, for a later `sweep`), logs.tgz.
 # Environment: BUDGET (600), COUNT (prompts, 8000), HOLDOUT (8 per family), EPOCHS (20),
 # PROMPT_ARGS / BROKER_ARGS / PRODUCER_ARGS / CONSUMER_ARGS (extra flags, one string each),
 # STEP_ARGS (drafter-step flags), SWEEP (space-separated --config values; empty: no sweep),
-# SWEEP_SAMPLES, SWEEP_DATA (sweep: the tgz, .carry/sweep_data.tgz), REGEN_ARGS (sweep: bench/regen_data.py
-# flags), INDIST (16: training prompts the sweep measures), PROMPTS_FROM (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU: tests/tools/test_gpu_one_gpu_script.py), TARGET
-# (default: the carried GGUF), BASELINE_TAR, W (work folder).
+# SWEEP_SAMPLES, SWEEP_DATA (sweep: the tgz, .carry/sweep_data.tgz), REGEN_ARGS (sweep:
+# bench/regen_data.py flags), INDIST (16: training prompts the sweep measures), PROMPTS_FROM
+# (prompts.jsonl with its .holdout.jsonl: none written), GPU (0; -1 runs it all on CPU:
+# tests/tools/test_gpu_one_gpu_script.py), TARGET (default: the carried GGUF), BASELINE_TAR,
+# W (work folder, ${TMPDIR:-/tmp}/dflash-onegpu).
 set -uo pipefail
 W=${W:-${TMPDIR:-/tmp}/dflash-onegpu}
 . "$(dirname "$0")/gpu_carry.sh"  # OUT, GGUF, the environment

@@ -80,7 +80,6 @@ class BrokerHooks:
             msg = record.lineage_message(self.resumed_from)
             log.info("consume.lineage", **msg.fields(), origin=record.origin)
             self.link.send_control(msg)
-        if record.lineage != self.lineage:
             self.acked_step = None  # acks of other weights do not count for this lineage's commits
         self.lineage = record.lineage
 

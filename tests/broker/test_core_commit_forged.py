@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 
 import pytest
 from structlog.testing import capture_logs
@@ -140,8 +141,6 @@ class CoreLink:
     """The consumer's link as the hooks use it, wired to the rig's core as session `identity`."""
 
     def __init__(self, rig: Rig, identity: bytes):
-        import threading
-
         self.rig, self.identity, self.out = rig, identity, []
         self.stopped, self.broker_stats = threading.Event(), {}
 
